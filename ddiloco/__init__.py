@@ -1,0 +1,3 @@
+"""ddiloco: Decoupled DiLoCo pre-training across regions."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from ddiloco.cli import app
+
+app()

@@ -1,0 +1,1 @@
+"""Shared building blocks: config, ledger, fragment store, fragments, compression, models, data."""

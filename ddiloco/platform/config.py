@@ -1,0 +1,353 @@
+"""One validated configuration tree for a run, loaded from YAML or TOML with env overrides.
+
+Env overrides use the prefix ``DDILOCO_`` and ``__`` between levels, e.g.
+``DDILOCO_OUTER__LR=0.5`` or ``DDILOCO_LEDGER__URL=postgresql+psycopg://…``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from ddiloco.platform.ids import validate_id
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names every bad field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class ModelConfig(_Section):
+    kind: Literal["gpt", "moe_gpt", "vision", "import"] = "gpt"
+    """Built-in architecture, or ``import`` for any ``package.module:factory``."""
+    import_path: str | None = None
+    """``package.module:factory`` returning an ``nn.Module``; required when kind is ``import``."""
+    n_layer: int = Field(2, ge=1)
+    d_model: int = Field(128, ge=8)
+    n_head: int = Field(4, ge=1)
+    seq_len: int = Field(128, ge=8)
+    vocab_size: int = Field(256, ge=2)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    n_experts: int = Field(4, ge=2)
+    """Experts per mixture-of-experts MLP (moe_gpt only)."""
+    top_k: int = Field(2, ge=1)
+    aux_loss_coef: float = Field(0.01, ge=0.0)
+    """Weight of the router's load-balancing loss (moe_gpt only)."""
+    image_size: int = Field(8, ge=4)
+    n_classes: int = Field(10, ge=2)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments passed to an imported factory."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        if self.kind == "import" and not self.import_path:
+            raise ValueError("model.import_path is required when model.kind is 'import'")
+        if self.import_path is not None and ":" not in self.import_path:
+            raise ValueError("model.import_path must look like 'package.module:factory'")
+        if self.d_model % self.n_head:
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
+        if self.top_k > self.n_experts:
+            raise ValueError(f"model.top_k ({self.top_k}) must be <= model.n_experts ({self.n_experts})")
+        return self
+
+
+class DataConfig(_Section):
+    source: Literal["stdlib", "glob", "digits"] = "stdlib"
+    """stdlib: the running interpreter's standard-library .py files as bytes; glob: text files
+    matched by ``glob`` (local or any fsspec URL); digits: scikit-learn's bundled 8x8 digits."""
+    glob: str | None = None
+    val_every: int = Field(20, ge=2)
+    """One file in ``val_every`` (chosen by a hash of its name) goes to the fixed validation set."""
+    max_bytes: int = Field(8_000_000, ge=10_000)
+    """Cap on the corpus size read into memory."""
+    val_batches: int = Field(8, ge=1)
+    """Fixed validation batches used for every evaluation."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "DataConfig":
+        if self.source == "glob" and not self.glob:
+            raise ValueError("data.glob is required when data.source is 'glob'")
+        return self
+
+
+class RegionConfig(_Section):
+    name: str
+    learners: int = Field(1, ge=0)
+    speeds: list[float] = Field(default_factory=list)
+    """Relative speed of each learner in this region (1.0 = full speed, 0.5 = 2x slower); missing
+    entries are 1.0. Used to emulate mixed hardware."""
+    storage_url: str | None = None
+    """This region's bucket; the run-wide ``storage.url`` when unset."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return validate_id(v, "region")
+
+    @field_validator("speeds")
+    @classmethod
+    def _speeds(cls, v: list[float]) -> list[float]:
+        for s in v:
+            if not 0 < s <= 1:
+                raise ValueError(f"every speed must be in (0, 1], got {s}")
+        return v
+
+
+class LearnersConfig(_Section):
+    regions: list[RegionConfig] = Field(
+        default_factory=lambda: [RegionConfig(name="us", learners=2), RegionConfig(name="eu", learners=2, speeds=[1.0, 0.5])]
+    )
+    batch_size: int = Field(16, ge=1)
+    heartbeat_s: float = Field(2.0, gt=0)
+    poll_s: float = Field(0.5, gt=0)
+    """How often a learner looks in the ledger for newer global versions."""
+    dead_after_s: float = Field(10.0, gt=0)
+    """A learner with no heartbeat for this long is declared dead."""
+    straggler_factor: float = Field(2.0, gt=1)
+    """A live learner whose step time exceeds this multiple of the median straggles."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    torch_threads: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> "LearnersConfig":
+        names = [r.name for r in self.regions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"learners.regions names must be unique, got {names}")
+        if not self.regions:
+            raise ValueError("learners.regions must list at least one region")
+        for r in self.regions:
+            if len(r.speeds) > r.learners:
+                raise ValueError(f"region {r.name!r} lists {len(r.speeds)} speeds for {r.learners} learners")
+        return self
+
+    def learner_ids(self) -> list[tuple[str, str, float]]:
+        """(learner id, region, relative speed) for every learner, in a stable order."""
+        out = []
+        for region in self.regions:
+            for i in range(region.learners):
+                speed = region.speeds[i] if i < len(region.speeds) else 1.0
+                out.append((f"{region.name}-{i}", region.name, speed))
+        return out
+
+    @property
+    def count(self) -> int:
+        return sum(r.learners for r in self.regions)
+
+
+class InnerOptimizerConfig(_Section):
+    lr: float = Field(3e-3, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    warmup_steps: int = Field(20, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+
+
+class FragmentsConfig(_Section):
+    count: int = Field(24, ge=1)
+    """P: the number of fragments the parameters are split into (balanced by bytes)."""
+    every: int | None = Field(None, ge=1)
+    """H: inner steps between two sends of the same fragment; defaults to ``count``."""
+    overlap: int = Field(2, ge=0)
+    """tau: inner steps a learner may run past a send before the merged fragment is expected;
+    0 makes a learner wait for the merge (the synchronous DiLoCo mode)."""
+
+    @property
+    def period(self) -> int:
+        return self.every or self.count
+
+
+class QuorumConfig(_Section):
+    min_count: int | None = Field(1, ge=1)
+    """K as a count of submissions."""
+    min_fraction: float | None = Field(None, gt=0, le=1)
+    """K as a fraction of live learners (rounded up); used instead of min_count when set."""
+
+
+class GraceConfig(_Section):
+    enabled: bool = True
+    gamma: float = Field(0.8, gt=0, lt=1)
+    """Safety margin on the grace window."""
+    min_s: float = Field(0.0, ge=0)
+    max_s: float | None = Field(5.0, ge=0)
+    """Upper bound on the wait; null means unbounded (wait for every live learner)."""
+    ema: float = Field(0.2, gt=0, le=1)
+    """Smoothing of the step, quorum and sync time moving averages."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "GraceConfig":
+        if self.max_s is not None and self.max_s < self.min_s:
+            raise ValueError(f"grace.max_s ({self.max_s}) must be >= grace.min_s ({self.min_s})")
+        return self
+
+
+class MergeConfig(_Section):
+    weighting: Literal["tokens", "equal"] = "tokens"
+    """tokens: w = c_tokens * (c_tokens / c_steps); equal: every submission counts the same."""
+    method: Literal["rda", "mean"] = "rda"
+    """rda: radial-directional averaging; mean: plain weighted mean."""
+    on_receipt: Literal["overwrite", "blend"] = "overwrite"
+    """What a learner does with a new global fragment: overwrite its own, or blend with it."""
+    blend_alpha: float = Field(0.5, gt=0, lt=1)
+    participation_scaling: bool = True
+    """Scale each merge's outer gradient by included/live learners, so K < M takes about one full
+    outer step per round instead of one per merge."""
+    max_staleness: int = Field(4, ge=0)
+    """Submissions based on a version more than this many versions old are rejected."""
+    norm_outlier_factor: float = Field(10.0, gt=1)
+    """A submission whose norm exceeds this multiple of the recent median is rejected."""
+    plain_mean_fragments: list[str] = Field(default_factory=lambda: ["embed"])
+    """Fragments holding a tensor whose name contains one of these use the plain weighted mean."""
+
+
+class OuterOptimizerConfig(_Section):
+    lr: float = Field(0.7, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = True
+
+
+class CompressionConfig(_Section):
+    codec: Literal["none", "bf16", "int8", "int4"] = "int8"
+    block_size: int = Field(64, ge=8)
+
+
+class StorageConfig(_Section):
+    url: str = "file://./ddiloco-runs/store"
+    """Root of the fragment store: file://, memory://, s3://, gs:// (any fsspec URL)."""
+
+
+class LedgerConfig(_Section):
+    url: str = "sqlite:///./ddiloco-runs/ledger.db"
+    """SQLAlchemy URL: sqlite:///… (embedded) or postgresql+psycopg://… (multi-region)."""
+
+
+class RetentionConfig(_Section):
+    keep_last: int = Field(3, ge=1)
+    """Newest global versions kept per fragment."""
+    checkpoint_every: int = Field(50, ge=1)
+    """Every k-th version is kept as a checkpoint."""
+
+
+class SynchronizerConfig(_Section):
+    poll_s: float = Field(0.2, gt=0)
+    lease_ttl_s: float = Field(3.0, gt=0)
+    """A lease not renewed for this long can be taken over by a standby."""
+    retention: RetentionConfig = Field(default_factory=RetentionConfig)
+    eval_every_s: float = Field(10.0, gt=0)
+    """How often the active synchronizer evaluates the global model on validation data."""
+
+
+class ChaosEvent(_Section):
+    at_s: float = Field(ge=0)
+    action: Literal["kill_learner", "restart_learner", "pause_learner", "resume_learner", "kill_synchronizer"]
+    target: str | None = None
+    """Learner id for learner actions; the active synchronizer when unset."""
+
+
+class ChaosConfig(_Section):
+    seed: int = 0
+    events: list[ChaosEvent] = Field(default_factory=list)
+
+
+class RunConfig(BaseSettings):
+    """Everything that defines a run. Saved in the ledger with every run."""
+
+    model_config = SettingsConfigDict(env_prefix="DDILOCO_", env_nested_delimiter="__", extra="forbid")
+
+    name: str = "demo"
+    seed: int = 0
+    token_budget: int = Field(2_000_000, ge=1)
+    """The run ends when the learners together have trained on this many tokens."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    learners: LearnersConfig = Field(default_factory=LearnersConfig)
+    inner: InnerOptimizerConfig = Field(default_factory=InnerOptimizerConfig)
+    fragments: FragmentsConfig = Field(default_factory=FragmentsConfig)
+    quorum: QuorumConfig = Field(default_factory=QuorumConfig)
+    grace: GraceConfig = Field(default_factory=GraceConfig)
+    merge: MergeConfig = Field(default_factory=MergeConfig)
+    outer: OuterOptimizerConfig = Field(default_factory=OuterOptimizerConfig)
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    ledger: LedgerConfig = Field(default_factory=LedgerConfig)
+    synchronizer: SynchronizerConfig = Field(default_factory=SynchronizerConfig)
+    chaos: ChaosConfig = Field(default_factory=ChaosConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return validate_id(v, "name")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Env beats the file: an operator overrides one field without editing the config.
+        return (env_settings, init_settings)
+
+    def storage_url_for(self, region: str | None) -> str:
+        for r in self.learners.regions:
+            if r.name == region and r.storage_url:
+                return r.storage_url
+        return self.storage.url
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True)
+
+
+def format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(root)"
+        lines.append(f"{field}: {e['msg']}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def build_config(data: dict[str, Any] | None = None, **overrides: Any) -> RunConfig:
+    """Validate a dict (plus env overrides) into a RunConfig, or raise ConfigError naming the fields."""
+    merged = dict(data or {})
+    merged.update(overrides)
+    try:
+        return RunConfig(**merged)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    text = p.read_text()
+    try:
+        if p.suffix in (".toml",):
+            data = tomllib.loads(text)
+        elif p.suffix in (".yaml", ".yml", ".json"):
+            data = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(f"config file {p} must end in .yaml, .yml, .toml or .json")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as err:
+        raise ConfigError(f"config file {p} does not parse: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping at the top level")
+    return data
+
+
+def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> RunConfig:
+    """Load a RunConfig from a YAML/TOML file (or defaults), then apply env and keyword overrides."""
+    data = read_config_file(path) if path else {}
+    return build_config(data, **overrides)

@@ -1,0 +1,83 @@
+"""Engines and sessions for the ledger, and the Alembic upgrade that every entry point runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+MIGRATION_LOCK_ID = 0x0DD1_10C0
+
+
+def make_engine(url: str, *, read_only: bool = False) -> Engine:
+    """An engine for ``url``; SQLite gets WAL, a busy timeout, foreign keys and write-locking transactions."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        database = parsed.database
+        if database and database != ":memory:" and not database.startswith("file:"):
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
+        kwargs = {}
+        if not database or database == ":memory:":
+            from sqlalchemy.pool import StaticPool
+
+            # One shared connection, so an in-memory ledger is one database for every session.
+            kwargs = {"poolclass": StaticPool}
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **kwargs)
+        _configure_sqlite(engine, read_only=read_only)
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+
+
+def _configure_sqlite(engine: Engine, *, read_only: bool) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record) -> None:  # noqa: ANN001
+        # Let SQLAlchemy, not pysqlite, decide where transactions begin (see the "begin" hook).
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn) -> None:  # noqa: ANN001
+        # Writers take the write lock up front: read-then-write transactions (lease, publish)
+        # then serialise instead of failing with "database is locked" on upgrade.
+        conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(url: str | None = None) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    if url:
+        cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Bring the ledger schema to ``revision`` (an empty database is created from scratch)."""
+    cfg = alembic_config()
+    with engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            # Processes starting together must not race to create the same tables.
+            conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_ID})")
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)
+
+
+def open_ledger(url: str, *, migrate: bool = True, read_only: bool = False) -> Engine:
+    engine = make_engine(url, read_only=read_only)
+    if migrate and not read_only:
+        upgrade(engine)
+    return engine

@@ -1,0 +1,243 @@
+"""SQLAlchemy 2.0 models of the ledger. The schema itself is owned by the Alembic migrations."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    ForeignKeyConstraint,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every backend (SQLite would otherwise return naive ones)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: object) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("the ledger stores timezone-aware datetimes only")
+        return value.astimezone(timezone.utc)
+
+    def process_result_value(self, value: datetime | None, dialect: object) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+# Submission fates.
+PENDING = "pending"
+MERGED = "merged"
+REJECTED = "rejected"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    status: Mapped[str] = mapped_column(String(16), default="running")
+    config_json: Mapped[str] = mapped_column(Text)
+    code_version: Mapped[str] = mapped_column(String(64))
+    git_commit: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    num_fragments: Mapped[int] = mapped_column(Integer)
+    token_budget: Mapped[int] = mapped_column(BigInteger)
+    flow_run_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+
+
+class FragmentSpec(Base):
+    """Which tensors make up fragment p, with their shapes, fixed when the run starts."""
+
+    __tablename__ = "fragment_specs"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    fragment: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tensors_json: Mapped[str] = mapped_column(Text)
+    numel: Mapped[int] = mapped_column(BigInteger)
+    nbytes: Mapped[int] = mapped_column(BigInteger)
+
+
+class Learner(Base):
+    __tablename__ = "learners"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    region: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), default="alive")
+    incarnation: Mapped[int] = mapped_column(Integer, default=0)
+    started_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    last_heartbeat_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+    step: Mapped[int] = mapped_column(BigInteger, default=0)
+    tokens_per_s: Mapped[float] = mapped_column(Float, default=0.0)
+    step_time_s: Mapped[float] = mapped_column(Float, default=0.0)
+    # Token accounting summed over every incarnation (see queries.token_accounting).
+    tokens_trained: Mapped[int] = mapped_column(BigInteger, default=0)
+    tokens_submitted: Mapped[int] = mapped_column(BigInteger, default=0)
+    tokens_lost: Mapped[int] = mapped_column(BigInteger, default=0)
+    # The current incarnation's counts, folded into the totals when it ends.
+    inc_tokens_trained: Mapped[int] = mapped_column(BigInteger, default=0)
+    inc_tokens_submitted: Mapped[int] = mapped_column(BigInteger, default=0)
+    busy_s: Mapped[float] = mapped_column(Float, default=0.0)
+    """Seconds of training reported by all incarnations (for goodput)."""
+    optimizer_state_key: Mapped[str | None] = mapped_column(Text, nullable=True)
+    optimizer_state_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    flow_run_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class Heartbeat(Base):
+    __tablename__ = "heartbeats"
+    __table_args__ = (
+        ForeignKeyConstraint(["run_id", "learner_id"], ["learners.run_id", "learners.id"]),
+        Index("ix_heartbeats_run_learner_at", "run_id", "learner_id", "at"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64))
+    learner_id: Mapped[str] = mapped_column(String(64))
+    incarnation: Mapped[int] = mapped_column(Integer)
+    at: Mapped[datetime] = mapped_column(UtcDateTime())
+    step: Mapped[int] = mapped_column(BigInteger)
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    tokens_per_s: Mapped[float] = mapped_column(Float)
+    step_time_s: Mapped[float] = mapped_column(Float)
+
+
+class Submission(Base):
+    __tablename__ = "submissions"
+    __table_args__ = (
+        UniqueConstraint("run_id", "learner_id", "uid", name="uq_submissions_run_learner_uid"),
+        Index("ix_submissions_poll", "run_id", "status", "fragment"),
+        Index("ix_submissions_fragment_version", "run_id", "fragment", "merged_version"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"))
+    learner_id: Mapped[str] = mapped_column(String(64))
+    uid: Mapped[str] = mapped_column(String(64))
+    """Chosen by the learner before upload; registering the same uid twice is a no-op."""
+    fragment: Mapped[int] = mapped_column(Integer)
+    base_version: Mapped[int] = mapped_column(Integer)
+    c_steps: Mapped[int] = mapped_column(Integer)
+    c_tokens: Mapped[int] = mapped_column(BigInteger)
+    tokens_new: Mapped[int] = mapped_column(BigInteger)
+    """Tokens trained by the learner since its previous submission: the tokens whose fate this is."""
+    blob_key: Mapped[str] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(64))
+    nbytes: Mapped[int] = mapped_column(BigInteger)
+    codec: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    status: Mapped[str] = mapped_column(String(16), default=PENDING)
+    merged_version: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    merge_id: Mapped[int | None] = mapped_column(ForeignKey("merges.id"), nullable=True)
+    reject_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    decided_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+    norm: Mapped[float | None] = mapped_column(Float, nullable=True)
+    weight: Mapped[float | None] = mapped_column(Float, nullable=True)
+    staleness: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    blob_deleted: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class FragmentVersion(Base):
+    __tablename__ = "fragment_versions"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    fragment: Mapped[int] = mapped_column(Integer, primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    blob_key: Mapped[str] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(64))
+    nbytes: Mapped[int] = mapped_column(BigInteger)
+    state_key: Mapped[str] = mapped_column(Text)
+    """Blob of the outer optimizer's state after this version (momentum), for exact resume."""
+    state_sha256: Mapped[str] = mapped_column(String(64))
+    lease_token: Mapped[int] = mapped_column(BigInteger)
+    """Fencing token of the synchronizer that published this version."""
+    synchronizer: Mapped[str] = mapped_column(String(128))
+    blob_deleted: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class Merge(Base):
+    __tablename__ = "merges"
+    __table_args__ = (Index("ix_merges_run_fragment", "run_id", "fragment"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"))
+    fragment: Mapped[int] = mapped_column(Integer)
+    version: Mapped[int] = mapped_column(Integer)
+    at: Mapped[datetime] = mapped_column(UtcDateTime())
+    quorum: Mapped[int] = mapped_column(Integer)
+    live_learners: Mapped[int] = mapped_column(Integer)
+    included: Mapped[int] = mapped_column(Integer)
+    rejected: Mapped[int] = mapped_column(Integer)
+    grace_window_s: Mapped[float] = mapped_column(Float)
+    grace_waited_s: Mapped[float] = mapped_column(Float)
+    merge_s: Mapped[float] = mapped_column(Float)
+    reason: Mapped[str] = mapped_column(Text)
+    detail_json: Mapped[str] = mapped_column(Text)
+
+
+class Event(Base):
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_run_at", "run_id", "at"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(String(64))
+    at: Mapped[datetime] = mapped_column(UtcDateTime())
+    kind: Mapped[str] = mapped_column(String(32))
+    actor: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    detail: Mapped[str] = mapped_column(Text, default="")
+
+
+class Evaluation(Base):
+    __tablename__ = "evaluations"
+    __table_args__ = (Index("ix_evaluations_run_at", "run_id", "at"),)
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"))
+    at: Mapped[datetime] = mapped_column(UtcDateTime())
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    versions_total: Mapped[int] = mapped_column(Integer)
+    val_loss: Mapped[float] = mapped_column(Float)
+    val_accuracy: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class SynchronizerLease(Base):
+    __tablename__ = "synchronizer_leases"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(128))
+    token: Mapped[int] = mapped_column(BigInteger)
+    """Fencing token: grows by one at every change of holder."""
+    acquired_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    expires_at: Mapped[datetime] = mapped_column(UtcDateTime())

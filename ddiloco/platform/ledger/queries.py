@@ -1,0 +1,734 @@
+"""Every query the learner, synchronizer and dashboard need. Each takes a Session and never opens one;
+the caller owns the transaction. ``now`` is always passed in (UTC, timezone-aware)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Iterable, Sequence
+
+from sqlalchemy import and_, case, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from ddiloco.platform.ledger.models import (
+    MERGED,
+    PENDING,
+    REJECTED,
+    Evaluation,
+    Event,
+    FragmentSpec,
+    FragmentVersion,
+    Heartbeat,
+    Learner,
+    Merge,
+    Run,
+    Submission,
+    SynchronizerLease,
+)
+
+
+class LedgerError(RuntimeError):
+    """A ledger rule refused a write."""
+
+
+class LeaseLostError(LedgerError):
+    """The writer does not hold the synchronizer lease (any more): its write is refused."""
+
+
+class VersionConflictError(LedgerError):
+    """The version to publish is not the next one: someone else published, or a gap would appear."""
+
+
+class AlreadyDecidedError(LedgerError):
+    """A submission to merge or reject already has a fate."""
+
+
+class UnknownRunError(LedgerError):
+    pass
+
+
+def _insert(session: Session, model: type) -> Any:
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        return postgresql.insert(model)
+    if dialect == "sqlite":
+        return sqlite.insert(model)
+    raise LedgerError(f"unsupported ledger backend {dialect!r}: use sqlite or postgresql")
+
+
+def _inserted(session: Session, stmt: Any) -> bool:
+    """Run an insert … on conflict do nothing … returning; True when a row was written."""
+    return session.execute(stmt).first() is not None
+
+
+# --- runs -------------------------------------------------------------------------------------
+
+
+def create_run(
+    session: Session,
+    run_id: str,
+    *,
+    config_json: str,
+    code_version: str,
+    git_commit: str | None,
+    num_fragments: int,
+    token_budget: int,
+    now: datetime,
+    flow_run_url: str | None = None,
+) -> bool:
+    """Register a run; a second call with the same id is a no-op. Returns True if it was created."""
+    stmt = (
+        _insert(session, Run)
+        .values(
+            id=run_id,
+            created_at=now,
+            status="running",
+            config_json=config_json,
+            code_version=code_version,
+            git_commit=git_commit,
+            num_fragments=num_fragments,
+            token_budget=token_budget,
+            flow_run_url=flow_run_url,
+        )
+        .on_conflict_do_nothing(index_elements=["id"])
+    )
+    created = _inserted(session, stmt.returning(Run.id))
+    if created:
+        record_event(session, run_id, "run_created", None, f"{num_fragments} fragments", now)
+    return created
+
+
+def get_run(session: Session, run_id: str) -> Run | None:
+    return session.get(Run, run_id)
+
+
+def require_run(session: Session, run_id: str) -> Run:
+    run = get_run(session, run_id)
+    if run is None:
+        raise UnknownRunError(f"run {run_id!r} is not in the ledger")
+    return run
+
+
+def list_runs(session: Session) -> list[Run]:
+    return list(session.scalars(select(Run).order_by(Run.created_at.desc())))
+
+
+def set_run_status(session: Session, run_id: str, status: str, now: datetime) -> None:
+    values: dict[str, Any] = {"status": status}
+    if status in ("finished", "failed", "stopped"):
+        values["finished_at"] = now
+    session.execute(update(Run).where(Run.id == run_id).values(**values))
+    record_event(session, run_id, f"run_{status}", None, "", now)
+
+
+def set_fragment_specs(session: Session, run_id: str, specs: Sequence[tuple[int, list[Any], int, int]]) -> None:
+    """Record (fragment, tensors, numel, nbytes) once; later calls leave the first record."""
+    for fragment, tensors, numel, nbytes in specs:
+        stmt = (
+            _insert(session, FragmentSpec)
+            .values(run_id=run_id, fragment=fragment, tensors_json=json.dumps(tensors), numel=numel, nbytes=nbytes)
+            .on_conflict_do_nothing(index_elements=["run_id", "fragment"])
+        )
+        session.execute(stmt)
+
+
+def fragment_specs(session: Session, run_id: str) -> dict[int, list[Any]]:
+    rows = session.scalars(select(FragmentSpec).where(FragmentSpec.run_id == run_id).order_by(FragmentSpec.fragment))
+    return {r.fragment: json.loads(r.tensors_json) for r in rows}
+
+
+# --- learners and heartbeats --------------------------------------------------------------------
+
+
+def register_learner(session: Session, run_id: str, learner_id: str, region: str, now: datetime) -> int:
+    """Start a new incarnation of a learner and return its number (0 for the first start).
+
+    The previous incarnation's unsubmitted tokens are recorded as lost."""
+    learner = session.get(Learner, (run_id, learner_id), with_for_update=True)
+    if learner is None:
+        session.add(
+            Learner(
+                run_id=run_id,
+                id=learner_id,
+                region=region,
+                status="alive",
+                incarnation=0,
+                started_at=now,
+                last_heartbeat_at=now,
+                step=0,
+                tokens_per_s=0.0,
+                step_time_s=0.0,
+                tokens_trained=0,
+                tokens_submitted=0,
+                tokens_lost=0,
+                inc_tokens_trained=0,
+                inc_tokens_submitted=0,
+                busy_s=0.0,
+            )
+        )
+        session.flush()
+        record_event(session, run_id, "learner_joined", learner_id, f"region {region}", now)
+        return 0
+    lost = max(0, learner.inc_tokens_trained - learner.inc_tokens_submitted)
+    learner.tokens_trained += learner.inc_tokens_trained
+    learner.tokens_submitted += learner.inc_tokens_submitted
+    learner.tokens_lost += lost
+    learner.inc_tokens_trained = 0
+    learner.inc_tokens_submitted = 0
+    learner.incarnation += 1
+    learner.region = region
+    learner.status = "recovering"
+    learner.started_at = now
+    learner.last_heartbeat_at = now
+    session.flush()
+    record_event(
+        session, run_id, "learner_restarted", learner_id, f"incarnation {learner.incarnation}; {lost} unsubmitted tokens lost", now
+    )
+    return learner.incarnation
+
+
+def record_heartbeat(
+    session: Session,
+    run_id: str,
+    learner_id: str,
+    incarnation: int,
+    *,
+    now: datetime,
+    step: int,
+    tokens: int,
+    loss: float | None,
+    tokens_per_s: float,
+    step_time_s: float,
+    busy_s: float = 0.0,
+) -> bool:
+    """Record a heartbeat; ``tokens`` is the incarnation's running total. False if the incarnation was superseded."""
+    session.add(
+        Heartbeat(
+            run_id=run_id,
+            learner_id=learner_id,
+            incarnation=incarnation,
+            at=now,
+            step=step,
+            tokens=tokens,
+            loss=loss,
+            tokens_per_s=tokens_per_s,
+            step_time_s=step_time_s,
+        )
+    )
+    result = session.execute(
+        update(Learner)
+        .where(Learner.run_id == run_id, Learner.id == learner_id, Learner.incarnation == incarnation)
+        .values(
+            last_heartbeat_at=now,
+            step=step,
+            tokens_per_s=tokens_per_s,
+            step_time_s=step_time_s,
+            inc_tokens_trained=func.max(Learner.inc_tokens_trained, tokens)
+            if session.get_bind().dialect.name == "sqlite"
+            else func.greatest(Learner.inc_tokens_trained, tokens),
+            busy_s=Learner.busy_s + busy_s,
+            status=case((Learner.status == "dead", "recovering"), else_=Learner.status),
+        )
+    )
+    return result.rowcount == 1
+
+
+def learners(session: Session, run_id: str) -> list[Learner]:
+    return list(session.scalars(select(Learner).where(Learner.run_id == run_id).order_by(Learner.region, Learner.id)))
+
+
+def update_learner_statuses(
+    session: Session, run_id: str, now: datetime, *, dead_after_s: float, straggler_factor: float
+) -> list[str]:
+    """Set alive / straggling / dead from heartbeats; returns the learners newly declared dead."""
+    rows = learners(session, run_id)
+    live_step_times = sorted(
+        r.step_time_s for r in rows if r.last_heartbeat_at and (now - r.last_heartbeat_at).total_seconds() <= dead_after_s and r.step_time_s > 0
+    )
+    median = live_step_times[len(live_step_times) // 2] if live_step_times else 0.0
+    newly_dead = []
+    for r in rows:
+        silent = (now - (r.last_heartbeat_at or r.started_at)).total_seconds()
+        if silent > dead_after_s:
+            status = "dead"
+        elif median > 0 and r.step_time_s > straggler_factor * median:
+            status = "straggling"
+        elif r.status == "recovering" and r.step == 0:
+            status = "recovering"
+        else:
+            status = "alive"
+        if status != r.status:
+            if status == "dead":
+                newly_dead.append(r.id)
+                lost = max(0, r.inc_tokens_trained - r.inc_tokens_submitted)
+                record_event(session, run_id, "learner_dead", r.id, f"no heartbeat for {silent:.1f}s; up to {lost} tokens lost", now)
+            r.status = status
+    session.flush()
+    return newly_dead
+
+
+def live_learner_ids(session: Session, run_id: str, now: datetime, dead_after_s: float) -> list[str]:
+    cutoff = now - timedelta(seconds=dead_after_s)
+    return list(
+        session.scalars(
+            select(Learner.id).where(Learner.run_id == run_id, Learner.last_heartbeat_at >= cutoff).order_by(Learner.id)
+        )
+    )
+
+
+def median_step_time(session: Session, run_id: str, now: datetime, dead_after_s: float) -> float | None:
+    cutoff = now - timedelta(seconds=dead_after_s)
+    times = sorted(
+        t
+        for t in session.scalars(
+            select(Learner.step_time_s).where(Learner.run_id == run_id, Learner.last_heartbeat_at >= cutoff, Learner.step_time_s > 0)
+        )
+    )
+    return times[len(times) // 2] if times else None
+
+
+def set_optimizer_state(session: Session, run_id: str, learner_id: str, key: str, sha256: str) -> str | None:
+    """Point a learner at its newest saved optimizer state; returns the key it replaces."""
+    learner = session.get(Learner, (run_id, learner_id))
+    if learner is None:
+        return None
+    old = learner.optimizer_state_key
+    learner.optimizer_state_key = key
+    learner.optimizer_state_sha256 = sha256
+    return old
+
+
+# --- submissions --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SubmissionIn:
+    uid: str
+    fragment: int
+    base_version: int
+    c_steps: int
+    c_tokens: int
+    tokens_new: int
+    tokens_total: int
+    """The incarnation's running token count when this was sent (keeps accounting consistent)."""
+    blob_key: str
+    sha256: str
+    nbytes: int
+    codec: str
+
+
+def register_submission(
+    session: Session, run_id: str, learner_id: str, incarnation: int, sub: SubmissionIn, now: datetime
+) -> tuple[int, bool]:
+    """Register a submission after its blob is written. Returns (id, created); a repeat uid is a no-op."""
+    stmt = (
+        _insert(session, Submission)
+        .values(
+            run_id=run_id,
+            learner_id=learner_id,
+            uid=sub.uid,
+            fragment=sub.fragment,
+            base_version=sub.base_version,
+            c_steps=sub.c_steps,
+            c_tokens=sub.c_tokens,
+            tokens_new=sub.tokens_new,
+            blob_key=sub.blob_key,
+            sha256=sub.sha256,
+            nbytes=sub.nbytes,
+            codec=sub.codec,
+            created_at=now,
+            status=PENDING,
+            blob_deleted=False,
+        )
+        .on_conflict_do_nothing(index_elements=["run_id", "learner_id", "uid"])
+    )
+    created = _inserted(session, stmt.returning(Submission.id))
+    sub_id = session.scalar(
+        select(Submission.id).where(Submission.run_id == run_id, Submission.learner_id == learner_id, Submission.uid == sub.uid)
+    )
+    if not created:
+        return sub_id, False
+    learner = session.get(Learner, (run_id, learner_id), with_for_update=True)
+    if learner is None:
+        _decide_rejected(session, [sub_id], f"unknown learner {learner_id!r}", now)
+    elif learner.incarnation != incarnation:
+        # A paused incarnation woke up after its replacement started: its tokens were already
+        # counted as lost when the replacement registered, so move them from lost to rejected.
+        moved = min(learner.tokens_lost, sub.tokens_new)
+        learner.tokens_lost -= moved
+        learner.tokens_trained += sub.tokens_new - moved
+        _decide_rejected(session, [sub_id], f"superseded incarnation {incarnation} (current {learner.incarnation})", now)
+    else:
+        learner.inc_tokens_submitted += sub.tokens_new
+        learner.inc_tokens_trained = max(learner.inc_tokens_trained, sub.tokens_total)
+    return sub_id, True
+
+
+def pending_counts(session: Session, run_id: str) -> dict[int, int]:
+    """Pending submissions per fragment: the synchronizer's poll."""
+    rows = session.execute(
+        select(Submission.fragment, func.count())
+        .where(Submission.run_id == run_id, Submission.status == PENDING)
+        .group_by(Submission.fragment)
+    )
+    return {f: n for f, n in rows}
+
+
+def pending_submissions(session: Session, run_id: str, fragment: int | None = None) -> list[Submission]:
+    stmt = select(Submission).where(Submission.run_id == run_id, Submission.status == PENDING)
+    if fragment is not None:
+        stmt = stmt.where(Submission.fragment == fragment)
+    return list(session.scalars(stmt.order_by(Submission.created_at, Submission.id)))
+
+
+def _decide_rejected(session: Session, ids: Iterable[int], reason: str, now: datetime) -> None:
+    ids = list(ids)
+    if not ids:
+        return
+    result = session.execute(
+        update(Submission)
+        .where(Submission.id.in_(ids), Submission.status == PENDING)
+        .values(status=REJECTED, reject_reason=reason, decided_at=now)
+    )
+    if result.rowcount != len(ids):
+        raise AlreadyDecidedError(f"{len(ids) - result.rowcount} of submissions {ids} already have a fate")
+
+
+def recent_merged_norms(session: Session, run_id: str, fragment: int, limit: int = 32) -> list[float]:
+    rows = session.scalars(
+        select(Submission.norm)
+        .where(Submission.run_id == run_id, Submission.fragment == fragment, Submission.status == MERGED, Submission.norm.is_not(None))
+        .order_by(Submission.id.desc())
+        .limit(limit)
+    )
+    return [float(n) for n in rows]
+
+
+# --- the synchronizer lease -----------------------------------------------------------------------
+
+
+def acquire_lease(session: Session, run_id: str, holder: str, ttl_s: float, now: datetime) -> int | None:
+    """Take or renew the run's lease. Returns the fencing token, or None while another holder's lease is live."""
+    lease = session.get(SynchronizerLease, run_id, with_for_update=True)
+    expires = now + timedelta(seconds=ttl_s)
+    if lease is None:
+        stmt = (
+            _insert(session, SynchronizerLease)
+            .values(run_id=run_id, holder=holder, token=1, acquired_at=now, expires_at=expires)
+            .on_conflict_do_nothing(index_elements=["run_id"])
+        )
+        if not _inserted(session, stmt.returning(SynchronizerLease.run_id)):
+            return None
+        record_event(session, run_id, "lease_acquired", holder, "token 1", now)
+        return 1
+    if lease.holder == holder and lease.expires_at > now:
+        lease.expires_at = expires
+        return lease.token
+    if lease.expires_at > now:
+        return None
+    previous = lease.holder
+    lease.holder = holder
+    lease.token += 1
+    lease.acquired_at = now
+    lease.expires_at = expires
+    session.flush()
+    record_event(session, run_id, "lease_acquired", holder, f"token {lease.token}; took over from {previous}", now)
+    return lease.token
+
+
+def renew_lease(session: Session, run_id: str, holder: str, token: int, ttl_s: float, now: datetime) -> bool:
+    result = session.execute(
+        update(SynchronizerLease)
+        .where(
+            SynchronizerLease.run_id == run_id,
+            SynchronizerLease.holder == holder,
+            SynchronizerLease.token == token,
+            SynchronizerLease.expires_at > now,
+        )
+        .values(expires_at=now + timedelta(seconds=ttl_s))
+    )
+    return result.rowcount == 1
+
+
+def release_lease(session: Session, run_id: str, holder: str, token: int, now: datetime) -> None:
+    session.execute(
+        update(SynchronizerLease)
+        .where(SynchronizerLease.run_id == run_id, SynchronizerLease.holder == holder, SynchronizerLease.token == token)
+        .values(expires_at=now)
+    )
+
+
+def current_lease(session: Session, run_id: str) -> SynchronizerLease | None:
+    return session.get(SynchronizerLease, run_id)
+
+
+def _check_fence(session: Session, run_id: str, holder: str, token: int, now: datetime) -> None:
+    lease = session.get(SynchronizerLease, run_id, with_for_update=True, populate_existing=True)
+    if lease is None or lease.holder != holder or lease.token != token or lease.expires_at <= now:
+        raise LeaseLostError(f"{holder} (token {token}) does not hold the lease of run {run_id!r}")
+
+
+# --- versions and merges -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    key: str
+    sha256: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class MergedIn:
+    submission_id: int
+    weight: float
+    norm: float
+    staleness: int
+
+
+@dataclass(frozen=True)
+class MergeRecord:
+    quorum: int
+    live_learners: int
+    grace_window_s: float
+    grace_waited_s: float
+    merge_s: float
+    reason: str
+    detail: dict[str, Any]
+
+
+def latest_versions(session: Session, run_id: str) -> dict[int, FragmentVersion]:
+    """The newest published version of every fragment."""
+    newest = (
+        select(FragmentVersion.fragment, func.max(FragmentVersion.version).label("v"))
+        .where(FragmentVersion.run_id == run_id)
+        .group_by(FragmentVersion.fragment)
+        .subquery()
+    )
+    rows = session.scalars(
+        select(FragmentVersion).join(
+            newest,
+            and_(
+                FragmentVersion.run_id == run_id,
+                FragmentVersion.fragment == newest.c.fragment,
+                FragmentVersion.version == newest.c.v,
+            ),
+        )
+    )
+    return {r.fragment: r for r in rows}
+
+
+def latest_version_numbers(session: Session, run_id: str) -> dict[int, int]:
+    rows = session.execute(
+        select(FragmentVersion.fragment, func.max(FragmentVersion.version))
+        .where(FragmentVersion.run_id == run_id)
+        .group_by(FragmentVersion.fragment)
+    )
+    return {f: v for f, v in rows}
+
+
+def get_version(session: Session, run_id: str, fragment: int, version: int) -> FragmentVersion | None:
+    return session.get(FragmentVersion, (run_id, fragment, version))
+
+
+def publish_version(
+    session: Session,
+    run_id: str,
+    fragment: int,
+    version: int,
+    *,
+    blob: BlobRef,
+    state: BlobRef,
+    holder: str,
+    token: int,
+    now: datetime,
+    merged: Sequence[MergedIn] = (),
+    rejected: Sequence[tuple[int, str]] = (),
+    record: MergeRecord | None = None,
+) -> int | None:
+    """Publish ``version`` of a fragment and decide the fate of the submissions it used, atomically.
+
+    Refused unless the caller holds the lease with ``token``, ``version`` is exactly the next one,
+    and every submission named is still pending. Returns the merge id (None for version 0)."""
+    _check_fence(session, run_id, holder, token, now)
+    current = session.scalar(
+        select(func.max(FragmentVersion.version)).where(FragmentVersion.run_id == run_id, FragmentVersion.fragment == fragment)
+    )
+    expected = 0 if current is None else current + 1
+    if version != expected:
+        raise VersionConflictError(f"fragment {fragment}: cannot publish v{version}, the next version is v{expected}")
+    session.add(
+        FragmentVersion(
+            run_id=run_id,
+            fragment=fragment,
+            version=version,
+            created_at=now,
+            blob_key=blob.key,
+            sha256=blob.sha256,
+            nbytes=blob.nbytes,
+            state_key=state.key,
+            state_sha256=state.sha256,
+            lease_token=token,
+            synchronizer=holder,
+            blob_deleted=False,
+        )
+    )
+    merge_id = None
+    if record is not None:
+        merge = Merge(
+            run_id=run_id,
+            fragment=fragment,
+            version=version,
+            at=now,
+            quorum=record.quorum,
+            live_learners=record.live_learners,
+            included=len(merged),
+            rejected=len(rejected),
+            grace_window_s=record.grace_window_s,
+            grace_waited_s=record.grace_waited_s,
+            merge_s=record.merge_s,
+            reason=record.reason,
+            detail_json=json.dumps(record.detail),
+        )
+        session.add(merge)
+        session.flush()
+        merge_id = merge.id
+    for m in merged:
+        result = session.execute(
+            update(Submission)
+            .where(Submission.id == m.submission_id, Submission.run_id == run_id, Submission.status == PENDING)
+            .values(
+                status=MERGED,
+                merged_version=version,
+                merge_id=merge_id,
+                decided_at=now,
+                weight=m.weight,
+                norm=m.norm,
+                staleness=m.staleness,
+            )
+        )
+        if result.rowcount != 1:
+            raise AlreadyDecidedError(f"submission {m.submission_id} is not pending: refusing to merge it twice")
+    for sub_id, reason in rejected:
+        _decide_rejected(session, [sub_id], reason, now)
+    session.flush()
+    return merge_id
+
+
+def reject_submissions(
+    session: Session, run_id: str, rejected: Sequence[tuple[int, str]], *, holder: str, token: int, now: datetime
+) -> None:
+    """Reject submissions outside a merge (e.g. every pending one failed validation)."""
+    _check_fence(session, run_id, holder, token, now)
+    for sub_id, reason in rejected:
+        _decide_rejected(session, [sub_id], reason, now)
+        record_event(session, run_id, "submission_rejected", holder, f"submission {sub_id}: {reason}", now)
+
+
+def versions_for_gc(session: Session, run_id: str, keep_last: int, checkpoint_every: int) -> list[FragmentVersion]:
+    """Published versions whose blobs the retention policy lets go."""
+    newest = latest_version_numbers(session, run_id)
+    out = []
+    rows = session.scalars(
+        select(FragmentVersion).where(FragmentVersion.run_id == run_id, FragmentVersion.blob_deleted.is_(False))
+    )
+    pending_bases = set(
+        session.execute(
+            select(Submission.fragment, Submission.base_version).where(Submission.run_id == run_id, Submission.status == PENDING)
+        ).all()
+    )
+    for v in rows:
+        top = newest.get(v.fragment, 0)
+        keep = v.version > top - keep_last or v.version % checkpoint_every == 0 or (v.fragment, v.version) in pending_bases
+        if not keep:
+            out.append(v)
+    return out
+
+
+def submissions_for_gc(session: Session, run_id: str, limit: int = 500) -> list[Submission]:
+    return list(
+        session.scalars(
+            select(Submission)
+            .where(Submission.run_id == run_id, Submission.status != PENDING, Submission.blob_deleted.is_(False))
+            .order_by(Submission.id)
+            .limit(limit)
+        )
+    )
+
+
+def mark_blobs_deleted(session: Session, versions: Iterable[FragmentVersion], submissions: Iterable[Submission]) -> None:
+    for v in versions:
+        v.blob_deleted = True
+    for s in submissions:
+        s.blob_deleted = True
+
+
+# --- events and evaluations ----------------------------------------------------------------------
+
+
+def record_event(session: Session, run_id: str, kind: str, actor: str | None, detail: str, now: datetime) -> None:
+    session.add(Event(run_id=run_id, at=now, kind=kind, actor=actor, detail=detail))
+
+
+def events(session: Session, run_id: str, limit: int = 500) -> list[Event]:
+    return list(session.scalars(select(Event).where(Event.run_id == run_id).order_by(Event.at.desc(), Event.id.desc()).limit(limit)))
+
+
+def record_evaluation(
+    session: Session, run_id: str, *, now: datetime, tokens: int, versions_total: int, val_loss: float, val_accuracy: float | None
+) -> None:
+    session.add(
+        Evaluation(run_id=run_id, at=now, tokens=tokens, versions_total=versions_total, val_loss=val_loss, val_accuracy=val_accuracy)
+    )
+
+
+def evaluations(session: Session, run_id: str) -> list[Evaluation]:
+    return list(session.scalars(select(Evaluation).where(Evaluation.run_id == run_id).order_by(Evaluation.at, Evaluation.id)))
+
+
+# --- accounting ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenAccounting:
+    trained: int
+    merged: int
+    rejected: int
+    pending: int
+    lost: int
+    in_flight: int
+    """Trained by live learners and not yet submitted."""
+
+    @property
+    def balanced(self) -> bool:
+        return self.trained == self.merged + self.rejected + self.pending + self.lost + self.in_flight
+
+
+def token_accounting(session: Session, run_id: str) -> TokenAccounting:
+    """Where every trained token went: merged, rejected, pending, lost with a dead learner, or in flight."""
+    by_status = dict(
+        session.execute(
+            select(Submission.status, func.coalesce(func.sum(Submission.tokens_new), 0))
+            .where(Submission.run_id == run_id)
+            .group_by(Submission.status)
+        ).all()
+    )
+    trained = lost = in_flight = 0
+    for r in learners(session, run_id):
+        unsubmitted = max(0, r.inc_tokens_trained - r.inc_tokens_submitted)
+        trained += r.tokens_trained + r.inc_tokens_trained
+        lost += r.tokens_lost
+        if r.status == "dead":
+            lost += unsubmitted
+        else:
+            in_flight += unsubmitted
+    return TokenAccounting(
+        trained=int(trained),
+        merged=int(by_status.get(MERGED, 0)),
+        rejected=int(by_status.get(REJECTED, 0)),
+        pending=int(by_status.get(PENDING, 0)),
+        lost=int(lost),
+        in_flight=int(in_flight),
+    )

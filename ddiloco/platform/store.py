@@ -1,0 +1,255 @@
+"""The fragment store: immutable, content-checked safetensors blobs at any fsspec URL.
+
+Blobs are never pickled, never overwritten, and verified against their sha256 on every read.
+A blob is complete before it becomes visible: temp file + hard link on local disks, a single
+conditional PUT on object stores."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import torch
+from fsspec.core import url_to_fs
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
+
+from ddiloco.platform.ids import InvalidIdError
+
+# Transient failures (network, a restarting server) are retried; integrity failures are not.
+RETRY_ATTEMPTS = 6
+
+
+class StoreError(RuntimeError):
+    """A blob could not be stored or read back intact."""
+
+
+class BlobExistsError(StoreError):
+    """The key already holds a blob: blobs are immutable."""
+
+
+class BlobMissingError(StoreError):
+    pass
+
+
+class BlobCorruptError(StoreError):
+    """The bytes under the key are not the blob that was registered (checksum, truncation, format)."""
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    key: str
+    sha256: str
+    nbytes: int
+
+
+def _is_transient(err: BaseException) -> bool:
+    if isinstance(err, (StoreError, InvalidIdError, FileExistsError, FileNotFoundError, PermissionError, ValueError)):
+        return False
+    return isinstance(err, (OSError, ConnectionError, TimeoutError)) or type(err).__name__ in (
+        "ClientError",
+        "EndpointConnectionError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ServerDisconnectedError",
+        "ClientOSError",
+    )
+
+
+_retry = retry(
+    retry=retry_if_exception(_is_transient),
+    stop=stop_after_attempt(RETRY_ATTEMPTS),
+    wait=wait_exponential(multiplier=0.2, max=8.0),
+    reraise=True,
+)
+
+
+def _check_key(key: str) -> str:
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise InvalidIdError(f"unsafe store key {key!r}")
+    return key
+
+
+def encode_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """Serialize tensors to safetensors bytes (contiguous CPU copies)."""
+    clean = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    return st_save(clean, metadata=metadata)
+
+
+def decode_tensors(data: bytes, key: str = "<bytes>") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Parse safetensors bytes; anything else (a pickle, a truncated file) raises BlobCorruptError."""
+    if len(data) < 8:
+        raise BlobCorruptError(f"blob {key!r} is truncated ({len(data)} bytes)")
+    header_len = int.from_bytes(data[:8], "little")
+    if header_len <= 0 or 8 + header_len > len(data):
+        raise BlobCorruptError(f"blob {key!r} is not a safetensors file (bad header length {header_len})")
+    try:
+        import json
+
+        header = json.loads(data[8 : 8 + header_len])
+        tensors = st_load(data)
+    except (SafetensorError, ValueError, UnicodeDecodeError) as err:
+        raise BlobCorruptError(f"blob {key!r} is not a valid safetensors file: {err}") from None
+    meta = header.get("__metadata__") or {}
+    return tensors, dict(meta)
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class FragmentStore:
+    """Put/get of named tensor dicts under string keys below one fsspec root URL."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.fs, self.root = url_to_fs(self.url, **(storage_options or {}))
+        self.root = self.root.rstrip("/")
+        self._local = "file" in _protocols(self.fs)
+        if self._local:
+            os.makedirs(self.root, exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"FragmentStore({self.url!r})"
+
+    def path(self, key: str) -> str:
+        return f"{self.root}/{_check_key(key)}"
+
+    # --- writing -------------------------------------------------------------------------------
+
+    def put(self, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> BlobInfo:
+        """Write a new blob; refuses to overwrite an existing key."""
+        return self.put_bytes(key, encode_tensors(tensors, metadata))
+
+    def put_bytes(self, key: str, data: bytes) -> BlobInfo:
+        path = self.path(key)
+        digest = sha256_hex(data)
+        try:
+            self._put_once(path, data)
+        except BlobExistsError:
+            # A retried PUT that had in fact landed the first time is not an error.
+            if self._read(path) == data:
+                return BlobInfo(key, digest, len(data))
+            raise BlobExistsError(f"blob {key!r} already exists with other content: blobs are immutable") from None
+        return BlobInfo(key, digest, len(data))
+
+    @_retry
+    def _put_once(self, path: str, data: bytes) -> None:
+        if self._local:
+            self._put_local(path, data)
+            return
+        parent = path.rsplit("/", 1)[0]
+        if "memory" in _protocols(self.fs):
+            self.fs.makedirs(parent, exist_ok=True)
+            if self.fs.exists(path):
+                raise BlobExistsError(path)
+            self.fs.pipe_file(path, data)
+            return
+        try:
+            # One conditional PUT (If-None-Match: *) on object stores that support it.
+            with self.fs.open(path, "xb") as f:
+                f.write(data)
+        except FileExistsError:
+            raise BlobExistsError(path) from None
+        except (NotImplementedError, ValueError):
+            if self.fs.exists(path):
+                raise BlobExistsError(path) from None
+            self.fs.pipe_file(path, data)
+
+    @staticmethod
+    def _put_local(path: str, data: bytes) -> None:
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                # link() is atomic and, unlike rename(), fails if the key exists.
+                os.link(tmp, path)
+            except FileExistsError:
+                raise BlobExistsError(path) from None
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+    # --- reading -------------------------------------------------------------------------------
+
+    @_retry
+    def _read(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
+
+    def get_bytes(self, key: str, sha256: str | None = None) -> bytes:
+        path = self.path(key)
+        try:
+            data = self._read(path)
+        except FileNotFoundError:
+            raise BlobMissingError(f"blob {key!r} is missing from {self.url}") from None
+        if sha256 is not None and sha256_hex(data) != sha256:
+            raise BlobCorruptError(f"blob {key!r} does not match its sha256 (expected {sha256[:12]}…, {len(data)} bytes read)")
+        return data
+
+    def get(self, key: str, sha256: str | None = None) -> dict[str, torch.Tensor]:
+        """Read and verify a blob. Pass the registered sha256 whenever it is known."""
+        return self.get_with_metadata(key, sha256)[0]
+
+    def get_with_metadata(self, key: str, sha256: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        return decode_tensors(self.get_bytes(key, sha256), key)
+
+    def verify(self, key: str, sha256: str) -> bool:
+        try:
+            self.get_with_metadata(key, sha256)
+        except StoreError:
+            return False
+        return True
+
+    @_retry
+    def exists(self, key: str) -> bool:
+        return self.fs.exists(self.path(key))
+
+    @_retry
+    def delete(self, key: str) -> None:
+        try:
+            self.fs.rm_file(self.path(key))
+        except FileNotFoundError:
+            pass
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = self.root + ("/" + prefix.strip("/") if prefix else "")
+        try:
+            found = self.fs.find(base)
+        except FileNotFoundError:
+            return []
+        out = []
+        for p in found:
+            p = p if p.startswith("/") or not self.root.startswith("/") else p
+            rel = p[len(self.root) :].lstrip("/") if p.startswith(self.root) else p.split(self.root.lstrip("/"), 1)[-1].lstrip("/")
+            if not rel.rsplit("/", 1)[-1].startswith(".tmp-"):
+                out.append(rel)
+        return sorted(out)
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    proto = fs.protocol
+    return (proto,) if isinstance(proto, str) else tuple(proto)
+
+
+_stores: dict[str, FragmentStore] = {}
+
+
+def open_store(url: str) -> FragmentStore:
+    """One FragmentStore per URL per process (fsspec filesystems are reusable and thread-safe enough)."""
+    if url not in _stores:
+        _stores[url] = FragmentStore(url)
+    return _stores[url]
