@@ -1,0 +1,195 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from ddiloco.platform.compression import CompressionError, decode_delta, encode_delta, encoded_nbytes
+
+# Float rounding in x / scale and q * scale may add a few ulps to the ideal bound.
+SLACK = 1 + 1e-5
+
+
+def _blockwise_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
+    """absmax of each element's block, broadcast back to the flat element positions."""
+    flat = x.flatten()
+    nb = -(-flat.numel() // block)
+    padded = torch.nn.functional.pad(flat.abs(), (0, nb * block - flat.numel())).view(nb, block)
+    return padded.amax(1).repeat_interleave(block)[: flat.numel()]
+
+
+def _roundtrip(tensors: dict[str, torch.Tensor], codec: str, block: int = 64) -> dict[str, torch.Tensor]:
+    enc, meta = encode_delta(tensors, codec, block)
+    # Through a real safetensors blob, as the fragment store does.
+    enc2 = st_load(st_save(enc, metadata=meta))
+    return decode_delta(enc2, meta, {n: tuple(t.shape) for n, t in tensors.items()})
+
+
+def test_literal_int8_block() -> None:
+    x = torch.tensor([1.0, -0.5, 0.25, 0.0])
+    enc, meta = encode_delta({"w": x}, "int8", block_size=4)
+    assert enc["w::scale"].tolist() == pytest.approx([1 / 127])
+    assert enc["w::q"].tolist() == [127, -64, 32, 0]  # round(-63.5) -> -64 (half to even), 31.75 -> 32
+    assert meta["codec"] == "int8" and meta["block_size"] == "4"
+    assert json.loads(meta["tensors"]) == {"w": {"shape": [4], "dtype": "float32"}}
+
+
+def test_literal_int4_packing() -> None:
+    x = torch.tensor([7.0, -7.0, 1.0])  # one block, scale 1
+    enc, _ = encode_delta({"w": x}, "int4", block_size=8)
+    # codes +8: 15, 1, 9, then padding 8; low nibble first.
+    assert enc["w::q"].dtype == torch.uint8
+    assert enc["w::q"].tolist() == [15 | (1 << 4), 9 | (8 << 4)]
+    assert decode_delta(enc, encode_delta({"w": x}, "int4", block_size=8)[1])["w"].tolist() == [7.0, -7.0, 1.0]
+
+
+@pytest.mark.parametrize("shape", [(1000,), (7, 13), (3, 5, 11), (1,), ()])
+def test_int8_error_bound_per_block(shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 3
+    y = _roundtrip({"w": x}, "int8")["w"]
+    assert y.shape == x.shape and y.dtype == torch.float32
+    bound = _blockwise_absmax(x, 64) / 254
+    assert torch.all((y - x).abs().flatten() <= bound * SLACK)
+
+
+@pytest.mark.parametrize("shape", [(1000,), (7, 13), (3, 5, 11), (1,)])
+def test_int4_error_bound_per_block(shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    y = _roundtrip({"w": x}, "int4", block=32)["w"]
+    bound = _blockwise_absmax(x, 32) / 14
+    assert torch.all((y - x).abs().flatten() <= bound * SLACK)
+
+
+def test_bf16_relative_error_and_none_exact() -> None:
+    x = torch.randn(4097, generator=torch.Generator().manual_seed(2))
+    y = _roundtrip({"w": x}, "bf16")["w"]
+    assert torch.all((y - x).abs() <= x.abs() * 2**-8)
+    assert torch.equal(_roundtrip({"w": x}, "none")["w"], x)
+
+
+def test_non_float32_inputs_decode_to_float32() -> None:
+    x = torch.randn(100, dtype=torch.bfloat16)
+    enc, meta = encode_delta({"w": x}, "int8")
+    assert json.loads(meta["tensors"])["w"]["dtype"] == "bfloat16"
+    assert decode_delta(enc, meta)["w"].dtype == torch.float32
+
+
+def test_encode_does_not_alias_the_input() -> None:
+    x = torch.ones(10)
+    enc, _ = encode_delta({"w": x}, "none")
+    x.add_(1)
+    assert torch.equal(enc["w::q"], torch.ones(10))
+
+
+def test_zero_blocks_decode_to_zero_without_nan() -> None:
+    x = torch.zeros(200)
+    x[150] = 2.0
+    for codec in ("int8", "int4"):
+        y = _roundtrip({"w": x}, codec)["w"]
+        assert torch.isfinite(y).all()
+        assert torch.equal(y[:128], torch.zeros(128))
+        assert y[150].item() == pytest.approx(2.0)
+
+
+def test_empty_tensor() -> None:
+    for codec in ("none", "bf16", "int8", "int4"):
+        assert _roundtrip({"w": torch.zeros(0, 3)}, codec)["w"].shape == (0, 3)
+
+
+def test_non_finite_values_stay_non_finite() -> None:
+    x = torch.ones(128)
+    x[3] = float("nan")
+    x[70] = float("inf")
+    for codec in ("none", "bf16", "int8", "int4"):
+        y = _roundtrip({"w": x}, codec)["w"]
+        assert not torch.isfinite(y[:64]).all() and not torch.isfinite(y[64:]).all(), codec
+
+
+def test_compression_ratios() -> None:
+    x = {"a": torch.randn(64 * 1000), "b": torch.randn(32, 64)}
+    n = 64 * 1000 + 32 * 64
+    sizes = {c: encoded_nbytes(encode_delta(x, c, 64)[0]) for c in ("none", "bf16", "int8", "int4")}
+    scales = 4 * (1000 + 32)
+    assert sizes["none"] == 4 * n
+    assert sizes["bf16"] == 2 * n
+    assert sizes["int8"] == n + scales
+    assert sizes["int4"] == n // 2 + scales
+    assert sizes["int4"] / sizes["none"] == pytest.approx(1 / 8 + 1 / 64, rel=1e-3)
+
+
+def test_multiple_tensors_keep_names_and_shapes() -> None:
+    x = {"tok_embed.weight": torch.randn(10, 4), "blocks.0.attn.qkv.bias": torch.randn(12)}
+    y = _roundtrip(x, "int8", block=8)
+    assert {k: v.shape for k, v in y.items()} == {k: v.shape for k, v in x.items()}
+
+
+# ----------------------------------------------------------------------------------- errors
+
+
+def _encoded(codec: str = "int8") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    return encode_delta({"w": torch.randn(10, 10)}, codec, 16)
+
+
+def test_encode_errors() -> None:
+    with pytest.raises(CompressionError, match="unknown codec 'zip'"):
+        encode_delta({"w": torch.ones(3)}, "zip")
+    with pytest.raises(CompressionError, match="floating"):
+        encode_delta({"w": torch.ones(3, dtype=torch.long)}, "int8")
+    with pytest.raises(CompressionError, match="must not contain"):
+        encode_delta({"w::q": torch.ones(3)}, "int8")
+    with pytest.raises(CompressionError, match="block_size"):
+        encode_delta({"w": torch.ones(3)}, "int8", 0)
+
+
+def test_decode_unknown_codec_and_malformed_metadata() -> None:
+    enc, meta = _encoded()
+    with pytest.raises(CompressionError, match="unknown codec 'gzip'"):
+        decode_delta(enc, {**meta, "codec": "gzip"})
+    with pytest.raises(CompressionError, match="missing"):
+        decode_delta(enc, {})
+    with pytest.raises(CompressionError, match="lacks 'tensors'"):
+        decode_delta(enc, {k: v for k, v in meta.items() if k != "tensors"})
+    with pytest.raises(CompressionError, match="malformed"):
+        decode_delta(enc, {**meta, "tensors": "{not json"})
+    with pytest.raises(CompressionError, match="malformed"):
+        decode_delta(enc, {**meta, "block_size": "sixty-four"})
+    with pytest.raises(CompressionError, match="valid shape"):
+        decode_delta(enc, {**meta, "tensors": json.dumps({"w": {"shape": [-1]}})})
+    assert issubclass(CompressionError, ValueError)
+
+
+def test_decode_missing_and_unexpected_keys() -> None:
+    enc, meta = _encoded()
+    with pytest.raises(CompressionError, match="missing tensor 'w::scale'"):
+        decode_delta({"w::q": enc["w::q"]}, meta)
+    with pytest.raises(CompressionError, match="unexpected tensors"):
+        decode_delta({**enc, "extra": torch.ones(1)}, meta)
+
+
+def test_decode_wrong_dtype_or_length() -> None:
+    enc, meta = _encoded()
+    with pytest.raises(CompressionError, match="dtype"):
+        decode_delta({**enc, "w::q": enc["w::q"].to(torch.int16)}, meta)
+    with pytest.raises(CompressionError, match="shape"):
+        decode_delta({**enc, "w::q": enc["w::q"][:-1]}, meta)
+    with pytest.raises(CompressionError, match="shape"):
+        decode_delta({**enc, "w::scale": enc["w::scale"][:-1]}, meta)
+    enc4, meta4 = _encoded("int4")
+    bad = enc4["w::q"].clone()
+    bad[0] = 0  # nibble 0 is code -8: never written
+    with pytest.raises(CompressionError, match="outside"):
+        decode_delta({**enc4, "w::q": bad}, meta4)
+
+
+def test_decode_against_expected_shapes() -> None:
+    enc, meta = _encoded()
+    assert decode_delta(enc, meta, {"w": (10, 10)})["w"].shape == (10, 10)
+    with pytest.raises(CompressionError, match=r"shape \(10, 10\), expected \(100,\)"):
+        decode_delta(enc, meta, {"w": (100,)})
+    with pytest.raises(CompressionError, match="missing \\['v'\\]"):
+        decode_delta(enc, meta, {"w": (10, 10), "v": (3,)})
+    with pytest.raises(CompressionError, match="unexpected \\['w'\\]"):
+        decode_delta(enc, meta, {})
