@@ -236,6 +236,8 @@ class RetentionConfig(_Section):
     """Newest global versions kept per fragment."""
     checkpoint_every: int = Field(50, ge=1)
     """Every k-th version is kept as a checkpoint."""
+    keep_submission_blobs: bool = False
+    """Keep the blobs of decided submissions (for audits); by default they are deleted."""
 
 
 class SynchronizerConfig(_Section):

@@ -352,14 +352,18 @@ def register_submission(
         return sub_id, False
     learner = session.get(Learner, (run_id, learner_id), with_for_update=True)
     if learner is None:
-        _decide_rejected(session, [sub_id], f"unknown learner {learner_id!r}", now)
+        reason = f"unknown learner {learner_id!r}"
+        _decide_rejected(session, [sub_id], reason, now)
+        record_event(session, run_id, "submission_rejected", learner_id, f"submission {sub_id}: {reason}", now)
     elif learner.incarnation != incarnation:
         # A paused incarnation woke up after its replacement started: its tokens were already
         # counted as lost when the replacement registered, so move them from lost to rejected.
         moved = min(learner.tokens_lost, sub.tokens_new)
         learner.tokens_lost -= moved
         learner.tokens_trained += sub.tokens_new - moved
-        _decide_rejected(session, [sub_id], f"superseded incarnation {incarnation} (current {learner.incarnation})", now)
+        reason = f"superseded incarnation {incarnation} (current {learner.incarnation})"
+        _decide_rejected(session, [sub_id], reason, now)
+        record_event(session, run_id, "submission_rejected", learner_id, f"submission {sub_id}: {reason}", now)
     else:
         learner.inc_tokens_submitted += sub.tokens_new
         learner.inc_tokens_trained = max(learner.inc_tokens_trained, sub.tokens_total)

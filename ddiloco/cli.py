@@ -1,0 +1,209 @@
+"""The ``ddiloco`` command: one entry point for every process and tool."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ddiloco.platform.config import ConfigError, RunConfig, load_config
+
+app = typer.Typer(help="Decoupled DiLoCo pre-training: learners, synchronizer, demo and tools.", no_args_is_help=True)
+ledger_app = typer.Typer(help="The SQL ledger.", no_args_is_help=True)
+store_app = typer.Typer(help="The fragment store.", no_args_is_help=True)
+app.add_typer(ledger_app, name="ledger")
+app.add_typer(store_app, name="store")
+console = Console()
+err_console = Console(stderr=True)
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="Run config (YAML or TOML); env DDILOCO_* overrides it.")
+LedgerOpt = typer.Option(None, "--ledger", help="Ledger URL; defaults to the config's ledger.url.")
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _config(path: Optional[Path]) -> RunConfig:
+    try:
+        return load_config(path)
+    except ConfigError as err:
+        err_console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+
+
+def _ledger_url(ledger: Optional[str], config: Optional[Path]) -> str:
+    return ledger or _config(config).ledger.url
+
+
+@ledger_app.command("upgrade")
+def ledger_upgrade(ledger: Optional[str] = LedgerOpt, config: Optional[Path] = ConfigOpt) -> None:
+    """Create or migrate the ledger schema to the newest revision."""
+    from ddiloco.platform.ledger import make_engine, upgrade
+
+    url = _ledger_url(ledger, config)
+    upgrade(make_engine(url))
+    console.print(f"ledger at {_redact(url)} is at the newest schema revision")
+
+
+@app.command("runs")
+def runs(ledger: Optional[str] = LedgerOpt, config: Optional[Path] = ConfigOpt) -> None:
+    """List the runs in the ledger."""
+    from ddiloco.platform.ledger import open_ledger, session_factory
+    from ddiloco.platform.ledger import queries as q
+
+    engine = open_ledger(_ledger_url(ledger, config))
+    table = Table("run", "status", "created", "fragments", "versions", "tokens")
+    with session_factory(engine).begin() as s:
+        for r in q.list_runs(s):
+            versions = sum(q.latest_version_numbers(s, r.id).values())
+            table.add_row(r.id, r.status, r.created_at.strftime("%Y-%m-%d %H:%M:%S"), str(r.num_fragments), str(versions), str(q.token_accounting(s, r.id).trained))
+    console.print(table)
+
+
+@store_app.command("check")
+def store_check(url: str = typer.Argument(..., help="fsspec URL of the store root, e.g. file://./store or s3://bucket/prefix")) -> None:
+    """Round-trip self-check: write, read back, verify, refuse an overwrite, delete."""
+    import torch
+
+    from ddiloco.platform.store import BlobExistsError, FragmentStore
+
+    store = FragmentStore(url)
+    key = f"selfcheck/{uuid.uuid4().hex}.safetensors"
+    tensors = {"w": torch.arange(1024, dtype=torch.float32).reshape(32, 32)}
+    info = store.put(key, tensors)
+    back = store.get(key, info.sha256)
+    ok = torch.equal(back["w"], tensors["w"])
+    try:
+        store.put(key, {"w": torch.zeros(1)})
+        immutable = False
+    except BlobExistsError:
+        immutable = True
+    store.delete(key)
+    gone = not store.exists(key)
+    console.print(f"store {url}: round trip {'ok' if ok else 'FAILED'}, immutable {'ok' if immutable else 'FAILED'}, delete {'ok' if gone else 'FAILED'}")
+    if not (ok and immutable and gone):
+        raise typer.Exit(1)
+
+
+@app.command("learner")
+def learner(
+    config: Optional[Path] = ConfigOpt,
+    run: Optional[str] = typer.Option(None, "--run", help="Run id; defaults to the config's name."),
+    learner_id: str = typer.Option(..., "--learner", help="Learner id as listed by the config (e.g. us-0)."),
+    max_steps: Optional[int] = typer.Option(None, help="Stop after this many inner steps."),
+    verbose: bool = False,
+) -> None:
+    """Run one learner until the run ends (SIGTERM finishes its uploads and stops it)."""
+    from ddiloco.learner_worker.process import run_learner
+
+    _setup_logging(verbose)
+    cfg = _config(config)
+    try:
+        run_learner(cfg, run or cfg.name, learner_id, max_steps=max_steps)
+    except ConfigError as err:
+        err_console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+
+
+@app.command("synchronizer")
+def synchronizer(
+    config: Optional[Path] = ConfigOpt,
+    run: Optional[str] = typer.Option(None, "--run", help="Run id; defaults to the config's name."),
+    holder: Optional[str] = typer.Option(None, help="Name in the lease; unique per process by default."),
+    verbose: bool = False,
+) -> None:
+    """Run a synchronizer: active while it holds the run's lease, a hot standby otherwise."""
+    from ddiloco.synchronizer.process import run_synchronizer
+
+    _setup_logging(verbose)
+    cfg = _config(config)
+    run_synchronizer(cfg, run or cfg.name, holder)
+
+
+@app.command("summary")
+def summary(
+    config: Optional[Path] = ConfigOpt,
+    run: Optional[str] = typer.Option(None, "--run"),
+    ledger: Optional[str] = LedgerOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    """A run's headline figures from the ledger."""
+    from ddiloco.platform.ledger import open_ledger, session_factory
+    from ddiloco.platform.runtime import to_datetime
+    from ddiloco.platform.summary import run_summary
+    import time
+
+    cfg = _config(config)
+    engine = open_ledger(ledger or cfg.ledger.url)
+    with session_factory(engine).begin() as s:
+        result = run_summary(s, run or cfg.name, to_datetime(time.time()))
+    if as_json:
+        console.print_json(result.to_json())
+    else:
+        from ddiloco.demo import summary_table
+
+        console.print(summary_table(result))
+
+
+@app.command("config")
+def show_config(config: Optional[Path] = ConfigOpt) -> None:
+    """Validate a config and print the effective values (file + env overrides)."""
+    cfg = _config(config)
+    console.print_json(json.dumps(cfg.model_dump(mode="json")))
+
+
+@app.command("demo")
+def demo(
+    learners: int = typer.Option(4, "--learners", min=1, help="Learners, split over two regions (us, eu); one runs 2x slower."),
+    seconds: float = typer.Option(150.0, "--seconds", min=10, help="Training time."),
+    chaos: bool = typer.Option(True, "--chaos/--no-chaos", help="Kill a learner and the active synchronizer mid-run."),
+    config: Optional[Path] = ConfigOpt,
+    workdir: Path = typer.Option(Path("ddiloco-runs"), help="Where the ledger and the store go."),
+    summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Also write the summary as JSON."),
+) -> None:
+    """Train a byte-level GPT with 4 learner processes in 2 regions, a synchronizer and a standby, surviving failures."""
+    from ddiloco.demo import DemoOptions, run_demo
+
+    base = _config(config) if config else None
+    result = run_demo(DemoOptions(learners=learners, seconds=seconds, chaos=chaos, workdir=workdir, base_config=base), console)
+    if summary_json:
+        summary_json.parent.mkdir(parents=True, exist_ok=True)
+        summary_json.write_text(result.to_json())
+        console.print(f"summary written to {summary_json}")
+
+
+def _redact(url: str) -> str:
+    """Hide a password in a URL before printing it."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a SQLAlchemy URL; print as given
+        return url
+
+
+def _register_optional_commands() -> None:
+    try:
+        from ddiloco.simulator.command import simulate_command
+    except ImportError:
+        return
+    app.command("simulate", help="Goodput of data-parallel vs Decoupled DiLoCo at scale, under chip failures.")(simulate_command)
+
+
+_register_optional_commands()
+
+
+if __name__ == "__main__":
+    app()

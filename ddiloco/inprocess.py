@@ -1,0 +1,169 @@
+"""Deterministic in-process runs: learners and a synchronizer in one process on a simulated clock.
+
+Everything is the real code (ledger queries, store, learner, synchronizer); only time is simulated,
+so tests and quality benchmarks are reproducible and need no processes. A learner's step takes
+``step_time_s / speed`` simulated seconds; a failure schedule takes learners down and back."""
+
+from __future__ import annotations
+
+import heapq
+import uuid
+from dataclasses import dataclass, field
+
+from ddiloco.learner_worker.worker import Learner
+from ddiloco.platform.config import RunConfig
+from ddiloco.platform.ledger import open_ledger
+from ddiloco.platform.runtime import RunContext
+from ddiloco.synchronizer.service import Synchronizer
+
+
+class SimClock:
+    def __init__(self, start: float = 1_700_000_000.0) -> None:
+        self.t = start
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclass(frozen=True)
+class Outage:
+    learner: str
+    start_s: float
+    end_s: float | None
+    """Seconds after the run starts; None: never comes back."""
+
+
+@dataclass
+class EvalPoint:
+    t_s: float
+    tokens: int
+    val_loss: float
+    val_accuracy: float | None
+
+
+@dataclass
+class InProcessRun:
+    ctx: RunContext
+    sync: Synchronizer
+    learners: dict[str, Learner]
+    clock: SimClock
+    t0: float
+    evals: list[EvalPoint] = field(default_factory=list)
+    busy_s: float = 0.0
+    down_s: float = 0.0
+    bytes_sent: int = 0
+
+    @property
+    def elapsed_s(self) -> float:
+        return self.clock.t - self.t0
+
+
+def in_memory_config(cfg: RunConfig) -> RunConfig:
+    """The same run on an in-memory ledger and store (unique per call)."""
+    tag = uuid.uuid4().hex[:10]
+    return cfg.model_copy(
+        update={
+            "ledger": cfg.ledger.model_copy(update={"url": "sqlite://"}),
+            "storage": cfg.storage.model_copy(update={"url": f"memory://ddiloco-{tag}"}),
+        }
+    )
+
+
+def run_inprocess(
+    cfg: RunConfig,
+    *,
+    total_tokens: int,
+    step_time_s: float = 1.0,
+    outages: list[Outage] | None = None,
+    sync_poll_s: float | None = None,
+    eval_every_tokens: int | None = None,
+    max_steps_per_learner: int | None = None,
+) -> InProcessRun:
+    """Train until the learners together have trained ``total_tokens``; returns the run's handles."""
+    cfg = in_memory_config(cfg)
+    clock = SimClock()
+    ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
+    sync = Synchronizer(ctx, holder="sync-inprocess", evaluate_every_s=0)
+    sync.poll_once(clock.t)  # lease + version 0
+    ids = cfg.learners.learner_ids()
+    M = len(ids)
+    run = InProcessRun(ctx=ctx, sync=sync, learners={}, clock=clock, t0=clock.t)
+    speeds = {lid: speed for lid, _, speed in ids}
+    regions = {lid: region for lid, region, _ in ids}
+    index = {lid: i for i, (lid, _, _) in enumerate(ids)}
+    outages = sorted(outages or [], key=lambda o: o.start_s)
+    poll_s = sync_poll_s if sync_poll_s is not None else cfg.synchronizer.poll_s
+
+    def new_learner(lid: str) -> Learner:
+        learner = Learner(ctx, lid, regions[lid], index=index[lid], num_learners=M, speed=speeds[lid], background_io=False)
+        learner.start(clock.t)
+        return learner
+
+    for lid in speeds:
+        run.learners[lid] = new_learner(lid)
+    down: dict[str, float] = {}
+    # Event queue of (time, order, kind, learner); kinds: step, sync, down, up.
+    events: list[tuple[float, int, str, str]] = []
+    seq = 0
+
+    def push(t: float, kind: str, lid: str = "") -> None:
+        nonlocal seq
+        heapq.heappush(events, (t, seq, kind, lid))
+        seq += 1
+
+    for lid in speeds:
+        push(clock.t + step_time_s / speeds[lid], "step", lid)
+    push(clock.t + poll_s, "sync")
+    for o in outages:
+        push(run.t0 + o.start_s, "down", o.learner)
+        if o.end_s is not None:
+            push(run.t0 + o.end_s, "up", o.learner)
+    trained = 0
+    next_eval = eval_every_tokens or 0
+    if eval_every_tokens:
+        run.evals.append(_evaluate(run, 0))
+    while events and trained < total_tokens:
+        t, _, kind, lid = heapq.heappop(events)
+        clock.t = t
+        if kind == "sync":
+            sync.poll_once(t)
+            push(t + poll_s, "sync")
+        elif kind == "down":
+            if lid not in down:
+                down[lid] = t
+        elif kind == "up":
+            if lid in down:
+                run.down_s += t - down.pop(lid)
+                run.bytes_sent += run.learners[lid].bytes_sent
+                run.learners[lid] = new_learner(lid)
+                push(t + step_time_s / speeds[lid], "step", lid)
+        elif kind == "step":
+            if lid in down:
+                continue  # it was taken down; "up" reschedules it
+            learner = run.learners[lid]
+            if max_steps_per_learner is not None and learner.step_count >= max_steps_per_learner:
+                continue
+            learner.poll_versions()
+            report = learner.step(t)
+            if report.waiting:
+                push(t + poll_s, "step", lid)  # overlap 0: wait for the merge
+                continue
+            trained += report.tokens
+            run.busy_s += step_time_s / speeds[lid]
+            push(t + step_time_s / speeds[lid], "step", lid)
+            if eval_every_tokens and trained >= next_eval:
+                next_eval += eval_every_tokens
+                run.evals.append(_evaluate(run, trained))
+    for lid, since in down.items():
+        run.down_s += clock.t - since
+    # Let the synchronizer merge what is still pending, as a real run's end does.
+    sync.poll_once(clock.t, drain=True)
+    run.bytes_sent += sum(l.bytes_sent for l in run.learners.values())
+    if eval_every_tokens:
+        run.evals.append(_evaluate(run, trained))
+    return run
+
+
+def _evaluate(run: InProcessRun, tokens: int) -> EvalPoint:
+    loss, acc = run.sync.evaluate_now(run.clock.t)
+    return EvalPoint(run.clock.t - run.t0, tokens, loss, acc)

@@ -1,0 +1,48 @@
+"""The learner as an OS process: signals, logging, and the loop until the run ends."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import torch
+
+from ddiloco.learner_worker.worker import Learner
+from ddiloco.platform.config import ConfigError, RunConfig
+from ddiloco.platform.runtime import RunContext
+
+log = logging.getLogger("ddiloco.learner")
+
+
+def resolve_learner(cfg: RunConfig, learner_id: str) -> tuple[int, str, float]:
+    """(index, region, speed) of a learner named in the config, or a ConfigError listing the known ids."""
+    ids = cfg.learners.learner_ids()
+    for i, (lid, region, speed) in enumerate(ids):
+        if lid == learner_id:
+            return i, region, speed
+    known = ", ".join(lid for lid, _, _ in ids)
+    raise ConfigError(f"learner {learner_id!r} is not in learners.regions of the config; known learners: {known}")
+
+
+def run_learner(cfg: RunConfig, run_id: str, learner_id: str, *, max_steps: int | None = None, ready_timeout_s: float = 300.0) -> Learner:
+    index, region, speed = resolve_learner(cfg, learner_id)
+    torch.set_num_threads(cfg.learners.torch_threads)
+    stop = threading.Event()
+
+    def _on_signal(signum, _frame) -> None:  # noqa: ANN001
+        log.info("learner %s got signal %s: finishing uploads and stopping", learner_id, signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    ctx = RunContext.open(cfg, run_id)
+    learner = Learner(ctx, learner_id, region, index=index, num_learners=cfg.learners.count, speed=speed)
+    learner.wait_until_ready(ready_timeout_s)
+    log.info("learner %s (incarnation %s) joined run %s in region %s", learner_id, learner.incarnation, run_id, region)
+    try:
+        learner.run(stop, max_steps=max_steps)
+    finally:
+        learner.stop(flush=True)
+    log.info("learner %s stopped after %s steps, %s tokens", learner_id, learner.step_count, learner.tokens_total)
+    return learner

@@ -1,0 +1,379 @@
+"""A learner: trains its own replica and trades parameter fragments with the synchronizer.
+
+It never waits for anyone (except in the overlap-0 mode, which is synchronous DiLoCo):
+uploads and downloads run on background threads; the inner loop only swaps in fragments
+that have already arrived."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ddiloco.platform.compression import encode_delta
+from ddiloco.platform.data import build_dataset
+from ddiloco.platform.faults import fault_point
+from ddiloco.platform.fragments import due_fragments, partition_module
+from ddiloco.platform.ids import submission_key
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.models import build_model, compute_loss
+from ddiloco.platform.run_state import read_version
+from ddiloco.platform.runtime import RunContext, ledger_retry, to_datetime
+from ddiloco.platform.store import StoreError
+
+log = logging.getLogger("ddiloco.learner")
+
+
+class RunNotReadyError(RuntimeError):
+    """The run has no published global version yet."""
+
+
+@dataclass
+class Outgoing:
+    fragment: int
+    base_version: int
+    delta: dict[str, torch.Tensor]
+    c_steps: int
+    c_tokens: int
+    tokens_new: int
+    tokens_total: int
+    step: int
+    created_at: float
+
+
+@dataclass
+class StepReport:
+    step: int
+    loss: float | None
+    tokens: int
+    submitted: list[int] = field(default_factory=list)
+    received: list[int] = field(default_factory=list)
+    waiting: bool = False
+
+
+class Learner:
+    def __init__(
+        self,
+        ctx: RunContext,
+        learner_id: str,
+        region: str,
+        *,
+        index: int,
+        num_learners: int,
+        speed: float = 1.0,
+        background_io: bool = True,
+    ) -> None:
+        self.ctx = ctx
+        self.cfg = cfg = ctx.cfg
+        self.id = learner_id
+        self.region = region
+        self.index = index
+        self.speed = speed
+        self.background_io = background_io
+        self.model = build_model(cfg.model, seed=cfg.seed)
+        self.model.train()
+        self.fragments = partition_module(self.model, cfg.fragments.count)
+        self.params = dict(self.model.named_parameters())
+        self.period = cfg.fragments.period
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=cfg.inner.lr,
+            betas=(cfg.inner.beta1, cfg.inner.beta2),
+            weight_decay=cfg.inner.weight_decay,
+        )
+        self.dataset = build_dataset(cfg.data, cfg.model)
+        self.num_learners = num_learners
+        P = len(self.fragments)
+        self.base = [-1] * P
+        self.snapshot: list[dict[str, torch.Tensor]] = [{} for _ in range(P)]
+        self.c_steps = [0] * P
+        self.c_tokens = [0] * P
+        self.awaiting: set[int] = set()
+        self.step_count = 0
+        self.tokens_total = 0
+        self._tokens_unsubmitted = 0
+        self.incarnation = -1
+        self.last_loss: float | None = None
+        self.last_step_s = 0.0
+        self._busy_since_heartbeat = 0.0
+        self._last_heartbeat: float | None = None
+        self._lock = threading.Condition()
+        self._inbox: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
+        self._outbox: queue.Queue[Outgoing | None] = queue.Queue()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.run_finished = False
+        self.upload_s = 0.0
+        self.bytes_sent = 0
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    def start(self, now: float | None = None) -> None:
+        """Register a new incarnation and load the newest global version of every fragment."""
+        now = self.ctx.now() if now is None else now
+        with self.ctx.transaction() as s:
+            q.require_run(s, self.ctx.run_id)
+            self.incarnation = q.register_learner(s, self.ctx.run_id, self.id, self.region, to_datetime(now))
+        self._batches = self.dataset.train_batches(
+            self.index, self.num_learners, self.cfg.learners.batch_size, seed=self.cfg.seed * 1_000_003 + self.incarnation
+        )
+        received = self.poll_versions()
+        if len(received) < len(self.fragments) and min(self.base) < 0:
+            raise RunNotReadyError(f"run {self.ctx.run_id!r} has no global version of every fragment yet")
+        self.apply_received()
+        self._last_heartbeat = None
+        self.heartbeat(now)
+        if self.background_io:
+            for target, name in ((self._upload_loop, "upload"), (self._poll_loop, "poll")):
+                t = threading.Thread(target=target, name=f"{self.id}-{name}", daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def wait_until_ready(self, timeout_s: float = 120.0) -> None:
+        """Start, retrying while the synchronizer has not yet published version 0."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.start()
+                return
+            except (RunNotReadyError, q.UnknownRunError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(self.cfg.learners.poll_s)
+
+    def stop(self, flush: bool = True, timeout_s: float = 30.0) -> None:
+        """Stop the background threads; with ``flush`` pending uploads are finished first."""
+        if not self.background_io:
+            return
+        if flush:
+            self._outbox.put(None)
+        self._stop.set()
+        with self._lock:
+            self._lock.notify_all()
+        for t in self._threads:
+            t.join(timeout=timeout_s)
+        self.heartbeat(self.ctx.now(), force=True)
+
+    # --- the inner loop -------------------------------------------------------------------------
+
+    def lr_at(self, step: int) -> float:
+        warm = self.cfg.inner.warmup_steps
+        return self.cfg.inner.lr * min(1.0, (step + 1) / warm) if warm > 0 else self.cfg.inner.lr
+
+    def train_step(self) -> tuple[float, int]:
+        """One AdamW step on the next batch of this learner's shard: (loss, tokens)."""
+        batch = next(self._batches)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.step_count)
+        loss, _metrics = compute_loss(self.model, batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
+        self.optimizer.step()
+        return float(loss.detach()), batch.tokens
+
+    def step(self, now: float | None = None) -> StepReport:
+        """Apply arrived fragments, run one inner step, send the fragments that are due."""
+        received = self.apply_received()
+        if self.awaiting:
+            return StepReport(self.step_count, None, 0, received=received, waiting=True)
+        t0 = time.perf_counter()
+        loss, tokens = self.train_step()
+        compute_s = time.perf_counter() - t0
+        if self.speed < 1.0 and self.background_io:
+            # Emulates slower hardware: the step takes 1/speed as long.
+            self._stop.wait(compute_s * (1.0 / self.speed - 1.0))
+        step_s = time.perf_counter() - t0
+        self.step_count += 1
+        self.tokens_total += tokens
+        with self._lock:
+            self._tokens_unsubmitted += tokens
+        self.last_loss = loss if self.last_loss is None else 0.9 * self.last_loss + 0.1 * loss
+        self.last_step_s = step_s if self.last_step_s == 0 else 0.8 * self.last_step_s + 0.2 * step_s
+        self._busy_since_heartbeat += step_s
+        for p in range(len(self.fragments)):
+            self.c_steps[p] += 1
+            self.c_tokens[p] += tokens
+        now = self.ctx.now() if now is None else now
+        sent = []
+        for p in due_fragments(self.step_count, len(self.fragments), self.period):
+            self.send(p, now)
+            sent.append(p)
+        if not self.background_io:
+            self.heartbeat(now)
+        return StepReport(self.step_count, loss, tokens, submitted=sent, received=received)
+
+    def send(self, fragment: int, now: float) -> None:
+        """Hand the outer gradient of a fragment to the uploader (or upload it now, in-process)."""
+        frag = self.fragments[fragment]
+        with torch.no_grad():
+            delta = {n: (self.snapshot[fragment][n] - self.params[n].detach()).clone() for n in frag.names}
+        out = Outgoing(
+            fragment=fragment,
+            base_version=self.base[fragment],
+            delta=delta,
+            c_steps=self.c_steps[fragment],
+            c_tokens=self.c_tokens[fragment],
+            tokens_new=self._tokens_unsubmitted,  # read and reset under the lock below
+            tokens_total=self.tokens_total,
+            step=self.step_count,
+            created_at=now,
+        )
+        with self._lock:
+            self._tokens_unsubmitted = 0
+        if self.cfg.fragments.overlap == 0:
+            self.awaiting.add(fragment)
+        if self.background_io:
+            self._outbox.put(out)
+        else:
+            self.upload(out)
+
+    def upload(self, out: Outgoing) -> None:
+        """Write the blob, then register the submission: a row never points to a missing blob."""
+        t0 = time.perf_counter()
+        tensors, meta = encode_delta(out.delta, self.cfg.compression.codec, self.cfg.compression.block_size)
+        uid = f"i{self.incarnation}-s{out.step}-f{out.fragment}"
+        store = self.ctx.store(self.region)
+        blob = store.put(submission_key(self.ctx.run_id, out.fragment, self.id, uid), tensors, meta)
+        fault_point("learner.after_blob")
+        sub = q.SubmissionIn(
+            uid=uid,
+            fragment=out.fragment,
+            base_version=out.base_version,
+            c_steps=out.c_steps,
+            c_tokens=out.c_tokens,
+            tokens_new=out.tokens_new,
+            tokens_total=out.tokens_total,
+            blob_key=blob.key,
+            sha256=blob.sha256,
+            nbytes=blob.nbytes,
+            codec=self.cfg.compression.codec,
+        )
+        self._register(sub, self.ctx.now() if self.background_io else out.created_at)
+        self.bytes_sent += blob.nbytes
+        self.upload_s += time.perf_counter() - t0
+
+    @ledger_retry
+    def _register(self, sub: q.SubmissionIn, now: float) -> None:
+        with self.ctx.transaction() as s:
+            q.register_submission(s, self.ctx.run_id, self.id, self.incarnation, sub, to_datetime(now))
+
+    # --- receiving ------------------------------------------------------------------------------
+
+    def poll_versions(self) -> list[int]:
+        """Download every fragment with a newer global version than the one held; returns them."""
+        with self.ctx.transaction() as s:
+            latest = q.latest_versions(s, self.ctx.run_id)
+            run = q.get_run(s, self.ctx.run_id)
+        if run is not None and run.status != "running":
+            self.run_finished = True
+        store = self.ctx.store()
+        got = []
+        for p, row in sorted(latest.items()):
+            if p >= len(self.fragments):
+                continue
+            with self._lock:
+                have = max(self.base[p], self._inbox.get(p, (-1, None))[0])
+            if row.version <= have:
+                continue
+            try:
+                tensors = read_version(store, row)
+            except StoreError as err:
+                # A version whose blob was already collected: a newer one is published; take that next time.
+                log.warning("could not read fragment %s v%s: %s", p, row.version, err)
+                continue
+            with self._lock:
+                self._inbox[p] = (row.version, tensors)
+                self._lock.notify_all()
+            got.append(p)
+        return got
+
+    def apply_received(self) -> list[int]:
+        """Swap arrived global fragments into the local model (overwrite, or blend) and reset counters."""
+        with self._lock:
+            arrived, self._inbox = self._inbox, {}
+        alpha = self.cfg.merge.blend_alpha if self.cfg.merge.on_receipt == "blend" else 1.0
+        with torch.no_grad():
+            for p, (version, tensors) in arrived.items():
+                first = self.base[p] < 0
+                for n, t in tensors.items():
+                    if first or alpha >= 1.0:
+                        self.params[n].copy_(t)
+                    else:
+                        self.params[n].mul_(1 - alpha).add_(t, alpha=alpha)
+                self.snapshot[p] = {n: t.clone() for n, t in tensors.items()}
+                self.base[p] = version
+                self.c_steps[p] = 0
+                self.c_tokens[p] = 0
+                self.awaiting.discard(p)
+        return sorted(arrived)
+
+    def wait_for_awaited(self, timeout_s: float) -> bool:
+        """Overlap-0 mode: block until every awaited fragment has arrived (True) or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self.awaiting and not all(p in self._inbox for p in self.awaiting) and not self._stop.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
+
+    # --- heartbeats and background loops -------------------------------------------------------------
+
+    def heartbeat(self, now: float, force: bool = False) -> None:
+        if not force and self._last_heartbeat is not None and now - self._last_heartbeat < self.cfg.learners.heartbeat_s:
+            return
+        step_s = self.last_step_s
+        tps = (self.cfg.learners.batch_size * self.cfg.model.seq_len / step_s) if step_s > 0 else 0.0
+        busy, self._busy_since_heartbeat = self._busy_since_heartbeat, 0.0
+        with self.ctx.transaction() as s:
+            q.record_heartbeat(
+                s,
+                self.ctx.run_id,
+                self.id,
+                self.incarnation,
+                now=to_datetime(now),
+                step=self.step_count,
+                tokens=self.tokens_total,
+                loss=self.last_loss,
+                tokens_per_s=tps,
+                step_time_s=step_s,
+                busy_s=busy,
+            )
+        self._last_heartbeat = now
+
+    def _upload_loop(self) -> None:
+        while True:
+            out = self._outbox.get()
+            if out is None:
+                return
+            try:
+                self.upload(out)
+            except Exception:  # noqa: BLE001 - the tokens go back to the next submission
+                log.exception("upload of fragment %s failed after retries", out.fragment)
+                with self._lock:
+                    self._tokens_unsubmitted += out.tokens_new
+                    self.awaiting.discard(out.fragment)
+
+    def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_versions()
+                self.heartbeat(self.ctx.now())
+            except Exception:  # noqa: BLE001 - the ledger or store may be restarting; try again
+                log.exception("poll failed; retrying")
+            self._stop.wait(self.cfg.learners.poll_s)
+
+    def run(self, stop: threading.Event, max_steps: int | None = None, wait_timeout_s: float = 60.0) -> None:
+        """The process loop: step until stopped, the run finishes, or ``max_steps``."""
+        while not stop.is_set() and not self.run_finished:
+            if max_steps is not None and self.step_count >= max_steps:
+                break
+            report = self.step()
+            if report.waiting:
+                self.wait_for_awaited(min(wait_timeout_s, 1.0))

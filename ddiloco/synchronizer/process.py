@@ -1,0 +1,31 @@
+"""The synchronizer as an OS process: active while it holds the lease, standby otherwise."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import torch
+
+from ddiloco.platform.config import RunConfig
+from ddiloco.platform.runtime import RunContext
+from ddiloco.synchronizer.service import Synchronizer
+
+log = logging.getLogger("ddiloco.synchronizer")
+
+
+def run_synchronizer(cfg: RunConfig, run_id: str, holder: str | None = None) -> Synchronizer:
+    torch.set_num_threads(1)
+    stop = threading.Event()
+
+    def _on_signal(signum, _frame) -> None:  # noqa: ANN001
+        log.info("synchronizer got signal %s: stopping", signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    sync = Synchronizer(RunContext.open(cfg, run_id), holder=holder)
+    log.info("synchronizer %s started for run %s", sync.holder, run_id)
+    sync.run(stop)
+    return sync

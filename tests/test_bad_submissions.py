@@ -1,0 +1,106 @@
+"""Bad input is rejected with a reason in the ledger, and the run goes on (real components, one process)."""
+
+from __future__ import annotations
+
+import uuid
+
+import torch
+from support import tiny_config
+
+from ddiloco.learner_worker.worker import Learner
+from ddiloco.inprocess import SimClock, in_memory_config
+from ddiloco.platform.compression import encode_delta
+from ddiloco.platform.ids import submission_key
+from ddiloco.platform.ledger import open_ledger
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger.models import Submission
+from ddiloco.platform.runtime import RunContext, to_datetime
+from ddiloco.synchronizer.service import Synchronizer
+
+
+def setup_run():
+    cfg = in_memory_config(
+        tiny_config(
+            learners={"regions": [{"name": "us", "learners": 2}], "heartbeat_s": 1.0},
+            quorum={"min_count": 1},
+            grace={"enabled": False},
+        )
+    )
+    clock = SimClock()
+    ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
+    sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
+    sync.poll_once(clock.t)
+    good = Learner(ctx, "us-0", "us", index=0, num_learners=2, background_io=False)
+    good.start(clock.t)
+    return cfg, clock, ctx, sync, good
+
+
+def submit_raw(ctx, clock, fragment: int, tensors: dict, *, learner="us-1", base=0, corrupt_after=False, c_steps=3):
+    store = ctx.store("us")
+    enc, meta = encode_delta(tensors, "none")
+    uid = uuid.uuid4().hex[:12]
+    blob = store.put(submission_key(ctx.run_id, fragment, learner, uid), enc, meta)
+    if corrupt_after:
+        store.fs.pipe_file(store.path(blob.key), b"\x00garbage" * 10)
+    sub = q.SubmissionIn(uid, fragment, base, c_steps, 300, 300, 300, blob.key, blob.sha256, blob.nbytes, "none")
+    with ctx.transaction() as s:
+        sub_id, _ = q.register_submission(s, ctx.run_id, learner, 0, sub, to_datetime(clock.t))
+    return sub_id
+
+
+def shapes_of(sync, fragment):
+    return sync.layout.shapes(fragment)
+
+
+def test_corrupt_nan_wrong_shape_stale_and_unknown_are_rejected_while_training_continues():
+    cfg, clock, ctx, sync, good = setup_run()
+    with ctx.transaction() as s:
+        q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t))
+    zeros = {n: torch.full(shape, 0.01) for n, shape in shapes_of(sync, 0).items()}
+    bad = {
+        submit_raw(ctx, clock, 0, zeros, corrupt_after=True): "does not match its sha256",
+        submit_raw(ctx, clock, 1, {n: torch.full(s_, float("nan")) for n, s_ in shapes_of(sync, 1).items()}): "non-finite",
+        submit_raw(ctx, clock, 2, {n: torch.zeros(3) for n in shapes_of(sync, 2)}): "bad update",
+        submit_raw(ctx, clock, 3, {n: torch.zeros(s_) for n, s_ in shapes_of(sync, 3).items()}, c_steps=0): "empty update",
+        submit_raw(ctx, clock, 0, zeros, learner="ghost"): "unknown learner",
+    }
+    for _ in range(3 * cfg.fragments.count):
+        clock.t += 1.0
+        good.poll_versions()
+        good.step(clock.t)
+        sync.poll_once(clock.t)
+    with ctx.transaction() as s:
+        for sid, needle in bad.items():
+            row = s.get(Submission, sid)
+            assert row.status == "rejected", (sid, row.status, row.reject_reason)
+            assert needle in row.reject_reason, (needle, row.reject_reason)
+        versions = q.latest_version_numbers(s, ctx.run_id)
+        events = [e.detail for e in q.events(s, ctx.run_id) if e.kind == "submission_rejected"]
+        good_merged = s.query(Submission).filter(Submission.learner_id == "us-0", Submission.status == "merged").count()
+    assert len(events) >= len(bad)
+    assert good_merged >= cfg.fragments.count
+    assert all(v >= 2 for v in versions.values()), versions
+
+
+def test_stale_submission_is_rejected_and_a_duplicate_registration_is_a_no_op():
+    cfg, clock, ctx, sync, good = setup_run()
+    for _ in range((cfg.merge.max_staleness + 2) * cfg.fragments.count):
+        clock.t += 1.0
+        good.poll_versions()
+        good.step(clock.t)
+        sync.poll_once(clock.t)
+    with ctx.transaction() as s:
+        q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t))
+        current = q.latest_version_numbers(s, ctx.run_id)[0]
+    assert current > cfg.merge.max_staleness
+    sid = submit_raw(ctx, clock, 0, {n: torch.zeros(s_) + 0.01 for n, s_ in shapes_of(sync, 0).items()}, base=0)
+    with ctx.transaction() as s:
+        row = s.get(Submission, sid)
+        again = q.SubmissionIn(row.uid, 0, 0, 3, 300, 300, 300, row.blob_key, row.sha256, row.nbytes, "none")
+        sid2, created = q.register_submission(s, ctx.run_id, "us-1", 0, again, to_datetime(clock.t))
+    assert (sid2, created) == (sid, False)
+    clock.t += 1.0
+    sync.poll_once(clock.t)
+    with ctx.transaction() as s:
+        row = s.get(Submission, sid)
+        assert row.status == "rejected" and row.reject_reason.startswith("stale: based on v0")

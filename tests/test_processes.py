@@ -1,0 +1,160 @@
+"""Learners and synchronizers as real OS processes, really killed."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from sqlalchemy import select
+from support import ProcessRun, tiny_config, wait_for
+
+from ddiloco.platform.compression import decode_delta
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger.models import FragmentVersion, Learner, Merge, Submission
+from ddiloco.platform.store import FragmentStore
+from ddiloco.synchronizer.merge import flatten, merge_vectors, unflatten
+from ddiloco.synchronizer.outer import momentum_from_blob, outer_step
+
+pytestmark = pytest.mark.slow
+
+
+def process_config(name: str, **extra):
+    return tiny_config(
+        name=name,
+        learners={"regions": [{"name": "us", "learners": 2}], "heartbeat_s": 0.5, "poll_s": 0.2, "dead_after_s": 5.0},
+        fragments={"count": 4, "overlap": 2},
+        synchronizer={"poll_s": 0.1, "lease_ttl_s": 1.5, "eval_every_s": 1000.0,
+                      "retention": {"keep_last": 100000, "keep_submission_blobs": True}},
+        compression={"codec": "int8"},
+        **extra,
+    )
+
+
+def v0_published(run: ProcessRun) -> bool:
+    with run.ctx.transaction() as s:
+        return len(q.latest_version_numbers(s, run.ctx.run_id)) == run.cfg.fragments.count
+
+
+def test_learner_killed_mid_upload_leaves_no_dangling_row_and_rejoins(tmp_path):
+    run = ProcessRun(tmp_path, process_config("killmid"))
+    try:
+        run.synchronizer("sync-a")
+        wait_for(lambda: v0_published(run), 120, "version 0")
+        run.learner("us-0", faults="learner.after_blob:3")
+        run.learner("us-1")
+        wait_for(lambda: run.fault_reached("learner.after_blob"), 120, "us-0 to stop between blob and ledger row")
+        run.kill("us-0")
+        store = FragmentStore(run.cfg.storage.url)
+        with run.ctx.transaction() as s:
+            rows = list(s.scalars(select(Submission).where(Submission.run_id == "killmid")))
+        referenced = {r.blob_key for r in rows}
+        on_disk = {k for k in store.list("killmid/submissions") if "/us-0/" in k}
+        assert on_disk - referenced, "the killed upload's blob should exist without a row"
+        for r in rows:
+            assert store.verify(r.blob_key, r.sha256), f"row {r.id} points to a missing or bad blob"
+
+        run.learner("us-0")
+
+        def rejoined_and_merged() -> bool:
+            with run.ctx.transaction() as s:
+                learner = s.get(Learner, ("killmid", "us-0"))
+                merged = s.scalar(
+                    select(Submission.id).where(
+                        Submission.learner_id == "us-0", Submission.uid.like("i1-%"), Submission.status == "merged"
+                    )
+                )
+            return learner.incarnation == 1 and merged is not None
+
+        wait_for(rejoined_and_merged, 180, "the restarted learner's work to be merged")
+        with run.ctx.transaction() as s:
+            kinds = [e.kind for e in q.events(s, "killmid")]
+            assert "learner_restarted" in kinds
+            acct = q.token_accounting(s, "killmid")
+        assert acct.balanced and acct.merged > 0
+    finally:
+        run.stop_all()
+
+
+def recompute_version(run: ProcessRun, fragment: int, version: int) -> tuple[dict, dict]:
+    """Redo a merge from the ledger and the blobs alone: (params, momentum) it must have produced."""
+    cfg = run.cfg
+    store = FragmentStore(cfg.storage.url)
+    with run.ctx.transaction() as s:
+        prev = q.get_version(s, cfg.name, fragment, version - 1)
+        merge = s.scalar(select(Merge).where(Merge.run_id == cfg.name, Merge.fragment == fragment, Merge.version == version))
+        detail = json.loads(merge.detail_json)
+        subs = {sb.id: sb for sb in s.scalars(select(Submission).where(Submission.id.in_([m["submission"] for m in detail["members"]])))}
+    params = store.get(prev.blob_key, prev.sha256)
+    momentum = momentum_from_blob(store.get(prev.state_key, prev.state_sha256))
+    names = list(params)
+    vectors, weights = [], []
+    for m in detail["members"]:
+        sb = subs[m["submission"]]
+        tensors, meta = store.get_with_metadata(sb.blob_key, sb.sha256)
+        vectors.append(flatten(decode_delta(tensors, meta), names))
+        weights.append(m["weight"])
+    grad = merge_vectors(vectors, weights, detail["method"]) * detail["participation_scale"]
+    return outer_step(params, unflatten(grad, params, names), momentum, lr=cfg.outer.lr, beta=cfg.outer.momentum)
+
+
+def test_synchronizer_killed_mid_merge_standby_resumes_exactly(tmp_path):
+    run = ProcessRun(tmp_path, process_config("failover"))
+    P = run.cfg.fragments.count
+    try:
+        # Its first P publishes are version 0; the (P + 3)-th is its third merge.
+        run.synchronizer("sync-a", faults=f"sync.before_commit:{P + 3}")
+        wait_for(lambda: v0_published(run), 120, "version 0")
+        run.synchronizer("sync-b")
+        run.learner("us-0")
+        run.learner("us-1")
+        wait_for(lambda: run.fault_reached("sync.before_commit"), 180, "sync-a to stop mid-merge")
+        killed_at = time.time()
+        run.kill("sync-a")
+
+        def published_by_b():
+            with run.ctx.transaction() as s:
+                return s.scalar(
+                    select(FragmentVersion)
+                    .where(FragmentVersion.run_id == "failover", FragmentVersion.synchronizer == "sync-b")
+                    .order_by(FragmentVersion.created_at)
+                    .limit(1)
+                )
+
+        first_b = wait_for(published_by_b, 60, "the standby to publish")
+        failover_s = first_b.created_at.timestamp() - killed_at
+        assert failover_s < 5.0, f"failover took {failover_s:.1f}s"
+        # Let sync-b merge a few more, with the learners still going.
+        wait_for(lambda: len(_versions_by(run, "sync-b")) >= 2 * P, 120, "more merges by the standby")
+        with run.ctx.transaction() as s:
+            versions = s.execute(select(FragmentVersion.fragment, FragmentVersion.version, FragmentVersion.lease_token)
+                                 .where(FragmentVersion.run_id == "failover")).all()
+            merged = s.execute(select(Submission.id, Submission.merged_version, Submission.fragment)
+                               .where(Submission.run_id == "failover", Submission.status == "merged")).all()
+            merges = list(s.scalars(select(Merge).where(Merge.run_id == "failover")))
+        for p in range(P):
+            vs = sorted(v for f, v, _ in versions if f == p)
+            assert vs == list(range(len(vs))), f"fragment {p} versions are not dense: {vs}"
+        listed = [m["submission"] for mg in merges for m in json.loads(mg.detail_json)["members"]]
+        assert len(listed) == len(set(listed)), "a submission was merged twice"
+        by_id = {sid: (v, f) for sid, v, f in merged}
+        for mg in merges:
+            for m in json.loads(mg.detail_json)["members"]:
+                assert by_id[m["submission"]] == (mg.version, mg.fragment)
+        assert {t for _, _, t in versions if t > 1}, "the standby should publish with a newer fencing token"
+        # The standby's first merge continues from the persisted momentum exactly.
+        params, momentum = recompute_version(run, first_b.fragment, first_b.version)
+        store = FragmentStore(run.cfg.storage.url)
+        got = store.get(first_b.blob_key, first_b.sha256)
+        got_m = momentum_from_blob(store.get(first_b.state_key, first_b.state_sha256))
+        for n in params:
+            torch.testing.assert_close(got[n], params[n], rtol=0, atol=1e-6)
+            torch.testing.assert_close(got_m[n], momentum[n], rtol=0, atol=1e-6)
+    finally:
+        run.stop_all()
+
+
+def _versions_by(run: ProcessRun, holder: str) -> list:
+    with run.ctx.transaction() as s:
+        return list(s.scalars(select(FragmentVersion.version).where(FragmentVersion.run_id == run.cfg.name, FragmentVersion.synchronizer == holder)))
