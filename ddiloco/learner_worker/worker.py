@@ -18,8 +18,9 @@ from ddiloco.platform.compression import encode_delta
 from ddiloco.platform.data import build_dataset
 from ddiloco.platform.faults import fault_point
 from ddiloco.platform.fragments import due_fragments, partition_module
-from ddiloco.platform.ids import submission_key
+from ddiloco.platform.ids import learner_state_key, submission_key
 from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger.models import Learner as LearnerRow
 from ddiloco.platform.models import build_model, compute_loss
 from ddiloco.platform.run_state import read_version
 from ddiloco.platform.runtime import RunContext, ledger_retry, to_datetime
@@ -103,7 +104,7 @@ class Learner:
         self._last_heartbeat: float | None = None
         self._lock = threading.Condition()
         self._inbox: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
-        self._outbox: queue.Queue[Outgoing | None] = queue.Queue()
+        self._outbox: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.run_finished = False
@@ -118,6 +119,10 @@ class Learner:
         with self.ctx.transaction() as s:
             q.require_run(s, self.ctx.run_id)
             self.incarnation = q.register_learner(s, self.ctx.run_id, self.id, self.region, to_datetime(now))
+            saved = s.get(LearnerRow, (self.ctx.run_id, self.id))
+            saved_state = (saved.optimizer_state_key, saved.optimizer_state_sha256) if saved else (None, None)
+        if saved_state[0] and saved_state[1] and self.incarnation > 0:
+            self.load_optimizer_state(*saved_state)
         self._batches = self.dataset.train_batches(
             self.index, self.num_learners, self.cfg.learners.batch_size, seed=self.cfg.seed * 1_000_003 + self.incarnation
         )
@@ -203,6 +208,9 @@ class Learner:
         for p in due_fragments(self.step_count, len(self.fragments), self.period):
             self.send(p, now)
             sent.append(p)
+        every = self.cfg.learners.save_optimizer_every
+        if every and self.step_count % every == 0:
+            self._queue(("optimizer", self.optimizer_state_tensors(), self.step_count))
         if not self.background_io:
             self.heartbeat(now)
         return StepReport(self.step_count, loss, tokens, submitted=sent, received=received)
@@ -212,25 +220,63 @@ class Learner:
         frag = self.fragments[fragment]
         with torch.no_grad():
             delta = {n: (self.snapshot[fragment][n] - self.params[n].detach()).clone() for n in frag.names}
+        with self._lock:
+            tokens_new, self._tokens_unsubmitted = self._tokens_unsubmitted, 0
         out = Outgoing(
             fragment=fragment,
             base_version=self.base[fragment],
             delta=delta,
             c_steps=self.c_steps[fragment],
             c_tokens=self.c_tokens[fragment],
-            tokens_new=self._tokens_unsubmitted,  # read and reset under the lock below
+            tokens_new=tokens_new,
             tokens_total=self.tokens_total,
             step=self.step_count,
             created_at=now,
         )
-        with self._lock:
-            self._tokens_unsubmitted = 0
         if self.cfg.fragments.overlap == 0:
             self.awaiting.add(fragment)
+        self._queue(out)
+
+    def _queue(self, item) -> None:  # noqa: ANN001 - an Outgoing or an ("optimizer", tensors, step) tuple
         if self.background_io:
-            self._outbox.put(out)
+            self._outbox.put(item)
+        elif isinstance(item, Outgoing):
+            self.upload(item)
         else:
-            self.upload(out)
+            self.save_optimizer_state(item[1], item[2])
+
+    # --- optimizer state ------------------------------------------------------------------------
+
+    def optimizer_state_tensors(self) -> dict[str, torch.Tensor]:
+        """AdamW's per-parameter state as named tensors (safetensors, not pickle)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = {}
+        for p, st in self.optimizer.state.items():
+            for key, value in st.items():
+                if torch.is_tensor(value):
+                    out[f"{names[id(p)]}::{key}"] = value.detach().clone()
+        return out
+
+    def save_optimizer_state(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+        store = self.ctx.store(self.region)
+        blob = store.put(learner_state_key(self.ctx.run_id, self.id, f"optim-i{self.incarnation}-s{step}"), tensors)
+        with self.ctx.transaction() as s:
+            old = q.set_optimizer_state(s, self.ctx.run_id, self.id, blob.key, blob.sha256)
+        if old and old != blob.key:
+            store.delete(old)
+
+    def load_optimizer_state(self, key: str, sha256: str) -> bool:
+        """Resume AdamW from a saved state; False (and a fresh optimizer) if it cannot be read."""
+        try:
+            tensors = self.ctx.store(self.region).get(key, sha256)
+        except StoreError as err:
+            log.warning("optimizer state %s unreadable (%s): starting AdamW afresh", key, err)
+            return False
+        for name, p in self.model.named_parameters():
+            st = {k.split("::", 1)[1]: v for k, v in tensors.items() if k.split("::", 1)[0] == name}
+            if st:
+                self.optimizer.state[p] = st
+        return True
 
     def upload(self, out: Outgoing) -> None:
         """Write the blob, then register the submission: a row never points to a missing blob."""
@@ -352,6 +398,12 @@ class Learner:
             out = self._outbox.get()
             if out is None:
                 return
+            if not isinstance(out, Outgoing):
+                try:
+                    self.save_optimizer_state(out[1], out[2])
+                except Exception:  # noqa: BLE001 - a missed save only costs a colder restart
+                    log.exception("saving the optimizer state failed")
+                continue
             try:
                 self.upload(out)
             except Exception:  # noqa: BLE001 - the tokens go back to the next submission

@@ -117,6 +117,8 @@ class LearnersConfig(_Section):
     """A live learner whose step time exceeds this multiple of the median straggles."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     torch_threads: int = Field(1, ge=1)
+    save_optimizer_every: int = Field(200, ge=0)
+    """Inner steps between saves of a learner's AdamW state (a restart resumes it); 0 disables."""
 
     @model_validator(mode="after")
     def _check(self) -> "LearnersConfig":

@@ -70,8 +70,8 @@ def run_summary(session: Session, run_id: str, now: datetime, *, tokens_per_step
     merged_times = list(
         session.scalars(select(FragmentVersion.created_at).where(FragmentVersion.run_id == run_id, FragmentVersion.version > 0))
     )
-    first_v0 = session.scalar(select(func.min(FragmentVersion.created_at)).where(FragmentVersion.run_id == run_id))
-    gap = longest_gap_s(merged_times, first_v0, end) if first_v0 is not None else 0.0
+    # Downtime is counted from the first merge: before it, learners are still starting up.
+    gap = longest_gap_s(merged_times, min(merged_times), end) if merged_times else 0.0
     bytes_sent = int(session.scalar(select(func.coalesce(func.sum(Submission.nbytes), 0)).where(Submission.run_id == run_id)) or 0)
     reasons = Counter(
         _reason_class(r)

@@ -33,6 +33,8 @@ from ddiloco.synchronizer.outer import momentum_from_blob, momentum_to_blob, out
 
 log = logging.getLogger("ddiloco.synchronizer")
 
+STATUS_EVERY_S = 1.0
+"""How often learner statuses (alive, straggling, dead) are recomputed from heartbeats."""
 NORM_HISTORY = 8
 """Recently merged norms an outlier is judged against: short, because norms grow during warm-up."""
 
@@ -71,6 +73,8 @@ class Synchronizer:
         self.eval_every_s = self.cfg.synchronizer.eval_every_s if evaluate_every_s is None else evaluate_every_s
         self._last_eval: float | None = None
         self._registered = False
+        self._bootstrapped = False
+        self._last_status = -math.inf
         self._last_gc: float = -math.inf
         self._dataset = None
         self._plain_mean = {
@@ -101,7 +105,8 @@ class Synchronizer:
         if token != self.token:
             log.info("%s holds the lease with token %s", self.holder, token)
             self.token = token
-            self.state.clear()  # someone else may have published since we last held it
+            self.state.clear()
+            self._bootstrapped = False  # someone else may have published since we last held it
         return True
 
     def _bootstrap(self, now: float) -> None:
@@ -180,20 +185,27 @@ class Synchronizer:
         if not self._acquire(now):
             return PollResult(role="standby")
         run_id = self.ctx.run_id
-        with self.ctx.transaction() as s:
-            have_versions = q.latest_version_numbers(s, run_id)
-        if len(have_versions) < len(self.layout.fragments):
-            self._bootstrap(now)
+        if not self._bootstrapped:
+            with self.ctx.transaction() as s:
+                have_versions = q.latest_version_numbers(s, run_id)
+            if len(have_versions) < len(self.layout.fragments):
+                self._bootstrap(now)
+            self._bootstrapped = True
         result = PollResult(role="active")
         lcfg = self.cfg.learners
         with self.ctx.transaction() as s:
             now_dt = to_datetime(now)
-            q.update_learner_statuses(s, run_id, now_dt, dead_after_s=lcfg.dead_after_s, straggler_factor=lcfg.straggler_factor)
-            live = q.live_learner_ids(s, run_id, now_dt, lcfg.dead_after_s)
-            step_s = q.median_step_time(s, run_id, now_dt, lcfg.dead_after_s)
+            if now - self._last_status >= STATUS_EVERY_S:
+                self._last_status = now
+                q.update_learner_statuses(s, run_id, now_dt, dead_after_s=lcfg.dead_after_s, straggler_factor=lcfg.straggler_factor)
+            rows = q.learners(s, run_id)
             pending = q.pending_submissions(s, run_id)
             latest = q.latest_versions(s, run_id)
-            regions = {l.id: l.region for l in q.learners(s, run_id)}
+        regions = {r.id: r.region for r in rows}
+        live_rows = [r for r in rows if r.last_heartbeat_at is not None and (now_dt - r.last_heartbeat_at).total_seconds() <= lcfg.dead_after_s]
+        live = [r.id for r in live_rows]
+        step_times = sorted(r.step_time_s for r in live_rows if r.step_time_s > 0)
+        step_s = step_times[len(step_times) // 2] if step_times else None
         if step_s is not None:
             self.stats = pol.TimingStats(step_s=step_s, quorum_s=self.stats.quorum_s, sync_s=self.stats.sync_s)
         by_fragment: dict[int, list[Submission]] = defaultdict(list)
