@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ddiloco.platform.config import ConfigError, RunConfig, load_config
+from ddiloco.simulator.command import simulate_command
 
 app = typer.Typer(help="Decoupled DiLoCo pre-training: learners, synchronizer, demo and tools.", no_args_is_help=True)
 ledger_app = typer.Typer(help="The SQL ledger.", no_args_is_help=True)
@@ -121,7 +122,7 @@ def learner(
 def synchronizer(
     config: Optional[Path] = ConfigOpt,
     run: Optional[str] = typer.Option(None, "--run", help="Run id; defaults to the config's name."),
-    holder: Optional[str] = typer.Option(None, help="Name in the lease; unique per process by default."),
+    label: str = typer.Option("sync", "--label", "--holder", help="Label in the lease holder name (label@host:pid)."),
     verbose: bool = False,
 ) -> None:
     """Run a synchronizer: active while it holds the run's lease, a hot standby otherwise."""
@@ -129,7 +130,7 @@ def synchronizer(
 
     _setup_logging(verbose)
     cfg = _config(config)
-    run_synchronizer(cfg, run or cfg.name, holder)
+    run_synchronizer(cfg, run or cfg.name, label)
 
 
 @app.command("summary")
@@ -184,6 +185,21 @@ def demo(
         console.print(f"summary written to {summary_json}")
 
 
+@app.command("deploy")
+def deploy_command(
+    config: Optional[Path] = ConfigOpt,
+    cron: Optional[str] = typer.Option(None, help="Cron schedule for the training-run deployment, e.g. '0 3 * * *'."),
+    pool_type: str = typer.Option("process", help="Work pool type for the region pools (process, kubernetes, ecs, cloud-run)."),
+) -> None:
+    """Create one work pool per region and the learner, synchronizer and training-run deployments (PREFECT_API_URL)."""
+    from ddiloco.flows.deploy import deploy
+
+    plan = deploy(_config(config), cron=cron, pool_type=pool_type)
+    console.print(f"work pools: {', '.join(plan.pools)}")
+    console.print(f"deployments: {', '.join(plan.deployments)}")
+    console.print("start one worker per region: prefect worker start --pool region-<name>")
+
+
 def _redact(url: str) -> str:
     """Hide a password in a URL before printing it."""
     from sqlalchemy.engine import make_url
@@ -194,15 +210,7 @@ def _redact(url: str) -> str:
         return url
 
 
-def _register_optional_commands() -> None:
-    try:
-        from ddiloco.simulator.command import simulate_command
-    except ImportError:
-        return
-    app.command("simulate", help="Goodput of data-parallel vs Decoupled DiLoCo at scale, under chip failures.")(simulate_command)
-
-
-_register_optional_commands()
+app.command("simulate", help="Goodput of data-parallel vs Decoupled DiLoCo at scale, under chip failures.")(simulate_command)
 
 
 if __name__ == "__main__":
