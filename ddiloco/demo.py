@@ -1,31 +1,34 @@
 """``ddiloco demo``: a real multi-process run on embedded defaults, with real failures.
 
-A synchronizer and a hot standby, learners in two regions (one 2x slower), a SQLite ledger and
-a local fragment store under ``./ddiloco-runs/``. The chaos schedule SIGKILLs a learner and
-restarts it later, and SIGKILLs the active synchronizer once; the run keeps going throughout."""
+The ``training-run`` Prefect flow (local ephemeral mode, no server to start) launches a
+synchronizer, a hot standby and learners in two regions (one 2x slower) as OS processes, on a
+SQLite ledger and a local fragment store under ``./ddiloco-runs/``. The chaos schedule SIGKILLs a
+learner (the supervisor relaunches it later) and the active synchronizer (the standby takes over)."""
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
+import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ddiloco.platform.config import ChaosEvent, RunConfig, build_config
 from ddiloco.platform.ledger import queries as q
-from ddiloco.platform.runtime import RunContext, to_datetime
+from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.summary import RunSummary, run_summary
 
-STOP_TIMEOUT_S = 60.0
-"""How long processes get to finish their uploads and the final merge after the run ends."""
+PREFECT_DEFAULTS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    # The temporary server takes ~16 s to start on 2 busy cores; the 20 s default is too tight.
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+}
+NOTEWORTHY = {"chaos", "learner_relaunched", "learner_restarted", "learner_dead", "lease_acquired", "synchronizer_launched"}
 
 
 @dataclass
@@ -61,160 +64,86 @@ def demo_config(opts: DemoOptions, run_id: str) -> RunConfig:
     if opts.chaos and not cfg.chaos.events:
         victim = cfg.learners.learner_ids()[min(1, cfg.learners.count - 1)][0]
         cfg.chaos.events = [
-            ChaosEvent(at_s=0.30 * opts.seconds, action="kill_learner", target=victim),
+            # Killed at 30% and kept down for 20% of the run before the supervisor relaunches it.
+            ChaosEvent(at_s=0.30 * opts.seconds, action="kill_learner", target=victim, duration_s=0.20 * opts.seconds),
             ChaosEvent(at_s=0.45 * opts.seconds, action="kill_synchronizer"),
-            ChaosEvent(at_s=0.55 * opts.seconds, action="restart_learner", target=victim),
         ]
     if not opts.chaos:
         cfg.chaos.events = []
     return cfg
 
 
-@dataclass
-class Cluster:
-    """The demo's processes, by name."""
-
-    cfg: RunConfig
-    run_id: str
-    config_path: Path
-    logdir: Path
-    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
-    events: list[str] = field(default_factory=list)
-
-    def _spawn(self, name: str, args: list[str]) -> None:
-        log = open(self.logdir / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "ddiloco", *args, "--config", str(self.config_path), "--run", self.run_id],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-
-    def start_synchronizer(self, name: str) -> None:
-        self._spawn(name, ["synchronizer", "--holder", name])
-
-    def start_learner(self, lid: str) -> None:
-        self._spawn(lid, ["learner", "--learner", lid])
-
-    def kill(self, name: str) -> None:
-        proc = self.procs.get(name)
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=10)
-
-    def stop_all(self, timeout_s: float) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-
-
-def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.2) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(interval_s)
-
-
 def run_demo(opts: DemoOptions, console: Console | None = None) -> RunSummary:
+    """Run the ``training-run`` flow in Prefect's local ephemeral mode, showing progress from the ledger."""
     console = console or Console()
+    for key, value in PREFECT_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    from ddiloco.flows.training import training_run
+
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
     cfg = demo_config(opts, run_id)
     rundir = (opts.workdir / run_id).resolve()
-    logdir = rundir / "logs"
-    logdir.mkdir(parents=True, exist_ok=True)
-    config_path = rundir / "config.yaml"
-    config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    console.print(
+        f"[bold]ddiloco demo[/bold] run [cyan]{run_id}[/cyan]: {cfg.learners.count} learners in "
+        f"{len(cfg.learners.regions)} regions, {cfg.fragments.count} fragments, {cfg.compression.codec} outer gradients"
+    )
+    console.print(f"ledger, store and process logs under {rundir}")
+    result: dict = {}
+    failure: list[BaseException] = []
+
+    def _run() -> None:
+        try:
+            result.update(training_run(config=cfg, run_id=run_id, launcher="local", seconds=opts.seconds, workdir=str(opts.workdir)))
+        except BaseException as err:  # noqa: BLE001 - re-raised in the main thread
+            failure.append(err)
+
+    thread = threading.Thread(target=_run, name="training-run", daemon=True)
+    thread.start()
+    _show_progress(cfg, run_id, opts.seconds, thread, console)
+    thread.join()
+    if failure:
+        raise failure[0]
     ctx = RunContext.open(cfg, run_id)
-    cluster = Cluster(cfg, run_id, config_path, logdir)
-    console.print(f"[bold]ddiloco demo[/bold] run [cyan]{run_id}[/cyan]: {cfg.learners.count} learners in "
-                  f"{len(cfg.learners.regions)} regions, {cfg.fragments.count} fragments, {cfg.compression.codec} outer gradients")
-    console.print(f"ledger and store under {rundir}; process logs in {logdir}")
-    cluster.start_synchronizer("sync-a")
-
-    def versions_ready() -> bool:
-        with ctx.transaction() as s:
-            return len(q.latest_version_numbers(s, run_id)) == cfg.fragments.count
-
-    try:
-        _wait_for(versions_ready, 120, "the synchronizer to publish version 0")
-        cluster.start_synchronizer("sync-b")
-        for lid, _, _ in cfg.learners.learner_ids():
-            cluster.start_learner(lid)
-        _drive(cluster, ctx, opts.seconds, console)
-        with ctx.transaction() as s:
-            q.set_run_status(s, run_id, "finished", ctx.now_dt())
-        cluster.stop_all(STOP_TIMEOUT_S)
-        # A last pass in this process merges whatever the stopped learners left pending.
-        from ddiloco.synchronizer.service import Synchronizer
-
-        final = Synchronizer(ctx, holder="demo-final")
-        _wait_for(lambda: final.poll_once(drain=True).role == "active", cfg.synchronizer.lease_ttl_s * 4, "the lease for the final merge")
-        final.evaluate_now(ctx.now())
-    finally:
-        cluster.stop_all(5.0)
     with ctx.transaction() as s:
-        result = run_summary(s, run_id, ctx.now_dt())
-    console.print(summary_table(result))
-    return result
+        summary = run_summary(s, run_id, ctx.now_dt())
+    console.print(summary_table(summary))
+    return summary
 
 
-def _drive(cluster: Cluster, ctx: RunContext, seconds: float, console: Console) -> None:
-    """Run the chaos schedule and show progress until the time is up."""
-    cfg = cluster.cfg
-    run_id = cluster.run_id
-    pending = sorted(cfg.chaos.events, key=lambda e: e.at_s)
-    t0 = time.monotonic()
-    standby_names = iter(f"sync-{c}" for c in "cdefghijklmnopqrstuvwxyz")
+def _show_progress(cfg: RunConfig, run_id: str, seconds: float, thread: threading.Thread, console: Console) -> None:
+    """A progress bar fed from the ledger (the flow runs in another thread)."""
+    ctx = RunContext.open(cfg, run_id)
+    shown_events: set[int] = set()
+    started: float | None = None
     with Progress(
-        TextColumn("[bold]training"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),
-        TextColumn("{task.fields[status]}"), console=console, transient=False,
+        TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"), console=console,
     ) as progress:
-        task = progress.add_task("run", total=seconds, status="")
-        while (elapsed := time.monotonic() - t0) < seconds:
-            while pending and pending[0].at_s <= elapsed:
-                event = pending.pop(0)
-                _apply_chaos(cluster, ctx, event, standby_names, console)
-            with ctx.transaction() as s:
-                versions = sum(q.latest_version_numbers(s, run_id).values())
-                evals = q.evaluations(s, run_id)
-                acct = q.token_accounting(s, run_id)
+        task = progress.add_task("starting", total=seconds, status="starting Prefect and the processes…")
+        while thread.is_alive():
+            thread.join(timeout=1.0)
+            try:
+                with ctx.transaction() as s:
+                    if q.get_run(s, run_id) is None:
+                        continue
+                    versions = q.latest_version_numbers(s, run_id)
+                    evals = q.evaluations(s, run_id)
+                    acct = q.token_accounting(s, run_id)
+                    events = [e for e in q.events(s, run_id, limit=50) if e.kind in NOTEWORTHY and e.id not in shown_events]
+            except Exception:  # noqa: BLE001 - the ledger may not exist for the first second
+                continue
+            for e in reversed(events):
+                shown_events.add(e.id)
+                progress.console.log(f"[yellow]{e.kind}[/yellow] {e.actor or ''} {e.detail}")
+            if acct.trained and started is None:
+                started = time.monotonic()
+            elapsed = 0.0 if started is None else time.monotonic() - started
             loss = f"{evals[-1].val_loss:.3f}" if evals else "-"
-            progress.update(task, completed=elapsed, status=f"versions {versions}  tokens {acct.trained:,}  val loss {loss}")
-            time.sleep(1.0)
-        progress.update(task, completed=seconds)
-
-
-def _apply_chaos(cluster: Cluster, ctx: RunContext, event: ChaosEvent, standby_names, console: Console) -> None:
-    now = ctx.now_dt()
-    if event.action == "kill_learner" and event.target:
-        cluster.kill(event.target)
-        detail = f"SIGKILL learner {event.target}"
-    elif event.action == "restart_learner" and event.target:
-        cluster.start_learner(event.target)
-        detail = f"restarted learner {event.target}"
-    elif event.action == "kill_synchronizer":
-        with ctx.transaction() as s:
-            lease = q.current_lease(s, cluster.run_id)
-        holder = event.target or (lease.holder if lease else None)
-        if holder is None or holder not in cluster.procs:
-            return
-        cluster.kill(holder)
-        # Keep a hot standby around for the next failure.
-        cluster.start_synchronizer(next(standby_names))
-        detail = f"SIGKILL active synchronizer {holder}"
-    else:
-        return
-    with ctx.transaction() as s:
-        q.record_event(s, cluster.run_id, "chaos", "demo", detail, now)
-    console.log(f"[yellow]chaos:[/yellow] {detail}")
+            progress.update(
+                task, description="training" if started else "starting", completed=min(elapsed, seconds),
+                status=f"versions {sum(versions.values())}  tokens {acct.trained:,}  val loss {loss}",
+            )
+        progress.update(task, description="done", completed=seconds)
 
 
 def summary_table(result: RunSummary) -> Table:

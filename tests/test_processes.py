@@ -117,7 +117,7 @@ def test_synchronizer_killed_mid_merge_standby_resumes_exactly(tmp_path):
             with run.ctx.transaction() as s:
                 return s.scalar(
                     select(FragmentVersion)
-                    .where(FragmentVersion.run_id == "failover", FragmentVersion.synchronizer == "sync-b")
+                    .where(FragmentVersion.run_id == "failover", FragmentVersion.synchronizer.like("sync-b@%"))
                     .order_by(FragmentVersion.created_at)
                     .limit(1)
                 )
@@ -157,4 +157,4 @@ def test_synchronizer_killed_mid_merge_standby_resumes_exactly(tmp_path):
 
 def _versions_by(run: ProcessRun, holder: str) -> list:
     with run.ctx.transaction() as s:
-        return list(s.scalars(select(FragmentVersion.version).where(FragmentVersion.run_id == run.cfg.name, FragmentVersion.synchronizer == holder)))
+        return list(s.scalars(select(FragmentVersion.version).where(FragmentVersion.run_id == run.cfg.name, FragmentVersion.synchronizer.like(f"{holder}@%"))))

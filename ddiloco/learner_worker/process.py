@@ -25,7 +25,15 @@ def resolve_learner(cfg: RunConfig, learner_id: str) -> tuple[int, str, float]:
     raise ConfigError(f"learner {learner_id!r} is not in learners.regions of the config; known learners: {known}")
 
 
-def run_learner(cfg: RunConfig, run_id: str, learner_id: str, *, max_steps: int | None = None, ready_timeout_s: float = 300.0) -> Learner:
+def run_learner(
+    cfg: RunConfig,
+    run_id: str,
+    learner_id: str,
+    *,
+    max_steps: int | None = None,
+    ready_timeout_s: float = 300.0,
+    flow_run_url: str | None = None,
+) -> Learner:
     index, region, speed = resolve_learner(cfg, learner_id)
     torch.set_num_threads(cfg.learners.torch_threads)
     stop = threading.Event()
@@ -34,10 +42,13 @@ def run_learner(cfg: RunConfig, run_id: str, learner_id: str, *, max_steps: int 
         log.info("learner %s got signal %s: finishing uploads and stopping", learner_id, signum)
         stop.set()
 
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_signal)
+        signal.signal(signal.SIGINT, _on_signal)
     ctx = RunContext.open(cfg, run_id)
-    learner = Learner(ctx, learner_id, region, index=index, num_learners=cfg.learners.count, speed=speed)
+    learner = Learner(
+        ctx, learner_id, region, index=index, num_learners=cfg.learners.count, speed=speed, flow_run_url=flow_run_url
+    )
     learner.wait_until_ready(ready_timeout_s)
     log.info("learner %s (incarnation %s) joined run %s in region %s", learner_id, learner.incarnation, run_id, region)
     try:

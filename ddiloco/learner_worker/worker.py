@@ -7,7 +7,9 @@ that have already arrived."""
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -67,8 +69,10 @@ class Learner:
         num_learners: int,
         speed: float = 1.0,
         background_io: bool = True,
+        flow_run_url: str | None = None,
     ) -> None:
         self.ctx = ctx
+        self.flow_run_url = flow_run_url
         self.cfg = cfg = ctx.cfg
         self.id = learner_id
         self.region = region
@@ -118,7 +122,10 @@ class Learner:
         now = self.ctx.now() if now is None else now
         with self.ctx.transaction() as s:
             q.require_run(s, self.ctx.run_id)
-            self.incarnation = q.register_learner(s, self.ctx.run_id, self.id, self.region, to_datetime(now))
+            self.incarnation = q.register_learner(
+                s, self.ctx.run_id, self.id, self.region, to_datetime(now),
+                host=socket.gethostname(), pid=os.getpid(), flow_run_url=self.flow_run_url,
+            )
             saved = s.get(LearnerRow, (self.ctx.run_id, self.id))
             saved_state = (saved.optimizer_state_key, saved.optimizer_state_sha256) if saved else (None, None)
         if saved_state[0] and saved_state[1] and self.incarnation > 0:

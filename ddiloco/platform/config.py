@@ -113,6 +113,8 @@ class LearnersConfig(_Section):
     """How often a learner looks in the ledger for newer global versions."""
     dead_after_s: float = Field(10.0, gt=0)
     """A learner with no heartbeat for this long is declared dead."""
+    startup_grace_s: float = Field(120.0, gt=0)
+    """A supervisor gives a (re)started learner this long to send its first heartbeat."""
     straggler_factor: float = Field(2.0, gt=1)
     """A live learner whose step time exceeds this multiple of the median straggles."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -253,14 +255,21 @@ class SynchronizerConfig(_Section):
 
 class ChaosEvent(_Section):
     at_s: float = Field(ge=0)
-    action: Literal["kill_learner", "restart_learner", "pause_learner", "resume_learner", "kill_synchronizer"]
+    """Seconds after the run starts."""
+    action: Literal["kill_learner", "restart_learner", "pause_learner", "resume_learner", "slow_learner", "kill_synchronizer"]
     target: str | None = None
     """Learner id for learner actions; the active synchronizer when unset."""
+    duration_s: float = Field(0.0, ge=0)
+    """pause_learner / slow_learner: how long; 0 means until a resume_learner event."""
+    slowdown: float = Field(2.0, gt=1)
+    """slow_learner: the learner runs this many times slower (SIGSTOP/SIGCONT duty cycle)."""
 
 
 class ChaosConfig(_Section):
     seed: int = 0
     events: list[ChaosEvent] = Field(default_factory=list)
+    random_events: int = Field(0, ge=0)
+    """When no events are listed, draw this many kill / pause / slow events from ``seed``."""
 
 
 class RunConfig(BaseSettings):

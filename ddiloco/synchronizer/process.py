@@ -10,12 +10,13 @@ import torch
 
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.runtime import RunContext
-from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.synchronizer.service import Synchronizer, holder_name
 
 log = logging.getLogger("ddiloco.synchronizer")
 
 
-def run_synchronizer(cfg: RunConfig, run_id: str, holder: str | None = None) -> Synchronizer:
+def run_synchronizer(cfg: RunConfig, run_id: str, label: str = "sync") -> Synchronizer:
+    """Run until stopped; ``label`` names it in the lease (as ``label@host:pid``)."""
     torch.set_num_threads(1)
     stop = threading.Event()
 
@@ -23,9 +24,10 @@ def run_synchronizer(cfg: RunConfig, run_id: str, holder: str | None = None) -> 
         log.info("synchronizer got signal %s: stopping", signum)
         stop.set()
 
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
-    sync = Synchronizer(RunContext.open(cfg, run_id), holder=holder)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_signal)
+        signal.signal(signal.SIGINT, _on_signal)
+    sync = Synchronizer(RunContext.open(cfg, run_id), holder=holder_name(label))
     log.info("synchronizer %s started for run %s", sync.holder, run_id)
     sync.run(stop)
     return sync

@@ -57,15 +57,25 @@ class PollResult:
     rejected: int = 0
 
 
-def default_holder() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+def holder_name(label: str = "sync") -> str:
+    """``label@host:pid``: unique per process, and tells a supervisor where the holder runs."""
+    return f"{label}@{socket.gethostname()}:{os.getpid()}"
+
+
+def parse_holder(holder: str) -> tuple[str, str, int] | None:
+    """(label, host, pid) of a holder name made by holder_name, else None."""
+    label, at, where = holder.rpartition("@")
+    host, colon, pid = where.rpartition(":")
+    if not at or not colon or not pid.isdigit():
+        return None
+    return label, host, int(pid)
 
 
 class Synchronizer:
     def __init__(self, ctx: RunContext, holder: str | None = None, *, evaluate_every_s: float | None = None) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg
-        self.holder = holder or default_holder()
+        self.holder = holder or holder_name()
         self.token: int | None = None
         self.layout: Layout = build_layout(ctx)
         self.state: dict[int, FragmentState] = {}

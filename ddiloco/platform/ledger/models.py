@@ -112,6 +112,9 @@ class Learner(Base):
     optimizer_state_key: Mapped[str | None] = mapped_column(Text, nullable=True)
     optimizer_state_sha256: Mapped[str | None] = mapped_column(String(64), nullable=True)
     flow_run_url: Mapped[str | None] = mapped_column(Text, nullable=True)
+    host: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    """Where the current incarnation runs (with pid): lets a supervisor or chaos tool signal it."""
+    pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Heartbeat(Base):

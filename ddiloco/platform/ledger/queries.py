@@ -142,11 +142,25 @@ def fragment_specs(session: Session, run_id: str) -> dict[int, list[Any]]:
 # --- learners and heartbeats --------------------------------------------------------------------
 
 
-def register_learner(session: Session, run_id: str, learner_id: str, region: str, now: datetime) -> int:
+def register_learner(
+    session: Session,
+    run_id: str,
+    learner_id: str,
+    region: str,
+    now: datetime,
+    *,
+    host: str | None = None,
+    pid: int | None = None,
+    flow_run_url: str | None = None,
+) -> int:
     """Start a new incarnation of a learner and return its number (0 for the first start).
 
     The previous incarnation's unsubmitted tokens are recorded as lost."""
     learner = session.get(Learner, (run_id, learner_id), with_for_update=True)
+    if learner is not None:
+        learner.host, learner.pid = host, pid
+        if flow_run_url:
+            learner.flow_run_url = flow_run_url
     if learner is None:
         session.add(
             Learner(
@@ -166,6 +180,9 @@ def register_learner(session: Session, run_id: str, learner_id: str, region: str
                 inc_tokens_trained=0,
                 inc_tokens_submitted=0,
                 busy_s=0.0,
+                host=host,
+                pid=pid,
+                flow_run_url=flow_run_url,
             )
         )
         session.flush()

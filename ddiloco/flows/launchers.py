@@ -1,0 +1,144 @@
+"""How a training run starts its learners and synchronizers: local subprocesses, or Prefect
+deployment runs in each region's work pool. The supervisor only sees this narrow port."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from ddiloco.platform.config import RunConfig
+
+LEARNER_DEPLOYMENT = "ddiloco-learner/learner-{region}"
+SYNCHRONIZER_DEPLOYMENT = "ddiloco-synchronizer/synchronizer"
+FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED", "CANCELLING"}
+
+
+@dataclass
+class Handle:
+    name: str
+    started_at: float
+    process: subprocess.Popen | None = None
+    flow_run_id: str | None = None
+
+
+class Launcher(Protocol):
+    def start_learner(self, learner_id: str, region: str) -> Handle: ...
+
+    def start_synchronizer(self, label: str) -> Handle: ...
+
+    def is_running(self, handle: Handle) -> bool: ...
+
+    def stop(self, handle: Handle, *, kill: bool = False) -> None: ...
+
+    def close(self, timeout_s: float) -> None: ...
+
+
+class SubprocessLauncher:
+    """Every process on this machine: the embedded default and ``ddiloco demo``."""
+
+    def __init__(self, config_path: Path, run_id: str, logdir: Path) -> None:
+        self.config_path = config_path
+        self.run_id = run_id
+        self.logdir = logdir
+        logdir.mkdir(parents=True, exist_ok=True)
+        self.handles: list[Handle] = []
+
+    def _spawn(self, name: str, args: list[str]) -> Handle:
+        log = open(self.logdir / f"{name}.log", "ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ddiloco", *args, "--config", str(self.config_path), "--run", self.run_id],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        handle = Handle(name=name, started_at=time.time(), process=proc)
+        self.handles.append(handle)
+        return handle
+
+    def start_learner(self, learner_id: str, region: str) -> Handle:
+        return self._spawn(learner_id, ["learner", "--learner", learner_id])
+
+    def start_synchronizer(self, label: str) -> Handle:
+        return self._spawn(label, ["synchronizer", "--label", label])
+
+    def is_running(self, handle: Handle) -> bool:
+        return handle.process is not None and handle.process.poll() is None
+
+    def stop(self, handle: Handle, *, kill: bool = False) -> None:
+        if self.is_running(handle):
+            handle.process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+
+    def close(self, timeout_s: float) -> None:
+        """Ask every process to stop (SIGTERM: learners finish their uploads), then kill stragglers."""
+        for h in self.handles:
+            self.stop(h)
+        deadline = time.monotonic() + timeout_s
+        for h in self.handles:
+            try:
+                h.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                h.process.kill()
+                h.process.wait(timeout=10)
+
+
+class DeploymentLauncher:
+    """Learners as deployment runs in their region's work pool (``region-<name>``)."""
+
+    def __init__(self, cfg: RunConfig, run_id: str) -> None:
+        self.cfg = cfg
+        self.run_id = run_id
+        self.handles: list[Handle] = []
+
+    def _run(self, deployment: str, name: str, parameters: dict) -> Handle:
+        from prefect.deployments import run_deployment
+
+        flow_run = run_deployment(
+            name=deployment, parameters=parameters, timeout=0, as_subflow=False, flow_run_name=f"{self.run_id}-{name}"
+        )
+        handle = Handle(name=name, started_at=time.time(), flow_run_id=str(flow_run.id))
+        self.handles.append(handle)
+        return handle
+
+    def _config_parameter(self) -> dict:
+        # The ledger and store URLs come from each pool's job variables (env), not from here.
+        return self.cfg.model_dump(mode="json", exclude={"ledger", "storage"})
+
+    def start_learner(self, learner_id: str, region: str) -> Handle:
+        return self._run(
+            LEARNER_DEPLOYMENT.format(region=region),
+            learner_id,
+            {"config": self._config_parameter(), "learner_id": learner_id, "run_id": self.run_id},
+        )
+
+    def start_synchronizer(self, label: str) -> Handle:
+        return self._run(SYNCHRONIZER_DEPLOYMENT, label, {"config": self._config_parameter(), "run_id": self.run_id, "label": label})
+
+    def state(self, handle: Handle) -> str | None:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            run = client.read_flow_run(handle.flow_run_id)
+        return run.state.type.value if run.state else None
+
+    def is_running(self, handle: Handle) -> bool:
+        return self.state(handle) not in FINAL_STATES
+
+    def stop(self, handle: Handle, *, kill: bool = False) -> None:
+        from prefect.client.orchestration import get_client
+        from prefect.states import Cancelling
+
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(handle.flow_run_id, Cancelling(), force=True)
+
+    def close(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(self.is_running(h) for h in self.handles):
+            time.sleep(1.0)
+        for h in self.handles:
+            if self.is_running(h):
+                self.stop(h)

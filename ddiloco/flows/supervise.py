@@ -1,0 +1,34 @@
+"""The supervisor's decision: which learners to relaunch, and why. Pure: ``now`` is passed in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LearnerView:
+    learner_id: str
+    running: bool
+    """Its process or flow run is still running."""
+    started_at: float
+    """When the supervisor (re)launched it."""
+    last_heartbeat: float | None
+    """The newest heartbeat of the incarnation started after ``started_at``, if any."""
+
+
+def relaunch_decisions(now: float, learners: list[LearnerView], *, dead_after_s: float, startup_grace_s: float) -> dict[str, str]:
+    """Learners to relaunch, each with its reason."""
+    out = {}
+    for lv in learners:
+        if not lv.running:
+            out[lv.learner_id] = "its process or flow run ended"
+        elif lv.last_heartbeat is None:
+            if now - lv.started_at > startup_grace_s:
+                out[lv.learner_id] = f"no heartbeat {startup_grace_s:.0f}s after launch"
+        elif now - lv.last_heartbeat > dead_after_s:
+            out[lv.learner_id] = f"heartbeat stopped {now - lv.last_heartbeat:.1f}s ago"
+    return out
+
+
+def budget_reached(tokens_trained: int, token_budget: int) -> bool:
+    return tokens_trained >= token_budget

@@ -1,0 +1,194 @@
+"""Altair charts of the dashboard: DataFrame in, chart out (no Streamlit, no SQL)."""
+
+from __future__ import annotations
+
+import altair as alt
+import pandas as pd
+
+from ddiloco.ui import health as h
+
+LEARNER_STATUS_SCALE = alt.Scale(domain=list(h.LEARNER_STATUSES), range=[h.hex_of(s) for s in h.LEARNER_STATUSES])
+CATEGORY_ORDER = ["failure", "restart", "chaos", "rejection", "synchronizer", "learner", "run", "other"]
+CATEGORY_SCALE = alt.Scale(domain=CATEGORY_ORDER, range=[h.HEX[h.CATEGORY_COLORS[c]] for c in CATEGORY_ORDER])
+LABELLED_LEARNERS = 40
+"""Up to this many learners, each square of the status grid is labelled with its id."""
+
+
+def _time(field: str = "at", title: str = "time (UTC)") -> alt.X:
+    return alt.X(f"{field}:T", title=title, axis=alt.Axis(format="%H:%M", labelOverlap=True))
+
+
+def learner_grid(learners: pd.DataFrame) -> alt.Chart:
+    """One square per learner, a row per region, coloured by status: who is down, at a glance."""
+    df = learners[["learner", "region", "status", "reason", "step", "tokens_per_s"]].copy()
+    df["slot"] = df.groupby("region").cumcount()
+    base = alt.Chart(df).encode(
+        x=alt.X("slot:O", axis=None),
+        y=alt.Y("region:N", title=None, sort="ascending", axis=alt.Axis(labelFontSize=13, labelFontWeight="bold")),
+    )
+    squares = base.mark_rect(cornerRadius=4, stroke="white", strokeWidth=2).encode(
+        color=alt.Color("status:N", scale=LEARNER_STATUS_SCALE, legend=alt.Legend(orient="top", title=None)),
+        tooltip=["learner", "region", "status", "reason", alt.Tooltip("step:Q", format=","), alt.Tooltip("tokens_per_s:Q", format=",.0f", title="tokens/s")],
+    )
+    chart = squares
+    if len(df) <= LABELLED_LEARNERS:
+        chart = squares + base.mark_text(color="white", fontSize=11, fontWeight="bold").encode(text="learner:N")
+    rows = max(1, df["region"].nunique())
+    width = max(60, min(90, 900 // max(1, int(df["slot"].max()) + 1)))
+    return chart.properties(height=44 * rows, width=alt.Step(width))
+
+
+def region_tokens(regions: pd.DataFrame) -> alt.Chart:
+    """Merged tokens per region, with each region's share."""
+    df = regions.copy()
+    df["label"] = [f"{h.format_count(t)}  ({s:.0%})" for t, s in zip(df["tokens_merged"], df["share_merged"])]
+    base = alt.Chart(df).encode(y=alt.Y("region:N", title=None, sort="ascending"))
+    bars = base.mark_bar(color=h.HEX["blue"], cornerRadiusEnd=3).encode(
+        x=alt.X("tokens_merged:Q", title="tokens merged"),
+        tooltip=["region", alt.Tooltip("tokens_merged:Q", format=","), alt.Tooltip("share_merged:Q", format=".1%"), alt.Tooltip("tokens_per_s:Q", format=",.0f")],
+    )
+    text = base.mark_text(align="left", dx=4).encode(x="tokens_merged:Q", text="label:N")
+    return (bars + text).properties(height=max(80, 34 * len(df)))
+
+
+def version_timeline(versions: pd.DataFrame) -> alt.Chart:
+    """Global version of every fragment over time: flat lines are fragments that stopped merging."""
+    many = versions["fragment"].nunique() > 12
+    return (
+        alt.Chart(versions)
+        .mark_line(interpolate="step-after", point=not many and len(versions) <= 400)
+        .encode(
+            x=_time(),
+            y=alt.Y("version:Q", title="global version"),
+            color=alt.Color("fragment:N", legend=None if many else alt.Legend(title="fragment", orient="right"), scale=alt.Scale(scheme="tableau20")),
+            tooltip=["fragment:N", "version:Q", alt.Tooltip("at:T", format="%H:%M:%S")],
+        )
+        .properties(height=260)
+    )
+
+
+def quorum_chart(merges: pd.DataFrame) -> alt.Chart:
+    """Per merge: the quorum it needed and the learners it included."""
+    df = merges.melt(id_vars=["at", "fragment", "version", "reason"], value_vars=["quorum", "included", "live_learners"], var_name="what", value_name="learners")
+    return (
+        alt.Chart(df)
+        .mark_line(point=len(merges) <= 300, interpolate="step-after", strokeWidth=1.5)
+        .encode(
+            x=_time(),
+            y=alt.Y("learners:Q", title="learners"),
+            color=alt.Color(
+                "what:N",
+                scale=alt.Scale(domain=["quorum", "included", "live_learners"], range=[h.HEX["orange"], h.HEX["blue"], h.HEX["gray"]]),
+                legend=alt.Legend(orient="top", title=None),
+            ),
+            tooltip=["fragment:N", "version:Q", "what:N", "learners:Q", "reason:N"],
+        )
+        .properties(height=220)
+    )
+
+
+def grace_chart(merges: pd.DataFrame) -> alt.Chart:
+    """Per merge: the grace window allowed and how long the synchronizer actually waited."""
+    df = merges.melt(id_vars=["at", "fragment", "version", "reason"], value_vars=["grace_window_s", "grace_waited_s"], var_name="what", value_name="seconds")
+    df["what"] = df["what"].map({"grace_window_s": "window", "grace_waited_s": "waited"})
+    return (
+        alt.Chart(df.dropna(subset=["seconds"]))
+        .mark_circle(size=28, opacity=0.75)
+        .encode(
+            x=_time(),
+            y=alt.Y("seconds:Q", title="seconds"),
+            color=alt.Color("what:N", scale=alt.Scale(domain=["window", "waited"], range=[h.HEX["gray"], h.HEX["violet"]]), legend=alt.Legend(orient="top", title=None)),
+            tooltip=["fragment:N", "version:Q", "what:N", alt.Tooltip("seconds:Q", format=".2f"), "reason:N"],
+        )
+        .properties(height=220)
+    )
+
+
+def staleness_histogram(staleness: pd.DataFrame) -> alt.Chart:
+    return (
+        alt.Chart(staleness)
+        .mark_bar(color=h.HEX["blue"], cornerRadiusEnd=3)
+        .encode(
+            x=alt.X("staleness:O", title="versions behind when merged", axis=alt.Axis(labelAngle=0)),
+            y=alt.Y("submissions:Q", title="merged submissions"),
+            tooltip=["staleness:O", alt.Tooltip("submissions:Q", format=",")],
+        )
+        .properties(height=220)
+    )
+
+
+def validation_loss(evals: pd.DataFrame) -> alt.Chart:
+    return (
+        alt.Chart(evals)
+        .mark_line(point=True, color=h.HEX["green"])
+        .encode(
+            x=alt.X("tokens:Q", title="tokens merged", axis=alt.Axis(format="~s")),
+            y=alt.Y("val_loss:Q", title="validation loss", scale=alt.Scale(zero=False)),
+            tooltip=[alt.Tooltip("tokens:Q", format=","), alt.Tooltip("val_loss:Q", format=".4f"), "versions_total:Q", alt.Tooltip("at:T", format="%H:%M:%S")],
+        )
+        .properties(height=240)
+    )
+
+
+def training_loss(loss: pd.DataFrame) -> alt.Chart:
+    """A line per learner (and incarnation), coloured by region."""
+    df = loss.copy()
+    df["series"] = df["learner"] + "#" + df["incarnation"].astype(str)
+    return (
+        alt.Chart(df)
+        .mark_line(strokeWidth=1.2, opacity=0.8)
+        .encode(
+            x=_time(),
+            y=alt.Y("loss:Q", title="training loss (learner EMA)", scale=alt.Scale(zero=False)),
+            color=alt.Color("region:N", legend=alt.Legend(orient="top", title=None), scale=alt.Scale(scheme="category10")),
+            detail="series:N",
+            tooltip=["learner:N", "region:N", "incarnation:Q", alt.Tooltip("step:Q", format=","), alt.Tooltip("loss:Q", format=".4f")],
+        )
+        .properties(height=240)
+    )
+
+
+def bytes_chart(bytes_sent: int, bytes_dp: int) -> alt.Chart:
+    df = pd.DataFrame(
+        {
+            "what": ["sent (Decoupled DiLoCo)", "data-parallel equivalent"],
+            "bytes": [max(1, bytes_sent), max(1, bytes_dp)],
+            "label": [h.format_bytes(bytes_sent), h.format_bytes(bytes_dp)],
+        }
+    )
+    base = alt.Chart(df).encode(y=alt.Y("what:N", title=None, sort=None))
+    bars = base.mark_bar(cornerRadiusEnd=3).encode(
+        x=alt.X("bytes:Q", title="bytes (log scale)", scale=alt.Scale(type="log"), axis=alt.Axis(format="~s")),
+        color=alt.Color("what:N", scale=alt.Scale(range=[h.HEX["green"], h.HEX["gray"]]), legend=None),
+        tooltip=["what:N", alt.Tooltip("bytes:Q", format=",")],
+    )
+    text = base.mark_text(align="left", dx=4).encode(x="bytes:Q", text="label:N")
+    return (bars + text).properties(height=90)
+
+
+def events_timeline(events: pd.DataFrame) -> alt.Chart:
+    """Events over time, one lane per category (failure, restart, chaos, rejection …)."""
+    return (
+        alt.Chart(events)
+        .mark_circle(size=90, opacity=0.85)
+        .encode(
+            x=_time(),
+            y=alt.Y("category:N", title=None, sort=CATEGORY_ORDER),
+            color=alt.Color("category:N", scale=CATEGORY_SCALE, legend=None),
+            tooltip=[alt.Tooltip("at:T", format="%Y-%m-%d %H:%M:%S"), "kind:N", "actor:N", "detail:N"],
+        )
+        .properties(height=max(120, 30 * max(1, events["category"].nunique())))
+    )
+
+
+def rejection_reasons(reasons: pd.DataFrame) -> alt.Chart:
+    return (
+        alt.Chart(reasons)
+        .mark_bar(color=h.HEX["yellow"], cornerRadiusEnd=3)
+        .encode(
+            x=alt.X("submissions:Q", title="rejected submissions"),
+            y=alt.Y("reason:N", title=None, sort="-x"),
+            tooltip=["reason:N", "submissions:Q"],
+        )
+        .properties(height=max(60, 28 * len(reasons)))
+    )

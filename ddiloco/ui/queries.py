@@ -1,0 +1,676 @@
+"""Every read the dashboard makes, as plain functions of a Session: no Streamlit here.
+
+They return pandas DataFrames or frozen dataclasses, and aggregate in SQL so a page stays fast on a
+large ledger (100 learners x 10,000 heartbeats each): the latest heartbeat of a learner is one index
+seek, training loss is averaged into step buckets in the database, long version histories are
+thinned before they leave it. Nothing here writes; the dashboard's engine is read-only as well
+(:func:`read_only_engine`). Works on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from sqlalchemy import Engine, and_, event, func, inspect, literal, literal_column, or_, select, true, union_all
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import NoSuchModuleError
+from sqlalchemy.orm import Session
+
+from ddiloco.platform.ledger.engine import make_engine
+from ddiloco.platform.ledger.models import (
+    MERGED,
+    PENDING,
+    REJECTED,
+    Evaluation,
+    Event,
+    FragmentVersion,
+    Heartbeat,
+    Learner,
+    Merge,
+    Run,
+    Submission,
+    SynchronizerLease,
+    UtcDateTime,
+)
+from ddiloco.platform.summary import RunSummary, _reason_class, run_summary
+from ddiloco.ui import health as h
+
+REQUIRED_TABLES = (
+    "runs",
+    "learners",
+    "heartbeats",
+    "submissions",
+    "fragment_versions",
+    "merges",
+    "events",
+    "evaluations",
+    "synchronizer_leases",
+)
+LOSS_POINTS_BUDGET = 6_000
+"""Training-loss points sent to the browser for all learners together (the chart stays responsive)."""
+LOSS_POINTS_PER_LEARNER = 200
+MAX_GRID_POINTS = 400
+"""SQLite allows 500 terms in a compound SELECT; the sampling grid stays below."""
+VERSION_POINTS = 4_000
+MERGES_SHOWN = 2_000
+EVENTS_SHOWN = 500
+
+
+class LedgerUnavailable(RuntimeError):
+    """The ledger cannot be read: no file, no server, no schema. The message says what to do."""
+
+
+# --- the engine -----------------------------------------------------------------------------------------
+
+
+def redact(url: str) -> str:
+    """A ledger URL fit to show on screen: the password is hidden."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a SQLAlchemy URL; it will fail to open anyway
+        return url.split("@")[-1] if "@" in url else url
+
+
+def read_only_engine(url: str) -> Engine:
+    """An engine that cannot write: SQLite ``query_only``, PostgreSQL read-only transactions.
+
+    A missing SQLite file is reported, not created; the schema is never migrated from here."""
+    try:
+        parsed = make_url(url)
+    except Exception as err:  # noqa: BLE001 - any parse failure is a bad URL
+        raise LedgerUnavailable(f"not a ledger URL: {redact(url)} ({err})") from None
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        database = parsed.database
+        if database and database != ":memory:" and not database.startswith("file:") and not Path(database).exists():
+            raise LedgerUnavailable(f"no ledger file at {database}: start a run first, or pass --ledger with the right path")
+    elif backend != "postgresql":
+        raise LedgerUnavailable(f"unsupported ledger backend {backend!r}: use sqlite:/// or postgresql+psycopg://")
+    try:
+        engine = make_engine(url, read_only=True)
+    except (NoSuchModuleError, ImportError) as err:
+        raise LedgerUnavailable(f"cannot open {redact(url)}: {err}") from None
+    if backend == "sqlite":
+
+        @event.listens_for(engine, "connect")
+        def _query_only(dbapi_conn, _record) -> None:  # noqa: ANN001
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA query_only=ON")
+            cur.close()
+
+        return engine
+    return engine.execution_options(postgresql_readonly=True)
+
+
+def check_schema(engine: Engine) -> None:
+    """Raise LedgerUnavailable unless every table the dashboard reads exists."""
+    try:
+        with engine.connect() as conn:
+            names = set(inspect(conn).get_table_names())
+    except Exception as err:  # noqa: BLE001 - server down, bad credentials, corrupt file …
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise LedgerUnavailable(f"cannot connect to the ledger at {redact(str(engine.url))}: {first}") from None
+    missing = [t for t in REQUIRED_TABLES if t not in names]
+    if missing:
+        what = "has no ledger schema yet" if len(missing) == len(REQUIRED_TABLES) else f"lacks tables {', '.join(missing)}"
+        raise LedgerUnavailable(
+            f"the ledger at {redact(str(engine.url))} {what}. The dashboard never migrates: run "
+            f"`ddiloco ledger upgrade --ledger URL` (or start a run), then reload."
+        )
+
+
+# --- runs -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    id: str
+    status: str
+    created_at: datetime
+    finished_at: datetime | None
+    num_fragments: int
+    token_budget: int
+    code_version: str
+    git_commit: str | None
+    flow_run_url: str | None
+    config: dict[str, Any]
+
+    @property
+    def policy(self) -> h.HealthPolicy:
+        return h.HealthPolicy.from_config(self.config)
+
+    @property
+    def running(self) -> bool:
+        return self.status == "running"
+
+    def as_of(self, now: datetime) -> datetime:
+        """The moment health is judged at: now while running, the end for a finished run (a post-mortem)."""
+        return self.finished_at if self.finished_at is not None and not self.running else now
+
+
+def _info(run: Run) -> RunInfo:
+    try:
+        config = json.loads(run.config_json) if run.config_json else {}
+    except ValueError:
+        config = {}
+    return RunInfo(
+        id=run.id,
+        status=run.status,
+        created_at=run.created_at,
+        finished_at=run.finished_at,
+        num_fragments=run.num_fragments,
+        token_budget=run.token_budget,
+        code_version=run.code_version,
+        git_commit=run.git_commit,
+        flow_run_url=run.flow_run_url,
+        config=config if isinstance(config, dict) else {},
+    )
+
+
+def run_ids(session: Session) -> list[str]:
+    """Every run, newest first."""
+    return list(session.scalars(select(Run.id).order_by(Run.created_at.desc(), Run.id)))
+
+
+def run_info(session: Session, run_id: str) -> RunInfo | None:
+    run = session.get(Run, run_id)
+    return _info(run) if run is not None else None
+
+
+# --- health snapshots --------------------------------------------------------------------------------
+
+
+def learner_snapshots(session: Session, run_id: str) -> list[h.LearnerSnapshot]:
+    rows = session.execute(
+        select(Learner.id, Learner.last_heartbeat_at, Learner.started_at, Learner.step, Learner.step_time_s, Learner.status)
+        .where(Learner.run_id == run_id)
+        .order_by(Learner.region, Learner.id)
+    )
+    return [h.LearnerSnapshot(i, hb, st, int(step), float(sts or 0.0), status) for i, hb, st, step, sts, status in rows]
+
+
+def lease_snapshot(session: Session, run_id: str) -> h.LeaseSnapshot | None:
+    lease = session.get(SynchronizerLease, run_id)
+    if lease is None:
+        return None
+    return h.LeaseSnapshot(lease.holder, int(lease.token), lease.acquired_at, lease.expires_at)
+
+
+def last_version_at(session: Session, run_id: str) -> datetime | None:
+    """When the newest global version of any fragment was published (version 0 counts)."""
+    return session.scalar(select(func.max(FragmentVersion.created_at)).where(FragmentVersion.run_id == run_id))
+
+
+@dataclass(frozen=True)
+class RunHealthSnapshot:
+    info: RunInfo
+    as_of: datetime
+    verdicts: dict[str, h.Verdict]
+    sync: h.SyncVerdict
+    health: h.RunHealth
+
+
+def health_snapshot(session: Session, run_id: str, now: datetime) -> RunHealthSnapshot | None:
+    info = run_info(session, run_id)
+    if info is None:
+        return None
+    as_of = info.as_of(now)
+    policy = info.policy
+    verdicts = h.learner_verdicts(learner_snapshots(session, run_id), as_of, policy)
+    sync = h.synchronizer_verdict(lease_snapshot(session, run_id), last_version_at(session, run_id), as_of, run_running=info.running)
+    return RunHealthSnapshot(info, as_of, verdicts, sync, h.run_health(info.status, verdicts, sync, policy))
+
+
+# --- runs overview ------------------------------------------------------------------------------------
+
+OVERVIEW_COLUMNS = [
+    "run",
+    "health",
+    "status",
+    "age_s",
+    "tokens",
+    "token_budget",
+    "versions",
+    "goodput",
+    "downtime_s",
+    "val_loss",
+    "learners_alive",
+    "learners",
+    "created_at",
+    "reason",
+]
+
+
+def runs_overview(session: Session, now: datetime) -> pd.DataFrame:
+    """One row per run (newest first): status, age, tokens, global versions, goodput, global downtime
+    (longest gap between versions), current validation loss and a health verdict."""
+    rows = []
+    for run_id in run_ids(session):
+        snap = health_snapshot(session, run_id, now)
+        if snap is None:
+            continue
+        summary = run_summary(session, run_id, now)
+        counts = h.count_statuses(snap.verdicts.values())
+        rows.append(
+            {
+                "run": run_id,
+                "health": snap.health.level,
+                "status": snap.info.status,
+                "age_s": (now - snap.info.created_at).total_seconds(),
+                "tokens": summary.tokens,
+                "token_budget": snap.info.token_budget,
+                "versions": sum(summary.versions.values()),
+                "goodput": summary.goodput,
+                "downtime_s": summary.longest_version_gap_s,
+                "val_loss": summary.val_loss_end,
+                "learners_alive": counts[h.ALIVE] + counts[h.STRAGGLING] + counts[h.RECOVERING],
+                "learners": len(snap.verdicts),
+                "created_at": snap.info.created_at,
+                "reason": "; ".join(snap.health.reasons),
+            }
+        )
+    return pd.DataFrame(rows, columns=OVERVIEW_COLUMNS)
+
+
+def summary(session: Session, run_id: str, now: datetime) -> RunSummary:
+    """The run's headline figures, exactly as ``ddiloco summary`` computes them."""
+    return run_summary(session, run_id, now)
+
+
+# --- learners and regions ---------------------------------------------------------------------------
+
+LEARNER_COLUMNS = [
+    "learner",
+    "region",
+    "status",
+    "reason",
+    "step",
+    "tokens_per_s",
+    "step_time_s",
+    "last_heartbeat_at",
+    "silent_s",
+    "last_submission_at",
+    "merged",
+    "rejected",
+    "pending",
+    "tokens_trained",
+    "tokens_merged",
+    "tokens_lost",
+    "loss",
+    "incarnation",
+    "flow_run_url",
+]
+
+
+def learners_frame(session: Session, run_id: str, now: datetime) -> pd.DataFrame:
+    """A row per learner with its heartbeat-derived status (judged at ``now``) and submission fates."""
+    info = run_info(session, run_id)
+    if info is None:
+        return pd.DataFrame(columns=LEARNER_COLUMNS)
+    as_of = info.as_of(now)
+    # The newest loss a learner reported: one backwards index seek per learner, not a scan.
+    latest_loss = (
+        select(Heartbeat.loss)
+        .where(Heartbeat.run_id == Learner.run_id, Heartbeat.learner_id == Learner.id, Heartbeat.loss.is_not(None))
+        .order_by(Heartbeat.at.desc())
+        .limit(1)
+        .correlate(Learner)
+        .scalar_subquery()
+    )
+    learners = session.execute(
+        select(Learner, latest_loss.label("loss")).where(Learner.run_id == run_id).order_by(Learner.region, Learner.id)
+    ).all()
+    fates: dict[str, Counter] = {}
+    merged_tokens: dict[str, int] = {}
+    last_sub: dict[str, datetime] = {}
+    for learner_id, status, n, tokens, last in session.execute(
+        select(
+            Submission.learner_id,
+            Submission.status,
+            func.count(),
+            func.coalesce(func.sum(Submission.tokens_new), 0),
+            func.max(Submission.created_at),
+        )
+        .where(Submission.run_id == run_id)
+        .group_by(Submission.learner_id, Submission.status)
+    ):
+        fates.setdefault(learner_id, Counter())[status] += int(n)
+        if status == MERGED:
+            merged_tokens[learner_id] = int(tokens)
+        if last is not None and (learner_id not in last_sub or last > last_sub[learner_id]):
+            last_sub[learner_id] = last
+    snaps = [
+        h.LearnerSnapshot(l.id, l.last_heartbeat_at, l.started_at, int(l.step), float(l.step_time_s or 0.0), l.status)
+        for l, _ in learners
+    ]
+    verdicts = h.learner_verdicts(snaps, as_of, info.policy)
+    rows = []
+    for (l, loss), snap in zip(learners, snaps):
+        fate = fates.get(l.id, Counter())
+        unsubmitted_dead = max(0, l.inc_tokens_trained - l.inc_tokens_submitted) if verdicts[l.id].status == h.DEAD else 0
+        rows.append(
+            {
+                "learner": l.id,
+                "region": l.region,
+                "status": verdicts[l.id].status,
+                "reason": verdicts[l.id].reason,
+                "step": int(l.step),
+                "tokens_per_s": float(l.tokens_per_s or 0.0),
+                "step_time_s": float(l.step_time_s or 0.0),
+                "last_heartbeat_at": l.last_heartbeat_at,
+                "silent_s": h.silent_s(snap, as_of),
+                "last_submission_at": last_sub.get(l.id),
+                "merged": fate[MERGED],
+                "rejected": fate[REJECTED],
+                "pending": fate[PENDING],
+                "tokens_trained": int(l.tokens_trained + l.inc_tokens_trained),
+                "tokens_merged": merged_tokens.get(l.id, 0),
+                "tokens_lost": int(l.tokens_lost + unsubmitted_dead),
+                "loss": float(loss) if loss is not None else math.nan,
+                "incarnation": int(l.incarnation),
+                "flow_run_url": l.flow_run_url,
+            }
+        )
+    return pd.DataFrame(rows, columns=LEARNER_COLUMNS)
+
+
+REGION_COLUMNS = ["region", "learners", "alive", "straggling", "recovering", "dead", "tokens_per_s", "tokens_trained", "tokens_merged", "share_merged"]
+
+
+def regions_frame(learners: pd.DataFrame) -> pd.DataFrame:
+    """What each region contributes, from :func:`learners_frame` (live throughput counts live learners only)."""
+    if learners.empty:
+        return pd.DataFrame(columns=REGION_COLUMNS)
+    rows = []
+    total_merged = max(1, int(learners["tokens_merged"].sum()))
+    for region, grp in learners.groupby("region", sort=True):
+        counts = grp["status"].value_counts()
+        live = grp[grp["status"] != h.DEAD]
+        rows.append(
+            {
+                "region": region,
+                "learners": len(grp),
+                "alive": int(counts.get(h.ALIVE, 0)),
+                "straggling": int(counts.get(h.STRAGGLING, 0)),
+                "recovering": int(counts.get(h.RECOVERING, 0)),
+                "dead": int(counts.get(h.DEAD, 0)),
+                "tokens_per_s": float(live["tokens_per_s"].sum()),
+                "tokens_trained": int(grp["tokens_trained"].sum()),
+                "tokens_merged": int(grp["tokens_merged"].sum()),
+                "share_merged": float(grp["tokens_merged"].sum()) / total_merged,
+            }
+        )
+    return pd.DataFrame(rows, columns=REGION_COLUMNS)
+
+
+# --- synchronizer ---------------------------------------------------------------------------------------
+
+
+def synchronizer_holders(session: Session, run_id: str) -> pd.DataFrame:
+    """Every synchronizer that published for this run: fencing token, versions, first and last publish."""
+    rows = session.execute(
+        select(
+            FragmentVersion.synchronizer,
+            FragmentVersion.lease_token,
+            func.count(),
+            func.min(FragmentVersion.created_at),
+            func.max(FragmentVersion.created_at),
+        )
+        .where(FragmentVersion.run_id == run_id)
+        .group_by(FragmentVersion.synchronizer, FragmentVersion.lease_token)
+        .order_by(FragmentVersion.lease_token)
+    ).all()
+    return pd.DataFrame(
+        [{"holder": a, "token": int(t), "versions": int(n), "first_publish": f, "last_publish": l} for a, t, n, f, l in rows],
+        columns=["holder", "token", "versions", "first_publish", "last_publish"],
+    )
+
+
+def last_merge_at(session: Session, run_id: str) -> datetime | None:
+    return session.scalar(select(func.max(Merge.at)).where(Merge.run_id == run_id))
+
+
+# --- versions and merges ---------------------------------------------------------------------------------
+
+
+def versions_frame(session: Session, run_id: str, max_points: int = VERSION_POINTS) -> pd.DataFrame:
+    """(fragment, version, at) for the version timeline; thinned to every k-th version when there are
+    more than ``max_points`` (the newest version of each fragment is always kept)."""
+    total = session.scalar(select(func.count()).select_from(FragmentVersion).where(FragmentVersion.run_id == run_id)) or 0
+    k = max(1, math.ceil(total / max_points))
+    stmt = select(FragmentVersion.fragment, FragmentVersion.version, FragmentVersion.created_at).where(FragmentVersion.run_id == run_id)
+    if k > 1:
+        newest = (
+            select(FragmentVersion.fragment.label("f"), func.max(FragmentVersion.version).label("v"))
+            .where(FragmentVersion.run_id == run_id)
+            .group_by(FragmentVersion.fragment)
+            .subquery()
+        )
+        is_newest = (
+            select(newest.c.f)
+            .where(and_(newest.c.f == FragmentVersion.fragment, newest.c.v == FragmentVersion.version))
+            .exists()
+        )
+        stmt = stmt.where(or_(FragmentVersion.version % literal_column(str(int(k))) == 0, is_newest))
+    rows = session.execute(stmt.order_by(FragmentVersion.fragment, FragmentVersion.version)).all()
+    return pd.DataFrame([{"fragment": int(f), "version": int(v), "at": at} for f, v, at in rows], columns=["fragment", "version", "at"])
+
+
+MERGE_COLUMNS = [
+    "at",
+    "fragment",
+    "version",
+    "quorum",
+    "live_learners",
+    "included",
+    "rejected",
+    "grace_window_s",
+    "grace_waited_s",
+    "merge_s",
+    "reason",
+]
+
+
+def merges_frame(session: Session, run_id: str, limit: int = MERGES_SHOWN) -> pd.DataFrame:
+    """The newest ``limit`` merges, oldest first: quorum, grace window and wait, what was included."""
+    rows = session.execute(
+        select(
+            Merge.at,
+            Merge.fragment,
+            Merge.version,
+            Merge.quorum,
+            Merge.live_learners,
+            Merge.included,
+            Merge.rejected,
+            Merge.grace_window_s,
+            Merge.grace_waited_s,
+            Merge.merge_s,
+            Merge.reason,
+        )
+        .where(Merge.run_id == run_id)
+        .order_by(Merge.at.desc(), Merge.id.desc())
+        .limit(limit)
+    ).all()
+    df = pd.DataFrame([tuple(r) for r in reversed(rows)], columns=MERGE_COLUMNS)
+    # A negative window means "unbounded" (wait for every live learner).
+    if not df.empty:
+        df["grace_window_s"] = df["grace_window_s"].where(df["grace_window_s"] >= 0)
+    return df
+
+
+def staleness_frame(session: Session, run_id: str) -> pd.DataFrame:
+    """How many versions behind merged submissions were (their base vs the version they joined)."""
+    rows = session.execute(
+        select(Submission.staleness, func.count())
+        .where(Submission.run_id == run_id, Submission.status == MERGED, Submission.staleness.is_not(None))
+        .group_by(Submission.staleness)
+        .order_by(Submission.staleness)
+    ).all()
+    return pd.DataFrame([{"staleness": int(s), "submissions": int(n)} for s, n in rows], columns=["staleness", "submissions"])
+
+
+# --- losses --------------------------------------------------------------------------------------------
+
+
+def evaluations_frame(session: Session, run_id: str) -> pd.DataFrame:
+    rows = session.execute(
+        select(Evaluation.at, Evaluation.tokens, Evaluation.versions_total, Evaluation.val_loss, Evaluation.val_accuracy)
+        .where(Evaluation.run_id == run_id)
+        .order_by(Evaluation.at, Evaluation.id)
+    ).all()
+    return pd.DataFrame(
+        [tuple(r) for r in rows], columns=["at", "tokens", "versions_total", "val_loss", "val_accuracy"]
+    )
+
+
+def training_loss_frame(
+    session: Session, run_id: str, *, per_learner: int = LOSS_POINTS_PER_LEARNER, budget: int = LOSS_POINTS_BUDGET
+) -> pd.DataFrame:
+    """Per-learner training loss sampled on a time grid: for every learner and grid time, the newest
+    heartbeat at or before it — one backwards index seek each, never a scan of the heartbeats.
+
+    Learners report an exponential moving average of their loss, so a sample is already smooth.
+    Each learner contributes at most ``per_learner`` points (fewer when many share ``budget``)."""
+    columns = ["learner", "region", "incarnation", "step", "at", "loss"]
+    n_learners, first, last = session.execute(
+        select(func.count(), func.min(Learner.started_at), func.max(Learner.last_heartbeat_at)).where(Learner.run_id == run_id)
+    ).one()
+    if not n_learners or first is None or last is None:
+        return pd.DataFrame(columns=columns)
+    points = max(10, min(per_learner, budget // int(n_learners), MAX_GRID_POINTS))
+    span = max(0.0, (last - first).total_seconds())
+    grid_times = sorted({first + timedelta(seconds=span * i / (points - 1)) for i in range(points)})
+    # The grid as a CTE of UNION ALL terms: portable to SQLite and PostgreSQL, and typed, so the
+    # timestamps compare the way the ledger stores them.
+    grid = union_all(*[select(literal(t, UtcDateTime()).label("t")) for t in grid_times]).cte("grid")
+    newest = (
+        select(Heartbeat.id)
+        .where(Heartbeat.run_id == run_id, Heartbeat.learner_id == Learner.id, Heartbeat.at <= grid.c.t)
+        .order_by(Heartbeat.at.desc())
+        .limit(1)
+        .correlate(Learner, grid)
+        .scalar_subquery()
+    )
+    picks = (
+        select(Learner.id.label("learner"), Learner.region.label("region"), newest.label("hb"))
+        .select_from(Learner)
+        .join(grid, true())
+        .where(Learner.run_id == run_id)
+        .subquery()
+    )
+    rows = session.execute(
+        select(picks.c.learner, picks.c.region, Heartbeat.incarnation, Heartbeat.step, Heartbeat.at, Heartbeat.loss)
+        .join(Heartbeat, Heartbeat.id == picks.c.hb)
+        .where(Heartbeat.loss.is_not(None))
+        .distinct()
+    ).all()
+    df = pd.DataFrame(
+        [{"learner": l, "region": r, "incarnation": int(i), "step": int(st), "at": at, "loss": float(loss)} for l, r, i, st, at, loss in rows],
+        columns=columns,
+    )
+    return df.sort_values(["learner", "at"], ignore_index=True)
+
+
+# --- events and rejections ----------------------------------------------------------------------------
+
+
+def events_frame(session: Session, run_id: str, limit: int = EVENTS_SHOWN) -> pd.DataFrame:
+    """The newest ``limit`` events, newest first, each with its category (failure, restart, chaos …)."""
+    rows = session.execute(
+        select(Event.at, Event.kind, Event.actor, Event.detail)
+        .where(Event.run_id == run_id)
+        .order_by(Event.at.desc(), Event.id.desc())
+        .limit(limit)
+    ).all()
+    df = pd.DataFrame([tuple(r) for r in rows], columns=["at", "kind", "actor", "detail"])
+    df.insert(1, "category", [h.event_category(k) for k in df["kind"]])
+    return df
+
+
+def rejections_frame(session: Session, run_id: str, limit: int = 200) -> pd.DataFrame:
+    """The newest rejected submissions with their reasons."""
+    rows = session.execute(
+        select(
+            Submission.decided_at,
+            Submission.learner_id,
+            Submission.fragment,
+            Submission.base_version,
+            Submission.id,
+            Submission.reject_reason,
+        )
+        .where(Submission.run_id == run_id, Submission.status == REJECTED)
+        .order_by(Submission.decided_at.desc(), Submission.id.desc())
+        .limit(limit)
+    ).all()
+    return pd.DataFrame(
+        [tuple(r) for r in rows], columns=["decided_at", "learner", "fragment", "base_version", "submission", "reason"]
+    )
+
+
+def rejection_reasons(session: Session, run_id: str) -> pd.DataFrame:
+    """Rejected submissions counted by the class of their reason ('stale', 'norm outlier', …)."""
+    counts: Counter = Counter()
+    for reason, n in session.execute(
+        select(Submission.reject_reason, func.count())
+        .where(Submission.run_id == run_id, Submission.status == REJECTED)
+        .group_by(Submission.reject_reason)
+    ):
+        counts[_reason_class(reason)] += int(n)
+    return pd.DataFrame(
+        sorted(({"reason": r, "submissions": n} for r, n in counts.items()), key=lambda d: (-d["submissions"], d["reason"])),
+        columns=["reason", "submissions"],
+    )
+
+
+# --- everything the run health page shows, read in one transaction -------------------------------------
+
+
+@dataclass(frozen=True)
+class RunPage:
+    """One consistent snapshot of a run (a single read transaction) for the run health page."""
+
+    now: datetime
+    snapshot: RunHealthSnapshot
+    summary: RunSummary
+    learners: pd.DataFrame
+    regions: pd.DataFrame
+    holders: pd.DataFrame
+    last_merge_at: datetime | None
+    versions: pd.DataFrame
+    merges: pd.DataFrame
+    staleness: pd.DataFrame
+    evaluations: pd.DataFrame
+    training_loss: pd.DataFrame
+    events: pd.DataFrame
+    rejections: pd.DataFrame
+    rejection_reasons: pd.DataFrame
+
+
+def run_page(session: Session, run_id: str, now: datetime) -> RunPage | None:
+    snapshot = health_snapshot(session, run_id, now)
+    if snapshot is None:
+        return None
+    learners = learners_frame(session, run_id, now)
+    return RunPage(
+        now=now,
+        snapshot=snapshot,
+        summary=summary(session, run_id, now),
+        learners=learners,
+        regions=regions_frame(learners),
+        holders=synchronizer_holders(session, run_id),
+        last_merge_at=last_merge_at(session, run_id),
+        versions=versions_frame(session, run_id),
+        merges=merges_frame(session, run_id),
+        staleness=staleness_frame(session, run_id),
+        evaluations=evaluations_frame(session, run_id),
+        training_loss=training_loss_frame(session, run_id),
+        events=events_frame(session, run_id),
+        rejections=rejections_frame(session, run_id),
+        rejection_reasons=rejection_reasons(session, run_id),
+    )

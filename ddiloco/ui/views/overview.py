@@ -1,0 +1,81 @@
+"""Runs overview: every run with its health badge, progress and headline figures."""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from ddiloco.ui import health as h
+from ddiloco.ui import loaders, widgets
+
+CARDS = 9
+"""Runs shown as cards (newest first); every run is in the table below them."""
+
+URL = loaders.ledger_url()
+
+st.title("Runs overview")
+
+
+def run_card(row) -> None:  # noqa: ANN001 - a pandas row
+    with st.container(border=True):
+        top = st.columns([3, 2], vertical_alignment="center")
+        top[0].markdown(f"#### {row.run}")
+        with top[1]:
+            widgets.health_badge(row.health)
+        st.caption(row.reason or row.status)
+        a, b, c = st.columns(3)
+        a.metric("Tokens", h.format_count(row.tokens))
+        b.metric("Versions", f"{row.versions:,}")
+        c.metric("Goodput", f"{row.goodput:.0%}")
+        d, e, f = st.columns(3)
+        d.metric("Learners up", f"{row.learners_alive}/{row.learners}")
+        e.metric("Val loss", "—" if pd.isna(row.val_loss) else f"{row.val_loss:.3f}")
+        f.metric("Age", h.format_duration(row.age_s))
+        st.page_link("views/run_health.py", label="Open run health", icon=":material/arrow_forward:", query_params={"run": row.run})
+
+
+@st.fragment(run_every=widgets.refresh_interval())
+def overview() -> None:
+    with widgets.ledger_errors():
+        runs, now = loaders.runs_overview(URL)
+        st.caption(f"As of {now:%Y-%m-%d %H:%M:%S} UTC")
+        if runs.empty:
+            widgets.no_data(
+                "This ledger has no runs yet. Start one (`ddiloco demo`, or the training flow); "
+                "this page picks it up at the next refresh."
+            )
+            return
+        counts = runs["health"].value_counts()
+        cols = st.columns(5)
+        cols[0].metric("Runs", len(runs))
+        cols[1].metric("Running", int((runs["status"] == "running").sum()))
+        cols[2].metric("Healthy", int(counts.get(h.HEALTHY, 0)))
+        cols[3].metric("Degraded", int(counts.get(h.DEGRADED, 0)))
+        cols[4].metric("Down", int(counts.get(h.DOWN, 0) + counts.get(h.FAILED, 0)))
+        shown = runs.head(CARDS)
+        for start in range(0, len(shown), 3):
+            for col, row in zip(st.columns(3), shown.iloc[start : start + 3].itertuples()):
+                with col:
+                    run_card(row)
+        st.subheader("All runs")
+        table = runs.drop(columns=["created_at"]).assign(
+            age=[h.format_duration(s) for s in runs["age_s"]],
+            downtime=[h.format_duration(s) for s in runs["downtime_s"]],
+        )
+        table = table[["run", "health", "status", "age", "tokens", "versions", "goodput", "downtime", "val_loss", "learners_alive", "learners", "reason"]]
+        st.dataframe(
+            widgets.styled(table, status_columns=("health",)).format({"goodput": "{:.1%}", "val_loss": "{:.4f}", "tokens": "{:,}"}, na_rep="—"),
+            hide_index=True,
+            column_config={
+                "run": st.column_config.TextColumn("run"),
+                "tokens": st.column_config.NumberColumn("tokens trained"),
+                "versions": st.column_config.NumberColumn("global versions"),
+                "downtime": st.column_config.TextColumn("global downtime", help="Longest gap between two global versions"),
+                "val_loss": st.column_config.NumberColumn("validation loss"),
+                "learners_alive": st.column_config.NumberColumn("learners up"),
+                "reason": st.column_config.TextColumn("why", width="large"),
+            },
+        )
+
+
+overview()

@@ -1,0 +1,265 @@
+"""Run health: is the run progressing, who is down or straggling, is the synchronizer merging,
+what each region contributes, and what went wrong."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import streamlit as st
+
+from ddiloco.ui import charts, loaders, widgets
+from ddiloco.ui import health as h
+from ddiloco.ui.queries import RunPage
+
+URL = loaders.ledger_url()
+SEVERITY = {h.DEAD: 0, h.STRAGGLING: 1, h.RECOVERING: 2, h.ALIVE: 3}
+
+
+def pick_run() -> str | None:
+    with widgets.ledger_errors():
+        ids = loaders.run_ids(URL)
+        if not ids:
+            st.title("Run health")
+            widgets.no_data("This ledger has no runs yet. Start one (`ddiloco demo`, or the training flow) and reload.")
+            return None
+        wanted = st.query_params.get("run")
+        if wanted is not None and wanted not in ids:
+            st.warning(f"Run {wanted!r} is not in this ledger; showing the newest run instead.")
+        index = ids.index(wanted) if wanted in ids else 0
+        run_id = st.sidebar.selectbox("Run", ids, index=index, help="Runs in the ledger, newest first.")
+        st.query_params["run"] = run_id
+        return run_id
+    return None
+
+
+def header(page: RunPage) -> None:
+    snap, s = page.snapshot, page.summary
+    left, right = st.columns([4, 1], vertical_alignment="center")
+    with left:
+        title, badge = st.columns([3, 2], vertical_alignment="center")
+        title.title(f"Run {snap.info.id}")
+        with badge:
+            widgets.health_badge(snap.health.level)
+        st.caption(
+            f"status **{snap.info.status}** · started {snap.info.created_at:%Y-%m-%d %H:%M:%S} UTC "
+            f"({h.format_duration((page.now - snap.info.created_at).total_seconds())} ago) · "
+            f"{snap.info.num_fragments} fragments · code {snap.info.code_version}"
+            + (f" @ {snap.info.git_commit[:10]}" if snap.info.git_commit else "")
+            + f" · as of {page.now:%H:%M:%S} UTC"
+        )
+    with right:
+        if snap.info.flow_run_url:
+            st.link_button("Prefect flow run", snap.info.flow_run_url, icon=":material/open_in_new:", width="stretch")
+        else:
+            st.caption("No Prefect flow run recorded for this run (started outside Prefect).")
+    reasons = " · ".join(snap.health.reasons)
+    if snap.health.level in (h.DOWN, h.FAILED):
+        st.error(reasons, icon=":material/error:")
+    elif snap.health.level == h.DEGRADED:
+        st.warning(reasons, icon=":material/warning:")
+    elif snap.health.level in (h.STARTING, h.FINISHED):
+        st.info(reasons, icon=":material/info:")
+    else:
+        st.success(reasons, icon=":material/check_circle:")
+
+    counts = h.count_statuses(snap.verdicts.values())
+    up = counts[h.ALIVE] + counts[h.STRAGGLING] + counts[h.RECOVERING]
+    evals = page.evaluations
+    cols = st.columns(7)
+    budget = snap.info.token_budget
+    cols[0].metric(
+        "Tokens trained",
+        f"{s.tokens:,}",
+        help=f"{s.tokens_merged:,} merged · {s.tokens_rejected:,} rejected · {s.tokens_pending:,} pending · "
+        f"{s.tokens_lost:,} lost · {s.tokens_in_flight:,} in flight" + (f" · budget {budget:,}" if budget else ""),
+    )
+    cols[1].metric("Global versions", f"{sum(s.versions.values()):,}", help="Sum over fragments of the newest version")
+    cols[2].metric("Goodput", f"{s.goodput:.1%}", help="Share of allocated learner time that produced merged progress")
+    cols[3].metric("Global downtime", h.format_duration(s.longest_version_gap_s), help="Longest gap between two new global versions")
+    if len(evals):
+        delta = float(evals["val_loss"].iloc[-1] - evals["val_loss"].iloc[-2]) if len(evals) > 1 else None
+        cols[4].metric("Validation loss", f"{evals['val_loss'].iloc[-1]:.4f}", delta=None if delta is None else f"{delta:+.4f}", delta_color="inverse")
+    else:
+        cols[4].metric("Validation loss", "—", help="No evaluation recorded yet")
+    cols[5].metric("Learners up", f"{up}/{len(snap.verdicts)}", help="alive, straggling or recovering")
+    cols[6].metric("Last new version", h.format_duration(page.snapshot.sync.last_version_age_s) + (" ago" if page.snapshot.sync.last_version_age_s is not None else ""))
+
+
+def learners_section(page: RunPage) -> None:
+    st.header("Learners by region", divider="gray")
+    df = page.learners
+    if df.empty:
+        widgets.no_data("No learner has joined this run yet: there are no heartbeats to judge. Learners appear here when they start.")
+        return
+    if df["loss"].isna().all() and (df["step"] == 0).all():
+        widgets.no_data("Learners have joined but none has reported a training step yet.")
+    grid, regions = st.columns([3, 2])
+    with grid:
+        st.altair_chart(charts.learner_grid(df), width="stretch")
+    with regions:
+        st.altair_chart(charts.region_tokens(page.regions), width="stretch")
+    table = df.assign(
+        severity=df["status"].map(SEVERITY),
+        last_heartbeat=[widgets.ago(t, page.snapshot.as_of) for t in df["last_heartbeat_at"]],
+        last_submission=[widgets.ago(t, page.snapshot.as_of) for t in df["last_submission_at"]],
+    ).sort_values(["region", "severity", "learner"])
+    table = table[
+        ["learner", "region", "status", "step", "tokens_per_s", "last_heartbeat", "last_submission", "merged", "rejected", "pending", "tokens_trained", "tokens_merged", "loss", "reason"]
+        + (["flow_run_url"] if df["flow_run_url"].notna().any() else [])
+    ]
+    st.dataframe(
+        widgets.styled(table, shade_rows_by="status").format({"tokens_per_s": "{:,.0f}", "loss": "{:.3f}", "tokens_trained": "{:,}", "tokens_merged": "{:,}", "step": "{:,}"}, na_rep="—"),
+        hide_index=True,
+        height=min(600, 38 + 35 * len(table)),
+        column_config={
+            "tokens_per_s": st.column_config.NumberColumn("tokens/s"),
+            "last_heartbeat": st.column_config.TextColumn("last heartbeat"),
+            "last_submission": st.column_config.TextColumn("last submission"),
+            "tokens_trained": st.column_config.NumberColumn("tokens trained"),
+            "tokens_merged": st.column_config.NumberColumn("tokens merged"),
+            "loss": st.column_config.NumberColumn("train loss"),
+            "reason": st.column_config.TextColumn("why", width="large"),
+            "flow_run_url": st.column_config.LinkColumn("Prefect", display_text="flow run"),
+        },
+    )
+    with st.expander("Regions in numbers"):
+        st.dataframe(
+            page.regions.style.format({"tokens_per_s": "{:,.0f}", "share_merged": "{:.1%}", "tokens_trained": "{:,}", "tokens_merged": "{:,}"}),
+            hide_index=True,
+        )
+
+
+def synchronizer_section(page: RunPage) -> None:
+    st.header("Synchronizer", divider="gray")
+    sync = page.snapshot.sync
+    left, right = st.columns([2, 3])
+    with left:
+        top = st.columns([1, 2], vertical_alignment="center")
+        with top[0]:
+            st.badge("ACTIVE" if sync.status == "active" else "NO ACTIVE SYNCHRONIZER", color=h.color_of(sync.status))
+        top[1].markdown(f"**{sync.holder}**" if sync.holder else "")
+        (st.caption if sync.status == "active" else st.error)(sync.message)
+        a, b = st.columns(2)
+        a.metric("Last merge", widgets.ago(page.last_merge_at, page.snapshot.as_of))
+        b.metric("Fencing token", str(int(page.holders["token"].max())) if len(page.holders) else "—", help="Grows by one at every change of holder")
+        merges = page.merges
+        if len(merges):
+            c, d = st.columns(2)
+            c.metric("Median quorum", f"{merges['quorum'].median():g}", help="Submissions a merge needed (per merge, newest merges)")
+            d.metric("Median grace waited", f"{merges['grace_waited_s'].median():.2f}s")
+    with right:
+        st.markdown("**Lease holders** (fencing token order)")
+        if page.holders.empty:
+            widgets.no_data("No synchronizer has published a version yet.")
+        else:
+            holders = page.holders.assign(
+                role=["active" if sync.status == "active" and r.holder == sync.holder else "former (standby or gone)" for r in page.holders.itertuples()]
+            )
+            st.dataframe(widgets.styled(holders, status_columns=()), hide_index=True)
+        st.caption("A standby writes nothing to the ledger until it takes over the lease, so only synchronizers that held it are listed.")
+
+
+def progress_section(page: RunPage) -> None:
+    st.header("Global progress", divider="gray")
+    left, right = st.columns(2)
+    with left:
+        st.markdown("**Version of each fragment over time**")
+        if page.versions.empty:
+            widgets.no_data("No global version published yet.")
+        else:
+            st.altair_chart(charts.version_timeline(page.versions), width="stretch")
+    with right:
+        if page.merges.empty:
+            st.markdown("**Merges**")
+            widgets.no_data("No merge yet: the synchronizer has not closed a quorum.")
+        else:
+            quorum, grace = st.tabs(["Quorum per merge", "Grace window per merge"])
+            with quorum:
+                st.altair_chart(charts.quorum_chart(page.merges), width="stretch")
+            with grace:
+                st.altair_chart(charts.grace_chart(page.merges), width="stretch")
+    left, right = st.columns(2)
+    with left:
+        st.markdown("**Staleness of merged submissions**")
+        if page.staleness.empty:
+            widgets.no_data("No submission merged yet.")
+        else:
+            st.altair_chart(charts.staleness_histogram(page.staleness), width="stretch")
+    with right:
+        s = page.summary
+        st.markdown("**Bytes sent vs data-parallel equivalent**")
+        ratio = s.bytes_data_parallel / s.bytes_sent if s.bytes_sent else math.nan
+        a, b, c = st.columns(3)
+        a.metric("Sent", h.format_bytes(s.bytes_sent))
+        b.metric("Data-parallel", h.format_bytes(s.bytes_data_parallel))
+        c.metric("Saving", f"{ratio:,.0f}x less" if math.isfinite(ratio) else "—")
+        if s.bytes_sent or s.bytes_data_parallel:
+            st.altair_chart(charts.bytes_chart(s.bytes_sent, s.bytes_data_parallel), width="stretch")
+    if len(page.merges):
+        with st.expander("Latest merges"):
+            st.dataframe(page.merges.iloc[::-1].head(50), hide_index=True)
+
+
+def loss_section(page: RunPage) -> None:
+    st.header("Loss", divider="gray")
+    left, right = st.columns(2)
+    with left:
+        st.markdown("**Validation loss vs tokens merged** (global model)")
+        if page.evaluations.empty:
+            widgets.no_data("No evaluation recorded yet.")
+        else:
+            st.altair_chart(charts.validation_loss(page.evaluations), width="stretch")
+    with right:
+        st.markdown("**Training loss per learner**")
+        if page.training_loss.empty:
+            widgets.no_data("No heartbeat with a loss yet.")
+        else:
+            st.altair_chart(charts.training_loss(page.training_loss), width="stretch")
+
+
+def events_section(page: RunPage) -> None:
+    st.header("Events", divider="gray")
+    events = page.events
+    if events.empty:
+        widgets.no_data("No events recorded.")
+        return
+    st.altair_chart(charts.events_timeline(events), width="stretch")
+    left, right = st.columns([3, 2])
+    with left:
+        categories = [c for c in charts.CATEGORY_ORDER if c in set(events["category"])]
+        chosen = st.pills("Show", categories, default=categories, selection_mode="multi", key="event_categories")
+        shown = events[events["category"].isin(chosen or categories)]
+        st.dataframe(
+            shown.style.map(lambda c: f"color: {h.HEX[h.CATEGORY_COLORS.get(c, 'gray')]}; font-weight: 600", subset=["category"]),
+            hide_index=True,
+            height=320,
+            column_config={"at": st.column_config.DatetimeColumn("at (UTC)", format="YYYY-MM-DD HH:mm:ss"), "detail": st.column_config.TextColumn(width="large")},
+        )
+    with right:
+        st.markdown("**Rejected submissions by reason**")
+        if page.rejection_reasons.empty:
+            st.success("No submission rejected.", icon=":material/check_circle:")
+        else:
+            st.altair_chart(charts.rejection_reasons(page.rejection_reasons), width="stretch")
+            st.dataframe(page.rejections.head(50), hide_index=True, height=220)
+
+
+@st.fragment(run_every=widgets.refresh_interval())
+def run_health(run_id: str) -> None:
+    with widgets.ledger_errors():
+        page = loaders.run_page(URL, run_id)
+        if page is None:
+            st.warning(f"Run {run_id!r} is no longer in the ledger.")
+            return
+        header(page)
+        learners_section(page)
+        synchronizer_section(page)
+        progress_section(page)
+        loss_section(page)
+        events_section(page)
+
+
+RUN = pick_run()
+if RUN is not None:
+    run_health(RUN)

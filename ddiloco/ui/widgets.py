@@ -1,0 +1,82 @@
+"""Small Streamlit building blocks shared by the pages: badges, coloured tables, error guards."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Iterator, Sequence
+
+import pandas as pd
+import streamlit as st
+from pandas.io.formats.style import Styler
+from sqlalchemy.exc import SQLAlchemyError
+
+from ddiloco.ui import health as h
+from ddiloco.ui import loaders
+from ddiloco.ui.queries import LedgerUnavailable
+
+LEVEL_ICONS = {
+    h.HEALTHY: ":material/check_circle:",
+    h.DEGRADED: ":material/warning:",
+    h.DOWN: ":material/error:",
+    h.FAILED: ":material/error:",
+    h.STARTING: ":material/hourglass_top:",
+    h.FINISHED: ":material/flag:",
+}
+PALE = {"green": "#d3f9d8", "orange": "#ffe8cc", "blue": "#d0ebff", "red": "#ffe3e3", "gray": "#e9ecef", "violet": "#e5dbff", "yellow": "#fff3bf"}
+
+
+def refresh_interval() -> float | None:
+    """Seconds between automatic refreshes as chosen in the sidebar (None: off)."""
+    return loaders.REFRESH_CHOICES.get(st.session_state.get("refresh", loaders.DEFAULT_REFRESH), None)
+
+
+@contextmanager
+def ledger_errors() -> Iterator[None]:
+    """Turn a ledger that went away mid-page into a message instead of a traceback."""
+    try:
+        yield
+    except LedgerUnavailable as err:
+        st.error(str(err), icon=":material/database_off:")
+    except SQLAlchemyError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        st.error(f"Could not read the ledger: {first}. The page retries at the next refresh.", icon=":material/database_off:")
+
+
+def health_badge(level: str) -> None:
+    st.badge(level.upper(), icon=LEVEL_ICONS.get(level), color=h.color_of(level))
+
+
+def status_css(value: object) -> str:
+    """Cell style of a status: white text on the status colour."""
+    color = h.STATUS_COLORS.get(str(value))
+    if color is None:
+        return ""
+    return f"background-color: {h.HEX[color]}; color: white; font-weight: 600"
+
+
+def pale_row_css(row: pd.Series, column: str = "status") -> list[str]:
+    color = h.STATUS_COLORS.get(str(row.get(column)))
+    if color is None or color == "green":
+        return [""] * len(row)
+    return [f"background-color: {PALE[color]}"] * len(row)
+
+
+def styled(df: pd.DataFrame, status_columns: Sequence[str] = ("status",), shade_rows_by: str | None = None) -> Styler:
+    sty = df.style
+    if shade_rows_by is not None and shade_rows_by in df.columns:
+        sty = sty.apply(pale_row_css, axis=1, column=shade_rows_by)
+    present = [c for c in status_columns if c in df.columns]
+    if present:
+        sty = sty.map(status_css, subset=present)
+    return sty
+
+
+def ago(when: datetime | None, now: datetime) -> str:
+    if when is None or pd.isna(when):
+        return "never"
+    return f"{h.format_duration((now - when).total_seconds())} ago"
+
+
+def no_data(message: str) -> None:
+    st.info(message, icon=":material/info:")

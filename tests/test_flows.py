@@ -1,0 +1,103 @@
+"""Prefect flows: pure supervision decisions, and the training-run flow on a real (temporary) Prefect."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from prefect.testing.utilities import prefect_test_harness
+from sqlalchemy import inspect
+from support import tiny_config
+
+from ddiloco.flows.chaos import seeded_schedule
+from ddiloco.flows.supervise import LearnerView, budget_reached, relaunch_decisions
+from ddiloco.platform.ledger import make_engine, open_ledger, session_factory
+from ddiloco.platform.ledger import queries as q
+
+
+@pytest.fixture(scope="module")
+def prefect_harness(tmp_path_factory):
+    home = tmp_path_factory.mktemp("prefect-home")
+    old = os.environ.get("PREFECT_HOME")
+    os.environ["PREFECT_HOME"] = str(home)
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+    if old is None:
+        os.environ.pop("PREFECT_HOME", None)
+    else:
+        os.environ["PREFECT_HOME"] = old
+
+
+def test_relaunch_decisions_with_reasons():
+    views = [
+        LearnerView("ended", running=False, started_at=0.0, last_heartbeat=95.0),
+        LearnerView("starting", running=True, started_at=90.0, last_heartbeat=None),
+        LearnerView("stuck-start", running=True, started_at=0.0, last_heartbeat=None),
+        LearnerView("silent", running=True, started_at=0.0, last_heartbeat=80.0),
+        LearnerView("healthy", running=True, started_at=0.0, last_heartbeat=99.0),
+    ]
+    out = relaunch_decisions(100.0, views, dead_after_s=10.0, startup_grace_s=60.0)
+    assert out == {
+        "ended": "its process or flow run ended",
+        "stuck-start": "no heartbeat 60s after launch",
+        "silent": "heartbeat stopped 20.0s ago",
+    }
+    assert budget_reached(10, 10) and not budget_reached(9, 10)
+
+
+def test_seeded_chaos_schedule_is_deterministic_and_within_the_run():
+    cfg = tiny_config(chaos={"seed": 7, "random_events": 5})
+    a, b = seeded_schedule(cfg, 100.0), seeded_schedule(cfg, 100.0)
+    assert a == b and len(a) == 5
+    assert all(10.0 <= e.at_s <= 80.0 for e in a)
+    assert [e.at_s for e in a] == sorted(e.at_s for e in a)
+    other = seeded_schedule(tiny_config(chaos={"seed": 8, "random_events": 5}), 100.0)
+    assert other != a
+
+
+def test_bad_parameters_fail_the_flow_run_naming_the_field_and_write_nothing(prefect_harness, tmp_path, monkeypatch):
+    from prefect.exceptions import ParameterTypeError
+
+    from ddiloco.flows.training import training_run
+
+    ledger = tmp_path / "ledger.db"
+    monkeypatch.setenv("DDILOCO_LEDGER__URL", f"sqlite:///{ledger}")
+    with pytest.raises(ParameterTypeError, match=r"config\.quorum\.min_count"):
+        training_run(config={"quorum": {"min_count": -1}}, run_id="bad")
+    if ledger.exists():
+        tables = inspect(make_engine(f"sqlite:///{ledger}")).get_table_names()
+        assert "runs" not in tables
+
+
+def test_training_run_supervises_relaunches_and_finishes(prefect_harness, tmp_path):
+    from prefect.client.orchestration import get_client
+
+    from ddiloco.flows.training import training_run
+
+    cfg = tiny_config(
+        name="flowrun",
+        token_budget=2 * 40 * 4 * 32,
+        learners={"regions": [{"name": "us", "learners": 1}, {"name": "eu", "learners": 1}], "heartbeat_s": 0.5,
+                  "poll_s": 0.2, "dead_after_s": 5.0},
+        synchronizer={"poll_s": 0.1, "lease_ttl_s": 1.5, "eval_every_s": 2.0},
+        ledger={"url": f"sqlite:///{tmp_path / 'ledger.db'}"},
+        storage={"url": f"file://{tmp_path / 'store'}"},
+        chaos={"events": [{"at_s": 0.5, "action": "kill_learner", "target": "eu-0"}]},
+    )
+    summary = training_run(config=cfg, run_id="flowrun", launcher="local", workdir=str(tmp_path / "runs"))
+    assert summary["tokens"] >= cfg.token_budget
+    assert summary["accounting_balanced"] is True
+    assert sum(summary["versions"].values()) > 0
+    assert summary["val_loss_end"] < summary["val_loss_start"]
+    engine = open_ledger(cfg.ledger.url)
+    with session_factory(engine).begin() as s:
+        run = q.get_run(s, "flowrun")
+        events = q.events(s, "flowrun")
+    assert run.status == "finished" and run.flow_run_url
+    kinds = {e.kind: e.detail for e in events}
+    assert kinds["chaos"].startswith("SIGKILL learner eu-0")
+    # The supervisor saw the process end and relaunched it (rejoining is covered in test_processes).
+    assert kinds["learner_relaunched"] == "eu-0: its process or flow run ended"
+    with get_client(sync_client=True) as client:
+        keys = {a.key for a in client.read_artifacts()}
+    assert "summary-flowrun" in keys and "loss-flowrun" in keys
