@@ -89,13 +89,16 @@ def recompute_version(run: ProcessRun, fragment: int, version: int) -> tuple[dic
     params = store.get(prev.blob_key, prev.sha256)
     momentum = momentum_from_blob(store.get(prev.state_key, prev.state_sha256))
     names = list(params)
-    vectors, weights = [], []
+    per_learner: dict[str, list] = {}
+    weight: dict[str, float] = {}
     for m in detail["members"]:
         sb = subs[m["submission"]]
         tensors, meta = store.get_with_metadata(sb.blob_key, sb.sha256)
-        vectors.append(flatten(decode_delta(tensors, meta), names))
-        weights.append(m["weight"])
-    grad = merge_vectors(vectors, weights, detail["method"]) * detail["participation_scale"]
+        per_learner.setdefault(m["learner"], []).append(flatten(decode_delta(tensors, meta), names))
+        weight[m["learner"]] = m["weight"]
+    # A learner's increments add up to its outer gradient; learners are then merged.
+    vectors = [torch.stack(v).sum(0) for v in per_learner.values()]
+    grad = merge_vectors(vectors, [weight[lid] for lid in per_learner], detail["method"]) * detail["participation_scale"]
     return outer_step(params, unflatten(grad, params, names), momentum, lr=cfg.outer.lr, beta=cfg.outer.momentum)
 
 

@@ -226,7 +226,8 @@ class Learner:
         """Hand the outer gradient of a fragment to the uploader (or upload it now, in-process)."""
         frag = self.fragments[fragment]
         with torch.no_grad():
-            delta = {n: (self.snapshot[fragment][n] - self.params[n].detach()).clone() for n in frag.names}
+            current = {n: self.params[n].detach().clone() for n in frag.names}
+            delta = {n: self.snapshot[fragment][n] - current[n] for n in frag.names}
         with self._lock:
             tokens_new, self._tokens_unsubmitted = self._tokens_unsubmitted, 0
         out = Outgoing(
@@ -240,6 +241,11 @@ class Learner:
             step=self.step_count,
             created_at=now,
         )
+        # The next send of this fragment carries only what was learned after this one, so a
+        # learner that sends twice before it hears back is never merged twice.
+        self.snapshot[fragment] = current
+        self.c_steps[fragment] = 0
+        self.c_tokens[fragment] = 0
         if self.cfg.fragments.overlap == 0:
             self.awaiting.add(fragment)
         self._queue(out)
@@ -319,7 +325,7 @@ class Learner:
 
     def poll_versions(self) -> list[int]:
         """Download every fragment with a newer global version than the one held; returns them."""
-        with self.ctx.transaction() as s:
+        with self.ctx.reading() as s:
             latest = q.latest_versions(s, self.ctx.run_id)
             run = q.get_run(s, self.ctx.run_id)
         if run is not None and run.status != "running":

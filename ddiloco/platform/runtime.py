@@ -17,7 +17,7 @@ from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_expo
 
 import ddiloco
 from ddiloco.platform.config import RunConfig
-from ddiloco.platform.ledger.engine import open_ledger, session_factory
+from ddiloco.platform.ledger.engine import make_engine, open_ledger, session_factory
 from ddiloco.platform.store import FragmentStore, open_store
 
 Clock = Callable[[], float]
@@ -65,6 +65,7 @@ class RunContext:
     engine: Engine
     clock: Clock = time.time
     _sessions: sessionmaker[Session] | None = field(default=None, repr=False)
+    _read_sessions: sessionmaker[Session] | None = field(default=None, repr=False)
 
     @classmethod
     def open(cls, cfg: RunConfig, run_id: str | None = None, clock: Clock = time.time, engine: Engine | None = None) -> "RunContext":
@@ -78,7 +79,19 @@ class RunContext:
 
     @contextmanager
     def transaction(self) -> Iterator[Session]:
+        """A read-write transaction (on SQLite it takes the write lock at BEGIN)."""
         with self.sessions.begin() as session:
+            yield session
+
+    @contextmanager
+    def reading(self) -> Iterator[Session]:
+        """A read-only transaction: on SQLite it never waits behind writers (WAL snapshot)."""
+        if self._read_sessions is None:
+            url = self.engine.url
+            file_sqlite = url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:")
+            engine = make_engine(url.render_as_string(hide_password=False), read_only=True) if file_sqlite else self.engine
+            self._read_sessions = session_factory(engine)
+        with self._read_sessions.begin() as session:
             yield session
 
     def now(self) -> float:

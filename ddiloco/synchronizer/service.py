@@ -203,11 +203,12 @@ class Synchronizer:
             self._bootstrapped = True
         result = PollResult(role="active")
         lcfg = self.cfg.learners
-        with self.ctx.transaction() as s:
-            now_dt = to_datetime(now)
-            if now - self._last_status >= STATUS_EVERY_S:
-                self._last_status = now
+        now_dt = to_datetime(now)
+        if now - self._last_status >= STATUS_EVERY_S:
+            self._last_status = now
+            with self.ctx.transaction() as s:
                 q.update_learner_statuses(s, run_id, now_dt, dead_after_s=lcfg.dead_after_s, straggler_factor=lcfg.straggler_factor)
+        with self.ctx.reading() as s:
             rows = q.learners(s, run_id)
             pending = q.pending_submissions(s, run_id)
             latest = q.latest_versions(s, run_id)
@@ -274,42 +275,35 @@ class Synchronizer:
         names = list(self.layout.fragments[fragment].names)
         shapes = self.layout.shapes(fragment)
         mcfg = self.cfg.merge
-        with self.ctx.transaction() as s:
+        with self.ctx.reading() as s:
             recent = q.recent_merged_norms(s, self.ctx.run_id, fragment, limit=NORM_HISTORY)
-        # A learner's newer submission for the same base carries the older one's progress
-        # (counters run from the last receipt), so only the newest counts; the older is merged with weight 0.
-        newest: dict[str, Submission] = {}
-        for sb in subs:
-            if sb.learner_id not in newest or sb.id > newest[sb.learner_id].id:
-                newest[sb.learner_id] = sb
-        accepted: list[tuple[Submission, torch.Tensor, float, float]] = []
         rejected: list[tuple[int, str]] = []
-        superseded: list[Submission] = []
+        # A learner's submissions are increments (each carries what it learned since its previous
+        # send or receipt), so several from one learner add up to that learner's outer gradient.
+        per_learner: dict[str, list[tuple[Submission, torch.Tensor, float]]] = defaultdict(list)
         for sb in subs:
-            if newest[sb.learner_id] is not sb:
-                superseded.append(sb)
-                continue
             why = self._validate(sb, cur.version, names, shapes, recent, regions)
             if isinstance(why, str):
                 rejected.append((sb.id, why))
             else:
-                vector, norm = why
-                accepted.append((sb, vector, norm, pol.token_weight(sb.c_tokens, sb.c_steps, mcfg.weighting)))
-        accepted_ids = {a[0].id for a in accepted}
-        carried = [sb for sb in superseded if newest[sb.learner_id].id in accepted_ids]
-        rejected += [
-            (sb.id, f"superseded by submission {newest[sb.learner_id].id}, which was rejected")
-            for sb in superseded
-            if newest[sb.learner_id].id not in accepted_ids
-        ]
-        if not accepted:
+                per_learner[sb.learner_id].append((sb, why[0], why[1]))
+        if not per_learner:
             with self.ctx.transaction() as s:
                 q.reject_submissions(s, self.ctx.run_id, rejected, holder=self.holder, token=self.token, now=to_datetime(now))
             return False, len(rejected)
+        vectors, weights = [], []
+        learner_weight: dict[str, float] = {}
+        for lid, items in per_learner.items():
+            vectors.append(torch.stack([v for _, v, _ in items]).sum(0) if len(items) > 1 else items[0][1])
+            c_steps = sum(sb.c_steps for sb, _, _ in items)
+            c_tokens = sum(sb.c_tokens for sb, _, _ in items)
+            learner_weight[lid] = pol.token_weight(c_tokens, c_steps, mcfg.weighting)
+            weights.append(learner_weight[lid])
+        accepted = [(sb, norm, learner_weight[sb.learner_id]) for items in per_learner.values() for sb, _, norm in items]
         fault_point("sync.mid_merge")
         method = "mean" if fragment in self._plain_mean else mcfg.method
-        merged_vec = merge_vectors([a[1] for a in accepted], [a[3] for a in accepted], method)
-        scale = pol.participation_scale(len(accepted), live) if mcfg.participation_scaling else 1.0
+        merged_vec = merge_vectors(vectors, weights, method)
+        scale = pol.participation_scale(len(vectors), live) if mcfg.participation_scaling else 1.0
         if scale != 1.0:
             merged_vec = merged_vec * scale
         outer_grad = unflatten(merged_vec, cur.params, names)
@@ -317,8 +311,7 @@ class Synchronizer:
             cur.params, outer_grad, cur.momentum, lr=self.cfg.outer.lr, beta=self.cfg.outer.momentum, nesterov=self.cfg.outer.nesterov
         )
         merge_s = time.perf_counter() - t0
-        merged = [q.MergedIn(sb.id, w, norm, cur.version - sb.base_version) for sb, _, norm, w in accepted]
-        merged += [q.MergedIn(sb.id, 0.0, 0.0, cur.version - sb.base_version) for sb in carried]
+        merged = [q.MergedIn(sb.id, w, norm, cur.version - sb.base_version) for sb, norm, w in accepted]
         t_q = decision.quorum_reached_at if decision.quorum_reached_at is not None else now
         record = q.MergeRecord(
             quorum=decision.quorum,
@@ -331,11 +324,11 @@ class Synchronizer:
                 "method": method,
                 "participation_scale": scale,
                 "base_version": cur.version,
+                "learners": len(vectors),
                 "members": [
                     {"submission": sb.id, "learner": sb.learner_id, "weight": w, "norm": norm, "staleness": cur.version - sb.base_version}
-                    for sb, _, norm, w in accepted
+                    for sb, norm, w in accepted
                 ],
-                "carried_by_newer": [sb.id for sb in carried],
                 "rejected": [{"submission": i, "reason": r} for i, r in rejected],
             },
         )
