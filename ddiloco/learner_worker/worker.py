@@ -30,6 +30,9 @@ from ddiloco.platform.store import StoreError
 
 log = logging.getLogger("ddiloco.learner")
 
+UPLOAD_BATCH = 32
+"""Most submissions registered in one ledger transaction by the upload thread."""
+
 
 class RunNotReadyError(RuntimeError):
     """The run has no published global version yet."""
@@ -109,6 +112,7 @@ class Learner:
         self._lock = threading.Condition()
         self._inbox: dict[int, tuple[int, dict[str, torch.Tensor]]] = {}
         self._outbox: queue.Queue = queue.Queue()
+        self._carry: dict[int, Outgoing] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.run_finished = False
@@ -230,12 +234,16 @@ class Learner:
             delta = {n: self.snapshot[fragment][n] - current[n] for n in frag.names}
         with self._lock:
             tokens_new, self._tokens_unsubmitted = self._tokens_unsubmitted, 0
+            carried = self._carry.pop(fragment, None)
+        if carried is not None:
+            delta = {n: delta[n] + carried.delta[n] for n in frag.names}
+            tokens_new += carried.tokens_new
         out = Outgoing(
             fragment=fragment,
             base_version=self.base[fragment],
             delta=delta,
-            c_steps=self.c_steps[fragment],
-            c_tokens=self.c_tokens[fragment],
+            c_steps=self.c_steps[fragment] + (carried.c_steps if carried else 0),
+            c_tokens=self.c_tokens[fragment] + (carried.c_tokens if carried else 0),
             tokens_new=tokens_new,
             tokens_total=self.tokens_total,
             step=self.step_count,
@@ -292,34 +300,55 @@ class Learner:
         return True
 
     def upload(self, out: Outgoing) -> None:
-        """Write the blob, then register the submission: a row never points to a missing blob."""
+        self.upload_many([out])
+
+    def upload_many(self, outs: list[Outgoing]) -> None:
+        """Write the blobs, then register them in one transaction: a row never points to a missing blob."""
         t0 = time.perf_counter()
-        tensors, meta = encode_delta(out.delta, self.cfg.compression.codec, self.cfg.compression.block_size)
-        uid = f"i{self.incarnation}-s{out.step}-f{out.fragment}"
         store = self.ctx.store(self.region)
-        blob = store.put(submission_key(self.ctx.run_id, out.fragment, self.id, uid), tensors, meta)
-        fault_point("learner.after_blob")
-        sub = q.SubmissionIn(
-            uid=uid,
-            fragment=out.fragment,
-            base_version=out.base_version,
-            c_steps=out.c_steps,
-            c_tokens=out.c_tokens,
-            tokens_new=out.tokens_new,
-            tokens_total=out.tokens_total,
-            blob_key=blob.key,
-            sha256=blob.sha256,
-            nbytes=blob.nbytes,
-            codec=self.cfg.compression.codec,
-        )
-        self._register(sub, self.ctx.now() if self.background_io else out.created_at)
-        self.bytes_sent += blob.nbytes
+        subs = []
+        for out in outs:
+            tensors, meta = encode_delta(out.delta, self.cfg.compression.codec, self.cfg.compression.block_size)
+            uid = f"i{self.incarnation}-s{out.step}-f{out.fragment}"
+            blob = store.put(submission_key(self.ctx.run_id, out.fragment, self.id, uid), tensors, meta)
+            fault_point("learner.after_blob")
+            subs.append(
+                q.SubmissionIn(
+                    uid=uid,
+                    fragment=out.fragment,
+                    base_version=out.base_version,
+                    c_steps=out.c_steps,
+                    c_tokens=out.c_tokens,
+                    tokens_new=out.tokens_new,
+                    tokens_total=out.tokens_total,
+                    blob_key=blob.key,
+                    sha256=blob.sha256,
+                    nbytes=blob.nbytes,
+                    codec=self.cfg.compression.codec,
+                )
+            )
+        self._register(subs, self.ctx.now() if self.background_io else outs[-1].created_at)
+        self.bytes_sent += sum(sub.nbytes for sub in subs)
         self.upload_s += time.perf_counter() - t0
 
     @ledger_retry
-    def _register(self, sub: q.SubmissionIn, now: float) -> None:
+    def _register(self, subs: list[q.SubmissionIn], now: float) -> None:
         with self.ctx.transaction() as s:
-            q.register_submission(s, self.ctx.run_id, self.id, self.incarnation, sub, to_datetime(now))
+            q.register_submissions(s, self.ctx.run_id, self.id, self.incarnation, subs, to_datetime(now))
+
+    def _carry_over(self, outs: list[Outgoing]) -> None:
+        """Keep the increments of failed uploads: the next send of their fragment includes them."""
+        with self._lock:
+            for out in outs:
+                prev = self._carry.get(out.fragment)
+                if prev is not None:
+                    for n, t in prev.delta.items():
+                        out.delta[n] = out.delta[n] + t
+                    out.c_steps += prev.c_steps
+                    out.c_tokens += prev.c_tokens
+                    out.tokens_new += prev.tokens_new
+                self._carry[out.fragment] = out
+                self.awaiting.discard(out.fragment)
 
     # --- receiving ------------------------------------------------------------------------------
 
@@ -407,23 +436,30 @@ class Learner:
         self._last_heartbeat = now
 
     def _upload_loop(self) -> None:
-        while True:
-            out = self._outbox.get()
-            if out is None:
-                return
-            if not isinstance(out, Outgoing):
+        finished = False
+        while not finished:
+            items = [self._outbox.get()]
+            # Whatever else is already queued goes in the same ledger transaction.
+            while len(items) < UPLOAD_BATCH:
                 try:
-                    self.save_optimizer_state(out[1], out[2])
-                except Exception:  # noqa: BLE001 - a missed save only costs a colder restart
-                    log.exception("saving the optimizer state failed")
+                    items.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            finished = any(item is None for item in items)
+            outs = [item for item in items if isinstance(item, Outgoing)]
+            for item in items:
+                if isinstance(item, tuple):
+                    try:
+                        self.save_optimizer_state(item[1], item[2])
+                    except Exception:  # noqa: BLE001 - a missed save only costs a colder restart
+                        log.exception("saving the optimizer state failed")
+            if not outs:
                 continue
             try:
-                self.upload(out)
-            except Exception:  # noqa: BLE001 - the tokens go back to the next submission
-                log.exception("upload of fragment %s failed after retries", out.fragment)
-                with self._lock:
-                    self._tokens_unsubmitted += out.tokens_new
-                    self.awaiting.discard(out.fragment)
+                self.upload_many(outs)
+            except Exception:  # noqa: BLE001 - the increments go out with the next send
+                log.exception("upload of fragments %s failed after retries", [o.fragment for o in outs])
+                self._carry_over(outs)
 
     def _poll_loop(self) -> None:
         while not self._stop.is_set():

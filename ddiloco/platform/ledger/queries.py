@@ -340,51 +340,94 @@ def register_submission(
     session: Session, run_id: str, learner_id: str, incarnation: int, sub: SubmissionIn, now: datetime
 ) -> tuple[int, bool]:
     """Register a submission after its blob is written. Returns (id, created); a repeat uid is a no-op."""
-    stmt = (
-        _insert(session, Submission)
-        .values(
-            run_id=run_id,
-            learner_id=learner_id,
-            uid=sub.uid,
-            fragment=sub.fragment,
-            base_version=sub.base_version,
-            c_steps=sub.c_steps,
-            c_tokens=sub.c_tokens,
-            tokens_new=sub.tokens_new,
-            blob_key=sub.blob_key,
-            sha256=sub.sha256,
-            nbytes=sub.nbytes,
-            codec=sub.codec,
-            created_at=now,
-            status=PENDING,
-            blob_deleted=False,
+    return register_submissions(session, run_id, learner_id, incarnation, [sub], now)[0]
+
+
+def _submission_insert(session: Session) -> Any:
+    # Built once per dialect with bound parameters, so SQLAlchemy's compiled cache is hit.
+    dialect = session.get_bind().dialect.name
+    if dialect not in _SUBMISSION_INSERTS:
+        _SUBMISSION_INSERTS[dialect] = (
+            _insert(session, Submission.__table__)
+            .on_conflict_do_nothing(index_elements=["run_id", "learner_id", "uid"])
+            .returning(Submission.__table__.c.id, Submission.__table__.c.uid)
         )
-        .on_conflict_do_nothing(index_elements=["run_id", "learner_id", "uid"])
-    )
-    created = _inserted(session, stmt.returning(Submission.id))
-    sub_id = session.scalar(
-        select(Submission.id).where(Submission.run_id == run_id, Submission.learner_id == learner_id, Submission.uid == sub.uid)
-    )
-    if not created:
-        return sub_id, False
-    learner = session.get(Learner, (run_id, learner_id), with_for_update=True)
-    if learner is None:
-        reason = f"unknown learner {learner_id!r}"
+    return _SUBMISSION_INSERTS[dialect]
+
+
+_SUBMISSION_INSERTS: dict[str, Any] = {}
+
+
+def register_submissions(
+    session: Session, run_id: str, learner_id: str, incarnation: int, subs: Sequence[SubmissionIn], now: datetime
+) -> list[tuple[int, bool]]:
+    """Register several submissions of one learner in one round trip; repeats are no-ops.
+
+    Returns (id, created) per submission, in order."""
+    rows = [
+        {
+            "run_id": run_id,
+            "learner_id": learner_id,
+            "uid": sub.uid,
+            "fragment": sub.fragment,
+            "base_version": sub.base_version,
+            "c_steps": sub.c_steps,
+            "c_tokens": sub.c_tokens,
+            "tokens_new": sub.tokens_new,
+            "blob_key": sub.blob_key,
+            "sha256": sub.sha256,
+            "nbytes": sub.nbytes,
+            "codec": sub.codec,
+            "created_at": now,
+            "status": PENDING,
+            "blob_deleted": False,
+        }
+        for sub in subs
+    ]
+    conn = session.connection()
+    created = {uid: sub_id for sub_id, uid in conn.execute(_submission_insert(session), rows).all()}
+    new = [sub for sub in subs if sub.uid in created]
+    ids = dict(created)
+    missing = [sub.uid for sub in subs if sub.uid not in created]
+    if missing:
+        ids.update(
+            session.execute(
+                select(Submission.uid, Submission.id).where(
+                    Submission.run_id == run_id, Submission.learner_id == learner_id, Submission.uid.in_(missing)
+                )
+            ).all()
+        )
+    out = [(ids[sub.uid], sub.uid in created) for sub in subs]
+    if not new:
+        return out
+    tokens_new = sum(sub.tokens_new for sub in new)
+    tokens_total = max(sub.tokens_total for sub in new)
+    greatest = func.max if session.get_bind().dialect.name == "sqlite" else func.greatest
+    updated = conn.execute(
+        update(Learner.__table__)
+        .where(Learner.run_id == run_id, Learner.id == learner_id, Learner.incarnation == incarnation)
+        .values(
+            inc_tokens_submitted=Learner.inc_tokens_submitted + tokens_new,
+            inc_tokens_trained=greatest(Learner.inc_tokens_trained, tokens_total),
+        )
+    ).rowcount
+    if updated == 1:
+        return out
+    learner = session.get(Learner, (run_id, learner_id), with_for_update=True, populate_existing=True)
+    for sub in new:
+        sub_id = created[sub.uid]
+        if learner is None:
+            reason = f"unknown learner {learner_id!r}"
+        else:
+            # A paused incarnation woke up after its replacement started: its tokens were already
+            # counted as lost when the replacement registered, so move them from lost to rejected.
+            moved = min(learner.tokens_lost, sub.tokens_new)
+            learner.tokens_lost -= moved
+            learner.tokens_trained += sub.tokens_new - moved
+            reason = f"superseded incarnation {incarnation} (current {learner.incarnation})"
         _decide_rejected(session, [sub_id], reason, now)
         record_event(session, run_id, "submission_rejected", learner_id, f"submission {sub_id}: {reason}", now)
-    elif learner.incarnation != incarnation:
-        # A paused incarnation woke up after its replacement started: its tokens were already
-        # counted as lost when the replacement registered, so move them from lost to rejected.
-        moved = min(learner.tokens_lost, sub.tokens_new)
-        learner.tokens_lost -= moved
-        learner.tokens_trained += sub.tokens_new - moved
-        reason = f"superseded incarnation {incarnation} (current {learner.incarnation})"
-        _decide_rejected(session, [sub_id], reason, now)
-        record_event(session, run_id, "submission_rejected", learner_id, f"submission {sub_id}: {reason}", now)
-    else:
-        learner.inc_tokens_submitted += sub.tokens_new
-        learner.inc_tokens_trained = max(learner.inc_tokens_trained, sub.tokens_total)
-    return sub_id, True
+    return out
 
 
 def pending_counts(session: Session, run_id: str) -> dict[int, int]:
