@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Iterable, Sequence
 
-from sqlalchemy import and_, case, func, select, update
+from sqlalchemy import and_, bindparam, case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -659,22 +659,27 @@ def publish_version(
         session.add(merge)
         session.flush()
         merge_id = merge.id
-    for m in merged:
-        result = session.execute(
-            update(Submission)
-            .where(Submission.id == m.submission_id, Submission.run_id == run_id, Submission.status == PENDING)
+    if merged:
+        table = Submission.__table__
+        stmt = (
+            update(table)
+            .where(table.c.id == bindparam("sid"), table.c.run_id == run_id, table.c.status == PENDING)
             .values(
                 status=MERGED,
                 merged_version=version,
                 merge_id=merge_id,
                 decided_at=now,
-                weight=m.weight,
-                norm=m.norm,
-                staleness=m.staleness,
+                weight=bindparam("w"),
+                norm=bindparam("n"),
+                staleness=bindparam("st"),
             )
         )
-        if result.rowcount != 1:
-            raise AlreadyDecidedError(f"submission {m.submission_id} is not pending: refusing to merge it twice")
+        params = [{"sid": m.submission_id, "w": m.weight, "n": m.norm, "st": m.staleness} for m in merged]
+        changed = session.connection().execute(stmt, params).rowcount
+        if changed != len(merged):
+            raise AlreadyDecidedError(
+                f"{len(merged) - changed} of the submissions to merge are not pending: refusing to merge them twice"
+            )
     for sub_id, reason in rejected:
         _decide_rejected(session, [sub_id], reason, now)
     session.flush()
