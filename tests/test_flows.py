@@ -76,7 +76,7 @@ def test_training_run_supervises_relaunches_and_finishes(prefect_harness, tmp_pa
 
     cfg = tiny_config(
         name="flowrun",
-        token_budget=2 * 40 * 4 * 32,
+        token_budget=2 * 300 * 4 * 32,  # long enough for the supervisor to see the kill (it looks every second)
         learners={"regions": [{"name": "us", "learners": 1}, {"name": "eu", "learners": 1}], "heartbeat_s": 0.5,
                   "poll_s": 0.2, "dead_after_s": 5.0},
         synchronizer={"poll_s": 0.1, "lease_ttl_s": 1.5, "eval_every_s": 2.0},
@@ -92,7 +92,7 @@ def test_training_run_supervises_relaunches_and_finishes(prefect_harness, tmp_pa
     engine = open_ledger(cfg.ledger.url)
     with session_factory(engine).begin() as s:
         run = q.get_run(s, "flowrun")
-        events = q.events(s, "flowrun")
+        events = q.events(s, "flowrun", limit=100_000)
     assert run.status == "finished" and run.flow_run_url
     kinds = {e.kind: e.detail for e in events}
     assert kinds["chaos"].startswith("SIGKILL learner eu-0")

@@ -249,6 +249,8 @@ class SynchronizerConfig(_Section):
     lease_ttl_s: float = Field(3.0, gt=0)
     """A lease not renewed for this long can be taken over by a standby."""
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
+    max_poll_s: float = Field(60.0, gt=0)
+    """A poll (merges included) running longer than this counts as hung: the lease is let go."""
     eval_every_s: float = Field(10.0, gt=0)
     """How often the active synchronizer evaluates the global model on validation data."""
 

@@ -13,7 +13,7 @@ class InvalidIdError(ValueError):
 
 def validate_id(value: str, what: str = "id") -> str:
     """Return ``value`` if it is a safe id (letters, digits, ``_ . -``; no ``..``), else raise."""
-    if not isinstance(value, str) or not _ID.match(value) or ".." in value:
+    if not isinstance(value, str) or not _ID.fullmatch(value) or ".." in value:
         raise InvalidIdError(
             f"{what} {value!r} is not a valid id: use 1-64 letters, digits, '_', '.' or '-', "
             "starting with a letter or digit, without '..'"

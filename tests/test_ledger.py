@@ -1,0 +1,383 @@
+"""The ledger's rules, on SQLite and PostgreSQL: schema, idempotency, accounting, fencing, versions, GC."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy import inspect, select, text
+from sqlalchemy.exc import StatementError
+
+from ddiloco.platform.ledger import open_ledger, session_factory
+from ddiloco.platform.ledger.engine import alembic_config
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger.models import MERGED, PENDING, REJECTED, Base, Event, Run, Submission
+
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+RUN = "r1"
+BLOB = q.BlobRef("r1/global/f0/v0.safetensors", "a" * 64, 100)
+STATE = q.BlobRef("r1/outer/f0/v0.safetensors", "b" * 64, 50)
+EXPECTED_TABLES = {
+    "alembic_version",
+    "runs",
+    "fragment_specs",
+    "learners",
+    "heartbeats",
+    "submissions",
+    "fragment_versions",
+    "merges",
+    "events",
+    "evaluations",
+    "synchronizer_leases",
+}
+
+
+@pytest.fixture
+def ledger(ledger_url):
+    engine = open_ledger(ledger_url)
+    try:
+        yield engine, session_factory(engine)
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def run(ledger):
+    """A run with 2 fragments and a synchronizer holding the lease (token 1, TTL 1 h from T0)."""
+    engine, S = ledger
+    with S.begin() as s:
+        q.create_run(s, RUN, config_json="{}", code_version="t", git_commit=None, num_fragments=2, token_budget=10_000, now=T0)
+        assert q.acquire_lease(s, RUN, "sync", 3600, T0) == 1
+    return S
+
+
+def sub(uid: str, fragment: int = 0, base: int = 0, tokens_new: int = 100, tokens_total: int = 100) -> q.SubmissionIn:
+    return q.SubmissionIn(uid, fragment, base, 4, tokens_new, tokens_new, tokens_total, f"k/{uid}", "c" * 64, 10, "int8")
+
+
+def publish(S, version: int, fragment: int = 0, *, holder: str = "sync", token: int = 1, now: datetime = T0, **kw):
+    with S.begin() as s:
+        return q.publish_version(s, RUN, fragment, version, blob=BLOB, state=STATE, holder=holder, token=token, now=now, **kw)
+
+
+# --- schema ---------------------------------------------------------------------------------------
+
+
+def test_migration_creates_schema_and_is_idempotent(ledger_url):
+    engine = open_ledger(ledger_url)
+    try:
+        insp = inspect(engine)
+        assert set(insp.get_table_names()) == EXPECTED_TABLES
+        index_names = {ix["name"] for ix in insp.get_indexes("submissions")}
+        assert "ix_submissions_poll" in index_names
+        with engine.connect() as conn:
+            from alembic.script import ScriptDirectory
+
+            head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == head
+            # The migrated schema is the one the models describe.
+            from alembic.autogenerate import compare_metadata
+            from alembic.migration import MigrationContext
+
+            assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+        with session_factory(engine).begin() as s:
+            q.create_run(s, "keep", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=T0)
+    finally:
+        engine.dispose()
+
+    again = open_ledger(ledger_url)  # second open: upgrade is a no-op and keeps data
+    try:
+        assert set(inspect(again).get_table_names()) == EXPECTED_TABLES
+        with again.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM alembic_version")).scalar_one() == 1
+        with session_factory(again)() as s:
+            assert [r.id for r in q.list_runs(s)] == ["keep"]
+    finally:
+        again.dispose()
+
+
+def test_create_run_is_idempotent(ledger):
+    _, S = ledger
+    with S.begin() as s:
+        assert q.create_run(s, RUN, config_json='{"a": 1}', code_version="t", git_commit="abc", num_fragments=3, token_budget=5, now=T0)
+    with S.begin() as s:
+        assert not q.create_run(s, RUN, config_json='{"a": 2}', code_version="u", git_commit=None, num_fragments=9, token_budget=9, now=T0)
+    with S() as s:
+        runs = q.list_runs(s)
+        assert len(runs) == 1 and runs[0].config_json == '{"a": 1}' and runs[0].num_fragments == 3
+        assert [e.kind for e in q.events(s, RUN)] == ["run_created"]
+        with pytest.raises(q.UnknownRunError):
+            q.require_run(s, "nope")
+
+
+def test_datetimes_read_back_timezone_aware(run):
+    S = run
+    local = T0.astimezone(timezone(timedelta(hours=5)))  # same instant, other offset
+    with S.begin() as s:
+        q.create_run(s, "r2", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=local)
+    with S() as s:
+        r = s.scalars(select(Run).where(Run.id == "r2")).one()
+        assert r.created_at.tzinfo is not None and r.created_at.utcoffset() == timedelta(0)
+        assert r.created_at == T0
+        lease = q.current_lease(s, RUN)
+        assert lease.expires_at.utcoffset() == timedelta(0) and lease.expires_at == T0 + timedelta(hours=1)
+    with S.begin() as s, pytest.raises(StatementError, match="timezone-aware"):
+        q.record_event(s, RUN, "x", None, "", datetime(2026, 1, 1))
+        s.flush()
+
+
+# --- learners and token accounting -------------------------------------------------------------------
+
+
+def test_incarnations_and_token_accounting_stay_balanced(run):
+    S = run
+
+    def acct():
+        with S() as s:
+            a = q.token_accounting(s, RUN)
+        assert a.balanced, a
+        return a
+
+    with S.begin() as s:
+        assert q.register_learner(s, RUN, "us-0", "us", T0) == 0
+        assert q.register_learner(s, RUN, "eu-0", "eu", T0) == 0
+    assert acct() == q.TokenAccounting(0, 0, 0, 0, 0, 0)
+
+    with S.begin() as s:
+        assert q.record_heartbeat(s, RUN, "us-0", 0, now=T0, step=3, tokens=300, loss=2.0, tokens_per_s=10, step_time_s=0.1)
+    assert acct() == q.TokenAccounting(trained=300, merged=0, rejected=0, pending=0, lost=0, in_flight=300)
+
+    with S.begin() as s:
+        a_id, created = q.register_submission(s, RUN, "us-0", 0, sub("a", tokens_new=200, tokens_total=200), T0)
+        assert created
+        b_id, _ = q.register_submission(s, RUN, "us-0", 0, sub("b", fragment=1, tokens_new=150, tokens_total=350), T0)
+    # The submission reported 350 tokens trained: more than the last heartbeat said.
+    assert acct() == q.TokenAccounting(trained=350, merged=0, rejected=0, pending=350, lost=0, in_flight=0)
+
+    publish(S, 0)
+    publish(S, 1, merged=[q.MergedIn(a_id, 1.0, 1.0, 0)], record=q.MergeRecord(1, 2, 0, 0, 0, "quorum", {}))
+    with S.begin() as s:
+        q.reject_submissions(s, RUN, [(b_id, "norm outlier")], holder="sync", token=1, now=T0)
+        q.record_heartbeat(s, RUN, "us-0", 0, now=T0, step=5, tokens=500, loss=1.5, tokens_per_s=10, step_time_s=0.1)
+    assert acct() == q.TokenAccounting(trained=500, merged=200, rejected=150, pending=0, lost=0, in_flight=150)
+
+    # Restart: the 150 unsubmitted tokens of incarnation 0 are lost; the new incarnation starts at 0.
+    with S.begin() as s:
+        assert q.register_learner(s, RUN, "us-0", "us", T0 + timedelta(seconds=1)) == 1
+    assert acct() == q.TokenAccounting(trained=500, merged=200, rejected=150, pending=0, lost=150, in_flight=0)
+
+    with S.begin() as s:
+        # The old incarnation wakes up and heartbeats: refused, and it changes nothing.
+        assert not q.record_heartbeat(s, RUN, "us-0", 0, now=T0, step=9, tokens=900, loss=1.0, tokens_per_s=1, step_time_s=1)
+        assert q.record_heartbeat(s, RUN, "us-0", 1, now=T0, step=1, tokens=80, loss=1.0, tokens_per_s=1, step_time_s=1)
+        learner = {l.id: l for l in q.learners(s, RUN)}["us-0"]
+        assert learner.incarnation == 1 and learner.status == "recovering"
+    assert acct() == q.TokenAccounting(trained=580, merged=200, rejected=150, pending=0, lost=150, in_flight=80)
+
+    # A late submission from incarnation 0 is rejected, and its tokens move from lost to rejected.
+    with S.begin() as s:
+        late_id, created = q.register_submission(s, RUN, "us-0", 0, sub("late", tokens_new=100, tokens_total=600), T0)
+        assert created
+    with S() as s:
+        late = s.get(Submission, late_id)
+        assert late.status == REJECTED and "superseded incarnation 0" in late.reject_reason
+    assert acct() == q.TokenAccounting(trained=580, merged=200, rejected=250, pending=0, lost=50, in_flight=80)
+
+    with S.begin() as s:
+        q.register_submission(s, RUN, "us-0", 1, sub("c", tokens_new=80, tokens_total=80), T0)
+    assert acct() == q.TokenAccounting(trained=580, merged=200, rejected=250, pending=80, lost=50, in_flight=0)
+
+
+def test_register_submission_twice_is_a_noop(run):
+    S = run
+    with S.begin() as s:
+        q.register_learner(s, RUN, "us-0", "us", T0)
+        first = q.register_submission(s, RUN, "us-0", 0, sub("u1", tokens_new=100, tokens_total=100), T0)
+    with S.begin() as s:
+        # Same uid, even with other numbers: nothing changes.
+        again = q.register_submission(s, RUN, "us-0", 0, sub("u1", fragment=1, tokens_new=999, tokens_total=999), T0)
+    assert first[1] is True and again == (first[0], False)
+    with S() as s:
+        rows = s.scalars(select(Submission)).all()
+        assert len(rows) == 1 and rows[0].fragment == 0 and rows[0].tokens_new == 100
+        assert q.pending_counts(s, RUN) == {0: 1}
+        assert q.token_accounting(s, RUN).pending == 100
+        learner = q.learners(s, RUN)[0]
+        assert learner.inc_tokens_submitted == 100
+
+
+def test_submission_from_unknown_learner_is_rejected(run):
+    S = run
+    with S.begin() as s:
+        sid, created = q.register_submission(s, RUN, "ghost", 0, sub("g"), T0)
+    with S() as s:
+        row = s.get(Submission, sid)
+        assert created and row.status == REJECTED and "unknown learner" in row.reject_reason
+        assert q.pending_counts(s, RUN) == {}
+
+
+# --- versions ---------------------------------------------------------------------------------------
+
+
+def test_publish_version_is_dense(run):
+    S = run
+    assert publish(S, 0) is None
+    with pytest.raises(q.VersionConflictError, match="next version is v1"):
+        publish(S, 2)  # a gap
+    with pytest.raises(q.VersionConflictError):
+        publish(S, 0)  # a duplicate
+    publish(S, 1)
+    publish(S, 0, fragment=1)  # fragments are independent
+    publish(S, 1, fragment=1)
+    with pytest.raises(q.VersionConflictError):
+        publish(S, 1, fragment=1)  # not twice
+    with S() as s:
+        assert q.latest_version_numbers(s, RUN) == {0: 1, 1: 1}
+        assert {f: v.version for f, v in q.latest_versions(s, RUN).items()} == {0: 1, 1: 1}
+        v1 = q.get_version(s, RUN, 0, 1)
+        assert v1.lease_token == 1 and v1.synchronizer == "sync" and v1.blob_key == BLOB.key
+
+
+def test_a_submission_is_merged_at_most_once(run):
+    S = run
+    with S.begin() as s:
+        q.register_learner(s, RUN, "us-0", "us", T0)
+        a, _ = q.register_submission(s, RUN, "us-0", 0, sub("a"), T0)
+        b, _ = q.register_submission(s, RUN, "us-0", 0, sub("b"), T0)
+    publish(S, 0)
+    rec = q.MergeRecord(quorum=1, live_learners=1, grace_window_s=0.5, grace_waited_s=0.1, merge_s=0.01, reason="quorum", detail={"x": 1})
+    merge_id = publish(S, 1, merged=[q.MergedIn(a, 2.0, 3.0, 0)], record=rec)
+    assert merge_id is not None
+    with pytest.raises(q.AlreadyDecidedError, match=str(a)):
+        publish(S, 2, merged=[q.MergedIn(b, 1.0, 1.0, 0), q.MergedIn(a, 1.0, 1.0, 0)], record=rec)
+    with S() as s:
+        # The refused publish left nothing behind: no v2, b still pending.
+        assert q.latest_version_numbers(s, RUN) == {0: 1}
+        ra, rb = s.get(Submission, a), s.get(Submission, b)
+        assert (ra.status, ra.merged_version, ra.merge_id, ra.weight, ra.norm) == (MERGED, 1, merge_id, 2.0, 3.0)
+        assert rb.status == PENDING and rb.merged_version is None
+        assert q.pending_counts(s, RUN) == {0: 1}
+    with pytest.raises(q.AlreadyDecidedError):
+        with S.begin() as s:
+            q.reject_submissions(s, RUN, [(a, "too late")], holder="sync", token=1, now=T0)
+
+
+def test_reject_submissions_records_reasons(run):
+    S = run
+    with S.begin() as s:
+        q.register_learner(s, RUN, "us-0", "us", T0)
+        ids = [q.register_submission(s, RUN, "us-0", 0, sub(f"u{i}"), T0)[0] for i in range(3)]
+    with S.begin() as s:
+        q.reject_submissions(s, RUN, [(ids[0], "stale: base v0, current v9"), (ids[1], "non-finite values")], holder="sync", token=1, now=T0)
+    with pytest.raises(q.LeaseLostError):
+        with S.begin() as s:
+            q.reject_submissions(s, RUN, [(ids[2], "x")], holder="other", token=1, now=T0)
+    with S() as s:
+        rows = {r.id: r for r in s.scalars(select(Submission))}
+        assert rows[ids[0]].status == REJECTED and rows[ids[0]].reject_reason == "stale: base v0, current v9"
+        assert rows[ids[1]].reject_reason == "non-finite values" and rows[ids[1]].decided_at == T0
+        assert rows[ids[2]].status == PENDING and rows[ids[2]].reject_reason is None
+        details = [e.detail for e in q.events(s, RUN) if e.kind == "submission_rejected"]
+        assert sorted(details) == sorted([f"submission {ids[0]}: stale: base v0, current v9", f"submission {ids[1]}: non-finite values"])
+
+
+# --- the lease --------------------------------------------------------------------------------------
+
+
+def test_lease_acquire_renew_expire_takeover_and_fencing(ledger):
+    _, S = ledger
+    with S.begin() as s:
+        q.create_run(s, RUN, config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=T0)
+    t = lambda sec: T0 + timedelta(seconds=sec)  # noqa: E731
+
+    with S.begin() as s:
+        assert q.acquire_lease(s, RUN, "A", 3, t(0)) == 1
+        assert q.acquire_lease(s, RUN, "B", 3, t(1)) is None  # A's lease is live
+        assert q.acquire_lease(s, RUN, "A", 3, t(2)) == 1  # re-acquire = renew, same token
+        assert q.renew_lease(s, RUN, "A", 1, 3, t(4))  # now expires at t(7)
+        assert not q.renew_lease(s, RUN, "A", 2, 3, t(4))  # wrong token
+        assert q.acquire_lease(s, RUN, "B", 3, t(6.9)) is None
+    publish(S, 0, holder="A", token=1, now=t(5))
+    # A stops renewing: at t(7) its lease has expired even before anyone takes over.
+    with pytest.raises(q.LeaseLostError):
+        publish(S, 1, holder="A", token=1, now=t(7))
+    with S.begin() as s:
+        assert not q.renew_lease(s, RUN, "A", 1, 3, t(7.5))  # too late to renew
+        assert q.acquire_lease(s, RUN, "B", 3, t(8)) == 2  # takeover bumps the token
+    with pytest.raises(q.LeaseLostError, match="token 1"):
+        publish(S, 1, holder="A", token=1, now=t(8.5))  # the stale holder is fenced off
+    with pytest.raises(q.LeaseLostError):
+        publish(S, 1, holder="A", token=2, now=t(8.5))  # right token, wrong holder
+    publish(S, 1, holder="B", token=2, now=t(9))
+    with S.begin() as s:
+        q.release_lease(s, RUN, "B", 2, t(9))
+        assert q.acquire_lease(s, RUN, "A", 3, t(9)) == 3  # released: taken at once
+        assert not q.renew_lease(s, RUN, "B", 2, 3, t(9))
+    with S() as s:
+        lease = q.current_lease(s, RUN)
+        assert (lease.holder, lease.token, lease.expires_at) == ("A", 3, t(12))
+        assert [v.lease_token for v in (q.get_version(s, RUN, 0, 0), q.get_version(s, RUN, 0, 1))] == [1, 2]
+        acquired = [e for e in reversed(q.events(s, RUN)) if e.kind == "lease_acquired"]
+        assert [(e.actor, e.detail.split(";")[0]) for e in acquired] == [("A", "token 1"), ("B", "token 2"), ("A", "token 3")]
+
+
+# --- garbage collection -----------------------------------------------------------------------------
+
+
+def test_versions_for_gc_keeps_newest_checkpoints_and_pending_bases(run):
+    S = run
+    for v in range(13):  # fragment 0: v0..v12
+        publish(S, v)
+    for v in range(3):  # fragment 1: v0..v2
+        publish(S, v, fragment=1)
+    with S.begin() as s:
+        q.register_learner(s, RUN, "us-0", "us", T0)
+        q.register_submission(s, RUN, "us-0", 0, sub("p", fragment=0, base=3), T0)  # pending on v3
+        done, _ = q.register_submission(s, RUN, "us-0", 0, sub("d", fragment=0, base=6), T0)
+        q.reject_submissions(s, RUN, [(done, "x")], holder="sync", token=1, now=T0)  # decided: does not pin v6
+    with S() as s:
+        gc = sorted((v.fragment, v.version) for v in q.versions_for_gc(s, RUN, keep_last=3, checkpoint_every=5))
+    # keep: newest 3 (10, 11, 12), every 5th (0, 5, 10), pending base 3; fragment 1 is all "newest".
+    assert gc == [(0, 1), (0, 2), (0, 4), (0, 6), (0, 7), (0, 8), (0, 9)]
+    with S.begin() as s:
+        q.mark_blobs_deleted(s, q.versions_for_gc(s, RUN, keep_last=3, checkpoint_every=5), [])
+    with S() as s:
+        assert q.versions_for_gc(s, RUN, keep_last=3, checkpoint_every=5) == []
+        assert [x.id for x in q.submissions_for_gc(s, RUN)] == [done]
+
+
+# --- liveness ---------------------------------------------------------------------------------------
+
+
+def test_update_learner_statuses_dead_and_straggling(run):
+    S = run
+    with S.begin() as s:
+        for lid in ("a", "b", "c", "d"):
+            q.register_learner(s, RUN, lid, "us", T0)
+        for lid, st in (("a", 0.10), ("b", 0.12), ("c", 0.50), ("d", 0.10)):
+            q.record_heartbeat(s, RUN, lid, 0, now=T0, step=2, tokens=100, loss=1.0, tokens_per_s=1, step_time_s=st)
+        # d's last heartbeat is rewritten to 30 s ago (no sleeping).
+        s.execute(text("UPDATE learners SET last_heartbeat_at = :t WHERE id = 'd'"), {"t": T0 - timedelta(seconds=30)})
+    now = T0 + timedelta(seconds=5)
+    with S.begin() as s:
+        assert q.update_learner_statuses(s, RUN, now, dead_after_s=10, straggler_factor=2.0) == ["d"]
+    with S.begin() as s:
+        assert q.update_learner_statuses(s, RUN, now, dead_after_s=10, straggler_factor=2.0) == []  # only newly dead
+        status = {l.id: l.status for l in q.learners(s, RUN)}
+        assert status == {"a": "alive", "b": "alive", "c": "straggling", "d": "dead"}
+        assert q.live_learner_ids(s, RUN, now, 10) == ["a", "b", "c"]
+        assert q.median_step_time(s, RUN, now, 10) == pytest.approx(0.12)
+        acct = q.token_accounting(s, RUN)
+        assert acct.lost == 100 and acct.in_flight == 300 and acct.balanced
+        dead_events = [e for e in q.events(s, RUN) if e.kind == "learner_dead"]
+        assert len(dead_events) == 1 and dead_events[0].actor == "d"
+    # Everyone falls silent, then d comes back with a heartbeat.
+    later = T0 + timedelta(seconds=60)
+    with S.begin() as s:
+        assert sorted(q.update_learner_statuses(s, RUN, later, dead_after_s=10, straggler_factor=2.0)) == ["a", "b", "c"]
+        q.record_heartbeat(s, RUN, "d", 0, now=later, step=3, tokens=150, loss=1.0, tokens_per_s=1, step_time_s=0.1)
+    with S() as s:
+        status = {l.id: l.status for l in q.learners(s, RUN)}
+        assert status == {"a": "dead", "b": "dead", "c": "dead", "d": "recovering"}
+        assert q.live_learner_ids(s, RUN, later, 10) == ["d"]
+        assert s.scalar(select(Event.id).where(Event.kind == "learner_dead").order_by(Event.id.desc()).limit(1)) is not None
