@@ -101,21 +101,37 @@ def store_check(url: str = typer.Argument(..., help="fsspec URL of the store roo
 @app.command("learner")
 def learner(
     config: Optional[Path] = ConfigOpt,
-    run: Optional[str] = typer.Option(None, "--run", help="Run id; defaults to the config's name."),
+    run: Optional[str] = typer.Option(
+        None, "--run", "--run-id", help="Run id; defaults to the config's name. (Under torchrun write --run-id: torchrun reads --run as its --run-path.)"
+    ),
     learner_id: str = typer.Option(..., "--learner", help="Learner id as listed by the config (e.g. us-0)."),
     max_steps: Optional[int] = typer.Option(None, help="Stop after this many inner steps."),
+    nproc_per_node: int = typer.Option(
+        1, "--nproc-per-node", min=1,
+        help="Ranks of this learner on this machine, launched through torchrun: every rank trains with DDP "
+        "(gloo on CPU, NCCL on GPUs); rank 0 alone talks to the ledger and the store. See docs/ddp.md.",
+    ),
+    summary_json: Optional[Path] = typer.Option(None, "--summary-json", hidden=True, help="Rank 0 writes its job summary here."),
+    flow_run_url: Optional[str] = typer.Option(None, "--flow-run-url", hidden=True, help="Prefect flow run of this learner."),
     verbose: bool = False,
 ) -> None:
     """Run one learner until the run ends (SIGTERM finishes its uploads and stops it)."""
+    from ddiloco.learner_worker.distributed import LearnerJobFailed
     from ddiloco.learner_worker.process import run_learner
 
     _setup_logging(verbose)
     cfg = _config(config)
     try:
-        run_learner(cfg, run or cfg.name, learner_id, max_steps=max_steps)
+        run_learner(
+            cfg, run or cfg.name, learner_id, max_steps=max_steps, nproc_per_node=nproc_per_node,
+            summary_path=str(summary_json) if summary_json else None, flow_run_url=flow_run_url,
+        )
     except ConfigError as err:
         err_console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
+    except LearnerJobFailed as err:
+        err_console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(1) from None
 
 
 @app.command("synchronizer")
@@ -198,6 +214,32 @@ def deploy_command(
     console.print(f"work pools: {', '.join(plan.pools)}")
     console.print(f"deployments: {', '.join(plan.deployments)}")
     console.print("start one worker per region: prefect worker start --pool region-<name>")
+
+
+@app.command("chaos-suite")
+def chaos_suite_command(
+    quick: bool = typer.Option(False, "--quick", help="The short version CI runs (shorter outages, fewer faults)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write {faults: [...], invariants_ok} here."),
+    postgres_url: Optional[str] = typer.Option(None, help="Admin URL of the PostgreSQL server to create a scratch ledger on."),
+    workdir: Optional[Path] = typer.Option(None, help="Where process logs go (a temporary folder by default)."),
+) -> None:
+    """Inject faults into a live run on PostgreSQL + S3 (moto) + OS processes and check the invariants after each."""
+    from ddiloco.chaos_suite import report_json, run_suite
+
+    _setup_logging()
+    report = run_suite(quick=quick, postgres_url=postgres_url, workdir=workdir)
+    table = Table("fault", "injected", "survived", "lost", "recover s", "detail")
+    for f in report.faults:
+        table.add_row(f.fault, str(f.injected), str(f.survived), str(f.lost), f"{f.recover_s:.1f}" if f.recover_s is not None else "-", f.detail[:80])
+    console.print(table)
+    console.print(f"invariants: {'ok' if report.invariants_ok else 'BROKEN'}")
+    for problem in report.problems:
+        console.print(f"  [red]{problem}[/red]")
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(report_json(report))
+    if not report.invariants_ok or any(f.lost or f.survived < f.injected for f in report.faults):
+        raise typer.Exit(1)
 
 
 def _redact(url: str) -> str:
