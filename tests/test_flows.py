@@ -101,3 +101,16 @@ def test_training_run_supervises_relaunches_and_finishes(prefect_harness, tmp_pa
     with get_client(sync_client=True) as client:
         keys = {a.key for a in client.read_artifacts()}
     assert "summary-flowrun" in keys and "loss-flowrun" in keys
+
+
+def test_evaluate_flow_fn_records_an_evaluation(tmp_path):
+    from ddiloco.flows.training import evaluate_flow
+    from ddiloco.platform.runtime import RunContext
+    from ddiloco.synchronizer.service import Synchronizer
+
+    cfg = tiny_config(name="evalfn", ledger={"url": f"sqlite:///{tmp_path / 'l.db'}"}, storage={"url": f"file://{tmp_path / 's'}"})
+    Synchronizer(RunContext.open(cfg), holder="s", evaluate_every_s=0).poll_once()
+    result = evaluate_flow.fn(cfg)
+    assert 5.0 < result["val_loss"] < 6.0  # an untrained byte model: about ln(256)
+    with session_factory(open_ledger(cfg.ledger.url)).begin() as s:
+        assert [e.val_loss for e in q.evaluations(s, "evalfn")] == [result["val_loss"]]
