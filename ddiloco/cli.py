@@ -15,6 +15,7 @@ from rich.table import Table
 
 from ddiloco.platform.config import ConfigError, RunConfig, load_config
 from ddiloco.simulator.command import simulate_command
+from ddiloco.ui.command import ui_command
 
 app = typer.Typer(help="Decoupled DiLoCo pre-training: learners, synchronizer, demo and tools.", no_args_is_help=True)
 ledger_app = typer.Typer(help="The SQL ledger.", no_args_is_help=True)
@@ -116,8 +117,7 @@ def learner(
     verbose: bool = False,
 ) -> None:
     """Run one learner until the run ends (SIGTERM finishes its uploads and stops it)."""
-    from ddiloco.learner_worker.distributed import LearnerJobFailed
-    from ddiloco.learner_worker.process import run_learner
+    from ddiloco.learner_worker.process import LearnerJobFailed, run_learner
 
     _setup_logging(verbose)
     cfg = _config(config)
@@ -253,6 +253,7 @@ def _redact(url: str) -> str:
 
 
 app.command("simulate", help="Goodput of data-parallel vs Decoupled DiLoCo at scale, under chip failures.")(simulate_command)
+app.command("ui", help="Serve the operations dashboard for a ledger (Streamlit, read-only).")(ui_command)
 
 
 if __name__ == "__main__":

@@ -125,8 +125,8 @@ def test_synchronizer_killed_mid_merge_standby_resumes_exactly(tmp_path):
                     .limit(1)
                 )
 
-        first_b = wait_for(published_by_b, 60, "the standby to publish")
-        failover_s = first_b.created_at.timestamp() - killed_at
+        first_b = wait_for(published_by_b, 60, "the standby to publish", interval_s=0.05)
+        failover_s = time.time() - killed_at  # when the new version is visible in the ledger
         assert failover_s < 5.0, f"failover took {failover_s:.1f}s"
         # Let sync-b merge a few more, with the learners still going.
         wait_for(lambda: len(_versions_by(run, "sync-b")) >= 2 * P, 120, "more merges by the standby")

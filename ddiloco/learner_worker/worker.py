@@ -107,6 +107,8 @@ class Learner:
         self.incarnation = -1
         self.last_loss: float | None = None
         self.last_step_s = 0.0
+        self.simulated_step_s: float | None = None
+        """In-process runs: the simulated duration of a step, reported instead of the measured one."""
         self._busy_since_heartbeat = 0.0
         self._last_heartbeat: float | None = None
         self._lock = threading.Condition()
@@ -122,10 +124,18 @@ class Learner:
     # --- lifecycle ------------------------------------------------------------------------------
 
     def start(self, now: float | None = None) -> None:
-        """Register a new incarnation and load the newest global version of every fragment."""
+        """Load the newest global version of every fragment, then register a new incarnation."""
         now = self.ctx.now() if now is None else now
-        with self.ctx.transaction() as s:
+        with self.ctx.reading() as s:
             q.require_run(s, self.ctx.run_id)
+        self.poll_versions()
+        with self._lock:
+            # Fragments fetched by an earlier attempt wait in the inbox: they count too.
+            missing = [p for p in range(len(self.fragments)) if self.base[p] < 0 and p not in self._inbox]
+        if missing:
+            raise RunNotReadyError(f"run {self.ctx.run_id!r} has no global version of fragments {missing} yet")
+        # Registered only once ready, so a learner waiting for version 0 does not pile up incarnations.
+        with self.ctx.transaction() as s:
             self.incarnation = q.register_learner(
                 s, self.ctx.run_id, self.id, self.region, to_datetime(now),
                 host=socket.gethostname(), pid=os.getpid(), flow_run_url=self.flow_run_url,
@@ -134,12 +144,7 @@ class Learner:
             saved_state = (saved.optimizer_state_key, saved.optimizer_state_sha256) if saved else (None, None)
         if saved_state[0] and saved_state[1] and self.incarnation > 0:
             self.load_optimizer_state(*saved_state)
-        self._batches = self.dataset.train_batches(
-            self.index, self.num_learners, self.cfg.learners.batch_size, seed=self.cfg.seed * 1_000_003 + self.incarnation
-        )
-        received = self.poll_versions()
-        if len(received) < len(self.fragments) and min(self.base) < 0:
-            raise RunNotReadyError(f"run {self.ctx.run_id!r} has no global version of every fragment yet")
+        self._batches = self.train_stream()
         self.apply_received()
         self._last_heartbeat = None
         self.heartbeat(now)
@@ -180,6 +185,24 @@ class Learner:
         warm = self.cfg.inner.warmup_steps
         return self.cfg.inner.lr * min(1.0, (step + 1) / warm) if warm > 0 else self.cfg.inner.lr
 
+    # --- hooks a data-parallel learner (learner_worker/distributed.py) overrides -----------------------
+
+    def train_stream(self):  # noqa: ANN201 - an iterator of Batch
+        """This learner's batches: shard ``index`` of ``num_learners``, seeded by the incarnation."""
+        return self.dataset.train_batches(
+            self.index, self.num_learners, self.cfg.learners.batch_size, seed=self.cfg.seed * 1_000_003 + self.incarnation
+        )
+
+    def is_waiting(self) -> bool:
+        """Overlap-0 mode: the next inner step must wait for a merged fragment."""
+        return bool(self.awaiting)
+
+    def tokens_per_step(self) -> int:
+        """Tokens one inner step of this learner trains on (for the heartbeat's tokens/s)."""
+        return self.cfg.learners.batch_size * self.cfg.model.seq_len
+
+    # --- end of hooks ---------------------------------------------------------------------------
+
     def train_step(self) -> tuple[float, int]:
         """One AdamW step on the next batch of this learner's shard: (loss, tokens)."""
         batch = next(self._batches)
@@ -195,7 +218,7 @@ class Learner:
     def step(self, now: float | None = None) -> StepReport:
         """Apply arrived fragments, run one inner step, send the fragments that are due."""
         received = self.apply_received()
-        if self.awaiting:
+        if self.is_waiting():
             return StepReport(self.step_count, None, 0, received=received, waiting=True)
         t0 = time.perf_counter()
         loss, tokens = self.train_step()
@@ -203,7 +226,7 @@ class Learner:
         if self.speed < 1.0 and self.background_io:
             # Emulates slower hardware: the step takes 1/speed as long.
             self._stop.wait(compute_s * (1.0 / self.speed - 1.0))
-        step_s = time.perf_counter() - t0
+        step_s = time.perf_counter() - t0 if self.simulated_step_s is None else self.simulated_step_s
         self.step_count += 1
         self.tokens_total += tokens
         with self._lock:
@@ -417,7 +440,7 @@ class Learner:
         if not force and self._last_heartbeat is not None and now - self._last_heartbeat < self.cfg.learners.heartbeat_s:
             return
         step_s = self.last_step_s
-        tps = (self.cfg.learners.batch_size * self.cfg.model.seq_len / step_s) if step_s > 0 else 0.0
+        tps = (self.tokens_per_step() / step_s) if step_s > 0 else 0.0
         busy, self._busy_since_heartbeat = self._busy_since_heartbeat, 0.0
         with self.ctx.transaction() as s:
             q.record_heartbeat(

@@ -12,6 +12,8 @@ from ddiloco.ui import LEDGER_URL_ENV, loaders
 from ddiloco.ui.queries import redact
 
 st.set_page_config(page_title="ddiloco · run health", page_icon=":material/monitor_heart:", layout="wide")
+# Less blank space above the title: on-call screens are for numbers.
+st.html("<style>[data-testid='stMainBlockContainer'] { padding-top: 2.5rem; }</style>")
 
 OVERVIEW = st.Page("views/overview.py", title="Runs overview", icon=":material/dashboard:", url_path="runs", default=True)
 RUN_HEALTH = st.Page("views/run_health.py", title="Run health", icon=":material/monitor_heart:", url_path="health")

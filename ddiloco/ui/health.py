@@ -43,13 +43,16 @@ STATUS_COLORS: dict[str, str] = {
     "active": "green",
     "standby": "gray",
     "none": "red",
+    "never": "red",
 }
-HEX = {"green": "#21a453", "orange": "#f08c00", "blue": "#1c83e1", "red": "#e03131", "gray": "#868e96", "violet": "#7048e8", "yellow": "#e0a800"}
-STATUS_ICONS: dict[str, str] = {
-    ALIVE: "●",
-    STRAGGLING: "◐",
-    RECOVERING: "↻",
-    DEAD: "✖",
+HEX = {
+    "green": "#21a453",
+    "orange": "#f08c00",
+    "blue": "#1c83e1",
+    "red": "#e03131",
+    "gray": "#868e96",
+    "violet": "#7048e8",
+    "yellow": "#e0a800",
 }
 
 
@@ -145,7 +148,7 @@ class LeaseSnapshot:
 @dataclass(frozen=True)
 class SyncVerdict:
     status: str
-    """active (a holder's lease is live), none (nobody holds a live lease)."""
+    """active (a holder's lease is live), none (nobody holds a live lease), never (no lease yet)."""
     holder: str | None
     message: str
     last_version_age_s: float | None
@@ -156,11 +159,14 @@ def synchronizer_verdict(
 ) -> SyncVerdict:
     age = (now - last_version_at).total_seconds() if last_version_at is not None else None
     if lease is None:
-        return SyncVerdict("none", None, "no synchronizer has ever held this run's lease", age)
+        return SyncVerdict("never", None, "no synchronizer has ever held this run's lease", age)
     if lease.expires_at > now:
         left = (lease.expires_at - now).total_seconds()
         return SyncVerdict(
-            "active", lease.holder, f"{lease.holder} holds the lease (token {lease.token}, renew due in {format_duration(left)})", age
+            "active",
+            lease.holder,
+            f"{lease.holder} holds the lease (token {lease.token}, renew due in {format_duration(left)})",
+            age,
         )
     gone = (now - lease.expires_at).total_seconds()
     if not run_running:
@@ -210,6 +216,8 @@ def run_health(run_status: str, verdicts: dict[str, Verdict], sync: SyncVerdict,
     live = counts[ALIVE] + counts[STRAGGLING] + counts[RECOVERING]
     down: list[str] = []
     degraded: list[str] = []
+    if sync.status == "never" and not verdicts:
+        return RunHealth(STARTING, ["waiting for a synchronizer and learners to join"])
     if sync.status != "active":
         down.append(sync.message)
     if verdicts and live == 0:
@@ -239,9 +247,11 @@ EVENT_CATEGORIES = {
     "learner_dead": "failure",
     "run_failed": "failure",
     "learner_restarted": "restart",
+    "learner_relaunched": "restart",
     "chaos": "chaos",
     "submission_rejected": "rejection",
     "lease_acquired": "synchronizer",
+    "synchronizer_launched": "synchronizer",
     "learner_joined": "learner",
 }
 CATEGORY_COLORS = {

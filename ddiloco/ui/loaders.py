@@ -32,7 +32,7 @@ def utcnow() -> datetime:
 
 def ledger_url(argv: list[str] | None = None) -> str | None:
     """``--ledger URL`` after ``streamlit run app.py --``, else the ``DDILOCO_LEDGER_URL`` environment variable."""
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--ledger", default=None)
     args, _ = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     return args.ledger or os.environ.get(LEDGER_URL_ENV) or None
@@ -67,12 +67,12 @@ def run_ids(url: str) -> list[str]:
     return _read(url, uq.run_ids)
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner="Reading the ledger…")
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)  # no spinner flicker at every auto-refresh
 def runs_overview(url: str) -> tuple[pd.DataFrame, datetime]:
     now = utcnow()
     return _read(url, uq.runs_overview, now), now
 
 
-@st.cache_data(ttl=CACHE_TTL_S, show_spinner="Reading the ledger…")
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)  # no spinner flicker at every auto-refresh
 def run_page(url: str, run_id: str) -> uq.RunPage | None:
     return _read(url, uq.run_page, run_id, utcnow())

@@ -23,7 +23,6 @@ LEVEL_ICONS = {
     h.STARTING: ":material/hourglass_top:",
     h.FINISHED: ":material/flag:",
 }
-PALE = {"green": "#d3f9d8", "orange": "#ffe8cc", "blue": "#d0ebff", "red": "#ffe3e3", "gray": "#e9ecef", "violet": "#e5dbff", "yellow": "#fff3bf"}
 
 
 def refresh_interval() -> float | None:
@@ -43,8 +42,15 @@ def ledger_errors() -> Iterator[None]:
         st.error(f"Could not read the ledger: {first}. The page retries at the next refresh.", icon=":material/database_off:")
 
 
-def health_badge(level: str) -> None:
-    st.badge(level.upper(), icon=LEVEL_ICONS.get(level), color=h.color_of(level))
+def badge_markup(level: str) -> str:
+    """Markdown for an inline health badge (e.g. beside a title)."""
+    icon = LEVEL_ICONS.get(level, "")
+    return f":{h.color_of(level)}-badge[{icon} {level.upper()}]"
+
+
+def big_count(n: int) -> str:
+    """Exact below ten million, short above (the metric tiles are narrow)."""
+    return f"{n:,}" if abs(n) < 10_000_000 else h.format_count(n)
 
 
 def status_css(value: object) -> str:
@@ -55,17 +61,14 @@ def status_css(value: object) -> str:
     return f"background-color: {h.HEX[color]}; color: white; font-weight: 600"
 
 
-def pale_row_css(row: pd.Series, column: str = "status") -> list[str]:
-    color = h.STATUS_COLORS.get(str(row.get(column)))
-    if color is None or color == "green":
-        return [""] * len(row)
-    return [f"background-color: {PALE[color]}"] * len(row)
+def category_css(value: object) -> str:
+    """Cell style of an event category: its colour, bold."""
+    return f"color: {h.HEX[h.CATEGORY_COLORS.get(str(value), 'gray')]}; font-weight: 600"
 
 
-def styled(df: pd.DataFrame, status_columns: Sequence[str] = ("status",), shade_rows_by: str | None = None) -> Styler:
+def styled(df: pd.DataFrame, status_columns: Sequence[str] = ("status",)) -> Styler:
+    """The table with its status cells coloured (styling only the status columns keeps it cheap)."""
     sty = df.style
-    if shade_rows_by is not None and shade_rows_by in df.columns:
-        sty = sty.apply(pale_row_css, axis=1, column=shade_rows_by)
     present = [c for c in status_columns if c in df.columns]
     if present:
         sty = sty.map(status_css, subset=present)

@@ -8,8 +8,9 @@ import streamlit as st
 from ddiloco.ui import health as h
 from ddiloco.ui import loaders, widgets
 
+# Runs shown as cards (newest first); every run is in the table below them. (No bare string
+# literals in page scripts: Streamlit's "magic" would print them.)
 CARDS = 9
-"""Runs shown as cards (newest first); every run is in the table below them."""
 
 URL = loaders.ledger_url()
 
@@ -18,20 +19,17 @@ st.title("Runs overview")
 
 def run_card(row) -> None:  # noqa: ANN001 - a pandas row
     with st.container(border=True):
-        top = st.columns([3, 2], vertical_alignment="center")
-        top[0].markdown(f"#### {row.run}")
-        with top[1]:
-            widgets.health_badge(row.health)
+        st.markdown(f"#### {row.run} &nbsp; {widgets.badge_markup(row.health)}")
         st.caption(row.reason or row.status)
-        a, b, c = st.columns(3)
-        a.metric("Tokens", h.format_count(row.tokens))
-        b.metric("Versions", f"{row.versions:,}")
-        c.metric("Goodput", f"{row.goodput:.0%}")
-        d, e, f = st.columns(3)
-        d.metric("Learners up", f"{row.learners_alive}/{row.learners}")
-        e.metric("Val loss", "—" if pd.isna(row.val_loss) else f"{row.val_loss:.3f}")
-        f.metric("Age", h.format_duration(row.age_s))
-        st.page_link("views/run_health.py", label="Open run health", icon=":material/arrow_forward:", query_params={"run": row.run})
+        val_loss = "—" if pd.isna(row.val_loss) else f"{row.val_loss:.3f}"
+        st.markdown(
+            f"**{h.format_count(row.tokens)}** tokens · **{row.versions:,}** versions · **{row.goodput:.0%}** goodput  \n"
+            f"**{row.learners_alive}/{row.learners}** learners up · val loss **{val_loss}** · "
+            f"age **{h.format_duration(row.age_s)}**"
+        )
+        st.page_link(
+            "views/run_health.py", label="Open run health", icon=":material/arrow_forward:", query_params={"run": row.run}
+        )
 
 
 @st.fragment(run_every=widgets.refresh_interval())
@@ -62,9 +60,26 @@ def overview() -> None:
             age=[h.format_duration(s) for s in runs["age_s"]],
             downtime=[h.format_duration(s) for s in runs["downtime_s"]],
         )
-        table = table[["run", "health", "status", "age", "tokens", "versions", "goodput", "downtime", "val_loss", "learners_alive", "learners", "reason"]]
+        table = table[
+            [
+                "run",
+                "health",
+                "status",
+                "age",
+                "tokens",
+                "versions",
+                "goodput",
+                "downtime",
+                "val_loss",
+                "learners_alive",
+                "learners",
+                "reason",
+            ]
+        ]
         st.dataframe(
-            widgets.styled(table, status_columns=("health",)).format({"goodput": "{:.1%}", "val_loss": "{:.4f}", "tokens": "{:,}"}, na_rep="—"),
+            widgets.styled(table, status_columns=("health",)).format(
+                {"goodput": "{:.1%}", "val_loss": "{:.4f}", "tokens": "{:,}"}, na_rep="—"
+            ),
             hide_index=True,
             column_config={
                 "run": st.column_config.TextColumn("run"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 
-import pandas as pd
 import streamlit as st
 
 from ddiloco.ui import charts, loaders, widgets
@@ -14,6 +13,7 @@ from ddiloco.ui.queries import RunPage
 
 URL = loaders.ledger_url()
 SEVERITY = {h.DEAD: 0, h.STRAGGLING: 1, h.RECOVERING: 2, h.ALIVE: 3}
+EVENT_ROWS = 200  # newest events listed in the table (the timeline shows more)
 
 
 def pick_run() -> str | None:
@@ -37,10 +37,7 @@ def header(page: RunPage) -> None:
     snap, s = page.snapshot, page.summary
     left, right = st.columns([4, 1], vertical_alignment="center")
     with left:
-        title, badge = st.columns([3, 2], vertical_alignment="center")
-        title.title(f"Run {snap.info.id}")
-        with badge:
-            widgets.health_badge(snap.health.level)
+        st.title(f"Run {snap.info.id} {widgets.badge_markup(snap.health.level)}")
         st.caption(
             f"status **{snap.info.status}** · started {snap.info.created_at:%Y-%m-%d %H:%M:%S} UTC "
             f"({h.format_duration((page.now - snap.info.created_at).total_seconds())} ago) · "
@@ -70,27 +67,38 @@ def header(page: RunPage) -> None:
     budget = snap.info.token_budget
     cols[0].metric(
         "Tokens trained",
-        f"{s.tokens:,}",
+        widgets.big_count(s.tokens),
         help=f"{s.tokens_merged:,} merged · {s.tokens_rejected:,} rejected · {s.tokens_pending:,} pending · "
         f"{s.tokens_lost:,} lost · {s.tokens_in_flight:,} in flight" + (f" · budget {budget:,}" if budget else ""),
     )
-    cols[1].metric("Global versions", f"{sum(s.versions.values()):,}", help="Sum over fragments of the newest version")
+    cols[1].metric("Global versions", f"{sum(s.versions.values()):,}")
     cols[2].metric("Goodput", f"{s.goodput:.1%}", help="Share of allocated learner time that produced merged progress")
-    cols[3].metric("Global downtime", h.format_duration(s.longest_version_gap_s), help="Longest gap between two new global versions")
+    cols[3].metric(
+        "Max downtime",
+        h.format_duration(s.longest_version_gap_s),
+        help="Global downtime: the longest gap between two new global versions",
+    )
     if len(evals):
         delta = float(evals["val_loss"].iloc[-1] - evals["val_loss"].iloc[-2]) if len(evals) > 1 else None
-        cols[4].metric("Validation loss", f"{evals['val_loss'].iloc[-1]:.4f}", delta=None if delta is None else f"{delta:+.4f}", delta_color="inverse")
+        cols[4].metric(
+            "Validation loss",
+            f"{evals['val_loss'].iloc[-1]:.4f}",
+            delta=None if delta is None else f"{delta:+.4f}",
+            delta_color="inverse",
+        )
     else:
-        cols[4].metric("Validation loss", "—", help="No evaluation recorded yet")
-    cols[5].metric("Learners up", f"{up}/{len(snap.verdicts)}", help="alive, straggling or recovering")
-    cols[6].metric("Last new version", h.format_duration(page.snapshot.sync.last_version_age_s) + (" ago" if page.snapshot.sync.last_version_age_s is not None else ""))
+        cols[4].metric("Validation loss", "—")
+    cols[5].metric("Learners up", f"{up}/{len(snap.verdicts)}")
+    cols[6].metric("Since new version", h.format_duration(snap.sync.last_version_age_s))
 
 
 def learners_section(page: RunPage) -> None:
     st.header("Learners by region", divider="gray")
     df = page.learners
     if df.empty:
-        widgets.no_data("No learner has joined this run yet: there are no heartbeats to judge. Learners appear here when they start.")
+        widgets.no_data(
+            "No learner has joined this run yet: there are no heartbeats to judge. Learners appear here when they start."
+        )
         return
     if df["loss"].isna().all() and (df["step"] == 0).all():
         widgets.no_data("Learners have joined but none has reported a training step yet.")
@@ -105,11 +113,29 @@ def learners_section(page: RunPage) -> None:
         last_submission=[widgets.ago(t, page.snapshot.as_of) for t in df["last_submission_at"]],
     ).sort_values(["region", "severity", "learner"])
     table = table[
-        ["learner", "region", "status", "step", "tokens_per_s", "last_heartbeat", "last_submission", "merged", "rejected", "pending", "tokens_trained", "tokens_merged", "loss", "reason"]
+        [
+            "learner",
+            "region",
+            "status",
+            "step",
+            "tokens_per_s",
+            "last_heartbeat",
+            "last_submission",
+            "merged",
+            "rejected",
+            "pending",
+            "tokens_trained",
+            "tokens_merged",
+            "loss",
+            "reason",
+        ]
         + (["flow_run_url"] if df["flow_run_url"].notna().any() else [])
     ]
     st.dataframe(
-        widgets.styled(table, shade_rows_by="status").format({"tokens_per_s": "{:,.0f}", "loss": "{:.3f}", "tokens_trained": "{:,}", "tokens_merged": "{:,}", "step": "{:,}"}, na_rep="—"),
+        widgets.styled(table).format(
+            {"tokens_per_s": "{:,.0f}", "loss": "{:.3f}", "tokens_trained": "{:,}", "tokens_merged": "{:,}", "step": "{:,}"},
+            na_rep="—",
+        ),
         hide_index=True,
         height=min(600, 38 + 35 * len(table)),
         column_config={
@@ -125,7 +151,9 @@ def learners_section(page: RunPage) -> None:
     )
     with st.expander("Regions in numbers"):
         st.dataframe(
-            page.regions.style.format({"tokens_per_s": "{:,.0f}", "share_merged": "{:.1%}", "tokens_trained": "{:,}", "tokens_merged": "{:,}"}),
+            page.regions.style.format(
+                {"tokens_per_s": "{:,.0f}", "share_merged": "{:.1%}", "tokens_trained": "{:,}", "tokens_merged": "{:,}"}
+            ),
             hide_index=True,
         )
 
@@ -139,14 +167,23 @@ def synchronizer_section(page: RunPage) -> None:
         with top[0]:
             st.badge("ACTIVE" if sync.status == "active" else "NO ACTIVE SYNCHRONIZER", color=h.color_of(sync.status))
         top[1].markdown(f"**{sync.holder}**" if sync.holder else "")
-        (st.caption if sync.status == "active" else st.error)(sync.message)
+        if sync.status == "active" or not page.snapshot.info.running:
+            st.caption(sync.message)
+        else:
+            st.error(sync.message, icon=":material/error:")
         a, b = st.columns(2)
         a.metric("Last merge", widgets.ago(page.last_merge_at, page.snapshot.as_of))
-        b.metric("Fencing token", str(int(page.holders["token"].max())) if len(page.holders) else "—", help="Grows by one at every change of holder")
+        b.metric(
+            "Fencing token",
+            str(int(page.holders["token"].max())) if len(page.holders) else "—",
+            help="Grows by one at every change of holder",
+        )
         merges = page.merges
         if len(merges):
             c, d = st.columns(2)
-            c.metric("Median quorum", f"{merges['quorum'].median():g}", help="Submissions a merge needed (per merge, newest merges)")
+            c.metric(
+                "Median quorum", f"{merges['quorum'].median():g}", help="Submissions a merge needed (per merge, newest merges)"
+            )
             d.metric("Median grace waited", f"{merges['grace_waited_s'].median():.2f}s")
     with right:
         st.markdown("**Lease holders** (fencing token order)")
@@ -154,10 +191,22 @@ def synchronizer_section(page: RunPage) -> None:
             widgets.no_data("No synchronizer has published a version yet.")
         else:
             holders = page.holders.assign(
-                role=["active" if sync.status == "active" and r.holder == sync.holder else "former (standby or gone)" for r in page.holders.itertuples()]
+                role=[
+                    "active" if sync.status == "active" and r.holder == sync.holder else "former (standby or gone)"
+                    for r in page.holders.itertuples()
+                ]
             )
-            st.dataframe(widgets.styled(holders, status_columns=()), hide_index=True)
-        st.caption("A standby writes nothing to the ledger until it takes over the lease, so only synchronizers that held it are listed.")
+            st.dataframe(
+                holders,
+                hide_index=True,
+                column_config={
+                    "first_publish": st.column_config.DatetimeColumn("first publish (UTC)", format="YYYY-MM-DD HH:mm:ss"),
+                    "last_publish": st.column_config.DatetimeColumn("last publish (UTC)", format="YYYY-MM-DD HH:mm:ss"),
+                },
+            )
+        st.caption(
+            "A standby writes nothing to the ledger until it takes over the lease, so only synchronizers that held it are listed."
+        )
 
 
 def progress_section(page: RunPage) -> None:
@@ -193,7 +242,7 @@ def progress_section(page: RunPage) -> None:
         a, b, c = st.columns(3)
         a.metric("Sent", h.format_bytes(s.bytes_sent))
         b.metric("Data-parallel", h.format_bytes(s.bytes_data_parallel))
-        c.metric("Saving", f"{ratio:,.0f}x less" if math.isfinite(ratio) else "—")
+        c.metric("Saving", f"{ratio:,.0f}×" if math.isfinite(ratio) else "—", help="Data-parallel bytes / bytes sent")
         if s.bytes_sent or s.bytes_data_parallel:
             st.altair_chart(charts.bytes_chart(s.bytes_sent, s.bytes_data_parallel), width="stretch")
     if len(page.merges):
@@ -225,24 +274,36 @@ def events_section(page: RunPage) -> None:
         widgets.no_data("No events recorded.")
         return
     st.altair_chart(charts.events_timeline(events), width="stretch")
-    left, right = st.columns([3, 2])
-    with left:
-        categories = [c for c in charts.CATEGORY_ORDER if c in set(events["category"])]
-        chosen = st.pills("Show", categories, default=categories, selection_mode="multi", key="event_categories")
-        shown = events[events["category"].isin(chosen or categories)]
-        st.dataframe(
-            shown.style.map(lambda c: f"color: {h.HEX[h.CATEGORY_COLORS.get(c, 'gray')]}; font-weight: 600", subset=["category"]),
-            hide_index=True,
-            height=320,
-            column_config={"at": st.column_config.DatetimeColumn("at (UTC)", format="YYYY-MM-DD HH:mm:ss"), "detail": st.column_config.TextColumn(width="large")},
-        )
-    with right:
-        st.markdown("**Rejected submissions by reason**")
-        if page.rejection_reasons.empty:
-            st.success("No submission rejected.", icon=":material/check_circle:")
-        else:
+    categories = [c for c in charts.CATEGORY_ORDER if c in set(events["category"])]
+    chosen = st.pills("Show", categories, default=categories, selection_mode="multi", key="event_categories")
+    shown = events[events["category"].isin(chosen or categories)]
+    shown = shown.head(EVENT_ROWS)
+    st.dataframe(
+        shown.style.map(widgets.category_css, subset=["category"]),
+        hide_index=True,
+        height=min(420, 38 + 35 * len(shown)),
+        column_config={
+            "at": st.column_config.DatetimeColumn("at (UTC)", format="YYYY-MM-DD HH:mm:ss"),
+            "detail": st.column_config.TextColumn(width="large"),
+        },
+    )
+    st.markdown("**Rejected submissions**")
+    if page.rejection_reasons.empty:
+        st.success("No submission rejected.", icon=":material/check_circle:")
+    else:
+        left, right = st.columns([2, 3])
+        with left:
             st.altair_chart(charts.rejection_reasons(page.rejection_reasons), width="stretch")
-            st.dataframe(page.rejections.head(50), hide_index=True, height=220)
+        with right:
+            st.dataframe(
+                page.rejections.head(50),
+                hide_index=True,
+                height=min(320, 38 + 35 * min(50, len(page.rejections))),
+                column_config={
+                    "decided_at": st.column_config.DatetimeColumn("decided (UTC)", format="YYYY-MM-DD HH:mm:ss"),
+                    "reason": st.column_config.TextColumn(width="large"),
+                },
+            )
 
 
 @st.fragment(run_every=widgets.refresh_interval())

@@ -1,0 +1,273 @@
+"""Each dashboard page under ``streamlit.testing.v1.AppTest``, against a ledger filled by a real short
+in-process run: the numbers shown are the ledger's, and broken or empty ledgers get a message, never
+a traceback. The dashboard's clock is set to the simulated run's own time, so verdicts are exact."""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import timedelta
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import streamlit as st
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+from streamlit.testing.v1 import AppTest
+from ui_support import RunLedger, build_run_ledger, copy_ledger
+
+from ddiloco.platform.ledger import open_ledger, session_factory
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger.models import Learner, Run, Submission
+from ddiloco.platform.summary import run_summary
+from ddiloco.ui import APP_PATH, LEDGER_URL_ENV, loaders, widgets
+from ddiloco.ui import health as h
+from ddiloco.ui import queries as uq
+
+pytestmark = pytest.mark.timeout(120)
+RUN_HEALTH = "views/run_health.py"
+
+
+@pytest.fixture(scope="module")
+def run_ledger(tmp_path_factory) -> RunLedger:
+    return build_run_ledger(tmp_path_factory.getbasetemp() / "ui-run")
+
+
+@pytest.fixture(autouse=True)
+def fresh_caches():
+    st.cache_data.clear()
+    st.cache_resource.clear()
+    yield
+    st.cache_data.clear()
+    st.cache_resource.clear()
+
+
+def open_app(monkeypatch, url: str | None, now=None, run: str | None = None, page: str | None = None) -> AppTest:
+    if url is None:
+        monkeypatch.delenv(LEDGER_URL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(LEDGER_URL_ENV, url)
+    if now is not None:
+        monkeypatch.setattr(loaders, "utcnow", lambda: now)
+    at = AppTest.from_file(str(APP_PATH), default_timeout=60)
+    if run is not None:
+        at.query_params["run"] = run
+    at.run()
+    if page is not None:
+        at.switch_page(page).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def metrics(at: AppTest) -> dict[str, str]:
+    return {m.label: m.value for m in at.metric}
+
+
+def texts(at: AppTest) -> str:
+    """Every message, caption, markdown and title the page shows, as one string."""
+    parts = []
+    for kind in ("title", "markdown", "caption", "error", "warning", "info", "success"):
+        parts += [str(e.value) for e in getattr(at, kind)]
+    return "\n".join(parts)
+
+
+def frame_with(at: AppTest, column: str) -> pd.DataFrame:
+    return next(d.value for d in at.dataframe if column in d.value.columns)
+
+
+def test_overview_shows_every_run_with_the_ledgers_numbers(monkeypatch, run_ledger):
+    now = run_ledger.end + timedelta(seconds=1)
+    at = open_app(monkeypatch, run_ledger.url, now)
+    engine = open_ledger(run_ledger.url, migrate=False, read_only=True)
+    with Session(engine) as s:
+        expected = run_summary(s, run_ledger.run_id, now)
+    engine.dispose()
+    m = metrics(at)
+    assert (m["Runs"], m["Running"], m["Degraded"], m["Down"]) == ("1", "1", "1", "0")
+    card = texts(at)
+    assert f"**{h.format_count(expected.tokens)}** tokens" in card
+    assert f"**{sum(expected.versions.values()):,}** versions" in card
+    assert f"**{expected.goodput:.0%}** goodput" in card
+    assert "**3/4** learners up" in card and f"val loss **{expected.val_loss_end:.3f}**" in card
+    table = frame_with(at, "health").set_index("run")
+    row = table.loc[run_ledger.run_id]
+    assert row["health"] == h.DEGRADED and row["status"] == "running"
+    assert row["tokens"] == expected.tokens and row["versions"] == sum(expected.versions.values())
+    assert row["goodput"] == pytest.approx(expected.goodput)
+    assert row["val_loss"] == pytest.approx(expected.val_loss_end)
+    assert row["downtime"] == h.format_duration(expected.longest_version_gap_s)
+    assert "1 of 4 learners dead" in row["reason"]
+    links = at.get("page_link")
+    assert links and "run=" + run_ledger.run_id in str(links[0].proto)
+
+
+def test_run_health_page_shows_the_ledgers_numbers(monkeypatch, run_ledger):
+    now = run_ledger.end + timedelta(seconds=1)
+    at = open_app(monkeypatch, run_ledger.url, now, run=run_ledger.run_id, page=RUN_HEALTH)
+    engine = open_ledger(run_ledger.url, migrate=False, read_only=True)
+    with Session(engine) as s:
+        expected = run_summary(s, run_ledger.run_id, now)
+        evals = q.evaluations(s, run_ledger.run_id)
+        learners = {x.id: x for x in s.scalars(select(Learner))}
+        fates = {
+            (lid, status): n
+            for lid, status, n in s.execute(
+                select(Submission.learner_id, Submission.status, func.count()).group_by(Submission.learner_id, Submission.status)
+            )
+        }
+        merges = s.scalar(select(func.count()).select_from(uq.Merge))
+    engine.dispose()
+
+    m = metrics(at)
+    assert m["Tokens trained"] == f"{expected.tokens:,}"
+    assert m["Global versions"] == f"{sum(expected.versions.values()):,}"
+    assert m["Goodput"] == f"{expected.goodput:.1%}"
+    assert m["Max downtime"] == h.format_duration(expected.longest_version_gap_s)
+    assert m["Validation loss"] == f"{evals[-1].val_loss:.4f}"
+    assert m["Learners up"] == "3/4"
+    assert m["Sent"] == h.format_bytes(expected.bytes_sent)
+    assert m["Data-parallel"] == h.format_bytes(expected.bytes_data_parallel)
+    assert m["Fencing token"] == "1"
+    shown = texts(at)
+    assert f"Run {run_ledger.run_id}" in shown and "DEGRADED" in shown and "1 of 4 learners dead · 1 straggling" in shown
+    assert "sync-inprocess holds the lease (token 1" in shown
+    assert "No Prefect flow run recorded" in shown
+
+    table = frame_with(at, "last_heartbeat").set_index("learner")
+    assert sorted(table.index) == sorted(learners)
+    for lid, lrow in learners.items():
+        row = table.loc[lid]
+        assert (row["region"], row["step"]) == (lrow.region, lrow.step)
+        assert row["tokens_per_s"] == pytest.approx(lrow.tokens_per_s)
+        assert row["merged"] == fates.get((lid, "merged"), 0)
+        assert row["rejected"] == fates.get((lid, "rejected"), 0)
+        assert row["pending"] == fates.get((lid, "pending"), 0)
+        assert row["tokens_trained"] == lrow.tokens_trained + lrow.inc_tokens_trained
+        assert row["last_heartbeat"] == widgets.ago(lrow.last_heartbeat_at, now)
+    assert table.loc["eu-1", "status"] == h.DEAD and table.loc["eu-0", "status"] == h.STRAGGLING
+    assert (table.loc[["us-0", "us-1"], "status"] == h.ALIVE).all()
+    # Grouped by region, the worst first within a region.
+    assert list(table.index) == ["eu-1", "eu-0", "us-0", "us-1"]
+    regions = frame_with(at, "share_merged").set_index("region")
+    assert regions.loc["eu", "dead"] == 1 and regions.loc["us", "learners"] == 2
+    assert len(frame_with(at, "grace_waited_s")) == merges
+    events = frame_with(at, "category")
+    assert {"learner_dead", "learner_restarted", "lease_acquired"} <= set(events["kind"])
+    # Status grid, region tokens, version timeline, quorum, grace, staleness, bytes, both losses, events.
+    assert len(at.get("vega_lite_chart")) == 10
+
+
+def test_run_health_with_rejections_chaos_and_a_prefect_flow_run(monkeypatch, run_ledger, tmp_path):
+    ledger = copy_ledger(run_ledger, tmp_path)
+    engine = open_ledger(ledger.url)
+    flow_url = "http://prefect.internal:4200/runs/flow-run/1234"
+    with session_factory(engine).begin() as s:
+        s.get(Run, ledger.run_id).flow_run_url = flow_url
+        q.record_event(s, ledger.run_id, "chaos", "chaos-flow", "SIGKILL learner eu-1", ledger.end - timedelta(seconds=40))
+        sub = q.SubmissionIn("u1", 0, 0, 1, 128, 128, 128, "k/u1", "0" * 64, 10, "none")
+        q.register_submission(s, ledger.run_id, "ghost", 0, sub, ledger.end)
+    engine.dispose()
+    at = open_app(monkeypatch, ledger.url, ledger.end + timedelta(seconds=1), run=ledger.run_id, page=RUN_HEALTH)
+    assert [b.proto.url for b in at.get("link_button")] == [flow_url]
+    events = frame_with(at, "category")
+    assert {"chaos", "rejection", "failure"} <= set(events["category"])
+    rejected = frame_with(at, "decided_at")
+    assert list(rejected["reason"]) == ["unknown learner 'ghost'"]
+    assert len(at.get("vega_lite_chart")) == 11  # + rejections by reason
+
+
+def test_a_dead_synchronizer_is_shown_as_down_and_the_ledger_is_untouched(monkeypatch, run_ledger, tmp_path):
+    ledger = copy_ledger(run_ledger, tmp_path)
+    engine = open_ledger(ledger.url)
+    with session_factory(engine).begin() as s:
+        lease = q.current_lease(s, ledger.run_id)
+        # Its lease ran out 5 s before the end and no standby took over.
+        lease.expires_at = ledger.end - timedelta(seconds=5)
+    engine.dispose()
+    before = hashlib.sha256(ledger.path.read_bytes()).hexdigest()
+    now = ledger.end + timedelta(seconds=1)
+    at = open_app(monkeypatch, ledger.url, now, run=ledger.run_id, page=RUN_HEALTH)
+    shown = texts(at)
+    assert "DOWN" in shown
+    assert "no active synchronizer: the lease of sync-inprocess (token 1) expired 6.0s ago" in shown
+    assert ":red-badge[NO ACTIVE SYNCHRONIZER]" in shown
+    at = open_app(monkeypatch, ledger.url, now)
+    assert frame_with(at, "health").iloc[0]["health"] == h.DOWN
+    # Both pages read the ledger; neither changed a byte of it.
+    st.cache_resource.clear()  # closes the pooled connections
+    assert hashlib.sha256(ledger.path.read_bytes()).hexdigest() == before
+
+
+def test_everything_silent_long_after_the_run(monkeypatch, run_ledger):
+    at = open_app(monkeypatch, run_ledger.url, run_ledger.end + timedelta(minutes=10), run=run_ledger.run_id, page=RUN_HEALTH)
+    shown = texts(at)
+    assert "DOWN" in shown and "all 4 learners are dead" in shown and "no active synchronizer" in shown
+    assert set(frame_with(at, "last_heartbeat")["status"]) == {h.DEAD}
+
+
+def test_empty_ledger_and_a_run_with_no_heartbeats(monkeypatch, tmp_path):
+    url = f"sqlite:///{tmp_path}/ledger.db"
+    engine = open_ledger(url)
+    at = open_app(monkeypatch, url)
+    assert "no runs yet" in texts(at)
+    at = open_app(monkeypatch, url, page=RUN_HEALTH)
+    assert "no runs yet" in texts(at)
+    now = loaders.utcnow()
+    with session_factory(engine).begin() as s:
+        q.create_run(s, "fresh", config_json="{}", code_version="t", git_commit=None, num_fragments=2, token_budget=100, now=now)
+    engine.dispose()
+    st.cache_data.clear()  # as if the cache's TTL had passed
+    at = open_app(monkeypatch, url, page=RUN_HEALTH)
+    shown = texts(at)
+    assert "STARTING" in shown
+    assert "No learner has joined this run yet" in shown
+    assert "No global version published yet" in shown and "No evaluation recorded yet" in shown
+    assert len(at.get("vega_lite_chart")) == 1  # only the events timeline (run_created)
+
+
+@pytest.mark.parametrize(
+    "case, expect",
+    [
+        ("no url", "No ledger chosen"),
+        ("missing file", "no ledger file at"),
+        ("no schema", "ddiloco ledger upgrade"),
+        ("server down", "cannot connect to the ledger"),
+    ],
+)
+def test_unusable_ledgers_get_a_message(monkeypatch, tmp_path, case, expect):
+    url = {
+        "no url": None,
+        "missing file": f"sqlite:///{tmp_path}/missing/ledger.db",
+        "no schema": f"sqlite:///{tmp_path}/empty.db",
+        "server down": "postgresql+psycopg://ops:s3cret@127.0.0.1:9/ledger?connect_timeout=2",
+    }[case]
+    if case == "no schema":
+        (tmp_path / "empty.db").touch()
+    at = open_app(monkeypatch, url)
+    assert expect in "\n".join(e.value for e in at.error)
+    everything = texts(at) + "".join(str(e.proto) for e in at.sidebar)
+    assert "s3cret" not in everything
+    assert not (tmp_path / "missing").exists()
+
+
+def test_ui_command_serves_the_app_with_the_ledger_in_the_environment(monkeypatch):
+    import typer
+    from typer.testing import CliRunner
+
+    from ddiloco.ui import command
+
+    calls = []
+    monkeypatch.setattr(command, "serve", lambda cmd, env: calls.append((cmd, env)) or 0)
+    app = typer.Typer()
+    app.command("ui")(command.ui_command)
+    result = CliRunner().invoke(app, ["--ledger", "postgresql+psycopg://ops:s3cret@db/ledger", "--port", "8600"])
+    assert result.exit_code == 0, result.output
+    assert "s3cret" not in result.output and "db/ledger" in result.output
+    ((cmd, env),) = calls
+    assert cmd[1:5] == ["-m", "streamlit", "run", str(APP_PATH)]
+    assert cmd[cmd.index("--server.port") + 1] == "8600" and cmd[cmd.index("--server.address") + 1] == "127.0.0.1"
+    assert not any("s3cret" in part for part in cmd)
+    assert env[LEDGER_URL_ENV] == "postgresql+psycopg://ops:s3cret@db/ledger"
+    bad = CliRunner().invoke(app, ["--ledger", "not a url"])
+    assert bad.exit_code == 2
+    assert Path(APP_PATH).is_file()

@@ -1,0 +1,394 @@
+"""The dashboard's reads and verdicts, without Streamlit: against a real in-process run's ledger on
+SQLite and on PostgreSQL, and pure health decisions with time moved by editing timestamps."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy import func, insert, select, text
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.orm import Session
+from ui_support import RunLedger, build_run_ledger
+
+from ddiloco.platform.ledger import make_engine, open_ledger, session_factory, upgrade
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger.models import (
+    Base,
+    Evaluation,
+    Event,
+    FragmentVersion,
+    Heartbeat,
+    Learner,
+    Merge,
+    Submission,
+)
+from ddiloco.platform.summary import run_summary
+from ddiloco.ui import health as h
+from ddiloco.ui import queries as uq
+
+pytestmark = pytest.mark.timeout(120)
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+
+
+@pytest.fixture(scope="module")
+def run_ledger(tmp_path_factory) -> RunLedger:
+    return build_run_ledger(tmp_path_factory.getbasetemp() / "ui-run")
+
+
+@pytest.fixture(scope="module")
+def ro(run_ledger):
+    engine = uq.read_only_engine(run_ledger.url)
+    yield engine
+    engine.dispose()
+
+
+def now_of(ledger: RunLedger, after_s: float = 1.0) -> datetime:
+    return ledger.end + timedelta(seconds=after_s)
+
+
+# --- against the real run ------------------------------------------------------------------------------
+
+
+def test_learners_frame_matches_the_ledger(ro, run_ledger):
+    now = now_of(run_ledger)
+    with Session(ro) as s:
+        df = uq.learners_frame(s, run_ledger.run_id, now).set_index("learner")
+        learners = {x.id: x for x in s.scalars(select(Learner).where(Learner.run_id == run_ledger.run_id))}
+        fates = {
+            (lid, status): n
+            for lid, status, n in s.execute(
+                select(Submission.learner_id, Submission.status, func.count()).group_by(Submission.learner_id, Submission.status)
+            )
+        }
+        last_sub = dict(
+            s.execute(select(Submission.learner_id, func.max(Submission.created_at)).group_by(Submission.learner_id)).all()
+        )
+        latest_loss = {
+            lid: s.scalar(
+                select(Heartbeat.loss)
+                .where(Heartbeat.learner_id == lid, Heartbeat.loss.is_not(None))
+                .order_by(Heartbeat.at.desc())
+                .limit(1)
+            )
+            for lid in learners
+        }
+    assert sorted(df.index) == sorted(learners) == ["eu-0", "eu-1", "us-0", "us-1"]
+    for lid, lrow in learners.items():
+        row = df.loc[lid]
+        assert row["region"] == lrow.region
+        assert row["step"] == lrow.step
+        assert row["tokens_per_s"] == pytest.approx(lrow.tokens_per_s)
+        assert row["merged"] == fates.get((lid, "merged"), 0)
+        assert row["rejected"] == fates.get((lid, "rejected"), 0)
+        assert row["pending"] == fates.get((lid, "pending"), 0)
+        assert row["tokens_trained"] == lrow.tokens_trained + lrow.inc_tokens_trained
+        assert row["last_submission_at"] == last_sub[lid]
+        assert row["loss"] == pytest.approx(latest_loss[lid])
+        assert row["incarnation"] == lrow.incarnation
+        # Judged from heartbeats at the end, the dashboard agrees with the synchronizer's last verdict.
+        assert row["status"] == lrow.status
+    # eu-1 was taken down for good; eu-0 runs at 0.4x the speed of the others.
+    assert df.loc["eu-1", "status"] == h.DEAD and "no heartbeat for" in df.loc["eu-1", "reason"]
+    assert df.loc["eu-0", "status"] == h.STRAGGLING and "the live median" in df.loc["eu-0", "reason"]
+    assert set(df.loc[["us-0", "us-1"], "status"]) == {h.ALIVE}
+    assert df.loc["us-1", "incarnation"] == 1  # restarted once
+    regions = uq.regions_frame(df.reset_index()).set_index("region")
+    assert (regions.loc["eu", "dead"], regions.loc["eu", "straggling"], regions.loc["us", "alive"]) == (1, 1, 2)
+    assert regions["tokens_merged"].sum() == df["tokens_merged"].sum()
+    assert regions["share_merged"].sum() == pytest.approx(1.0)
+
+
+def test_overview_and_snapshot_agree_with_run_summary(ro, run_ledger):
+    now = now_of(run_ledger)
+    with Session(ro) as s:
+        overview = uq.runs_overview(s, now)
+        expected = run_summary(s, run_ledger.run_id, now)
+        snap = uq.health_snapshot(s, run_ledger.run_id, now)
+        fast = uq.page_summary(s, snap.info, now)
+    # The page's one-pass figures are exactly what `ddiloco summary` prints.
+    assert fast == expected
+    row = overview.set_index("run").loc[run_ledger.run_id]
+    assert row["tokens"] == expected.tokens
+    assert row["versions"] == sum(expected.versions.values())
+    assert row["goodput"] == pytest.approx(expected.goodput)
+    assert row["downtime_s"] == pytest.approx(expected.longest_version_gap_s)
+    assert row["val_loss"] == pytest.approx(expected.val_loss_end)
+    assert (row["learners_alive"], row["learners"]) == (3, 4)
+    assert row["health"] == h.DEGRADED and row["reason"] == "1 of 4 learners dead; 1 straggling"
+    assert snap.sync.status == "active" and snap.sync.holder == "sync-inprocess"
+
+
+def test_progress_frames_match_the_ledger(ro, run_ledger):
+    run = run_ledger.run_id
+    with Session(ro) as s:
+        versions = uq.versions_frame(s, run)
+        merges = uq.merges_frame(s, run)
+        staleness = uq.staleness_frame(s, run)
+        evals = uq.evaluations_frame(s, run)
+        events = uq.events_frame(s, run)
+        holders = uq.synchronizer_holders(s, run)
+        n_versions = s.scalar(select(func.count()).select_from(FragmentVersion))
+        n_merges = s.scalar(select(func.count()).select_from(Merge))
+        n_merged = s.scalar(select(func.count()).select_from(Submission).where(Submission.status == "merged"))
+        n_evals = s.scalar(select(func.count()).select_from(Evaluation))
+        kinds = set(s.scalars(select(Event.kind)))
+        quorums = list(s.scalars(select(Merge.quorum).order_by(Merge.at, Merge.id)))
+        thin = uq.versions_frame(s, run, max_points=5)
+        newest = q.latest_version_numbers(s, run)
+    assert len(versions) == n_versions and len(merges) == n_merges and len(evals) == n_evals
+    assert list(merges["quorum"]) == quorums
+    assert merges["at"].is_monotonic_increasing
+    assert staleness["submissions"].sum() == n_merged
+    assert set(events["kind"]) == kinds
+    assert events["at"].is_monotonic_decreasing
+    assert {"learner_dead": "failure", "learner_restarted": "restart"}.items() <= dict(
+        zip(events["kind"], events["category"])
+    ).items()
+    assert list(holders["holder"]) == ["sync-inprocess"] and holders["versions"].sum() == n_versions
+    # Thinning keeps every fragment's newest version, so the timeline still ends where the run is.
+    assert len(thin) < len(versions)
+    assert thin.groupby("fragment")["version"].max().to_dict() == newest
+
+
+def test_training_loss_is_sampled_from_heartbeats(ro, run_ledger):
+    with Session(ro) as s:
+        loss = uq.training_loss_frame(s, run_ledger.run_id)
+        few = uq.training_loss_frame(s, run_ledger.run_id, per_learner=3)
+        last = {
+            lid: s.scalar(
+                select(Heartbeat.loss)
+                .where(Heartbeat.learner_id == lid, Heartbeat.loss.is_not(None))
+                .order_by(Heartbeat.at.desc())
+                .limit(1)
+            )
+            for lid in ("us-0", "us-1", "eu-0", "eu-1")
+        }
+        hb = s.execute(select(Heartbeat.learner_id, Heartbeat.at, Heartbeat.loss).where(Heartbeat.loss.is_not(None))).all()
+    real = {(who, at): loss_ for who, at, loss_ in hb}
+    # Every point is a real heartbeat, and each learner's line ends at its newest reported loss.
+    assert all(real[(r.learner, r.at)] == pytest.approx(r.loss) for r in loss.itertuples())
+    assert {who: g.sort_values("at")["loss"].iloc[-1] for who, g in loss.groupby("learner")} == pytest.approx(last)
+    assert few.groupby("learner").size().max() <= 10  # the floor of the grid
+    assert set(loss[loss["learner"] == "us-1"]["incarnation"]) == {0, 1}
+
+
+def test_rejection_reasons_are_grouped(tmp_path, run_ledger):
+    from ui_support import copy_ledger
+
+    ledger = copy_ledger(run_ledger, tmp_path)
+    engine = open_ledger(ledger.url)
+    with session_factory(engine).begin() as s:
+        for uid in ("a", "b"):
+            sub = q.SubmissionIn(uid, 0, 0, 1, 128, 128, 128, f"k/{uid}", "0" * 64, 10, "none")
+            q.register_submission(s, ledger.run_id, "ghost", 0, sub, ledger.end)
+    engine.dispose()
+    ro = uq.read_only_engine(ledger.url)
+    with Session(ro) as s:
+        reasons = uq.rejection_reasons(s, ledger.run_id)
+        rejected = uq.rejections_frame(s, ledger.run_id)
+        info = uq.run_info(s, ledger.run_id)
+        assert uq.page_summary(s, info, ledger.end) == run_summary(s, ledger.run_id, ledger.end)
+    ro.dispose()
+    assert reasons.to_dict("records") == [{"reason": "unknown learner 'ghost'", "submissions": 2}]
+    assert set(rejected["learner"]) == {"ghost"} and len(rejected) == 2
+
+
+def test_a_finished_run_is_judged_as_of_its_end(tmp_path, run_ledger):
+    from ui_support import copy_ledger
+
+    ledger = copy_ledger(run_ledger, tmp_path)
+    engine = open_ledger(ledger.url)
+    with session_factory(engine).begin() as s:
+        q.set_run_status(s, ledger.run_id, "finished", ledger.end)
+    engine.dispose()
+    ro = uq.read_only_engine(ledger.url)
+    later = ledger.end + timedelta(days=3)
+    with Session(ro) as s:
+        snap = uq.health_snapshot(s, ledger.run_id, later)
+        assert uq.page_summary(s, snap.info, later) == run_summary(s, ledger.run_id, later)
+    ro.dispose()
+    # A post-mortem: three days later the learners are shown as they were when the run ended.
+    assert snap.as_of == ledger.end and snap.health.level == h.FINISHED
+    assert {k: v.status for k, v in snap.verdicts.items()} == {
+        "us-0": h.ALIVE,
+        "us-1": h.ALIVE,
+        "eu-0": h.STRAGGLING,
+        "eu-1": h.DEAD,
+    }
+
+
+# --- the engine never writes ----------------------------------------------------------------------------
+
+
+def test_read_only_engine_refuses_writes_on_sqlite(ro, run_ledger):
+    with pytest.raises(OperationalError, match="readonly|read-only|query_only"):
+        with ro.begin() as conn:
+            conn.execute(insert(Event).values(run_id=run_ledger.run_id, at=T0, kind="x", actor=None, detail=""))
+
+
+def test_missing_file_and_missing_schema_are_reported_not_created(tmp_path):
+    missing = tmp_path / "nope" / "ledger.db"
+    with pytest.raises(uq.LedgerUnavailable, match="no ledger file"):
+        uq.read_only_engine(f"sqlite:///{missing}")
+    assert not missing.exists() and not missing.parent.exists()
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    engine = uq.read_only_engine(f"sqlite:///{empty}")
+    with pytest.raises(uq.LedgerUnavailable, match="ledger upgrade"):
+        uq.check_schema(engine)
+    engine.dispose()
+    with pytest.raises(uq.LedgerUnavailable, match="unsupported"):
+        uq.read_only_engine("mysql://root@localhost/x")
+
+
+def test_redact_hides_passwords():
+    shown = uq.redact("postgresql+psycopg://ops:s3cret@db.internal:5432/ledger")
+    assert "s3cret" not in shown and "ops" in shown and "db.internal" in shown
+
+
+def test_empty_ledger_and_run_without_heartbeats(tmp_path):
+    url = f"sqlite:///{tmp_path}/ledger.db"
+    engine = open_ledger(url)
+    ro = uq.read_only_engine(url)
+    with Session(ro) as s:
+        assert uq.runs_overview(s, T0).empty
+        assert uq.run_page(s, "nothing", T0) is None
+    with session_factory(engine).begin() as s:
+        q.create_run(s, "fresh", config_json="{}", code_version="t", git_commit=None, num_fragments=2, token_budget=100, now=T0)
+    with Session(ro) as s:
+        page = uq.run_page(s, "fresh", T0 + timedelta(seconds=5))
+        assert page.summary == run_summary(s, "fresh", T0 + timedelta(seconds=5))
+    assert page.learners.empty and page.training_loss.empty and page.versions.empty and page.merges.empty
+    assert page.snapshot.health.level == h.STARTING
+    assert page.snapshot.sync.status == "never" and "no synchronizer has ever held" in page.snapshot.sync.message
+    ro.dispose()
+    engine.dispose()
+
+
+# --- PostgreSQL: the same answers -----------------------------------------------------------------------
+
+
+def _copy_to(src_url: str, dst_url: str) -> None:
+    src, dst = make_engine(src_url), make_engine(dst_url)
+    upgrade(dst)
+    with src.connect() as a, dst.begin() as b:
+        for table in Base.metadata.sorted_tables:
+            rows = [dict(r) for r in a.execute(select(table)).mappings()]
+            if rows:
+                b.execute(insert(table), rows)
+    src.dispose()
+    dst.dispose()
+
+
+@pytest.mark.postgres
+def test_queries_give_the_same_answers_on_postgresql(run_ledger, fresh_postgres_database):
+    _copy_to(run_ledger.url, fresh_postgres_database)
+    now = now_of(run_ledger)
+    answers = {}
+    for name, url in (("sqlite", run_ledger.url), ("postgres", fresh_postgres_database)):
+        engine = uq.read_only_engine(url)
+        uq.check_schema(engine)
+        with Session(engine) as s:
+            page = uq.run_page(s, run_ledger.run_id, now)
+            overview = uq.runs_overview(s, now)
+            thin = uq.versions_frame(s, run_ledger.run_id, max_points=5)
+        answers[name] = (page, overview, thin)
+        if name == "postgres":
+            with pytest.raises(SQLAlchemyError, match="read-only"):
+                with engine.begin() as conn:
+                    conn.execute(text("INSERT INTO events (run_id, at, kind, detail) VALUES ('x', now(), 'x', '')"))
+        engine.dispose()
+    (a, ov_a, thin_a), (b, ov_b, thin_b) = answers["sqlite"], answers["postgres"]
+    assert a.summary == b.summary
+    assert a.snapshot.health == b.snapshot.health and a.snapshot.verdicts == b.snapshot.verdicts
+    for field in (
+        "learners",
+        "regions",
+        "holders",
+        "versions",
+        "merges",
+        "staleness",
+        "evaluations",
+        "training_loss",
+        "events",
+        "rejections",
+        "rejection_reasons",
+    ):
+        fa, fb = getattr(a, field), getattr(b, field)
+        assert fa.shape == fb.shape, field
+        assert fa.astype(str).equals(fb.astype(str)), field
+    assert ov_a.drop(columns=["age_s"]).astype(str).equals(ov_b.drop(columns=["age_s"]).astype(str))
+    assert thin_a.astype(str).equals(thin_b.astype(str))
+
+
+# --- pure health decisions -------------------------------------------------------------------------------
+
+POLICY = h.HealthPolicy(dead_after_s=10, straggler_factor=2.0, stall_after_s=30)
+
+
+def snap(lid: str, silent_s: float, step_s: float = 1.0, *, status: str = "alive", step: int = 5) -> h.LearnerSnapshot:
+    return h.LearnerSnapshot(lid, T0 - timedelta(seconds=silent_s), T0 - timedelta(hours=1), step, step_s, status)
+
+
+def test_learner_verdicts_follow_the_synchronizers_rules():
+    verdicts = h.learner_verdicts(
+        [
+            snap("a", 1),
+            snap("b", 2),
+            snap("slow", 1, step_s=2.5),
+            snap("gone", 11),
+            snap("back", 0.5, step_s=0.0, status="recovering", step=0),
+        ],
+        T0,
+        POLICY,
+    )
+    assert {k: v.status for k, v in verdicts.items()} == {
+        "a": h.ALIVE,
+        "b": h.ALIVE,
+        "slow": h.STRAGGLING,
+        "gone": h.DEAD,
+        "back": h.RECOVERING,
+    }
+    assert "2.5x the live median" in verdicts["slow"].reason
+    assert "no heartbeat for 11s" in verdicts["gone"].reason
+    # Move time, not the learners: ten seconds later everyone is dead.
+    later = h.learner_verdicts([snap("a", 1)], T0 + timedelta(seconds=10), POLICY)
+    assert later["a"].status == h.DEAD
+
+
+def test_synchronizer_and_run_health():
+    lease = h.LeaseSnapshot("sync-a", 3, T0 - timedelta(minutes=5), T0 + timedelta(seconds=2))
+    active = h.synchronizer_verdict(lease, T0 - timedelta(seconds=1), T0)
+    assert active.status == "active" and active.holder == "sync-a" and "token 3" in active.message
+    died = h.synchronizer_verdict(lease, T0 - timedelta(seconds=1), T0 + timedelta(seconds=12))
+    assert died.status == "none" and "expired 10s ago" in died.message and "no standby" in died.message
+    alive = {"a": h.Verdict(h.ALIVE, ""), "b": h.Verdict(h.ALIVE, "")}
+    assert h.run_health("running", alive, active, POLICY).level == h.HEALTHY
+    assert h.run_health("running", alive, died, POLICY).level == h.DOWN
+    one_dead = {**alive, "c": h.Verdict(h.DEAD, "")}
+    degraded = h.run_health("running", one_dead, active, POLICY)
+    assert degraded.level == h.DEGRADED and degraded.reasons == ["1 of 3 learners dead"]
+    all_dead = {"c": h.Verdict(h.DEAD, "")}
+    assert "all 1 learners are dead" in h.run_health("running", all_dead, active, POLICY).reasons
+    stalled = h.synchronizer_verdict(lease, T0 - timedelta(seconds=31), T0)
+    assert h.run_health("running", alive, stalled, POLICY).level == h.DOWN
+    assert h.run_health("running", {}, active, POLICY).level == h.STARTING
+    never = h.synchronizer_verdict(None, None, T0)
+    assert h.run_health("running", {}, never, POLICY).level == h.STARTING
+    assert h.run_health("running", alive, never, POLICY).level == h.DOWN
+    assert h.run_health("finished", one_dead, died, POLICY).level == h.FINISHED
+    assert h.run_health("failed", alive, active, POLICY).level == h.FAILED
+
+
+def test_policy_comes_from_the_run_config_and_formatting():
+    policy = h.HealthPolicy.from_config({"learners": {"dead_after_s": 40, "straggler_factor": 3}})
+    assert (policy.dead_after_s, policy.straggler_factor, policy.stall_after_s) == (40, 3, 80)
+    assert h.HealthPolicy.from_config({}) == h.HealthPolicy()
+    assert [h.format_duration(x) for x in (4.24, 42, 185, 7300, 200_000)] == ["4.2s", "42s", "3m 05s", "2h 01m", "2d 7h"]
+    assert (h.format_count(1234), h.format_count(12_345_678), h.format_bytes(928_600)) == ("1,234", "12.3M", "928.6 kB")
+    assert (
+        h.event_category("chaos") == "chaos"
+        and h.event_category("run_failed") == "failure"
+        and h.event_category("zzz") == "other"
+    )

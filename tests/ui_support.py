@@ -1,0 +1,142 @@
+"""Ledgers for the dashboard tests, filled by a real short in-process run (shared by the UI test files)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from sqlalchemy import func, select
+from support import tiny_config
+
+from ddiloco.inprocess import Outage, run_inprocess
+from ddiloco.platform.ledger import make_engine, session_factory
+from ddiloco.platform.ledger.models import Heartbeat
+
+RUN = "ui"
+STEP_S = 7.0
+"""Simulated seconds per inner step: long enough that a learner taken down is declared dead."""
+
+
+def ui_config():
+    return tiny_config(
+        name=RUN,
+        learners={
+            "batch_size": 4,
+            # eu-0 runs at 0.4x: its (simulated) step time is 2.5x the median, so it straggles.
+            "regions": [{"name": "us", "learners": 2}, {"name": "eu", "learners": 2, "speeds": [0.4, 1.0]}],
+            "heartbeat_s": 1.0,
+            "dead_after_s": 45.0,
+            "straggler_factor": 2.0,
+        },
+        synchronizer={"lease_ttl_s": 60.0, "poll_s": 1.0},
+        merge={"max_staleness": 0},
+    )
+
+
+@dataclass(frozen=True)
+class RunLedger:
+    url: str
+    path: Path
+    run_id: str
+    end: datetime
+    """The newest heartbeat: 'now' for looking at the run as its operator saw it at the end."""
+
+
+def build_run_ledger(directory: Path) -> RunLedger:
+    """A real in-process run copied to a SQLite file: 4 learners in 2 regions; us-1 restarts, eu-1 dies
+    for good, eu-0 straggles."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "ledger.db"
+    if not path.exists():
+        import torch
+
+        threads = torch.get_num_threads()
+        # One intra-op thread: the model is tiny, and on a busy 2-core machine two threads spin
+        # against each other (a step then takes ~10x longer).
+        torch.set_num_threads(1)
+        try:
+            run = run_inprocess(
+                ui_config(),
+                total_tokens=4 * 32 * 24,
+                step_time_s=STEP_S,
+                outages=[Outage("us-1", 8.0, 20.0), Outage("eu-1", 11.0, None)],
+                eval_every_tokens=4 * 32 * 8,
+            )
+        finally:
+            torch.set_num_threads(threads)
+        tmp = directory / "ledger.db.tmp"
+        src = run.ctx.engine.raw_connection()
+        try:
+            dst = sqlite3.connect(tmp)
+            src.driver_connection.backup(dst)
+            dst.close()
+        finally:
+            src.close()
+        run.ctx.engine.dispose()
+        tmp.rename(path)
+    url = f"sqlite:///{path}"
+    engine = make_engine(url, read_only=True)
+    with session_factory(engine)() as s:
+        end = s.scalar(select(func.max(Heartbeat.at)).where(Heartbeat.run_id == RUN))
+    engine.dispose()
+    return RunLedger(url=url, path=path, run_id=RUN, end=end)
+
+
+def copy_ledger(src: RunLedger, directory: Path) -> RunLedger:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "ledger.db"
+    with sqlite3.connect(src.path) as a, sqlite3.connect(path) as b:
+        a.backup(b)
+    return RunLedger(url=f"sqlite:///{path}", path=path, run_id=src.run_id, end=src.end)
+
+
+def shift_times(ledger: RunLedger, end: datetime) -> RunLedger:
+    """Move every timestamp of a copied test ledger so the run's newest heartbeat is at ``end``."""
+    from sqlalchemy import update
+
+    from ddiloco.platform.ledger.models import (
+        Evaluation,
+        Event,
+        FragmentVersion,
+        Learner,
+        Merge,
+        Run,
+        Submission,
+        SynchronizerLease,
+    )
+
+    delta: timedelta = end - ledger.end
+    engine = make_engine(ledger.url)
+    with session_factory(engine).begin() as s:
+        for model, columns in (
+            (Run, ("created_at", "finished_at")),
+            (Learner, ("started_at", "last_heartbeat_at")),
+            (Heartbeat, ("at",)),
+            (Submission, ("created_at", "decided_at")),
+            (FragmentVersion, ("created_at",)),
+            (Merge, ("at",)),
+            (Event, ("at",)),
+            (Evaluation, ("at",)),
+            (SynchronizerLease, ("acquired_at", "expires_at")),
+        ):
+            table = model.__table__
+            key = list(table.primary_key.columns)
+            rows = s.execute(select(*key, *[table.c[c] for c in columns])).all()
+            for row in rows:
+                values = {c: (v + delta if v is not None else None) for c, v in zip(columns, row[len(key) :])}
+                s.execute(update(table).where(*[k == v for k, v in zip(key, row[: len(key)])]).values(**values))
+    engine.dispose()
+    return RunLedger(url=ledger.url, path=ledger.path, run_id=ledger.run_id, end=end)
+
+
+def config_of(ledger: RunLedger) -> dict:
+    from ddiloco.platform.ledger.models import Run
+
+    engine = make_engine(ledger.url, read_only=True)
+    with session_factory(engine)() as s:
+        cfg = json.loads(s.get(Run, ledger.run_id).config_json)
+    engine.dispose()
+    return cfg
