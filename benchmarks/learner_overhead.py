@@ -1,0 +1,443 @@
+"""Learner overhead: tokens/s of a learner inside the platform vs a bare torch loop, same model and batch.
+
+  * bare: build_model + AdamW + the same data stream (build_dataset(...).train_batches) and the same
+    step (compute_loss, zero_grad, backward, clip_grad_norm_, step) — nothing else.
+  * platform: a real ``Learner`` (background_io=True) on a file:// store and a SQLite ledger in a temp
+    dir, trading fragments with a real synchronizer running as its own OS process
+    (``python -m ddiloco synchronizer``), default fragments (P = 24, one sent per step) and int8
+    compression: uploads and downloads run on the learner's background threads while it trains,
+    and received versions are swapped in by its main thread.
+
+Both run in this process on one torch thread (as a learner process does, learners.torch_threads = 1)
+with the default demo model (ModelConfig defaults: 2 layers, d_model 128, seq 128; batch 16);
+--quick uses a small model (1 layer, d_model 64, seq 64, batch 8, P = 4) and is only a smoke check.
+Short windows of a fixed length alternate bare / platform in an ABBA order, many of them, so load
+drift on the shared machine hits both alike. One Learner serves every platform window; between them
+its background I/O is paused (polling and heartbeats gated, queued uploads drained first), so its
+threads are idle during a bare window. An untimed platform window comes first (the synchronizer's
+first merge and the learner's first receipts). The synchronizer's periodic evaluation is switched
+off (eval_every_s huge): it would only add CPU load from another process, not learner overhead.
+
+Besides tokens/s, each window records where the main thread's wall time went (Linux schedstat):
+on a CPU, waiting in the run queue (the machine is oversubscribed), or blocked (GIL, locks, I/O),
+and the CPU used by the learner's background threads and the synchronizer process.
+
+Goal: platform tokens/s >= 0.95 x bare tokens/s (median of the per-pair ratios).
+
+    python benchmarks/learner_overhead.py [--quick] [--windows 6] [--window-s 8]
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+from common import (
+    base_parser,
+    exit_on_sigterm,
+    geomean,
+    header,
+    machine_busy,
+    median,
+    process_cpu_s,
+    thread_sched,
+    verdict,
+    wrap_timed,
+    write_results,
+)
+from support import ProcessRun, wait_for
+
+from ddiloco.learner_worker.worker import Learner
+from ddiloco.platform.config import build_config
+from ddiloco.platform.data import build_dataset
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.models import build_model, compute_loss
+
+NAME = "learner_overhead"
+GOAL_RATIO = 0.95
+LEARNER = "us-0"
+
+
+def bench_config(name: str, quick: bool = False):
+    data: dict = {
+        "name": name,
+        "learners": {"regions": [{"name": "us", "learners": 1}]},
+        "synchronizer": {"eval_every_s": 1e9},
+    }
+    if quick:
+        # --quick only checks the benchmark works: a small model and P = 4 start in a few seconds.
+        data.update(
+            model={"n_layer": 1, "d_model": 64, "n_head": 2, "seq_len": 64},
+            data={"max_bytes": 400_000, "val_batches": 2},
+            learners={"regions": [{"name": "us", "learners": 1}], "batch_size": 8},
+            fragments={"count": 4},
+        )
+    return build_config(data)
+
+
+class Bare:
+    """The plain torch loop the learner's train_step is measured against."""
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.model = build_model(cfg.model, seed=cfg.seed)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2), weight_decay=cfg.inner.weight_decay
+        )
+        self.batches = build_dataset(cfg.data, cfg.model).train_batches(0, 1, cfg.learners.batch_size, seed=cfg.seed * 1_000_003)
+        self.steps = 0
+
+    def step(self) -> int:
+        batch = next(self.batches)
+        warm = self.cfg.inner.warmup_steps
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.inner.lr * min(1.0, (self.steps + 1) / warm) if warm > 0 else self.cfg.inner.lr
+        loss, _ = compute_loss(self.model, batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
+        self.optimizer.step()
+        float(loss.detach())
+        self.steps += 1
+        return batch.tokens
+
+
+SYNC_PID: int | None = None
+
+
+def _snapshot(bg_threads: list[int]) -> dict:
+    bg = [thread_sched(t) for t in bg_threads]
+    return {
+        "main": thread_sched(),
+        "bg_cpu": sum(b[0] for b in bg if b is not None),
+        "sync_cpu": process_cpu_s(SYNC_PID) if SYNC_PID else None,
+        "machine": machine_busy(),
+    }
+
+
+def run_window(step, seconds: float, bg_threads: list[int] | None = None) -> dict:
+    """Steps until ``seconds`` have passed; tokens, elapsed seconds, steps and where the time went."""
+    bg_threads = bg_threads or []
+    tokens = steps = 0
+    a = _snapshot(bg_threads)
+    t0 = time.perf_counter()
+    while True:
+        tokens += step()
+        steps += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            break
+    b = _snapshot(bg_threads)
+    out = {"tokens": tokens, "elapsed_s": elapsed, "steps": steps}
+    if a["main"] and b["main"]:
+        cpu, wait = b["main"][0] - a["main"][0], b["main"][1] - a["main"][1]
+        out["main_thread"] = {"cpu_s": cpu, "runqueue_wait_s": wait, "blocked_s": max(0.0, elapsed - cpu - wait)}
+    out["background_threads_cpu_s"] = b["bg_cpu"] - a["bg_cpu"]
+    if a["sync_cpu"] is not None and b["sync_cpu"] is not None:
+        out["synchronizer_cpu_s"] = b["sync_cpu"] - a["sync_cpu"]
+    if a["machine"] and b["machine"]:
+        busy, total = b["machine"][0] - a["machine"][0], b["machine"][1] - a["machine"][1]
+        out["machine_busy_cores"] = (os.cpu_count() or 1) * busy / total if total else None
+    return out
+
+
+class Platform:
+    """One real Learner for the whole benchmark, whose background I/O is paused during bare windows.
+
+    Pausing gates the learner's ``poll_versions`` and ``heartbeat`` (instance attributes patched here,
+    the learner's code is unchanged) and waits for in-flight uploads, so a bare window runs with the
+    learner's threads idle, and windows can be short and many without restarting a learner."""
+
+    def __init__(self, run: ProcessRun) -> None:
+        self.learner = learner = Learner(run.ctx, LEARNER, "us", index=0, num_learners=1, background_io=True)
+        learner.start()
+        self.times: dict[str, float] = {}
+        self.counts = {"sent": 0, "received": 0}
+        self.running = threading.Event()
+        self.running.set()
+        self.in_flight = 0
+        self._lock = threading.Lock()
+        poll, beat = learner.poll_versions, learner.heartbeat
+
+        def gated_poll() -> list[int]:
+            return poll() if self.running.is_set() else []
+
+        def gated_heartbeat(now: float, force: bool = False) -> None:
+            if self.running.is_set() or force:
+                beat(now, force)
+
+        def counted(fn):
+            def wrapper(*a, **kw):
+                with self._lock:
+                    self.in_flight += 1
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    with self._lock:
+                        self.in_flight -= 1
+
+            return wrapper
+
+        learner.poll_versions = gated_poll
+        learner.heartbeat = gated_heartbeat
+        # Whatever the upload thread calls (one upload, a batch, an optimizer-state save) counts as in flight.
+        for name in ("upload", "upload_many", "save_optimizer_state"):
+            if hasattr(learner, name):
+                setattr(learner, name, counted(getattr(learner, name)))
+        learner.train_step = wrap_timed(learner.train_step, self.times, "train_step")
+        learner.send = wrap_timed(learner.send, self.times, "send")
+        learner.apply_received = wrap_timed(learner.apply_received, self.times, "apply_received")
+        if hasattr(learner, "optimizer_state_tensors"):  # the periodic AdamW snapshot, taken on the main thread
+            learner.optimizer_state_tensors = wrap_timed(learner.optimizer_state_tensors, self.times, "optimizer_snapshot")
+
+    @property
+    def threads(self) -> list[int]:
+        return [t.native_id for t in self.learner._threads if t.native_id is not None]
+
+    def step(self) -> int:
+        t0 = time.perf_counter()
+        report = self.learner.step()
+        self.times["step"] = self.times.get("step", 0.0) + time.perf_counter() - t0
+        self.counts["sent"] += len(report.submitted)
+        self.counts["received"] += len(report.received)
+        if report.waiting:  # overlap 0 only; not the default
+            self.learner.wait_for_awaited(1.0)
+        return report.tokens
+
+    def pause(self, timeout_s: float = 30.0) -> float:
+        """Stop polling and heartbeats and let queued uploads finish; returns the seconds that took."""
+        t0 = time.perf_counter()
+        self.running.clear()
+        deadline = time.monotonic() + timeout_s
+        while (not self.learner._outbox.empty() or self.in_flight) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return time.perf_counter() - t0
+
+    def resume(self) -> None:
+        self.running.set()
+
+    def window(self, seconds: float) -> dict:
+        self.resume()
+        self.times.clear()
+        self.counts.update(sent=0, received=0)
+        upload_s0, bytes0 = self.learner.upload_s, self.learner.bytes_sent
+        win = run_window(self.step, seconds, self.threads)
+        drain_s = self.pause()
+        return {
+            **win,
+            "main_thread_s": dict(self.times),
+            "sent": self.counts["sent"],
+            "received": self.counts["received"],
+            "upload_thread_s": self.learner.upload_s - upload_s0,
+            "bytes_sent": self.learner.bytes_sent - bytes0,
+            "drain_after_s": drain_s,
+        }
+
+    def stop(self) -> None:
+        self.resume()
+        self.learner.stop(flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = base_parser(__doc__)
+    ap.add_argument("--windows", type=int, default=16, help="window pairs (bare + platform)")
+    ap.add_argument("--window-s", type=float, default=3.0, help="length of one window in seconds")
+    ap.add_argument("--warmup-s", type=float, default=10.0, help="untimed platform window before the pairs")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (ledger, store, synchronizer log)")
+    args = ap.parse_args(argv)
+    exit_on_sigterm()
+    if args.quick:
+        args.windows, args.window_s, args.warmup_s = 2, 1.5, 1.0
+    torch.set_num_threads(1)
+
+    tmp = Path(tempfile.mkdtemp(prefix="learner-overhead-"))
+    run = ProcessRun(tmp, bench_config("overhead", args.quick))
+    cfg = run.cfg
+    results = header(NAME, args)
+    platform = None
+    try:
+        global SYNC_PID
+        SYNC_PID = run.synchronizer("bench-sync").pid
+        bare = Bare(cfg)  # built while the synchronizer starts
+        for _ in range(2):
+            bare.step()
+
+        def v0_published() -> bool:
+            with run.ctx.transaction() as s:
+                return len(q.latest_version_numbers(s, run.ctx.run_id)) == cfg.fragments.count
+
+        wait_for(v0_published, 120, "the synchronizer to publish version 0")
+        print(f"model: {sum(p.numel() for p in bare.model.parameters()) / 1e6:.2f} M params, batch {cfg.learners.batch_size} x "
+              f"seq {cfg.model.seq_len}; P = {cfg.fragments.count}, codec {cfg.compression.codec}; torch threads {torch.get_num_threads()}; "
+              f"{args.windows} pairs of {args.window_s:.1f}s windows")
+
+        platform = Platform(run)
+        # Untimed: the synchronizer's first merge is slow (its first torch.optim.SGD imports
+        # torch._dynamo), and the learner side warms up; later windows see the steady state.
+        warm = platform.window(args.warmup_s)
+        results["warmup_window"] = {"seconds": args.warmup_s, "steps": warm["steps"], "sent": warm["sent"], "received": warm["received"]}
+        print(f"warm-up platform window ({args.warmup_s:.0f}s): {warm['steps']} steps, sent {warm['sent']}, received {warm['received']}")
+
+        pairs = []
+        for i in range(args.windows):
+            order = ("bare", "platform") if i % 2 == 0 else ("platform", "bare")
+            pair = {}
+            for kind in order:
+                if kind == "bare":
+                    pair["bare"] = run_window(bare.step, args.window_s)
+                else:
+                    pair["platform"] = platform.window(args.window_s)
+            b, p = pair["bare"], pair["platform"]
+            pair["bare_tokens_per_s"] = b["tokens"] / b["elapsed_s"]
+            pair["platform_tokens_per_s"] = p["tokens"] / p["elapsed_s"]
+            pair["ratio"] = pair["platform_tokens_per_s"] / pair["bare_tokens_per_s"]
+            pair["order"] = list(order)
+            pairs.append(pair)
+            mt = p["main_thread_s"]
+            print(f"pair {i + 1}/{args.windows} ({'/'.join(order)}): bare {pair['bare_tokens_per_s']:7.0f} tok/s ({b['steps']} steps), "
+                  f"platform {pair['platform_tokens_per_s']:7.0f} tok/s ({p['steps']} steps, sent {p['sent']}, received {p['received']}), "
+                  f"ratio {pair['ratio']:.3f}; send {mt.get('send', 0) * 1e3:.0f} ms, apply {mt.get('apply_received', 0) * 1e3:.0f} ms")
+
+        bare_tok = sum(p["bare"]["tokens"] for p in pairs)
+        bare_s = sum(p["bare"]["elapsed_s"] for p in pairs)
+        plat_tok = sum(p["platform"]["tokens"] for p in pairs)
+        plat_s = sum(p["platform"]["elapsed_s"] for p in pairs)
+        pooled = (plat_tok / plat_s) / (bare_tok / bare_s)
+        med = median([p["ratio"] for p in pairs])
+        mt_total: dict[str, float] = {}
+        for p in pairs:
+            for k, v in p["platform"]["main_thread_s"].items():
+                mt_total[k] = mt_total.get(k, 0.0) + v
+        step_s = mt_total.get("step", 0.0)
+        parts = ("train_step", "send", "apply_received", "optimizer_snapshot")
+        accounted = sum(mt_total.get(k, 0.0) for k in parts)
+        share = {k: mt_total.get(k, 0.0) / step_s for k in parts}
+        share["other_in_step"] = (step_s - accounted) / step_s
+        plat_steps = sum(p["platform"]["steps"] for p in pairs)
+        sent = sum(p["platform"]["sent"] for p in pairs)
+        received = sum(p["platform"]["received"] for p in pairs)
+        # Bare step time vs the platform's train_step alone: how much slower the same compute runs while the
+        # background threads work (GIL and cores shared), as opposed to main-thread work the platform adds.
+        bare_step_s = bare_s / sum(p["bare"]["steps"] for p in pairs)
+        train_step_s = mt_total.get("train_step", 0.0) / plat_steps
+        def per_step_split(kind: str) -> dict:
+            ws = [p[kind] for p in pairs if "main_thread" in p[kind]]
+            n = sum(w["steps"] for w in ws)
+            if not n:
+                return {}
+            out = {k: round(sum(w["main_thread"][k] for w in ws) / n * 1e3, 2) for k in ("cpu_s", "runqueue_wait_s", "blocked_s")}
+            out = {k.replace("_s", "_ms"): v for k, v in out.items()}
+            wall = sum(w["elapsed_s"] for w in ws)
+            out["background_threads_cpu_share"] = round(sum(w["background_threads_cpu_s"] for w in ws) / wall, 4)
+            if all("synchronizer_cpu_s" in w for w in ws):
+                out["synchronizer_cpu_share"] = round(sum(w["synchronizer_cpu_s"] for w in ws) / wall, 4)
+            busy = [w.get("machine_busy_cores") for w in ws if w.get("machine_busy_cores") is not None]
+            if busy:
+                out["machine_busy_cores"] = round(sum(busy) / len(busy), 2)
+            return out
+
+        split = {"bare": per_step_split("bare"), "platform": per_step_split("platform")}
+
+        def off_queue_rate(kind: str) -> float | None:
+            """Tokens per second of wall time the main thread was NOT waiting for a CPU."""
+            ws = [p[kind] for p in pairs]
+            if not all("main_thread" in w for w in ws):
+                return None
+            return sum(w["tokens"] for w in ws) / sum(w["elapsed_s"] - w["main_thread"]["runqueue_wait_s"] for w in ws)
+
+        rb, rp = off_queue_rate("bare"), off_queue_rate("platform")
+        ratio_off_queue = rp / rb if rb and rp else None
+        ok = med >= GOAL_RATIO
+        results.update(
+            {
+                "model": cfg.model.model_dump(),
+                "batch_size": cfg.learners.batch_size,
+                "fragments": cfg.fragments.count,
+                "codec": cfg.compression.codec,
+                "synchronizer": "separate OS process (python -m ddiloco synchronizer), eval off",
+                "window_s": args.window_s,
+                "pairs": [
+                    {
+                        "order": p["order"],
+                        "bare_tokens_per_s": round(p["bare_tokens_per_s"], 1),
+                        "platform_tokens_per_s": round(p["platform_tokens_per_s"], 1),
+                        "ratio": round(p["ratio"], 4),
+                        "bare_steps": p["bare"]["steps"],
+                        "platform_steps": p["platform"]["steps"],
+                        "sent": p["platform"]["sent"],
+                        "received": p["platform"]["received"],
+                        "main_thread_ms": {k: round(v * 1e3, 1) for k, v in p["platform"]["main_thread_s"].items()},
+                        "upload_thread_ms": round(p["platform"]["upload_thread_s"] * 1e3, 1),
+                    }
+                    for p in pairs
+                ],
+                "bare_tokens_per_s": round(bare_tok / bare_s, 1),
+                "platform_tokens_per_s": round(plat_tok / plat_s, 1),
+                "ratio_median_of_pairs": round(med, 4),
+                "ratio_geomean_of_pairs": round(geomean([p["ratio"] for p in pairs]), 4),
+                "ratio_pooled": round(pooled, 4),
+                "ratio_excluding_runqueue_wait": round(ratio_off_queue, 4) if ratio_off_queue else None,
+                "ratio_excluding_runqueue_wait_note": "tokens per second of main-thread wall time minus its run-queue wait "
+                "(time runnable but without a CPU), platform / bare: the ratio on a machine with a core to spare",
+                "main_thread_share": {k: round(v, 4) for k, v in share.items()},
+                "per_step_ms": {
+                    "bare_step": round(bare_step_s * 1e3, 2),
+                    "platform_step": round(step_s / plat_steps * 1e3, 2),
+                    "platform_train_step": round(train_step_s * 1e3, 2),
+                    "send": round(mt_total.get("send", 0.0) / max(sent, 1) * 1e3, 3),
+                    "apply_received_per_fragment": round(mt_total.get("apply_received", 0.0) / max(received, 1) * 1e3, 3),
+                },
+                "train_step_slowdown_vs_bare": round(train_step_s / bare_step_s, 4),
+                "main_thread_per_step": split,
+                "main_thread_per_step_note": "per step of the main thread: cpu_ms on a CPU, runqueue_wait_ms runnable but "
+                "waiting for a CPU (machine oversubscribed), blocked_ms neither (GIL, locks, I/O); *_cpu_share: CPU "
+                "seconds per wall second of the learner's background threads / the synchronizer process; machine_busy_cores: "
+                "all processes on the machine",
+                "fragments_sent": sent,
+                "fragments_received": received,
+                "goal": {"ratio_min": GOAL_RATIO, "measure": "median of per-pair ratios", "pass": ok},
+            }
+        )
+        print()
+        print(f"tokens/s: bare {bare_tok / bare_s:.0f}, platform {plat_tok / plat_s:.0f}; ratio median of pairs {med:.3f}, "
+              f"pooled {pooled:.3f}")
+        if ratio_off_queue:
+            print(f"ratio excluding the main thread's run-queue wait (a machine with a core to spare): {ratio_off_queue:.3f}")
+        print(f"platform main thread: train_step {share['train_step']:.1%}, send {share['send']:.2%}, "
+              f"apply_received {share['apply_received']:.2%}, optimizer snapshot {share['optimizer_snapshot']:.2%}, "
+              f"other {share['other_in_step']:.2%} of step time")
+        print(f"per step: bare {bare_step_s * 1e3:.1f} ms, platform train_step {train_step_s * 1e3:.1f} ms "
+              f"(x{train_step_s / bare_step_s:.3f}); send {results['per_step_ms']['send']:.2f} ms/fragment, "
+              f"apply {results['per_step_ms']['apply_received_per_fragment']:.2f} ms/fragment; {sent} sent, {received} received")
+        for kind in ("bare", "platform"):
+            sp = split[kind]
+            if sp:
+                print(f"{kind:8} main thread per step: cpu {sp['cpu_ms']:.1f} ms, run-queue wait {sp['runqueue_wait_ms']:.1f} ms, "
+                      f"blocked {sp['blocked_ms']:.1f} ms; learner bg threads {sp['background_threads_cpu_share']:.1%} of a core, "
+                      f"synchronizer {sp.get('synchronizer_cpu_share', float('nan')):.1%}; machine busy {sp.get('machine_busy_cores', float('nan')):.2f} cores")
+        print(f"goal: platform >= {GOAL_RATIO} x bare tokens/s: {verdict(ok)}")
+    finally:
+        if platform is not None:
+            platform.stop()
+        run.stop_all()
+        if args.keep:
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    write_results(NAME, results, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Each benchmark's --quick mode runs, and writes JSON with the expected keys and sane values.
+
+The three run in parallel (one fixture starts them all), so the module takes about as long as the
+slowest, the failover run with its four processes.
+
+Not a performance test: figures on a small shared machine vary, so only their shape and sanity
+are checked here, never PASS/FAIL against a goal."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+
+NAMES = ("learner_overhead", "merge_throughput", "failover")
+
+
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory):
+    """Start every benchmark's --quick run at once (they take ~20-40 s each on a loaded 2-core
+    machine; in parallel the module stays near a minute), then collect their outputs."""
+    tmp = tmp_path_factory.mktemp("bench")
+    procs = {}
+    for name in NAMES:
+        out = tmp / f"{name}.json"
+        log = open(tmp / f"{name}.log", "w+")  # noqa: SIM115 - closed after the run
+        procs[name] = (
+            subprocess.Popen(
+                [sys.executable, str(BENCH / f"{name}.py"), "--quick", "--json", str(out)],
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+            ),
+            out,
+            log,
+        )
+    results = {}
+    try:
+        for name, (proc, out, log) in procs.items():
+            try:
+                rc = proc.wait(timeout=240)
+            except subprocess.TimeoutExpired:
+                proc.terminate()  # SIGTERM: the benchmark stops the processes it started
+                proc.wait(timeout=30)
+                rc = "timeout"
+            log.seek(0)
+            results[name] = (rc, out, log.read())
+    finally:
+        for proc, _, log in procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            log.close()
+    return results
+
+
+def load(quick_runs, name: str) -> dict:
+    rc, out, text = quick_runs[name]
+    assert rc == 0, f"{name} --quick failed ({rc}):\n{text[-4000:]}"
+    assert "PASS" in text or "FAIL" in text, text
+    data = json.loads(out.read_text())
+    for key in ("benchmark", "date", "commit", "machine", "goal"):
+        assert key in data, f"{name}: missing {key!r}"
+    assert data["benchmark"] == name
+    assert data["machine"]["cores"] >= 1
+    assert isinstance(data["goal"]["pass"], bool)
+    return data
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_learner_overhead_quick(quick_runs):
+    d = load(quick_runs, "learner_overhead")
+    assert len(d["pairs"]) >= 2
+    for p in d["pairs"]:
+        assert positive(p["bare_tokens_per_s"]) and positive(p["platform_tokens_per_s"])
+        assert 0.2 < p["ratio"] < 5
+    assert 0.2 < d["ratio_median_of_pairs"] < 5 and 0.2 < d["ratio_pooled"] < 5
+    share = d["main_thread_share"]
+    assert set(share) == {"train_step", "send", "apply_received", "optimizer_snapshot", "other_in_step"}
+    assert 0.2 < share["train_step"] <= 1.0
+    assert abs(sum(share.values()) - 1.0) < 1e-3
+    assert d["fragments_sent"] > 0  # the platform really traded fragments
+    assert d["goal"]["ratio_min"] == 0.95
+
+
+def test_merge_throughput_quick(quick_runs):
+    d = load(quick_runs, "merge_throughput")
+    assert set(d["codecs"]) == {"int8", "int4", "bf16"}
+    for codec, e in d["codecs"].items():
+        assert e["float32_bytes"] == d["fragment"]["submissions"] * d["fragment"]["params"] * 4
+        assert 0 < e["wire_bytes"] < e["float32_bytes"]
+        for key in ("pipeline_gb_s_float32", "pipeline_gb_s_wire", "memcpy_gb_s", "ratio_vs_memcpy"):
+            assert positive(e[key]), (codec, key, e[key])
+        assert e["ratio_vs_memcpy"] < 5
+        assert abs(sum(e["stage_share"].values()) - 1.0) < 0.01
+        assert e["proposed"]["max_rel_diff_vs_current"] < 1e-4  # the proposal computes the same merge
+    assert d["goal"]["ratio_min"] == 0.25
+
+
+def test_failover_quick(quick_runs):
+    d = load(quick_runs, "failover")
+    assert d["config"]["lease_ttl_s"] == 3.0
+    assert len(d["kills"]) == 1
+    k = d["kills"][0]
+    assert k["new_holder"] and k["new_holder"] != k["killed"]
+    assert k["new_token"] > k["killed_token"]
+    assert positive(k["failover_s"]) and k["failover_s"] < 60
+    # The standby cannot take over before the killed holder's lease runs out.
+    assert k["takeover_s"] >= k["lease_left_s"] - 0.5
+    assert k["tokens_per_s_before"]["reported"] > 0 and k["tokens_per_s_after"]["reported"] > 0
+    assert d["summary"]["failover_max_s"] == max(d["summary"]["failover_s"])
