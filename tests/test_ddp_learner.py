@@ -1,0 +1,465 @@
+"""A learner as a data-parallel job: DDP ranks (gloo here), rank 0 the learner's only voice.
+
+- device handling (CPU paths run here; CUDA paths skip, saying why);
+- a 1-rank DistributedLearner is the single-process Learner, exactly;
+- a 2-rank gloo learner equals a 1-rank learner with twice the batch on the same data, through sends,
+  merges and receipts (parameters of both ranks, submissions, published versions);
+- SIGKILL of one rank of a 2-rank ``ddiloco learner --nproc-per-node 2`` job: the job ends within a
+  bounded time, its submissions stay whole in the ledger, and a relaunch rejoins and finishes cleanly.
+
+This file is also the rank program of the equivalence test: ``python tests/test_ddp_learner.py rank DIR RANK WORLD``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from sqlalchemy import select
+from support import ProcessRun, tiny_config, wait_for
+
+from ddiloco.inprocess import SimClock, in_memory_config
+from ddiloco.learner_worker.device import (
+    HostStager,
+    Staged,
+    autocast,
+    backend_for,
+    resolve_device,
+)
+from ddiloco.learner_worker.distributed import (
+    Dist,
+    DistributedLearner,
+    RankContext,
+    init_dist,
+    shutdown_dist,
+    torchrun_command,
+)
+from ddiloco.learner_worker.worker import Learner
+from ddiloco.platform.compression import decode_delta
+from ddiloco.platform.config import ConfigError, build_config
+from ddiloco.platform.data import Batch
+from ddiloco.platform.ledger import open_ledger
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger.models import FragmentVersion, Submission
+from ddiloco.platform.ledger.models import Learner as LearnerRow
+from ddiloco.platform.runtime import RunContext
+from ddiloco.platform.store import FragmentStore
+from ddiloco.synchronizer.service import Synchronizer
+
+NO_CUDA = "needs a CUDA device (torch.cuda.is_available() is False on this machine): the CPU fallback is tested instead"
+B = 4  # per-rank batch
+STEPS = 6  # inner steps: with 4 fragments sent one a step and merged at once, three or more are received back
+
+
+# --- device handling -----------------------------------------------------------------------------------
+
+
+def test_auto_device_is_the_cpu_without_cuda_and_cuda_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    assert resolve_device("cpu", local_rank=3) == torch.device("cpu")
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        resolve_device("cuda")
+    with pytest.raises(ConfigError):
+        resolve_device("tpu")
+    assert backend_for(torch.device("cpu")) == "gloo"
+
+
+def test_auto_device_picks_this_ranks_gpu_when_cuda_is_present(monkeypatch):
+    # Only the choice is exercised (no kernel runs): each local rank gets its own GPU, round robin.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("auto", local_rank=0) == torch.device("cuda", 0)
+    assert resolve_device("auto", local_rank=3) == torch.device("cuda", 1)
+    assert resolve_device("cpu", local_rank=1) == torch.device("cpu")
+    assert backend_for(resolve_device("cuda", local_rank=1)) == "nccl"
+
+
+def test_cpu_autocast_keeps_full_precision():
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    with autocast(torch.device("cpu")):
+        out = a @ b
+    assert out.dtype == torch.float32 and torch.equal(out, a @ b)
+
+
+def test_cpu_stager_copies_are_ready_and_independent_of_later_steps():
+    param = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
+    staged = HostStager(torch.device("cpu")).stage({"w": param})
+    with torch.no_grad():
+        param.add_(100.0)
+    assert staged.ready() and staged.event is None
+    assert torch.equal(staged.wait()["w"], torch.arange(6, dtype=torch.float32))
+    assert not staged.wait()["w"].requires_grad
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_cuda_stager_copies_to_pinned_memory_off_the_training_stream():
+    device = torch.device("cuda", 0)
+    param = torch.arange(1 << 20, dtype=torch.float32, device=device)
+    staged = HostStager(device).stage({"w": param})
+    param.add_(1.0)  # the training stream goes on; the staged copy must not see this
+    host = staged.wait()["w"]
+    assert host.is_pinned() and host.device.type == "cpu"
+    assert torch.equal(host, torch.arange(1 << 20, dtype=torch.float32))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_cuda_autocast_is_bf16():
+    a = torch.randn(8, 8, device="cuda")
+    with autocast(torch.device("cuda", 0)):
+        assert (a @ a).dtype == torch.bfloat16
+
+
+def test_other_ranks_cannot_reach_the_ledger_or_the_store():
+    ctx = RankContext(tiny_config(), "t")
+    for use in (ctx.transaction, ctx.reading, ctx.store):
+        with pytest.raises(RuntimeError, match="only rank 0"):
+            use()
+
+
+def test_the_launch_is_plain_torchrun_with_no_restarts():
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args(torchrun_command(2, "/c.yaml", "r1", "us-0", max_steps=5, summary_path="/s.json"))
+    assert args.nproc_per_node == "2" and args.max_restarts == 0 and args.standalone and args.module
+    assert args.training_script == "ddiloco"
+    assert args.training_script_args == [
+        "learner",
+        "--config",
+        "/c.yaml",
+        "--run-id",
+        "r1",
+        "--learner",
+        "us-0",
+        "--max-steps",
+        "5",
+        "--summary-json",
+        "/s.json",
+    ]
+
+
+def test_staged_wait_is_idempotent():
+    t = {"w": torch.ones(2)}
+    s = Staged(t)
+    assert s.ready() and s.wait() is t and s.wait() is t
+
+
+# --- one rank is the single-process learner --------------------------------------------------------------
+
+
+def _drive(learner, sync, clock, steps: int, rank: int = 0) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        clock.t += 1.0
+        if rank == 0:
+            learner.poll_versions()
+        report = learner.step(clock.t)
+        losses.append(report.loss)
+        if rank == 0:
+            sync.poll_once(clock.t)
+    return losses
+
+
+def one_learner_config(**extra):
+    return tiny_config(learners={"batch_size": B, "regions": [{"name": "us", "learners": 1}]}, **extra)
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [{}, {"fragments": {"count": 4, "overlap": 0}}, {"merge": {"on_receipt": "blend", "blend_alpha": 0.5}}],
+    ids=["overlap2", "overlap0", "blend"],
+)
+def test_one_rank_distributed_learner_is_the_single_process_learner_exactly(sections):
+    results = []
+    for kind in ("classic", "distributed"):
+        cfg = in_memory_config(one_learner_config(synchronizer={"retention": {"keep_submission_blobs": True}}, **sections))
+        clock = SimClock()
+        ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
+        sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
+        sync.poll_once(clock.t)
+        if kind == "classic":
+            learner = Learner(ctx, "us-0", "us", index=0, num_learners=1, background_io=False)
+        else:
+            learner = DistributedLearner(
+                ctx, "us-0", "us", index=0, num_learners=1, dist_=Dist.single(torch.device("cpu")), background_io=False
+            )
+        learner.start(clock.t)
+        losses = _drive(learner, sync, clock, STEPS)
+        with ctx.transaction() as s:
+            rows = s.execute(
+                select(Submission.uid, Submission.c_tokens, Submission.blob_key, Submission.sha256).order_by(Submission.id)
+            ).all()
+        # Blob checksums differ run to run (safetensors metadata order), so compare the decoded outer gradients.
+        store = ctx.store("us")
+        subs = [(uid, c_tokens, decode_delta(*store.get_with_metadata(key, sha))) for uid, c_tokens, key, sha in rows]
+        results.append((learner, losses, subs))
+    (classic, l1, s1), (ddp, l2, s2) = results
+    assert l1 == l2 and classic.base == ddp.base and min(ddp.base) > 0
+    assert [s[:2] for s in s1] == [s[:2] for s in s2] and len(s1) == STEPS
+    for (uid, _, d1), (_, _, d2) in zip(s1, s2):
+        assert d1.keys() == d2.keys() and all(torch.equal(d1[n], d2[n]) for n in d1), uid
+    for name, p in classic.model.named_parameters():
+        assert torch.equal(p, dict(ddp.model.named_parameters())[name]), name
+
+
+# --- two gloo ranks == one rank with twice the batch ------------------------------------------------------
+
+
+def _concat(*streams):
+    while True:
+        parts = [next(s) for s in streams]
+        yield Batch(
+            inputs=torch.cat([b.inputs for b in parts]),
+            targets=torch.cat([b.targets for b in parts]),
+            tokens=sum(b.tokens for b in parts),
+        )
+
+
+def _open_run(workdir: Path, cfg):
+    cfg = cfg.model_copy(
+        update={
+            "ledger": cfg.ledger.model_copy(update={"url": f"sqlite:///{workdir / 'ledger.db'}"}),
+            "storage": cfg.storage.model_copy(update={"url": f"file://{workdir / 'store'}"}),
+        }
+    )
+    clock = SimClock()
+    ctx = RunContext.open(cfg, cfg.name, clock=clock)
+    sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
+    sync.poll_once(clock.t)
+    return cfg, clock, ctx, sync
+
+
+def _ledger_view(ctx) -> dict:
+    with ctx.transaction() as s:
+        subs = s.execute(
+            select(
+                Submission.uid,
+                Submission.fragment,
+                Submission.base_version,
+                Submission.c_steps,
+                Submission.c_tokens,
+                Submission.tokens_new,
+                Submission.status,
+            ).order_by(Submission.id)
+        ).all()
+        versions = sorted(s.execute(select(FragmentVersion.fragment, FragmentVersion.version)).all())
+    return {"submissions": [list(r) for r in subs], "versions": [list(v) for v in versions]}
+
+
+def rank_main(workdir: Path, rank: int, world: int) -> None:
+    """One rank of the 2-rank learner of the equivalence test: rank 0 in the test process, rank 1 a subprocess."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    cfg = build_config(yaml.safe_load((workdir / "config.yaml").read_text()))
+    d = init_dist(
+        torch.device("cpu"), timeout_s=60, ready_timeout_s=60, init_method=f"file://{workdir / 'pg'}", rank=rank, world=world
+    )
+    try:
+        if rank == 0:
+            cfg, clock, ctx, sync = _open_run(workdir, cfg)
+        else:
+            clock, ctx, sync = SimClock(), RankContext(cfg, cfg.name), None
+        learner = DistributedLearner(ctx, "us-0", "us", index=0, num_learners=1, dist_=d, background_io=False)
+        learner.start(clock.t)
+        losses = _drive(learner, sync, clock, STEPS, rank)
+        save_file(
+            {n: p.detach().contiguous() for n, p in learner.model.named_parameters()}, str(workdir / f"params-{rank}.safetensors")
+        )
+        out = {"losses": losses, "base": learner.base, "tokens_total": learner.tokens_total}
+        if rank == 0:
+            out["ledger"] = _ledger_view(ctx)
+        (workdir / f"rank-{rank}.json").write_text(json.dumps(out))
+    finally:
+        shutdown_dist(d)
+        torch.set_num_threads(threads)
+
+
+def test_two_gloo_ranks_equal_one_rank_with_twice_the_batch(tmp_path):
+    cfg = one_learner_config()
+    ddp_dir, ref_dir = tmp_path / "ddp", tmp_path / "ref"
+    ddp_dir.mkdir()
+    ref_dir.mkdir()
+    (ddp_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    with open(ddp_dir / "rank-1.log", "wb") as log:
+        other = subprocess.Popen(
+            [sys.executable, __file__, "rank", str(ddp_dir), "1", "2"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=Path(__file__).parent,
+        )
+    try:
+        # Rank 0 here (its collectives time out after 60 s if rank 1 never comes), rank 1 in the subprocess.
+        rank_main(ddp_dir, 0, 2)
+        code = other.wait(timeout=60)
+        assert code == 0, f"rank 1 exited {code}:\n" + (ddp_dir / "rank-1.log").read_text(errors="replace")[-3000:]
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait(timeout=10)
+    # The reference: one process, batch 2B = rank 0's batch followed by rank 1's, from the same shards and seeds.
+    _, clock, ctx, sync = _open_run(
+        ref_dir, cfg.model_copy(update={"learners": cfg.learners.model_copy(update={"batch_size": 2 * B})})
+    )
+    ref = Learner(ctx, "us-0", "us", index=0, num_learners=1, background_io=False)
+    ref.start(clock.t)
+    seed = cfg.seed * 1_000_003 + ref.incarnation
+    ref._batches = _concat(*(ref.dataset.train_batches(r, 2, B, seed=seed) for r in range(2)))
+    ref_losses = _drive(ref, sync, clock, STEPS)
+    ref_ledger = _ledger_view(ctx)
+
+    ranks = [json.loads((ddp_dir / f"rank-{r}.json").read_text()) for r in range(2)]
+    # The same fragments went out, were merged and came back: submissions and versions agree.
+    ddp_ledger = ranks[0]["ledger"]
+    assert [s[:6] for s in ddp_ledger["submissions"]] == [s[:6] for s in ref_ledger["submissions"]]
+    assert ddp_ledger["versions"] == ref_ledger["versions"]
+    assert len(ref_ledger["submissions"]) == STEPS and max(v for _, v in ref_ledger["versions"]) >= 1
+    # Token counts are sums over ranks; both ranks received the same fragments.
+    assert ranks[0]["tokens_total"] == ranks[1]["tokens_total"] == ref.tokens_total == STEPS * 2 * B * cfg.model.seq_len
+    assert ranks[0]["base"] == ranks[1]["base"] == ref.base and sum(ref.base) >= 3
+    torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    got = [load_file(str(ddp_dir / f"params-{r}.safetensors")) for r in range(2)]
+    for name, p in ref.model.named_parameters():
+        assert torch.equal(got[0][name], got[1][name]), f"ranks disagree on {name}"
+        torch.testing.assert_close(got[0][name], p.detach(), rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# --- a rank dies: the job goes down, the ledger stays whole, a relaunch rejoins -----------------------------
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(c) for c in text.split()]
+
+
+def _rank_pids(agent_pid: int) -> dict[int, int]:
+    """rank -> pid of the worker processes torchrun's agent started (found by their RANK variable)."""
+    out = {}
+    for pid in _children(agent_pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for item in env:
+            if item.startswith(b"RANK="):
+                out[int(item[5:])] = pid
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _submissions(run: ProcessRun, prefix: str = "") -> list:
+    with run.ctx.transaction() as s:
+        return list(s.scalars(select(Submission).where(Submission.run_id == run.cfg.name, Submission.uid.like(f"{prefix}%"))))
+
+
+@pytest.mark.slow
+def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
+    cfg = tiny_config(
+        name="ddpkill",
+        learners={
+            "batch_size": B,
+            "regions": [{"name": "us", "learners": 1}],
+            "heartbeat_s": 0.5,
+            "poll_s": 0.2,
+            "dead_after_s": 5.0,
+        },
+        fragments={"count": 4, "overlap": 2},
+        synchronizer={
+            "poll_s": 0.1,
+            "lease_ttl_s": 1.5,
+            "eval_every_s": 1000.0,
+            "retention": {"keep_last": 100000, "keep_submission_blobs": True},
+        },
+        compression={"codec": "int8"},
+    )
+    run = ProcessRun(tmp_path, cfg)
+    jobs: list[subprocess.Popen] = []
+    # The synchronizer runs as a thread of the test: the processes under test are the learner job's.
+    stop_sync = threading.Event()
+    sync = threading.Thread(target=Synchronizer(run.ctx, holder="sync-t").run, args=(stop_sync,), daemon=True)
+    try:
+        sync.start()
+        job = run._start("us-0", ["learner", "--learner", "us-0", "--nproc-per-node", "2"], None)
+        jobs.append(job)
+        wait_for(lambda: len(_submissions(run, "i0-")) >= 3, 120, "the 2-rank learner's first submissions")
+        ranks = wait_for(lambda: len(_rank_pids(job.pid)) == 2 and _rank_pids(job.pid), 10, "two rank processes")
+        with run.ctx.transaction() as s:
+            row = s.get(LearnerRow, ("ddpkill", "us-0"))
+            assert row.pid == ranks[0] and row.incarnation == 0, "rank 0 is the learner in the ledger"
+        killed_at = time.monotonic()
+        os.kill(ranks[1], signal.SIGKILL)
+        code = job.wait(timeout=90)
+        down_s = time.monotonic() - killed_at
+        assert code != 0, "a job that lost a rank must fail, so the supervisor relaunches it"
+        assert down_s < 60, f"the job took {down_s:.0f}s to go down"
+        wait_for(lambda: not _alive(ranks[0]), 30, "rank 0 to exit")
+        log = run.log("us-0")
+        assert "rank 1" in log and "exit" in log, log[-2000:]
+        before = _submissions(run)
+        with run.ctx.transaction() as s:
+            assert q.token_accounting(s, "ddpkill").balanced
+
+        # The supervisor's move: relaunch the job (it rejoins from the newest global state and, with
+        # --max-steps, ends cleanly). While it starts, check what the failed job left in the ledger.
+        relaunch = run._start(
+            "us-0-relaunch", ["learner", "--learner", "us-0", "--nproc-per-node", "2", "--max-steps", "12"], None
+        )
+        jobs.append(relaunch)
+        store = FragmentStore(run.cfg.storage.url)
+        tokens_per_step = 2 * B * cfg.model.seq_len  # two ranks
+        assert len(before) >= 3 and all(sb.uid.startswith("i0-") for sb in before)
+        for sb in before:
+            assert store.verify(sb.blob_key, sb.sha256), f"{sb.uid} points to a missing or bad blob"
+            assert sb.c_tokens == sb.c_steps * tokens_per_step, "a learner's tokens are the sum over its ranks"
+        code = relaunch.wait(timeout=120)
+        assert code == 0, run.log("us-0-relaunch")[-3000:]
+        with run.ctx.transaction() as s:
+            row = s.get(LearnerRow, ("ddpkill", "us-0"))
+            assert row.incarnation == 1
+        again = _submissions(run, "i1-")
+        assert len(again) == 12, [sb.uid for sb in again]  # 12 steps, one fragment due a step
+        wait_for(
+            lambda: any(sb.status == "merged" for sb in _submissions(run, "i1-")), 60, "the relaunched job's work to be merged"
+        )
+        with run.ctx.transaction() as s:
+            assert q.token_accounting(s, "ddpkill").balanced
+            kinds = [e.kind for e in q.events(s, "ddpkill")]
+        assert "learner_restarted" in kinds
+    finally:
+        for j in jobs:
+            if j.poll() is None:
+                j.send_signal(signal.SIGTERM)
+        for j in jobs:
+            try:
+                j.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                j.kill()
+        stop_sync.set()
+        sync.join(timeout=10)
+        run.stop_all()
+
+
+if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "rank":
+    rank_main(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
