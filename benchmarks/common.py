@@ -14,10 +14,11 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -27,11 +28,11 @@ def git_commit() -> dict[str, Any]:
     """HEAD of the checkout and whether the tree has uncommitted changes (read-only git calls)."""
     out: dict[str, Any] = {"commit": None, "dirty": None}
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5)
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5, check=False)
         if head.returncode == 0:
             out["commit"] = head.stdout.strip() or None
         status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, timeout=5
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, timeout=5, check=False
         )
         if status.returncode == 0:
             out["dirty"] = bool(status.stdout.strip())
@@ -168,7 +169,7 @@ def thread_sched(native_id: int | None = None) -> tuple[float, float] | None:
 
     tid = threading.get_native_id() if native_id is None else native_id
     try:
-        cpu_ns, wait_ns, _slices = open(f"/proc/self/task/{tid}/schedstat").read().split()
+        cpu_ns, wait_ns, _slices = Path(f"/proc/self/task/{tid}/schedstat").read_text().split()
     except (OSError, ValueError):
         return None
     return int(cpu_ns) / 1e9, int(wait_ns) / 1e9
@@ -177,7 +178,7 @@ def thread_sched(native_id: int | None = None) -> tuple[float, float] | None:
 def process_cpu_s(pid: int) -> float | None:
     """User + system CPU seconds of a process (all its threads)."""
     try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
     ticks = os.sysconf("SC_CLK_TCK")
@@ -187,7 +188,7 @@ def process_cpu_s(pid: int) -> float | None:
 def machine_busy() -> tuple[float, float] | None:
     """(busy, total) jiffies of all CPUs, from /proc/stat: the share busy between two reads is the machine's load."""
     try:
-        parts = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+        parts = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     except (OSError, ValueError):
         return None
     idle = parts[3] + (parts[4] if len(parts) > 4 else 0)
@@ -198,7 +199,7 @@ def exit_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit, so ``finally`` blocks run and child processes get stopped."""
     import signal
 
-    def _exit(signum, _frame) -> None:  # noqa: ANN001
+    def _exit(signum, _frame) -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _exit)

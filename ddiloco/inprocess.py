@@ -84,6 +84,7 @@ def run_inprocess(
     clock = SimClock()
     ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
     sync = Synchronizer(ctx, holder="sync-inprocess", evaluate_every_s=0)
+    sync.simulated_time = True
     sync.poll_once(clock.t)  # lease + version 0
     ids = cfg.learners.learner_ids()
     M = len(ids)
@@ -97,6 +98,7 @@ def run_inprocess(
 
     def new_learner(lid: str) -> Learner:
         learner = Learner(ctx, lid, regions[lid], index=index[lid], num_learners=M, speed=speeds[lid], background_io=False)
+        learner.simulated_step_s = step_time_s / speeds[lid]  # heartbeats report simulated, not measured, step times
         learner.start(clock.t)
         return learner
 

@@ -350,7 +350,9 @@ class Synchronizer:
         self.stats = pol.update_stats(
             self.stats,
             self.cfg.grace.ema,
-            quorum_s=max(0.0, t_q - cur.published_at),
+            # From the first pending submission to quorum, as in the simulator (not from the previous
+            # publish, which adds the fragment's send period and leaves no grace window when H > tau).
+            quorum_s=max(0.0, t_q - min(to_timestamp(sb.created_at) for sb in subs)),
             sync_s=0.0 if self.simulated_time else time.perf_counter() - t0,
         )
         return True, len(rejected)

@@ -460,9 +460,10 @@ def _decide_rejected(session: Session, ids: Iterable[int], reason: str, now: dat
         raise AlreadyDecidedError(f"{len(ids) - result.rowcount} of submissions {ids} already have a fate")
 
 
-def recent_merged_norms(session: Session, run_id: str, fragment: int, limit: int = 32) -> list[float]:
+def recent_merged_norms(session: Session, run_id: str, fragment: int, limit: int = 32, per_step: bool = False) -> list[float]:
+    """Norms of the fragment's latest merged submissions (``per_step``: each divided by its c_steps)."""
     rows = session.scalars(
-        select(Submission.norm)
+        select(Submission.norm / Submission.c_steps if per_step else Submission.norm)
         .where(Submission.run_id == run_id, Submission.fragment == fragment, Submission.status == MERGED, Submission.norm.is_not(None))
         .order_by(Submission.id.desc())
         .limit(limit)
