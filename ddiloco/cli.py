@@ -107,10 +107,11 @@ def learner(
     ),
     learner_id: str = typer.Option(..., "--learner", help="Learner id as listed by the config (e.g. us-0)."),
     max_steps: Optional[int] = typer.Option(None, help="Stop after this many inner steps."),
-    nproc_per_node: int = typer.Option(
-        1, "--nproc-per-node", min=1,
+    nproc_per_node: Optional[int] = typer.Option(
+        None, "--nproc-per-node", min=1,
         help="Ranks of this learner on this machine, launched through torchrun: every rank trains with DDP "
-        "(gloo on CPU, NCCL on GPUs); rank 0 alone talks to the ledger and the store. See docs/ddp.md.",
+        "(gloo on CPU, NCCL on GPUs); rank 0 alone talks to the ledger and the store. Defaults to the "
+        "config's learners.nproc_per_node. See docs/ddp.md.",
     ),
     summary_json: Optional[Path] = typer.Option(None, "--summary-json", hidden=True, help="Rank 0 writes its job summary here."),
     flow_run_url: Optional[str] = typer.Option(None, "--flow-run-url", hidden=True, help="Prefect flow run of this learner."),
@@ -123,7 +124,7 @@ def learner(
     cfg = _config(config)
     try:
         run_learner(
-            cfg, run or cfg.name, learner_id, max_steps=max_steps, nproc_per_node=nproc_per_node,
+            cfg, run or cfg.name, learner_id, max_steps=max_steps, nproc_per_node=nproc_per_node or cfg.learners.nproc_per_node,
             summary_path=str(summary_json) if summary_json else None, flow_run_url=flow_run_url,
         )
     except ConfigError as err:

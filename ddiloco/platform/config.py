@@ -119,6 +119,8 @@ class LearnersConfig(_Section):
     """A live learner whose step time exceeds this multiple of the median straggles."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     torch_threads: int = Field(1, ge=1)
+    nproc_per_node: int = Field(1, ge=1)
+    """Ranks of each learner on its machine (torchrun + DDP; rank 0 talks to the ledger and store)."""
     save_optimizer_every: int = Field(200, ge=0)
     """Inner steps between saves of a learner's AdamW state (a restart resumes it); 0 disables."""
 
