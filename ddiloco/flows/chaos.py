@@ -45,6 +45,8 @@ def seeded_schedule(cfg: RunConfig, seconds: float) -> list[ChaosEvent]:
 class ChaosResult:
     applied: bool
     detail: str
+    retry: bool = False
+    """The target is not up yet (still starting): try the event again a little later."""
 
 
 def _signal(pid: int, sig: int) -> bool:
@@ -79,7 +81,7 @@ def apply_event(ctx: RunContext, event: ChaosEvent) -> ChaosResult:
     else:
         pid = _learner_pid(ctx, event.target or "")
         if pid is None:
-            result = ChaosResult(False, f"learner {event.target} has no process on this host")
+            result = ChaosResult(False, f"learner {event.target} has no process on this host", retry=True)
         elif event.action == "kill_learner":
             result = ChaosResult(_signal(pid, signal.SIGKILL), f"SIGKILL learner {event.target} (pid {pid})")
         elif event.action == "pause_learner":

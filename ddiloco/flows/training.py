@@ -90,8 +90,11 @@ def supervise(
     while True:
         elapsed = 0.0 if t0 is None else time.monotonic() - t0
         while t0 is not None and schedule and schedule[0].at_s <= elapsed:
-            event = schedule.pop(0)
+            event = schedule[0]
             result = apply_event(ctx, event)
+            if result.retry:
+                break  # its target is still starting: try again on the next pass
+            schedule.pop(0)
             if result.applied and event.action == "kill_learner" and event.target and event.duration_s > 0:
                 held[event.target] = elapsed + event.duration_s
         now = time.time()
