@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ddiloco.platform.config import ConfigError, RunConfig, load_config
+from ddiloco.bench.command import bench_app
 from ddiloco.simulator.command import simulate_command
 from ddiloco.ui.command import ui_command
 
@@ -22,6 +23,7 @@ ledger_app = typer.Typer(help="The SQL ledger.", no_args_is_help=True)
 store_app = typer.Typer(help="The fragment store.", no_args_is_help=True)
 app.add_typer(ledger_app, name="ledger")
 app.add_typer(store_app, name="store")
+app.add_typer(bench_app, name="bench")
 console = Console()
 err_console = Console(stderr=True)
 

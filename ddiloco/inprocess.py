@@ -52,6 +52,9 @@ class InProcessRun:
     busy_s: float = 0.0
     down_s: float = 0.0
     bytes_sent: int = 0
+    tokens_trained: int = 0
+    """Every token a learner stepped on, including work lost when it went down (the ledger only
+    knows what was reported before that)."""
 
     @property
     def elapsed_s(self) -> float:
@@ -162,6 +165,7 @@ def run_inprocess(
     # Let the synchronizer merge what is still pending, as a real run's end does.
     sync.poll_once(clock.t, drain=True)
     run.bytes_sent += sum(l.bytes_sent for l in run.learners.values())
+    run.tokens_trained = trained
     if eval_every_tokens:
         run.evals.append(_evaluate(run, trained))
     return run
