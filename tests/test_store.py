@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
 import threading
 import uuid
 
@@ -135,10 +136,11 @@ def test_missing_blob(store):
 
 @pytest.mark.parametrize("flavour", ["pickle", "torch.save"])
 def test_planted_pickle_is_refused_and_never_executed(store, tmp_path, flavour):
-    # The payload is live: unpickling it really creates its marker file.
-    probe = tmp_path / f"probe-{uuid.uuid4().hex}"
-    pickle.loads(pickle.dumps(_Evil(str(probe))))
-    assert probe.exists()
+    # The payload is live: read without running, its opcodes call builtins.open(marker, "w").
+    probe = str(tmp_path / f"probe-{uuid.uuid4().hex}")
+    ops = [(op.name, arg) for op, arg, _ in pickletools.genops(pickle.dumps(_Evil(probe)))]
+    strings = {arg for name, arg in ops if name.endswith("UNICODE")}
+    assert {"io", "open", probe, "w"} <= strings and ("REDUCE", None) in ops
 
     marker = tmp_path / f"pwned-{uuid.uuid4().hex}"
     if flavour == "pickle":
