@@ -17,10 +17,12 @@ import json
 import logging
 import os
 import signal
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -34,6 +36,7 @@ from sqlalchemy.engine import make_url
 
 from ddiloco.platform.compression import encode_delta
 from ddiloco.platform.config import RunConfig, build_config
+from ddiloco.platform.faults import ARMED_BY_FILE, arm_file
 from ddiloco.platform.ids import submission_key
 from ddiloco.platform.ledger import make_engine
 from ddiloco.platform.ledger import queries as q
@@ -44,6 +47,15 @@ from ddiloco.platform.store import FragmentStore
 log = logging.getLogger("ddiloco.chaos_suite")
 
 DEFAULT_POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+
+# The longest stretch without a new global version the suite accepts while at least K learners are
+# up and the backends are up: a standby takes over within one lease TTL plus a poll, and a learner
+# sends every few steps; the rest is slack for a loaded 2-core machine.
+MAX_VERSION_GAP_S = 12.0
+# After a backend comes back, clients retry with exponential backoff: gaps this close to an outage
+# are the outage's, not the run's.
+BACKEND_RECOVERY_S = 20.0
 
 
 @dataclass
@@ -57,13 +69,36 @@ class FaultResult:
 
 
 @dataclass
+class Injection:
+    """What one fault's injector saw: how many it injected, how many the run survived, and how long
+    the run took from the injection to recovery."""
+
+    survived: int
+    injected: int
+    detail: str
+    recover_s: float | None = None
+
+
+@dataclass
 class SuiteReport:
     faults: list[FaultResult] = field(default_factory=list)
     invariants_ok: bool = True
     problems: list[str] = field(default_factory=list)
+    max_version_gap_s: float | None = None
+    seconds: float | None = None
 
     def to_dict(self) -> dict:
-        return {"faults": [asdict(f) for f in self.faults], "invariants_ok": self.invariants_ok, "problems": self.problems}
+        return {
+            "faults": [asdict(f) for f in self.faults],
+            "invariants_ok": self.invariants_ok,
+            "problems": self.problems,
+            "max_version_gap_s": self.max_version_gap_s,
+            "seconds": self.seconds,
+        }
+
+    @property
+    def passed(self) -> bool:
+        return self.invariants_ok and all(f.lost == 0 and f.survived == f.injected for f in self.faults)
 
 
 def _free_port() -> int:
@@ -112,32 +147,50 @@ class S3Server:
 
 
 class Cluster:
-    """The run's processes, each with its own environment (for fault points)."""
+    """The run's processes, each started with every fault point of its kind armed by file, so the
+    suite chooses which process stops where, and when."""
+
+    LEARNER_POINTS = ("learner.mid_step", "learner.after_blob", "learner.after_download")
+    SYNC_POINTS = ("sync.mid_merge", "sync.before_commit", "sync.renew_lease")
 
     def __init__(self, config_path: Path, run_id: str, logdir: Path) -> None:
         self.config_path, self.run_id, self.logdir = config_path, run_id, logdir
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, args: list[str], faults: str | None = None) -> None:
+    def fault_dir(self, name: str) -> Path:
+        return self.logdir / "faults" / name
+
+    def start(self, name: str, args: list[str], points: tuple[str, ...]) -> None:
         env = dict(os.environ)
-        env.pop("DDILOCO_FAULTS", None)
-        if faults:
-            env["DDILOCO_FAULTS"] = faults
-            env["DDILOCO_FAULT_DIR"] = str(self.logdir / "faults" / name)
+        env["DDILOCO_FAULTS"] = ",".join(f"{p}:{ARMED_BY_FILE}" for p in points)
+        env["DDILOCO_FAULT_DIR"] = str(self.fault_dir(name))
         log_file = open(self.logdir / f"{name}.log", "ab")
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "ddiloco", *args, "--config", str(self.config_path), "--run", self.run_id],
             env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
 
-    def learner(self, lid: str, faults: str | None = None) -> None:
-        self.start(lid, ["learner", "--learner", lid], faults)
+    def learner(self, lid: str) -> None:
+        self.start(lid, ["learner", "--learner", lid], self.LEARNER_POINTS)
 
-    def synchronizer(self, label: str, faults: str | None = None) -> None:
-        self.start(label, ["synchronizer", "--label", label], faults)
+    def synchronizer(self, label: str) -> None:
+        self.start(label, ["synchronizer", "--label", label], self.SYNC_POINTS)
+
+    def arm(self, name: str, point: str) -> None:
+        (self.fault_dir(name) / point).unlink(missing_ok=True)
+        trigger = arm_file(self.fault_dir(name), point)
+        trigger.parent.mkdir(parents=True, exist_ok=True)
+        trigger.write_text("")
+
+    def disarm(self, name: str, point: str) -> None:
+        arm_file(self.fault_dir(name), point).unlink(missing_ok=True)
 
     def fault_reached(self, name: str, point: str) -> bool:
-        return (self.logdir / "faults" / name / point).exists()
+        return (self.fault_dir(name) / point).exists()
+
+    def log_text(self, name: str) -> str:
+        path = self.logdir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def signal(self, name: str, sig: int) -> None:
         proc = self.procs[name]
@@ -159,6 +212,42 @@ class Cluster:
                 proc.wait(timeout=10)
 
 
+class VersionMonitor(threading.Thread):
+    """Samples the number of published versions, to measure the longest stretch without one."""
+
+    def __init__(self, count: Callable[[], int], every_s: float) -> None:
+        super().__init__(name="version-monitor", daemon=True)
+        self.count, self.every_s = count, every_s
+        self.new_version_at: list[float] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        last = -1
+        while not self._halt.wait(self.every_s):
+            try:
+                n = self.count()
+            except Exception:  # noqa: BLE001 - the ledger may be restarting; the next sample sees it
+                continue
+            if n > last:
+                self.new_version_at.append(time.monotonic())
+                last = n
+
+    def stop(self) -> None:
+        self._halt.set()
+        if self.ident is not None:
+            self.join(timeout=10)
+
+    def longest_gap(self, excused: list[tuple[float, float]]) -> tuple[float, float]:
+        """(longest gap between new versions that overlaps no excused window, its start)."""
+        worst, at = 0.0, 0.0
+        for a, b in zip(self.new_version_at, self.new_version_at[1:]):
+            if any(a < end and b > start for start, end in excused):
+                continue
+            if b - a > worst:
+                worst, at = b - a, a
+        return worst, at
+
+
 def suite_config(run_id: str, ledger_url: str, bucket: str) -> RunConfig:
     return build_config(
         {
@@ -177,7 +266,7 @@ def suite_config(run_id: str, ledger_url: str, bucket: str) -> RunConfig:
             "compression": {"codec": "int8"},
             "synchronizer": {"poll_s": 0.2, "lease_ttl_s": 2.0, "eval_every_s": 1000.0,
                              "retention": {"keep_last": 1_000_000, "keep_submission_blobs": True}},
-            "ledger": {"url": ledger_url},
+            "ledger": {"url": ledger_url, "idle_in_transaction_timeout_s": 2.0},
             "storage": {"url": f"s3://{bucket}/runs"},
         }
     )
@@ -191,6 +280,8 @@ class Suite:
         self.report = SuiteReport()
         self.run_id = f"chaos-{uuid.uuid4().hex[:6]}"
         self.db_name = f"ddiloco_chaos_{uuid.uuid4().hex[:8]}"
+        self.outages: list[tuple[float, float]] = []
+        self.spare_synchronizers = 0
 
     # --- set-up ----------------------------------------------------------------------------------
 
@@ -199,10 +290,17 @@ class Suite:
         with admin.connect() as c:
             c.execute(text(f'CREATE DATABASE "{self.db_name}"'))
         admin.dispose()
-        self.ledger_url = make_url(self.admin_url).set(database=self.db_name).render_as_string(hide_password=False)
+        url = make_url(self.admin_url).set(database=self.db_name)
+        # Planted credentials: the security check greps the ledger and every log for them. The
+        # S3 server takes any key; a server with password authentication keeps its real password.
+        self.secrets = [f"s3-secret-{uuid.uuid4().hex}"]
+        if url.password is None:
+            url = url.set(password=f"pg-secret-{uuid.uuid4().hex}")
+        self.secrets.append(str(url.password))
+        self.ledger_url = url.render_as_string(hide_password=False)
         self.s3 = S3Server()
         self.s3.start()
-        os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+        os.environ.update(AWS_ACCESS_KEY_ID="chaos", AWS_SECRET_ACCESS_KEY=self.secrets[0], AWS_DEFAULT_REGION="us-east-1",
                           AWS_ENDPOINT_URL=self.s3.url)
         import s3fs
 
@@ -213,9 +311,11 @@ class Suite:
         self.config_path.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json")))
         self.cluster = Cluster(self.config_path, self.run_id, self.workdir)
         self.ctx = RunContext.open(self.cfg, self.run_id)
+        self.monitor = VersionMonitor(self.versions_total, every_s=0.25)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.monitor.stop()
         self.cluster.stop_all()
         self.ctx.engine.dispose()
         self.s3.stop()
@@ -236,6 +336,18 @@ class Suite:
 
     def progressed_since(self, versions_before: int, by: int = 2) -> bool:
         return self.versions_total() >= versions_before + by
+
+    def holder(self) -> str | None:
+        with self.ctx.reading() as s:
+            lease = q.current_lease(s, self.run_id)
+        return lease.holder if lease else None
+
+    def published_by_other_since(self, holder: str, since: float) -> bool:
+        """A synchronizer other than ``holder`` published a version at or after ``since`` (epoch s)."""
+        with self.ctx.reading() as s:
+            newest = s.scalar(select(func.max(FragmentVersion.created_at)).where(
+                FragmentVersion.run_id == self.run_id, FragmentVersion.synchronizer != holder))
+        return newest is not None and newest.timestamp() >= since
 
     def check_invariants(self, when: str) -> int:
         """Record every broken invariant; returns the number of rows whose data is lost."""
@@ -284,90 +396,133 @@ class Suite:
 
     # --- the faults --------------------------------------------------------------------------------
 
-    def fault(self, name: str, inject: Callable[[], tuple[int, int, str]]) -> None:
-        t0 = time.monotonic()
+    def fault(self, name: str, inject: Callable[[], Injection]) -> None:
         log.info("fault %s", name)
+        t0 = time.monotonic()
         try:
-            survived, injected, detail = inject()
+            got = inject()
         except Exception as err:  # noqa: BLE001 - a fault that breaks the suite is a failed fault
-            survived, injected, detail = 0, 1, f"suite error: {err!r}"
-        recover = time.monotonic() - t0
+            log.exception("fault %s", name)
+            got = Injection(0, 1, f"suite error: {err!r}")
+        recover = got.recover_s if got.recover_s is not None else time.monotonic() - t0
         lost = self.check_invariants(name)
-        self.report.faults.append(FaultResult(name, injected, survived, lost, round(recover, 2), detail))
+        self.report.faults.append(FaultResult(name, got.injected, got.survived, lost, round(recover, 2), got.detail))
 
-    def kill_restart_learner(self, lid: str, faults: str | None = None, point: str | None = None) -> tuple[int, int, str]:
-        if faults:
-            self.cluster.signal(lid, signal.SIGTERM)
-            self.cluster.procs[lid].wait(timeout=60)
-            self.cluster.learner(lid, faults=faults)
-            if not _wait(lambda: self.cluster.fault_reached(lid, point), 120):
-                return 0, 1, f"{lid} never reached {point}"
+    def kill_learner(self, lid: str, point: str | None) -> Injection:
+        """SIGKILL a learner (stopped at ``point`` if given), restart it: it must rejoin as a new
+        incarnation from the newest global state while the others keep the run going."""
         before = self.learner_row(lid).incarnation
-        self.cluster.signal(lid, signal.SIGKILL)
+        where = "at a random moment"
+        if point:
+            self.cluster.arm(lid, point)
+            if not _wait(lambda: self.cluster.fault_reached(lid, point), 60):
+                self.cluster.disarm(lid, point)
+                return Injection(0, 1, f"{lid} never reached {point}")
+            where = f"stopped at {point}"
         versions = self.versions_total()
+        killed = time.monotonic()
+        self.cluster.signal(lid, signal.SIGKILL)
+        progressed = _wait(lambda: self.progressed_since(versions), 60)  # without it, on the others alone
         self.cluster.learner(lid)
         rejoined = _wait(lambda: self.learner_row(lid).incarnation > before and self.learner_row(lid).step > 0, 120)
-        progressed = _wait(lambda: self.progressed_since(versions), 60)
-        return int(bool(rejoined and progressed)), 1, "rejoined from the newest global state" if rejoined else "did not rejoin"
+        recover = time.monotonic() - killed
+        ok = bool(rejoined and progressed)
+        return Injection(int(ok), 1, f"{lid} killed {where}; " + (f"rejoined as incarnation {before + 1}" if rejoined else "did not rejoin")
+                         + ("" if progressed else "; the run stalled without it"), recover)
 
-    def pause_learner(self, lid: str) -> tuple[int, int, str]:
+    def pause_learner(self, lid: str) -> Injection:
+        """SIGSTOP past the heartbeat timeout, SIGCONT: the learner is declared dead, the run goes
+        on, and on waking it carries on; its late submissions meet the staleness rule."""
         self.cluster.signal(lid, signal.SIGSTOP)
+        stopped = time.monotonic()
         versions = self.versions_total()
         dead = _wait(lambda: self.learner_row(lid).status == "dead", 30)
-        progressed = _wait(lambda: self.progressed_since(versions), 30)  # the others keep the run going
+        progressed = _wait(lambda: self.progressed_since(versions), 30)
+        woke = time.time()
         self.cluster.signal(lid, signal.SIGCONT)
         step = self.learner_row(lid).step
         back = _wait(lambda: self.learner_row(lid).step > step and self.learner_row(lid).status != "dead", 60)
-        return int(bool(dead and progressed and back)), 1, "declared dead while stopped, resumed after SIGCONT"
-
-    def holder(self) -> str | None:
+        recover = time.monotonic() - stopped
         with self.ctx.reading() as s:
-            lease = q.current_lease(s, self.run_id)
-        return lease.holder if lease else None
+            late = s.execute(
+                select(Submission.status, func.count()).where(
+                    Submission.run_id == self.run_id, Submission.learner_id == lid, Submission.created_at >= to_datetime(woke))
+                .group_by(Submission.status)
+            ).all()
+        fates = ", ".join(f"{n} {status}" for status, n in late) or "none yet"
+        ok = bool(dead and progressed and back)
+        return Injection(int(ok), 1, f"declared dead while stopped: {bool(dead)}; run went on: {bool(progressed)}; "
+                         f"resumed after SIGCONT: {bool(back)}; its submissions since: {fates}", recover)
 
-    def kill_active_synchronizer(self, point: str) -> tuple[int, int, str]:
-        """Hand the lease to a standby armed with a fault point, let it stop there, SIGKILL it: a
-        second standby must take over and publish."""
-        old = self.holder()
-        armed = f"sync-{uuid.uuid4().hex[:4]}"
-        self.cluster.synchronizer(armed, faults=f"{point}:2")
-        self.cluster.signal(old.split("@", 1)[0], signal.SIGTERM)  # a clean hand-over: it releases the lease
-        if not _wait(lambda: (self.holder() or "").startswith(f"{armed}@"), 120):
-            return 0, 1, f"{armed} did not take the lease"
-        standby = f"sync-{uuid.uuid4().hex[:4]}"
-        self.cluster.synchronizer(standby)
-        if not _wait(lambda: self.cluster.fault_reached(armed, point), 120):
-            return 0, 1, f"{armed} never reached {point}"
-        killed_at = time.time()
-        self.cluster.signal(armed, signal.SIGKILL)
+    def kill_active_synchronizer(self, point: str) -> Injection:
+        """Stop the lease holder at ``point``, SIGKILL it: a standby must take over and publish, and
+        nothing the dead one half-wrote may show."""
+        holder = self.holder()
+        if holder is None:
+            return Injection(0, 1, "no synchronizer held the lease")
+        name = holder.split("@", 1)[0]
+        self.cluster.arm(name, point)
+        if not _wait(lambda: self.cluster.fault_reached(name, point), 60):
+            self.cluster.disarm(name, point)
+            return Injection(0, 1, f"{name} never reached {point}")
+        killed_at, killed = time.time(), time.monotonic()
+        self.cluster.signal(name, signal.SIGKILL)
+        ok = _wait(lambda: self.published_by_other_since(holder, killed_at), 60)
+        recover = time.monotonic() - killed
+        new_holder = self.holder() or "nobody"
+        # Keep a standby in reserve for the next fault.
+        self.spare_synchronizers += 1
+        self.cluster.synchronizer(f"sync-spare{self.spare_synchronizers}")
+        return Injection(int(bool(ok)), 1, f"{name} killed at {point}; {new_holder.split('@')[0]} published "
+                         f"{recover:.1f}s after the kill" if ok else f"no standby published within 60s of killing {name}", recover)
 
-        def standby_published() -> bool:
-            with self.ctx.reading() as s:
-                newest = s.scalar(select(func.max(FragmentVersion.created_at)).where(
-                    FragmentVersion.run_id == self.run_id, FragmentVersion.synchronizer.like(f"{standby}@%")))
-            return newest is not None and newest.timestamp() >= killed_at
-
-        ok = _wait(standby_published, 60)
-        return int(bool(ok)), 1, f"killed at {point}; the standby published {time.time() - killed_at:.1f}s after the kill"
-
-    def store_outage(self, seconds: float) -> tuple[int, int, str]:
+    def store_outage(self, seconds: float) -> Injection:
         versions = self.versions_total()
+        down = time.monotonic()
         self.s3.stop()
         time.sleep(seconds)  # the outage itself: the store is down this long
         self.s3.start()
+        up = time.monotonic()
         ok = _wait(lambda: self.progressed_since(versions, by=4), 120)
-        return int(bool(ok)), 1, f"S3 down {seconds:.0f}s"
+        self.outages.append((down, time.monotonic() + BACKEND_RECOVERY_S))
+        crashed = [n for n, p in self.cluster.procs.items() if p.poll() not in (None, -signal.SIGKILL)]
+        return Injection(int(bool(ok) and not crashed), 1, f"S3 down {seconds:.0f}s; "
+                         + (f"crashed: {crashed}" if crashed else "no process crashed"), time.monotonic() - up)
 
-    def postgres_restart(self) -> tuple[int, int, str]:
+    def postgres_restart(self) -> Injection:
         clusters = sorted(os.listdir("/etc/postgresql")) if os.path.isdir("/etc/postgresql") else []
-        if not clusters or make_url(self.admin_url).host not in ("127.0.0.1", "localhost"):
-            return 0, 0, "skipped: no local PostgreSQL cluster to restart"
+        if not clusters or make_url(self.admin_url).host not in ("127.0.0.1", "localhost") or not shutil.which("pg_ctlcluster"):
+            return Injection(0, 0, "skipped: no local PostgreSQL cluster to restart")
         versions = self.versions_total()
-        subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", clusters[-1], "main", "restart"], check=True, timeout=120)
+        down = time.monotonic()
+        subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", clusters[-1], "main", "restart"], check=True, timeout=120,
+                       capture_output=True)
+        up = time.monotonic()
         ok = _wait(lambda: self.progressed_since(versions, by=4), 120)
-        return int(bool(ok)), 1, "pg_ctlcluster restart mid-run"
+        self.outages.append((down, time.monotonic() + BACKEND_RECOVERY_S))
+        crashed = [n for n, p in self.cluster.procs.items() if p.poll() not in (None, -signal.SIGKILL)]
+        return Injection(int(bool(ok) and not crashed), 1, f"pg_ctlcluster restart took {up - down:.1f}s; "
+                         + (f"crashed: {crashed}" if crashed else "no process crashed"), time.monotonic() - up)
 
-    def bad_submissions(self) -> tuple[int, int, str]:
+    def secrets_check(self) -> Injection:
+        """The planted credentials appear nowhere: not in any ledger row, not in any process log."""
+        from ddiloco.platform.ledger.models import Base
+
+        places = []
+        with self.ctx.reading() as s:
+            for table in Base.metadata.sorted_tables:
+                for row in s.execute(select(table)):
+                    if any(secret in str(v) for v in row for secret in self.secrets):
+                        places.append(f"ledger table {table.name}")
+                        break
+        for path in sorted(self.workdir.glob("*.log")):
+            text_ = path.read_text(errors="replace")
+            if any(secret in text_ for secret in self.secrets):
+                places.append(f"log {path.name}")
+        return Injection(int(not places), 1, "found in: " + ", ".join(places) if places
+                         else f"{len(self.secrets)} planted secrets in no ledger row and no log", 0.0)
+
+    def bad_submissions(self) -> Injection:
         """Inject every kind of bad submission into the live run; each must be rejected with a reason."""
         store = FragmentStore(self.cfg.storage.url)
         now = to_datetime(time.time())
@@ -432,12 +587,12 @@ class Suite:
                     ok = row.status in ("rejected", "merged")
                 survived += int(ok)
                 details.append(f"{name}: {row.status} ({(row.reject_reason or '')[:60]})")
-        return survived, len(cases) + 1, "; ".join(details)
+        return Injection(survived, len(cases) + 1, "; ".join(details))
 
-    def bad_configs(self) -> tuple[int, int, str]:
+    def bad_configs(self) -> Injection:
         """Bad configs and CLI input: a clear error naming the field, exit code 2, nothing written."""
         with self.ctx.reading() as s:
-            before = s.scalar(select(func.count()).select_from(Submission))
+            before = s.scalar(select(func.count()).select_from(Learner).where(Learner.run_id == self.run_id))
         cases = {
             "compression.codec": {"compression": {"codec": "zip"}},
             "quorum.min_count": {"quorum": {"min_count": -1}},
@@ -463,17 +618,18 @@ class Suite:
         ok = out.returncode == 2 and "../x" in out.stderr + out.stdout
         survived += int(ok)
         details.append(f"learner id '../x': exit {out.returncode}")
-        with self.ctx.reading() as s:
-            after = s.scalar(select(func.count()).select_from(Submission))
-        # Other learners keep submitting meanwhile; what matters is no row from the bad invocations.
+        # Other learners keep submitting meanwhile; what matters is that the bad invocations wrote nothing.
         with self.ctx.reading() as s:
             rogue = s.scalar(select(func.count()).select_from(Learner).where(Learner.run_id == self.run_id, Learner.id == "../x"))
-        del before, after
-        return survived - int(bool(rogue)), len(cases) + 1, "; ".join(details)
+            after = s.scalar(select(func.count()).select_from(Learner).where(Learner.run_id == self.run_id))
+        if rogue or after != before:
+            details.append(f"learner rows {before} -> {after}")
+        return Injection(survived - int(bool(rogue or after != before)), len(cases) + 1, "; ".join(details), 0.0)
 
     # --- the run -------------------------------------------------------------------------------------
 
     def run(self) -> SuiteReport:
+        started = time.monotonic()
         c = self.cluster
         c.synchronizer("sync-a")
 
@@ -483,21 +639,37 @@ class Suite:
 
         if not _wait(v0, 180):
             raise RuntimeError("the synchronizer did not publish version 0")
+        # Standbys start only now, so sync-a is the first holder.
+        c.synchronizer("sync-b")
+        c.synchronizer("sync-c")
         for lid, _, _ in self.cfg.learners.learner_ids():
             c.learner(lid)
         if not _wait(lambda: self.versions_total() >= 8, 240):
             raise RuntimeError("the run did not start merging")
-        self.fault("learner SIGKILL mid-step", lambda: self.kill_restart_learner("us-0"))
-        self.fault("learner SIGKILL mid-upload", lambda: self.kill_restart_learner("us-1", "learner.after_blob:3", "learner.after_blob"))
-        self.fault("learner SIGSTOP past heartbeat timeout, then SIGCONT", lambda: self.pause_learner("eu-0"))
+        self.monitor.start()
+        self.fault("learner SIGKILL mid-step", lambda: self.kill_learner("us-0", "learner.mid_step"))
+        self.fault("learner SIGKILL mid-upload", lambda: self.kill_learner("us-1", "learner.after_blob"))
+        self.fault("learner SIGKILL mid-download", lambda: self.kill_learner("eu-0", "learner.after_download"))
+        self.fault("learner SIGSTOP past heartbeat timeout, then SIGCONT", lambda: self.pause_learner("us-0"))
         self.fault("synchronizer SIGKILL mid-merge", lambda: self.kill_active_synchronizer("sync.mid_merge"))
         self.fault("synchronizer SIGKILL between blob write and commit", lambda: self.kill_active_synchronizer("sync.before_commit"))
+        self.fault("synchronizer SIGKILL during lease renewal", lambda: self.kill_active_synchronizer("sync.renew_lease"))
+        self.fault("PostgreSQL restarted mid-run", self.postgres_restart)
         self.fault("object store down", lambda: self.store_outage(8.0 if self.quick else 30.0))
         if not self.quick:
-            self.fault("learner SIGKILL mid-download", lambda: self.kill_restart_learner("eu-0"))
-            self.fault("PostgreSQL restarted mid-run", self.postgres_restart)
+            self.fault("learner SIGKILL at a random moment", lambda: self.kill_learner("us-1", None))
         self.fault("bad submissions", self.bad_submissions)
         self.fault("bad configs and CLI input", self.bad_configs)
+        self.monitor.stop()
+        gap, at = self.monitor.longest_gap(self.outages)
+        self.report.max_version_gap_s = round(gap, 2)
+        if gap > MAX_VERSION_GAP_S:
+            self.report.invariants_ok = False
+            self.report.problems.append(
+                f"no new global version for {gap:.1f}s (from {at - started:.0f}s into the suite) while learners were up"
+                f" and the backends were up; at most {MAX_VERSION_GAP_S:.0f}s is allowed")
+        self.fault("planted credentials in the ledger or logs", self.secrets_check)
+        self.report.seconds = round(time.monotonic() - started, 1)
         return self.report
 
 

@@ -22,12 +22,7 @@ class LearnerJobFailed(RuntimeError):
 
 def resolve_learner(cfg: RunConfig, learner_id: str) -> tuple[int, str, float]:
     """(index, region, speed) of a learner named in the config, or a ConfigError listing the known ids."""
-    ids = cfg.learners.learner_ids()
-    for i, (lid, region, speed) in enumerate(ids):
-        if lid == learner_id:
-            return i, region, speed
-    known = ", ".join(lid for lid, _, _ in ids)
-    raise ConfigError(f"learner {learner_id!r} is not in learners.regions of the config; known learners: {known}")
+    return cfg.learners.resolve(learner_id)
 
 
 def run_learner(

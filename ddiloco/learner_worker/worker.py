@@ -211,6 +211,7 @@ class Learner:
         loss, _metrics = compute_loss(self.model, batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        fault_point("learner.mid_step")
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
         self.optimizer.step()
         return float(loss.detach()), batch.tokens
@@ -397,6 +398,7 @@ class Learner:
                 # A version whose blob was already collected: a newer one is published; take that next time.
                 log.warning("could not read fragment %s v%s: %s", p, row.version, err)
                 continue
+            fault_point("learner.after_download")
             with self._lock:
                 self._inbox[p] = (row.version, tensors)
                 self._lock.notify_all()

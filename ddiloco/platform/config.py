@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from ddiloco.platform.ids import validate_id
+from ddiloco.platform.redact import mask_tree
 
 
 class ConfigError(ValueError):
@@ -145,6 +146,15 @@ class LearnersConfig(_Section):
                 out.append((f"{region.name}-{i}", region.name, speed))
         return out
 
+    def resolve(self, learner_id: str) -> tuple[int, str, float]:
+        """(index, region, speed) of a learner named here, or a ConfigError listing the known ids."""
+        ids = self.learner_ids()
+        for i, (lid, region, speed) in enumerate(ids):
+            if lid == learner_id:
+                return i, region, speed
+        known = ", ".join(lid for lid, _, _ in ids)
+        raise ConfigError(f"learner {learner_id!r} is not in learners.regions of the config; known learners: {known}")
+
     @property
     def count(self) -> int:
         return sum(r.learners for r in self.regions)
@@ -235,6 +245,9 @@ class StorageConfig(_Section):
 class LedgerConfig(_Section):
     url: str = "sqlite:///./ddiloco-runs/ledger.db"
     """SQLAlchemy URL: sqlite:///… (embedded) or postgresql+psycopg://… (multi-region)."""
+    idle_in_transaction_timeout_s: float | None = Field(5.0, gt=0)
+    """PostgreSQL ends a session idle inside a transaction this long, so a frozen process's row
+    locks cannot stall the run (null: never). Keep it under learners.dead_after_s."""
 
 
 class RetentionConfig(_Section):
@@ -324,7 +337,8 @@ class RunConfig(BaseSettings):
         return self.storage.url
 
     def to_json(self) -> str:
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        """The effective config as recorded in the ledger: passwords in URLs are masked."""
+        return json.dumps(mask_tree(self.model_dump(mode="json")), sort_keys=True)
 
 
 def format_validation_error(err: ValidationError) -> str:

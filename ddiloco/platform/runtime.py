@@ -69,7 +69,8 @@ class RunContext:
 
     @classmethod
     def open(cls, cfg: RunConfig, run_id: str | None = None, clock: Clock = time.time, engine: Engine | None = None) -> "RunContext":
-        return cls(cfg=cfg, run_id=run_id or cfg.name, engine=engine or open_ledger(cfg.ledger.url), clock=clock)
+        engine = engine or open_ledger(cfg.ledger.url, idle_in_transaction_timeout_s=cfg.ledger.idle_in_transaction_timeout_s)
+        return cls(cfg=cfg, run_id=run_id or cfg.name, engine=engine, clock=clock)
 
     @property
     def sessions(self) -> sessionmaker[Session]:
@@ -85,11 +86,19 @@ class RunContext:
 
     @contextmanager
     def reading(self) -> Iterator[Session]:
-        """A read-only transaction: on SQLite it never waits behind writers (WAL snapshot)."""
+        """A read-only transaction on one snapshot of the ledger.
+
+        On SQLite it never waits behind writers (WAL snapshot). On PostgreSQL it is REPEATABLE READ,
+        so figures read by several statements (token accounting, say) agree with each other."""
         if self._read_sessions is None:
             url = self.engine.url
             file_sqlite = url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:")
-            engine = make_engine(url.render_as_string(hide_password=False), read_only=True) if file_sqlite else self.engine
+            if file_sqlite:
+                engine = make_engine(url.render_as_string(hide_password=False), read_only=True)
+            elif url.get_backend_name() == "postgresql":
+                engine = self.engine.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
+            else:
+                engine = self.engine
             self._read_sessions = session_factory(engine)
         with self._read_sessions.begin() as session:
             yield session

@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
 
 from ddiloco.platform.compression import CompressionError, decode_delta
 from ddiloco.platform.data import build_dataset
@@ -40,6 +41,8 @@ STATUS_EVERY_S = 1.0
 """How often learner statuses (alive, straggling, dead) are recomputed from heartbeats."""
 NORM_HISTORY = 8
 """Recently merged norms an outlier is judged against: short, because norms grow during warm-up."""
+POLL_RETRY_MAX_S = 5.0
+"""Longest wait between two attempts of a failing poll (ledger or store down)."""
 
 
 @dataclass
@@ -463,34 +466,55 @@ class Synchronizer:
             try:
                 with self.ctx.transaction() as s:
                     renewed = q.renew_lease(s, self.ctx.run_id, self.holder, token, ttl, to_datetime(self.ctx.now()))
+                    fault_point("sync.renew_lease")
                 if not renewed:
                     log.warning("%s could not renew its lease (token %s)", self.holder, token)
             except Exception:  # noqa: BLE001 - the ledger may be restarting; the fence keeps writes safe
                 log.exception("lease renewal failed")
 
+    def _poll_and_check(self) -> tuple[PollResult, bool]:
+        """One poll, then whether the run has finished and this synchronizer must drain it."""
+        self._poll_started = time.monotonic()
+        try:
+            result = self.poll_once(self.ctx.now())
+        finally:
+            self._poll_started = None
+        with self.ctx.reading() as s:
+            run = q.get_run(s, self.ctx.run_id)
+        return result, run is not None and run.status != "running" and result.role == "active"
+
+    def _poll_failed(self, retry_state: RetryCallState) -> None:
+        err = retry_state.outcome.exception() if retry_state.outcome else None
+        log.error("poll failed (attempt %s, retrying): %r", retry_state.attempt_number, err)
+        # Whatever this pass held may be stale after the failure: start the next pass from the ledger.
+        self.token = None
+        self.state.clear()
+
     def _loop(self, stop: threading.Event, until: float | None) -> None:
         role = None
         while not stop.is_set():
-            now = self.ctx.now()
-            if until is not None and now >= until:
+            if until is not None and self.ctx.now() >= until:
                 break
+            # A ledger or store outage is waited out with exponential backoff; the run goes on after it.
+            retrying = Retrying(
+                retry=retry_if_exception_type(Exception),
+                wait=wait_exponential(multiplier=self.cfg.synchronizer.poll_s, max=POLL_RETRY_MAX_S),
+                stop=lambda _state: stop.is_set(),
+                sleep=stop.wait,
+                before_sleep=self._poll_failed,
+                reraise=True,
+            )
             try:
-                self._poll_started = time.monotonic()
-                result = self.poll_once(now)
-                self._poll_started = None
-            except Exception:  # noqa: BLE001 - a poll that fails is retried; the run goes on
-                self._poll_started = None
-                log.exception("poll failed; retrying")
-                self.token = None
-                self.state.clear()
-                stop.wait(1.0)
-                continue
+                for attempt in retrying:
+                    with attempt:
+                        result, finished = self._poll_and_check()
+            except Exception:  # noqa: BLE001 - only reached once stopping: the last failure is logged
+                log.exception("poll failed while stopping")
+                break
             if result.role != role:
                 role = result.role
                 log.info("%s is %s", self.holder, role)
-            with self.ctx.transaction() as s:
-                run = q.get_run(s, self.ctx.run_id)
-            if run is not None and run.status != "running" and result.role == "active":
+            if finished:
                 self.poll_once(self.ctx.now(), drain=True)
                 self.evaluate_now(self.ctx.now())
                 break

@@ -108,7 +108,8 @@ def read_only_engine(url: str) -> Engine:
             cur.close()
 
         return engine
-    return engine.execution_options(postgresql_readonly=True)
+    # One snapshot per page load, so the figures of one run agree with each other.
+    return engine.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
 
 
 def check_schema(engine: Engine) -> None:

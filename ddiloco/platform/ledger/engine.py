@@ -15,8 +15,12 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 MIGRATION_LOCK_ID = 0x0DD1_10C0
 
 
-def make_engine(url: str, *, read_only: bool = False) -> Engine:
-    """An engine for ``url``; SQLite gets WAL, a busy timeout, foreign keys and write-locking transactions."""
+def make_engine(url: str, *, read_only: bool = False, idle_in_transaction_timeout_s: float | None = None) -> Engine:
+    """An engine for ``url``; SQLite gets WAL, a busy timeout, foreign keys and write-locking transactions.
+
+    On PostgreSQL, ``idle_in_transaction_timeout_s`` makes the server end a session that sits in an
+    open transaction that long: a process frozen mid-transaction (SIGSTOP, a VM pause) then
+    releases its row locks instead of stalling every writer behind it."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         database = parsed.database
@@ -31,7 +35,10 @@ def make_engine(url: str, *, read_only: bool = False) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **kwargs)
         _configure_sqlite(engine, read_only=read_only)
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+    connect_args = {}
+    if idle_in_transaction_timeout_s:
+        connect_args["options"] = f"-c idle_in_transaction_session_timeout={int(idle_in_transaction_timeout_s * 1000)}"
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5, connect_args=connect_args)
 
 
 def _configure_sqlite(engine: Engine, *, read_only: bool) -> None:
@@ -76,8 +83,10 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
         command.upgrade(cfg, revision)
 
 
-def open_ledger(url: str, *, migrate: bool = True, read_only: bool = False) -> Engine:
-    engine = make_engine(url, read_only=read_only)
+def open_ledger(
+    url: str, *, migrate: bool = True, read_only: bool = False, idle_in_transaction_timeout_s: float | None = None
+) -> Engine:
+    engine = make_engine(url, read_only=read_only, idle_in_transaction_timeout_s=idle_in_transaction_timeout_s)
     if migrate and not read_only:
         upgrade(engine)
     return engine
