@@ -271,3 +271,46 @@ def test_ui_command_serves_the_app_with_the_ledger_in_the_environment(monkeypatc
     bad = CliRunner().invoke(app, ["--ledger", "not a url"])
     assert bad.exit_code == 2
     assert Path(APP_PATH).is_file()
+
+
+def everything_shown(at: AppTest) -> str:
+    """Every value, label and table cell of the page, as one string."""
+    parts = [texts(at)]
+    for kind in ("header", "subheader", "text", "code", "json", "exception"):
+        parts += [str(e.value) for e in getattr(at, kind, [])]
+    parts += [f"{m.label} {m.value} {m.delta}" for m in at.metric]
+    parts += [d.value.to_csv() for d in at.dataframe]
+    parts += [" ".join(map(str, s.options)) for s in at.selectbox]
+    return "\n".join(parts)
+
+
+@pytest.mark.postgres
+def test_planted_credentials_reach_neither_the_ledger_nor_the_dashboard(monkeypatch, run_ledger, fresh_postgres_database):
+    """The ledger's password (planted: the test server trusts local connections and ignores it)
+    is in the URL every process and the dashboard open; it must not be recorded or shown."""
+    from sqlalchemy.engine import make_url
+    from support import tiny_config
+    from ui_support import copy_ledger_to
+
+    from ddiloco.platform.ledger.models import Base
+    from ddiloco.platform.run_state import build_layout, register_run
+    from ddiloco.platform.runtime import RunContext
+
+    secret = f"planted-{hashlib.sha256(str(id(monkeypatch)).encode()).hexdigest()[:16]}"
+    url = make_url(fresh_postgres_database).set(password=secret).render_as_string(hide_password=False)
+    copy_ledger_to(run_ledger.url, url)
+    cfg = tiny_config(name="creds", ledger={"url": url}, storage={"url": "memory://creds"})
+    ctx = RunContext.open(cfg)
+    register_run(ctx, build_layout(ctx))
+    with Session(ctx.engine) as s:
+        recorded = s.get(Run, "creds").config_json
+        rows = [str(v) for table in Base.metadata.sorted_tables for row in s.execute(select(table)) for v in row]
+    ctx.engine.dispose()
+    assert "***" in recorded and make_url(url).host in recorded  # the URL is recorded, its password masked
+    assert not [v for v in rows if secret in v]
+    for run_id in (run_ledger.run_id, "creds"):
+        for page in (None, RUN_HEALTH):
+            at = open_app(monkeypatch, url, now=run_ledger.end, run=run_id, page=page)
+            shown = everything_shown(at)
+            assert run_id in shown
+            assert secret not in shown

@@ -9,12 +9,11 @@ import pytest
 from sqlalchemy import func, insert, select, text
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session
-from ui_support import RunLedger, build_run_ledger
+from ui_support import RunLedger, build_run_ledger, copy_ledger_to
 
-from ddiloco.platform.ledger import make_engine, open_ledger, session_factory, upgrade
+from ddiloco.platform.ledger import open_ledger, session_factory
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.models import (
-    Base,
     Evaluation,
     Event,
     FragmentVersion,
@@ -269,21 +268,9 @@ def test_empty_ledger_and_run_without_heartbeats(tmp_path):
 # --- PostgreSQL: the same answers -----------------------------------------------------------------------
 
 
-def _copy_to(src_url: str, dst_url: str) -> None:
-    src, dst = make_engine(src_url), make_engine(dst_url)
-    upgrade(dst)
-    with src.connect() as a, dst.begin() as b:
-        for table in Base.metadata.sorted_tables:
-            rows = [dict(r) for r in a.execute(select(table)).mappings()]
-            if rows:
-                b.execute(insert(table), rows)
-    src.dispose()
-    dst.dispose()
-
-
 @pytest.mark.postgres
 def test_queries_give_the_same_answers_on_postgresql(run_ledger, fresh_postgres_database):
-    _copy_to(run_ledger.url, fresh_postgres_database)
+    copy_ledger_to(run_ledger.url, fresh_postgres_database)
     now = now_of(run_ledger)
     answers = {}
     for name, url in (("sqlite", run_ledger.url), ("postgres", fresh_postgres_database)):

@@ -140,3 +140,28 @@ def config_of(ledger: RunLedger) -> dict:
         cfg = json.loads(s.get(Run, ledger.run_id).config_json)
     engine.dispose()
     return cfg
+
+
+def copy_ledger_to(src_url: str, dst_url: str) -> None:
+    """Copy every row of a ledger into an empty database of another backend (migrated first)."""
+    from sqlalchemy import insert
+
+    from ddiloco.platform.ledger import upgrade
+    from ddiloco.platform.ledger.models import Base
+
+    src, dst = make_engine(src_url), make_engine(dst_url)
+    upgrade(dst)
+    with src.connect() as a, dst.begin() as b:
+        for table in Base.metadata.sorted_tables:
+            rows = [dict(r) for r in a.execute(select(table)).mappings()]
+            if rows:
+                b.execute(insert(table), rows)
+        if dst.dialect.name == "postgresql":
+            # Rows came with their ids: move each id sequence past them, so new rows can be added.
+            for table in Base.metadata.sorted_tables:
+                if "id" in table.c and table.c.id.primary_key and table.c.id.type.python_type is int:
+                    b.exec_driver_sql(
+                        f"SELECT setval(pg_get_serial_sequence('{table.name}', 'id'), COALESCE(MAX(id), 0) + 1, false) FROM {table.name}"
+                    )
+    src.dispose()
+    dst.dispose()
