@@ -494,15 +494,24 @@ class Suite:
         if not clusters or make_url(self.admin_url).host not in ("127.0.0.1", "localhost") or not shutil.which("pg_ctlcluster"):
             return Injection(0, 0, "skipped: no local PostgreSQL cluster to restart")
         versions = self.versions_total()
+        started_before = self.postmaster_started()
         down = time.monotonic()
         subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", clusters[-1], "main", "restart"], check=True, timeout=120,
                        capture_output=True)
         up = time.monotonic()
         ok = _wait(lambda: self.progressed_since(versions, by=4), 120)
         self.outages.append((down, time.monotonic() + BACKEND_RECOVERY_S))
+        # The restart must have hit the server this run's ledger is on, or it proves nothing.
+        restarted = self.postmaster_started() != started_before
         crashed = [n for n, p in self.cluster.procs.items() if p.poll() not in (None, -signal.SIGKILL)]
-        return Injection(int(bool(ok) and not crashed), 1, f"pg_ctlcluster restart took {up - down:.1f}s; "
-                         + (f"crashed: {crashed}" if crashed else "no process crashed"), time.monotonic() - up)
+        detail = f"pg_ctlcluster restart took {up - down:.1f}s; " + (f"crashed: {crashed}" if crashed else "no process crashed")
+        if not restarted:
+            detail += "; but the ledger's server was not the one restarted"
+        return Injection(int(bool(ok) and restarted and not crashed), 1, detail, time.monotonic() - up)
+
+    def postmaster_started(self) -> object:
+        with self.ctx.reading() as s:
+            return s.scalar(text("SELECT pg_postmaster_start_time()"))
 
     def secrets_check(self) -> Injection:
         """The planted credentials appear nowhere: not in any ledger row, not in any process log."""
@@ -632,6 +641,9 @@ class Suite:
         started = time.monotonic()
         c = self.cluster
         c.synchronizer("sync-a")
+        # Learners start at once (they wait for version 0 themselves), so process start-ups overlap.
+        for lid, _, _ in self.cfg.learners.learner_ids():
+            c.learner(lid)
 
         def v0() -> bool:
             with self.ctx.reading() as s:
@@ -639,11 +651,10 @@ class Suite:
 
         if not _wait(v0, 180):
             raise RuntimeError("the synchronizer did not publish version 0")
-        # Standbys start only now, so sync-a is the first holder.
+        # Standbys start only now, so sync-a is the first holder; the learner faults come first,
+        # which leaves them the time to start.
         c.synchronizer("sync-b")
         c.synchronizer("sync-c")
-        for lid, _, _ in self.cfg.learners.learner_ids():
-            c.learner(lid)
         if not _wait(lambda: self.versions_total() >= 8, 240):
             raise RuntimeError("the run did not start merging")
         self.monitor.start()
