@@ -1,0 +1,699 @@
+"""Multi-region realism: learners in their own Linux network namespaces, behind shaped links.
+
+Each region is a network namespace joined to the root namespace (where the object store, the
+ledger and the synchronizer live) by a veth pair. The link is shaped in both directions:
+
+  * bandwidth: a kernel token-bucket filter (``tc qdisc … tbf rate R``) on the egress of both ends
+    of the veth pair, so uploads and downloads are each limited to R;
+  * latency: this kernel has no ``netem`` qdisc ("Specified qdisc kind is unknown"), so the delay is
+    added in user space by a small asyncio TCP relay (``relay`` below, its own OS process) that
+    every connection from a region to the store and to the ledger passes through: each chunk it
+    reads is written out one one-way delay after it arrived (timestamp-based, so it delays without
+    capping bandwidth). The region's round trip time is twice that.
+
+Every learner (``python -m ddiloco learner``) runs inside its region's namespace via
+``ip netns exec``; it reaches moto's S3 server and PostgreSQL only through its region's relay, over
+the shaped veth. The synchronizer runs in the root namespace next to the store, unshaped. Every
+setting is a fresh run (new run id, new processes) on the same PostgreSQL database and bucket:
+
+  unshaped (no rate limit, no delay) → delay only → R = 100, 30, 10, 3, 1 Mbit/s with the delay →
+  unshaped again (the first and last bracket the drift of the shared machine; the baseline is their mean)
+
+Measured per setting over a window after warm-up, from the ledger:
+  * tokens/s per learner (heartbeats: tokens trained between the first and last heartbeat in the window);
+  * merged tokens/s per learner (tokens of submissions merged into a version during the window) — the
+    training progress that actually reaches the global model;
+  * goodput of the run (``run_summary``: tokens merged / tokens trained × busy share) after the
+    learners were stopped (SIGTERM, a bounded time to flush their uploads);
+  * bytes through the veth links each way (kernel counters), stale/rejected submissions.
+
+  * the same two rates "with its own core": divided by (window - the learner main thread's run-queue
+    wait, from schedstat), which takes out the load other work puts on this shared 2-core machine.
+
+Goal (issue #8): at 100 Mbit/s, tokens/s per learner >= 0.9 x unshaped, and merged tokens/s per
+learner >= 0.9 x unshaped as well (judged on the own-core rates; the raw ones are printed and saved);
+and the first bandwidth of the sweep where each falls under 0.9. Figures and caveats: docs/multiregion.md.
+
+Needs root, ``ip netns`` and tc's tbf, PostgreSQL (``--postgres``, default the local trust server)
+and moto. Everything created (namespaces, veth pairs, qdiscs, the database, processes) is removed on
+exit, also on Ctrl-C or SIGTERM; namespaces left by a killed earlier run are removed at start.
+
+    python benchmarks/multiregion.py [--quick] [--rates 100,30,10,3,1] [--rtt-ms 40,80] [--window-s 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+NAME = "multiregion"
+GOAL_RATIO = 0.9
+GOAL_RATE_MBIT = 100.0
+NS_PREFIX = "ddmr"
+DEFAULT_POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+
+# --- the delay relay (runs as its own process: ``multiregion.py relay ROUTE...``) ---------------------
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:
+    """Copy reader to writer, each chunk written ``delay_s`` after it was read (reads go on meanwhile)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1024)
+
+    async def pump_in() -> None:
+        try:
+            while True:
+                data = await reader.read(65536)
+                await queue.put((loop.time() + delay_s, data))
+                if not data:
+                    return
+        except (ConnectionError, OSError):
+            await queue.put((loop.time(), b""))
+
+    feeder = asyncio.create_task(pump_in())
+    try:
+        while True:
+            due, data = await queue.get()
+            wait = due - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if not data:
+                if writer.can_write_eof():
+                    writer.write_eof()
+                return
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        feeder.cancel()
+
+
+async def _relay_main(routes: list[tuple[str, int, str, int, float]]) -> None:
+    async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter, target: tuple[str, int], delay_s: float) -> None:
+        try:
+            sr, sw = await asyncio.open_connection(*target)
+        except OSError:
+            cw.close()
+            return
+        for w in (cw, sw):
+            sock = w.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            await asyncio.gather(_pipe(cr, sw, delay_s), _pipe(sr, cw, delay_s))
+        finally:
+            for w in (cw, sw):
+                w.close()
+
+    servers = []
+    for lhost, lport, thost, tport, delay_s in routes:
+        servers.append(
+            await asyncio.start_server(lambda r, w, t=(thost, tport), d=delay_s: handle(r, w, t, d), lhost, lport, reuse_address=True)
+        )
+    print("relay ready", flush=True)
+    await asyncio.gather(*(s.serve_forever() for s in servers))
+
+
+def relay_cli(argv: list[str]) -> int:
+    """``relay LHOST:LPORT=THOST:TPORT@DELAY_MS ...``: one listener per route."""
+    routes = []
+    for spec in argv:
+        listen, rest = spec.split("=", 1)
+        target, delay_ms = rest.split("@", 1)
+        lh, lp = listen.rsplit(":", 1)
+        th, tp = target.rsplit(":", 1)
+        routes.append((lh, int(lp), th, int(tp), float(delay_ms) / 1e3))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        asyncio.run(_relay_main(routes))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+# --- namespaces, veth pairs, tbf -------------------------------------------------------------------
+
+
+def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    res = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30, check=False)
+    if check and res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)}: {res.stderr.strip() or res.stdout.strip()}")
+    return res
+
+
+def netns_unavailable() -> str | None:
+    """Why namespaces with a shaped veth cannot be made here (None: they can)."""
+    if os.name != "posix" or not sys.platform.startswith("linux"):
+        return "Linux only"
+    if os.geteuid() != 0:
+        return "needs root (ip netns, veth, tc)"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs iproute2 (ip, tc)"
+    probe = f"{NS_PREFIX}-{os.getpid()}-probe"
+    try:
+        _sh("ip", "netns", "add", probe)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+        return f"ip netns add failed: {err}"
+    try:
+        _sh("tc", "-n", probe, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", "10mbit", "burst", "32kb", "latency", "100ms")
+    except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+        return f"tc tbf unavailable: {err}"
+    finally:
+        _sh("ip", "netns", "delete", probe, check=False)
+    return None
+
+
+def remove_stale_namespaces() -> list[str]:
+    """Namespaces of this benchmark whose creating process is gone (a run that was SIGKILLed)."""
+    removed = []
+    out = _sh("ip", "netns", "list", check=False).stdout
+    for line in out.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        parts = name.split("-")
+        if len(parts) >= 3 and parts[0] == NS_PREFIX and parts[1].isdigit():
+            pid = int(parts[1])
+            if pid != os.getpid() and not Path(f"/proc/{pid}").exists():
+                _sh("ip", "netns", "delete", name, check=False)
+                removed.append(name)
+    return removed
+
+
+def _free_subnet_octet() -> int:
+    used = _sh("ip", "-o", "addr", "show", check=False).stdout
+    for _ in range(200):
+        octet = 100 + int.from_bytes(os.urandom(1), "little") % 150
+        if f"10.{octet}." not in used:
+            return octet
+    raise RuntimeError("no free 10.x.0.0/16 subnet for the veth links")
+
+
+@dataclass
+class Region:
+    name: str
+    ns: str
+    host_if: str  # root-namespace end (its egress = downloads into the region)
+    ns_if: str  # region end (its egress = uploads from the region)
+    host_ip: str
+    ns_ip: str
+    one_way_ms: float = 0.0
+
+
+@dataclass
+class Topology:
+    """Region namespaces joined to the root namespace by veth pairs; removed by close()."""
+
+    names: list[str]
+    regions: list[Region] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        tag = f"{os.getpid() % 100000}{uuid.uuid4().hex[:2]}"
+        octet = _free_subnet_octet()
+        try:
+            for i, name in enumerate(self.names):
+                r = Region(name, f"{NS_PREFIX}-{os.getpid()}-{name}", f"dm{tag}{i}h", f"dm{tag}{i}n",
+                           f"10.{octet}.{i}.1", f"10.{octet}.{i}.2")
+                _sh("ip", "netns", "add", r.ns)
+                self.regions.append(r)
+                _sh("ip", "link", "add", r.host_if, "type", "veth", "peer", "name", r.ns_if)
+                _sh("ip", "link", "set", r.ns_if, "netns", r.ns)
+                _sh("ip", "addr", "add", f"{r.host_ip}/24", "dev", r.host_if)
+                _sh("ip", "link", "set", r.host_if, "up")
+                _sh("ip", "-n", r.ns, "addr", "add", f"{r.ns_ip}/24", "dev", r.ns_if)
+                _sh("ip", "-n", r.ns, "link", "set", r.ns_if, "up")
+                _sh("ip", "-n", r.ns, "link", "set", "lo", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def shape(self, rate_mbit: float | None) -> None:
+        """Token-bucket limit on both ends' egress (None: remove the limit)."""
+        for r in self.regions:
+            for prefix, dev in ((("tc",), r.host_if), (("tc", "-n", r.ns), r.ns_if)):
+                _sh(*prefix, "qdisc", "del", "dev", dev, "root", check=False)
+                if rate_mbit is not None:
+                    rate_bytes = rate_mbit * 1e6 / 8
+                    burst = max(16_000, int(rate_bytes * 0.005))  # 5 ms of the rate, at least ~10 full frames
+                    _sh(*prefix, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
+                        "burst", str(burst), "latency", "100ms")
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Bytes sent into (down) and out of (up) each region so far."""
+        out = {}
+        for r in self.regions:
+            base = Path("/sys/class/net") / r.host_if / "statistics"
+            out[r.name] = {"down": int((base / "tx_bytes").read_text()), "up": int((base / "rx_bytes").read_text())}
+        return out
+
+    def close(self) -> None:
+        for r in self.regions:
+            _sh("ip", "link", "delete", r.host_if, check=False)  # deletes the peer too
+            _sh("ip", "netns", "delete", r.ns, check=False)
+        self.regions = []
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _wait(predicate, timeout_s: float, interval_s: float = 0.25):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = predicate()
+        except Exception:  # noqa: BLE001 - a process may still be starting
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(interval_s)
+
+
+def _stop(procs: list[subprocess.Popen], timeout_s: float = 20.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+
+
+# --- the lab: PostgreSQL database, moto, bucket, topology ---------------------------------------------
+
+
+def bench_config(run_id: str, ledger_url: str, bucket: str, regions: list[str], per_region: int, quick: bool) -> dict:
+    model = {"kind": "gpt", "n_layer": 2, "d_model": 128, "n_head": 4, "seq_len": 128}
+    batch = 16
+    if quick:
+        model = {"kind": "gpt", "n_layer": 1, "d_model": 64, "n_head": 4, "seq_len": 64}
+        batch = 8
+    return {
+        "name": run_id,
+        "token_budget": 10**12,
+        "model": model,
+        "data": {"max_bytes": 1_000_000, "val_batches": 2},
+        "learners": {
+            "batch_size": batch, "heartbeat_s": 1.0, "poll_s": 0.5, "dead_after_s": 30.0, "save_optimizer_every": 0,
+            "regions": [{"name": r, "learners": per_region} for r in regions],
+        },
+        "fragments": {"count": 8},
+        "quorum": {"min_count": 1},
+        "grace": {"max_s": 1.0},
+        "compression": {"codec": "int8"},
+        "synchronizer": {"poll_s": 0.2, "lease_ttl_s": 5.0, "eval_every_s": 1e9},
+        "ledger": {"url": ledger_url},
+        "storage": {"url": f"s3://{bucket}/{run_id}"},
+    }
+
+
+class Lab:
+    """A PostgreSQL database, moto's S3 server (own process) and the region namespaces; close() removes all."""
+
+    def __init__(self, regions: list[str], postgres_admin_url: str, workdir: Path) -> None:
+        self.workdir = workdir
+        self.admin_url = postgres_admin_url
+        self.db_name = f"ddiloco_mr_{uuid.uuid4().hex[:8]}"
+        self.procs: list[subprocess.Popen] = []
+        self.relay: subprocess.Popen | None = None
+        self.topo: Topology | None = None
+        self.db_created = False
+        self.region_names = regions
+
+    def __enter__(self) -> "Lab":
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open(self) -> None:
+        from sqlalchemy import text
+        from sqlalchemy.engine import make_url
+
+        from ddiloco.platform.ledger import make_engine
+
+        remove_stale_namespaces()
+        admin = make_engine(self.admin_url).execution_options(isolation_level="AUTOCOMMIT")
+        with admin.connect() as c:
+            c.execute(text(f'CREATE DATABASE "{self.db_name}"'))
+        admin.dispose()
+        self.db_created = True
+        url = make_url(self.admin_url).set(database=self.db_name)
+        self.ledger_url = url.render_as_string(hide_password=False)
+        self.pg_host, self.pg_port = url.host or "127.0.0.1", int(url.port or 5432)
+        self._pg_url = url
+        self.s3_port = _free_port()
+        log = open(self.workdir / "moto.log", "ab")  # noqa: SIM115 - the child writes to it
+        self.moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.s3_port)],
+                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.procs.append(self.moto)
+        self.s3_url = f"http://127.0.0.1:{self.s3_port}"
+        self.aws_env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+        def s3_up() -> bool:
+            with socket.create_connection(("127.0.0.1", self.s3_port), timeout=1):
+                return True
+
+        if not _wait(s3_up, 60):
+            raise RuntimeError("moto's S3 server did not start")
+        import s3fs
+
+        # Not through os.environ: the driver (or a test process) keeps its own AWS settings.
+        self.storage_options = {"key": "testing", "secret": "testing", "skip_instance_cache": True,
+                                "client_kwargs": {"endpoint_url": self.s3_url}}
+        self.bucket = f"mr-{uuid.uuid4().hex[:8]}"
+        s3fs.S3FileSystem(**self.storage_options).mkdir(self.bucket)
+        self.topo = Topology(self.region_names)
+        self.relay_ports = {r.name: (_free_port(r.host_ip), _free_port(r.host_ip)) for r in self.topo.regions}
+
+    def region_env(self, r: Region) -> dict[str, str]:
+        """How a process in region r reaches the store and the ledger: through its relay, over the veth."""
+        s3p, pgp = self.relay_ports[r.name]
+        ledger = self._pg_url.set(host=r.host_ip, port=pgp).render_as_string(hide_password=False)
+        return {**self.aws_env, "AWS_ENDPOINT_URL": f"http://{r.host_ip}:{s3p}", "DDILOCO_LEDGER__URL": ledger}
+
+    def set_network(self, rate_mbit: float | None, rtt_ms: list[float]) -> None:
+        """Shape every link to rate_mbit and (re)start the relay with each region's one-way delay."""
+        assert self.topo is not None
+        self.topo.shape(rate_mbit)
+        if self.relay is not None:
+            _stop([self.relay], 5)
+        routes = []
+        for r, rtt in zip(self.topo.regions, rtt_ms):
+            r.one_way_ms = rtt / 2
+            s3p, pgp = self.relay_ports[r.name]
+            routes += [f"{r.host_ip}:{s3p}=127.0.0.1:{self.s3_port}@{r.one_way_ms}",
+                       f"{r.host_ip}:{pgp}={self.pg_host}:{self.pg_port}@{r.one_way_ms}"]
+        self.relay = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "relay", *routes],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+        line = self.relay.stdout.readline() if self.relay.stdout else ""
+        if "relay ready" not in line:
+            raise RuntimeError(f"the relay did not start: {line.strip()}")
+
+    def close(self) -> None:
+        try:
+            if self.relay is not None:
+                _stop([self.relay], 5)
+            _stop(self.procs, 10)
+        finally:
+            if self.topo is not None:
+                self.topo.close()
+            if self.db_created:
+                from sqlalchemy import text
+
+                from ddiloco.platform.ledger import make_engine
+
+                admin = make_engine(self.admin_url).execution_options(isolation_level="AUTOCOMMIT")
+                with admin.connect() as c:
+                    c.execute(text(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)'))
+                admin.dispose()
+                self.db_created = False
+
+
+# --- one setting: a fresh run, measured over a window --------------------------------------------------
+
+
+def run_setting(lab: Lab, label: str, rate_mbit: float | None, rtt_ms: list[float], args: argparse.Namespace) -> dict:
+    import yaml
+    from sqlalchemy import func, select
+
+    from ddiloco.platform.config import build_config
+    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger.models import Heartbeat, Submission
+    from ddiloco.platform.runtime import RunContext
+    from ddiloco.platform.summary import run_summary
+
+    assert lab.topo is not None
+    run_id = f"mr-{uuid.uuid4().hex[:6]}"
+    regions = [r.name for r in lab.topo.regions]
+    cfg = build_config(bench_config(run_id, lab.ledger_url, lab.bucket, regions, args.per_region, args.quick))
+    cfg_path = lab.workdir / f"{run_id}.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    ctx = RunContext.open(cfg, run_id)
+    lab.set_network(rate_mbit, rtt_ms)
+    logs = lab.workdir / run_id
+    logs.mkdir()
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("DDILOCO_", "AWS_"))}
+    sync_env = {**base_env, **lab.aws_env, "AWS_ENDPOINT_URL": lab.s3_url}
+    common = ["--config", str(cfg_path), "--run", run_id]
+    sync = subprocess.Popen([sys.executable, "-m", "ddiloco", "synchronizer", "--label", "mr", *common], env=sync_env, cwd=ROOT,
+                            stdout=open(logs / "synchronizer.log", "ab"),  # noqa: SIM115 - the child writes to it
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    learners: dict[str, subprocess.Popen] = {}
+    t_start = time.monotonic()
+    try:
+        for r in lab.topo.regions:
+            for k in range(args.per_region):
+                lid = f"{r.name}-{k}"
+                learners[lid] = subprocess.Popen(
+                    ["ip", "netns", "exec", r.ns, sys.executable, "-m", "ddiloco", "learner", "--learner", lid, *common],
+                    env={**base_env, **lab.region_env(r)}, cwd=ROOT, stdout=open(logs / f"{lid}.log", "ab"),  # noqa: SIM115
+                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                )
+
+        def all_stepping() -> bool:
+            for p in (*learners.values(), sync):
+                if p.poll() is not None:
+                    raise SystemExit(f"a process of {label} exited early (code {p.returncode}); logs in {logs}")
+            with ctx.reading() as s:
+                rows = {r.id: r for r in q.learners(s, run_id)}
+            return all(lid in rows and rows[lid].step > 0 for lid in learners)
+
+        if not _wait(lambda: all_stepping(), 180, 0.5):
+            raise RuntimeError(f"{label}: the learners did not start stepping within 180 s (logs in {logs})")
+        startup_s = time.monotonic() - t_start
+        time.sleep(args.warmup_s)
+        s0 = {lid: _main_thread_sched(p.pid) for lid, p in learners.items()}
+        c0, w0 = lab.topo.counters(), datetime.now(timezone.utc)
+        time.sleep(args.window_s)
+        c1, w1 = lab.topo.counters(), datetime.now(timezone.utc)
+        s1 = {lid: _main_thread_sched(p.pid) for lid, p in learners.items()}
+        window = (w1 - w0).total_seconds()
+        per_learner = {}
+        with ctx.reading() as s:
+            for lid in learners:
+                beats = s.execute(
+                    select(Heartbeat.at, Heartbeat.tokens).where(Heartbeat.run_id == run_id, Heartbeat.learner_id == lid,
+                                                                 Heartbeat.at >= w0, Heartbeat.at <= w1).order_by(Heartbeat.at)
+                ).all()
+                tps = (beats[-1][1] - beats[0][1]) / (beats[-1][0] - beats[0][0]).total_seconds() if len(beats) >= 2 else 0.0
+                merged = s.scalar(
+                    select(func.coalesce(func.sum(Submission.tokens_new), 0)).where(
+                        Submission.run_id == run_id, Submission.learner_id == lid, Submission.status == "merged",
+                        Submission.decided_at >= w0, Submission.decided_at < w1)
+                ) or 0
+                # Seconds the learner's main thread was runnable but had no CPU (other processes on this shared
+                # machine): the rates over the window minus that time are what it would do with its core to itself.
+                rq = max(0.0, s1[lid][1] - s0[lid][1]) if s0[lid] and s1[lid] else 0.0
+                scale = window / max(1e-6, window - rq)
+                per_learner[lid] = {"tokens_per_s": tps, "merged_tokens_per_s": int(merged) / window, "runqueue_wait_s": rq,
+                                    "main_thread_cpu_s": (s1[lid][0] - s0[lid][0]) if s0[lid] and s1[lid] else None,
+                                    "tokens_per_s_own_core": tps * scale, "merged_tokens_per_s_own_core": int(merged) / window * scale}
+            staleness = s.execute(
+                select(func.avg(Submission.staleness), func.max(Submission.staleness)).where(
+                    Submission.run_id == run_id, Submission.status == "merged", Submission.decided_at >= w0, Submission.decided_at < w1)
+            ).one()
+        net = {}
+        for name in c0:
+            net[name] = {d: (c1[name][d] - c0[name][d]) * 8 / window / 1e6 for d in ("up", "down")}
+    finally:
+        # Stop the learners (SIGTERM: they flush their uploads, bounded), then let the synchronizer merge what arrived.
+        _stop(list(learners.values()), args.drain_s)
+        time.sleep(3.0)
+        _stop([sync], 20)
+    with ctx.reading() as s:
+        summ = run_summary(s, run_id, ctx.now_dt())
+        rejected = dict(summ.rejected_by_reason)
+    ctx.engine.dispose()
+    n = len(per_learner)
+    return {
+        "setting": label,
+        "rate_mbit": rate_mbit,
+        "rtt_ms": {r.name: rtt for r, rtt in zip(lab.topo.regions, rtt_ms)},
+        "startup_s": round(startup_s, 1),
+        "window_s": round(window, 1),
+        "per_learner": {k: {kk: (round(vv, 2) if vv is not None else None) for kk, vv in v.items()} for k, v in per_learner.items()},
+        "tokens_per_s_per_learner": sum(v["tokens_per_s"] for v in per_learner.values()) / n,
+        "merged_tokens_per_s_per_learner": sum(v["merged_tokens_per_s"] for v in per_learner.values()) / n,
+        "tokens_per_s_per_learner_own_core": sum(v["tokens_per_s_own_core"] for v in per_learner.values()) / n,
+        "merged_tokens_per_s_per_learner_own_core": sum(v["merged_tokens_per_s_own_core"] for v in per_learner.values()) / n,
+        "runqueue_wait_share": sum(v["runqueue_wait_s"] for v in per_learner.values()) / n / window,
+        "staleness_merged_mean": float(staleness[0]) if staleness[0] is not None else None,
+        "staleness_merged_max": staleness[1],
+        "link_mbit_s": {k: {d: round(v, 3) for d, v in dv.items()} for k, dv in net.items()},
+        "goodput": summ.goodput,
+        "merged_share": summ.tokens_merged / summ.tokens if summ.tokens else 0.0,
+        "tokens_trained": summ.tokens,
+        "tokens_merged": summ.tokens_merged,
+        "tokens_rejected": summ.tokens_rejected,
+        "tokens_lost_or_unsent": summ.tokens_lost + summ.tokens_in_flight + summ.tokens_pending,
+        "rejected_by_reason": rejected,
+        "accounting_balanced": summ.accounting_balanced,
+    }
+
+
+def _main_thread_sched(pid: int) -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds waiting in the run queue) of a process's main thread (Linux schedstat).
+
+    ``ip netns exec`` execs the learner in place, so the Popen pid is the learner's."""
+    try:
+        cpu_ns, wait_ns, _ = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
+    except (OSError, ValueError):
+        return None
+    return int(cpu_ns) / 1e9, int(wait_ns) / 1e9
+
+
+def _fmt_rate(r: float | None) -> str:
+    return "unlimited" if r is None else f"{r:g} Mbit/s"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["relay"]:
+        return relay_cli(argv[1:])
+    from common import base_parser, exit_on_sigterm, header, verdict, write_results
+
+    ap = base_parser(__doc__)
+    ap.add_argument("--rates", default="100,30,10,3,1", help="bandwidths to sweep, Mbit/s, descending")
+    ap.add_argument("--rtt-ms", default="40,80", help="round trip time of each region's link (one region per value)")
+    ap.add_argument("--per-region", type=int, default=1, help="learners per region")
+    ap.add_argument("--window-s", type=float, default=40.0, help="measured window per setting")
+    ap.add_argument("--warmup-s", type=float, default=10.0, help="after every learner stepped, before the window")
+    ap.add_argument("--drain-s", type=float, default=10.0, help="time the learners get to flush uploads when stopped")
+    ap.add_argument("--postgres", default=os.environ.get("DDILOCO_TEST_POSTGRES_URL", DEFAULT_POSTGRES),
+                    help="PostgreSQL admin URL (a database is created and dropped)")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (configs, logs)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rates, args.window_s, args.warmup_s, args.drain_s = "100", 12.0, 4.0, 8.0
+    rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    rtts = [float(x) for x in args.rtt_ms.split(",") if x.strip()]
+    region_names = ["us", "eu", "ap", "sa", "af"][: len(rtts)]
+    why = netns_unavailable()
+    if why:
+        print(f"multiregion: cannot run here: {why}")
+        return 2
+    exit_on_sigterm()
+    results = header(NAME, args)
+    results["args"].pop("postgres", None)
+    tmp = Path(tempfile.mkdtemp(prefix="multiregion-"))
+    settings: list[tuple[str, float | None, list[float]]] = [("unshaped", None, [0.0] * len(rtts))]
+    if not args.quick:
+        settings.append(("delay only", None, rtts))
+    settings += [(f"{r:g} Mbit/s", r, rtts) for r in rates]
+    if not args.quick:
+        settings.append(("unshaped (again)", None, [0.0] * len(rtts)))
+    rows = []
+    t0 = time.monotonic()
+    try:
+        with Lab(region_names, args.postgres, tmp) as lab:
+            print(f"regions {', '.join(f'{n} (RTT {t:g} ms)' for n, t in zip(region_names, rtts))}, {args.per_region} learner(s) each, "
+                  f"in network namespaces; store, ledger, synchronizer in the root namespace")
+            for label, rate, rtt in settings:
+                row = run_setting(lab, label, rate, rtt, args)
+                rows.append(row)
+                links = ", ".join(f"{k} up {v['up']:.2f} down {v['down']:.2f}" for k, v in row["link_mbit_s"].items())
+                print(f"{label:18} tokens/s/learner {row['tokens_per_s_per_learner']:6.0f} (own core "
+                      f"{row['tokens_per_s_per_learner_own_core']:6.0f}), merged {row['merged_tokens_per_s_per_learner']:6.0f} "
+                      f"(own core {row['merged_tokens_per_s_per_learner_own_core']:6.0f}), run-queue wait {row['runqueue_wait_share']:.0%}, "
+                      f"goodput {row['goodput']:.1%} (Mbit/s: {links})", flush=True)
+    finally:
+        if args.keep:
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    base_rows = [r for r in rows if r["rate_mbit"] is None and r["setting"].startswith("unshaped")]
+    delay_row = next((r for r in rows if r["setting"] == "delay only"), None)
+    measures = ("tokens_per_s_per_learner", "merged_tokens_per_s_per_learner",
+                "tokens_per_s_per_learner_own_core", "merged_tokens_per_s_per_learner_own_core")
+    baseline = {m: sum(r[m] for r in base_rows) / len(base_rows) for m in measures}
+    for r in rows:
+        r["ratio"] = {m: (r[m] / baseline[m] if baseline[m] else None) for m in measures}
+        if delay_row is not None:
+            r["ratio_vs_delay_only"] = {m: (r[m] / delay_row[m] if delay_row[m] else None) for m in measures}
+    shaped = [r for r in rows if r["rate_mbit"] is not None]
+
+    def first_under(m: str) -> float | None:
+        for r in sorted(shaped, key=lambda r: -r["rate_mbit"]):
+            if r["ratio"][m] is not None and r["ratio"][m] < GOAL_RATIO:
+                return r["rate_mbit"]
+        return None
+
+    # The goal is judged on the rates with the learner's core to itself (run-queue wait taken out): the raw
+    # rates of settings measured one after the other move with the load other work puts on this shared machine.
+    goal_measures = ("tokens_per_s_per_learner_own_core", "merged_tokens_per_s_per_learner_own_core")
+    at_goal = [r for r in shaped if r["rate_mbit"] == GOAL_RATE_MBIT]
+    ok = bool(at_goal) and all(r["ratio"][m] is not None and r["ratio"][m] >= GOAL_RATIO for r in at_goal for m in goal_measures)
+    under = {m: first_under(m) for m in measures}
+    print()
+    print(f"{'setting':18} {'bandwidth':>11} {'RTT ms':>7} | {'tok/s':>6} {'ratio':>5} {'merged':>6} {'ratio':>5} | own core: "
+          f"{'tok/s':>6} {'ratio':>5} {'merged':>6} {'ratio':>5} | {'rq wait':>7} {'goodput':>7} {'up':>6} {'down':>6} Mbit/s")
+    for r in rows:
+        up = sum(v["up"] for v in r["link_mbit_s"].values()) / len(r["link_mbit_s"])
+        down = sum(v["down"] for v in r["link_mbit_s"].values()) / len(r["link_mbit_s"])
+        rtt = "/".join(f"{v:g}" for v in r["rtt_ms"].values())
+        ra = r["ratio"]
+        print(f"{r['setting']:18} {_fmt_rate(r['rate_mbit']):>11} {rtt:>7} | {r[measures[0]]:6.0f} {ra[measures[0]]:5.2f} "
+              f"{r[measures[1]]:6.0f} {ra[measures[1]]:5.2f} |           {r[measures[2]]:6.0f} {ra[measures[2]]:5.2f} "
+              f"{r[measures[3]]:6.0f} {ra[measures[3]]:5.2f} | {r['runqueue_wait_share']:7.1%} {r['goodput']:7.1%} {up:6.2f} {down:6.2f}")
+    print("(per learner; merged = tokens merged into a global version during the window; own core = with the main thread's "
+          "run-queue wait taken out; ratios vs the mean of the unshaped runs)")
+    names = {measures[0]: "tokens/s", measures[1]: "merged tokens/s", measures[2]: "tokens/s (own core)",
+             measures[3]: "merged tokens/s (own core)"}
+    print(f"first bandwidth under {GOAL_RATIO} x unshaped: " + "; ".join(
+        f"{names[m]} {_fmt_rate(under[m]) if under[m] else 'none in the sweep'}" for m in measures))
+    print(f"goal: at {GOAL_RATE_MBIT:g} Mbit/s, tokens/s and merged tokens/s per learner (own core) >= {GOAL_RATIO} x unshaped: {verdict(ok)}")
+    results.update(
+        {
+            "topology": "one network namespace per region, veth pair to the root namespace (store: moto S3 server, ledger: "
+                        "PostgreSQL, synchronizer); tbf rate limit on both ends' egress; one-way delay = RTT/2 added by a "
+                        "user-space TCP relay in each direction (no netem in this kernel)",
+            "regions": dict(zip(region_names, rtts)),
+            "learners_per_region": args.per_region,
+            "model": bench_config("x", "x", "x", region_names, args.per_region, args.quick)["model"],
+            "config": {k: v for k, v in bench_config("x", "x", "x", region_names, args.per_region, args.quick).items()
+                       if k in ("learners", "fragments", "compression", "quorum", "grace")},
+            "settings": rows,
+            "baseline": {**baseline, "from": [r["setting"] for r in base_rows]},
+            "first_under_goal_mbit": under,
+            "goal": {"ratio_min": GOAL_RATIO, "at_mbit": GOAL_RATE_MBIT, "measures": list(goal_measures), "pass": ok},
+            "measures_note": "per learner, over the measured window: tokens_per_s from heartbeats; merged_tokens_per_s = "
+                             "tokens of its submissions merged into a global version during the window; *_own_core = the same "
+                             "divided by (window - its main thread's run-queue wait), i.e. with a core to itself",
+            "runtime_s": round(time.monotonic() - t0, 1),
+        }
+    )
+    write_results(NAME, results, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
