@@ -272,3 +272,16 @@ def test_list_and_delete(store):
     # A deleted key may be written again (GC then re-publish is not expected, but must not wedge).
     store.put(keys[0], tensors(7))
     assert_same(store.get(keys[0]), tensors(7))
+
+
+def test_a_listing_never_hides_blobs_written_after_it(store_url):
+    """A reader that listed a prefix still reads blobs another process wrote there afterwards
+    (s3fs answers reads from its cached listing unless the store turns that cache off)."""
+    writer = FragmentStore(store_url)
+    reader = FragmentStore(store_url, {"skip_instance_cache": True} if store_url.startswith("s3://") else None)
+    writer.put("r/submissions/f0/us-0/a.safetensors", tensors(0))
+    assert reader.list("r/submissions") == ["r/submissions/f0/us-0/a.safetensors"]
+    later = writer.put("r/submissions/f0/us-0/b.safetensors", tensors(1))
+    assert reader.exists(later.key)
+    assert reader.verify(later.key, later.sha256)
+    assert_same(reader.get(later.key, later.sha256), tensors(1))

@@ -110,7 +110,9 @@ class FragmentStore:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
-        self.fs, self.root = url_to_fs(self.url, **(storage_options or {}))
+        # No listings cache: a listing would otherwise make blobs written after it look missing
+        # (s3fs answers reads from the cached listing), and immutable blobs gain nothing from it.
+        self.fs, self.root = url_to_fs(self.url, **{"use_listings_cache": False, **(storage_options or {})})
         self.root = self.root.rstrip("/")
         self._local = "file" in _protocols(self.fs)
         if self._local:
