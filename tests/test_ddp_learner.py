@@ -176,7 +176,7 @@ def one_learner_config(**extra):
 
 @pytest.mark.parametrize(
     "sections",
-    [{}, {"fragments": {"count": 4, "overlap": 0}}, {"merge": {"on_receipt": "blend", "blend_alpha": 0.5}}],
+    [{"merge": {"on_receipt": "overwrite"}}, {"fragments": {"count": 4, "overlap": 0}}, {"merge": {"on_receipt": "blend", "blend_alpha": 0.5}}],
     ids=["overlap2", "overlap0", "blend"],
 )
 def test_one_rank_distributed_learner_is_the_single_process_learner_exactly(sections):

@@ -61,7 +61,8 @@ def test_decoupled_reduces_exactly_to_synchronous_diloco():
         fragments={"count": 1, "every": H, "overlap": 0},
         quorum={"min_count": M},
         grace={"enabled": False},
-        merge={"method": "mean", "weighting": "equal", "max_staleness": 0},
+        merge={"method": "mean", "weighting": "equal", "max_staleness": 0, "on_receipt": "overwrite"},
+        outer={"lr": 0.7, "momentum": 0.9},
         compression={"codec": "none"},
     )
     tokens = M * H * ROUNDS * cfg.learners.batch_size * cfg.model.seq_len

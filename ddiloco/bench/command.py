@@ -20,13 +20,18 @@ def quality_command(
     jobs: int = typer.Option(1, "--jobs", min=1, help="Worker processes (runs are independent and seeded: same results)."),
     ablations: bool = typer.Option(True, "--ablations/--no-ablations", help="Run the ablation rows (on the dense model)."),
     sweep: bool = typer.Option(True, "--sweep/--no-sweep", help="Run the outer-lr / gamma sweep rows (on the dense model)."),
+    only: str | None = typer.Option(None, "--only", help="Run only these rows: comma-separated regime or model:regime names."),
 ) -> None:
     """Decoupled DiLoCo vs synchronous DiLoCo vs data-parallel: same model, tokens and seed; prints the
     table and PASS/FAIL lines, writes JSON and plots."""
-    from ddiloco.bench.quality import MODELS, run_benchmark
+    from ddiloco.bench.quality import FULL, MODELS, QUICK, plan, run_benchmark, select
 
     chosen = [m.strip() for m in models.split(",") if m.strip()]
     bad = [m for m in chosen if m not in MODELS]
     if bad or not chosen:
         raise typer.BadParameter(f"--models must list some of {', '.join(MODELS)}; got {models!r}")
-    run_benchmark(quick=quick, models=chosen, json_path=json_path, docs=docs, jobs=jobs, ablations=ablations, sweep=sweep)
+    try:
+        select(plan(chosen, QUICK if quick else FULL, quick, ablations=ablations, sweep=sweep), only)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--only") from None
+    run_benchmark(quick=quick, models=chosen, json_path=json_path, docs=docs, jobs=jobs, ablations=ablations, sweep=sweep, only=only)

@@ -93,7 +93,7 @@ def encode_delta(
         "format": FORMAT,
         "codec": codec,
         "block_size": str(block_size),
-        "tensors": json.dumps(info, sort_keys=True),
+        "tensors": json.dumps(info, sort_keys=True, separators=(",", ":")),
     }
     return out, metadata
 

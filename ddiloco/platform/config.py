@@ -212,8 +212,12 @@ class MergeConfig(_Section):
     """tokens: w = c_tokens * (c_tokens / c_steps); equal: every submission counts the same."""
     method: Literal["rda", "mean"] = "rda"
     """rda: radial-directional averaging; mean: plain weighted mean."""
-    on_receipt: Literal["overwrite", "blend"] = "overwrite"
-    """What a learner does with a new global fragment: overwrite its own, or blend with it."""
+    on_receipt: Literal["overwrite", "blend"] = "blend"
+    """What a learner does with a new global fragment: overwrite its own, or blend with it
+    (local <- (1 - alpha) * local + alpha * global). blend is the default: it beat overwrite in
+    every setting of docs/quality.md at M = 4 (most under stragglers and outages, where overwrite
+    discards a slow learner's unsent progress each time a faster learner's merge arrives), and
+    tied at M = 8. Synchronous DiLoCo (the exact reduction) overwrites."""
     blend_alpha: float = Field(0.5, gt=0, lt=1)
     participation_scaling: bool = True
     """Scale each merge's outer gradient by included/live learners, so K < M takes about one full
@@ -227,7 +231,10 @@ class MergeConfig(_Section):
 
 
 class OuterOptimizerConfig(_Section):
-    lr: float = Field(0.7, gt=0)
+    lr: float = Field(0.5, gt=0)
+    """0.5, not DiLoCo's 0.7: RDA's step is as long as the average learner's outer gradient, longer
+    than the plain mean's, and the sweep in docs/quality.md favours 0.5 under asynchrony.
+    Synchronous DiLoCo at the paper's settings uses 0.7."""
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
 
