@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -281,6 +282,7 @@ class Suite:
         self.run_id = f"chaos-{uuid.uuid4().hex[:6]}"
         self.db_name = f"ddiloco_chaos_{uuid.uuid4().hex[:8]}"
         self.outages: list[tuple[float, float]] = []
+        self.verified: set[str] = set()
         self.spare_synchronizers = 0
 
     # --- set-up ----------------------------------------------------------------------------------
@@ -315,14 +317,17 @@ class Suite:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.monitor.stop()
-        self.cluster.stop_all()
-        self.ctx.engine.dispose()
-        self.s3.stop()
-        admin = make_engine(self.admin_url).execution_options(isolation_level="AUTOCOMMIT")
-        with admin.connect() as c:
-            c.execute(text(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)'))
-        admin.dispose()
+        # Processes first, whatever else fails: a suite that dies must not leave a run behind.
+        try:
+            self.cluster.stop_all()
+        finally:
+            self.monitor.stop()
+            self.ctx.engine.dispose()
+            self.s3.stop()
+            admin = make_engine(self.admin_url).execution_options(isolation_level="AUTOCOMMIT")
+            with admin.connect() as c:
+                c.execute(text(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)'))
+            admin.dispose()
 
     # --- observations ------------------------------------------------------------------------------
 
@@ -349,11 +354,22 @@ class Suite:
                 FragmentVersion.run_id == self.run_id, FragmentVersion.synchronizer != holder))
         return newest is not None and newest.timestamp() >= since
 
+    def blob_ok(self, store: FragmentStore, key: str, sha256: str) -> bool:
+        """The blob exists and its bytes hash to ``sha256``. Blobs are immutable, so a key read and
+        hashed once is afterwards only checked to still exist."""
+        if key in self.verified:
+            return store.exists(key)
+        ok = store.verify(key, sha256)
+        if ok:
+            self.verified.add(key)
+        return ok
+
     def check_invariants(self, when: str) -> int:
         """Record every broken invariant; returns the number of rows whose data is lost."""
         problems = []
         lost = 0
-        store = FragmentStore(self.cfg.storage.url)
+        # A client of its own for each check: after a store outage, pooled connections are dead.
+        store = FragmentStore(self.cfg.storage.url, {"skip_instance_cache": True})
         with self.ctx.reading() as s:
             versions = s.execute(
                 select(FragmentVersion.fragment, FragmentVersion.version, FragmentVersion.lease_token, FragmentVersion.blob_key,
@@ -375,7 +391,7 @@ class Suite:
             if tokens != sorted(tokens):
                 problems.append(f"{when}: fragment {f} has a version from a synchronizer that had lost its lease")
             newest = max(rows, key=lambda r: r[0])
-            if not store.verify(newest[2], newest[3]):
+            if not self.blob_ok(store, newest[2], newest[3]):
                 problems.append(f"{when}: fragment {f} v{newest[0]} blob missing or corrupt")
                 lost += 1
         for sid, status, key, sha, reason in subs:
@@ -383,7 +399,7 @@ class Suite:
                 problems.append(f"{when}: submission {sid} has no fate ({status})")
             if status == "rejected" and not reason:
                 problems.append(f"{when}: submission {sid} rejected without a reason")
-            if status == "pending" and not store.verify(key, sha):
+            if status == "pending" and not self.blob_ok(store, key, sha):
                 problems.append(f"{when}: pending submission {sid} points to a missing or bad blob")
                 lost += 1
         if not acct.balanced:
@@ -405,7 +421,9 @@ class Suite:
             log.exception("fault %s", name)
             got = Injection(0, 1, f"suite error: {err!r}")
         recover = got.recover_s if got.recover_s is not None else time.monotonic() - t0
+        t1 = time.monotonic()
         lost = self.check_invariants(name)
+        log.info("fault %s: injected and recovered in %.1fs, invariants checked in %.1fs", name, t1 - t0, time.monotonic() - t1)
         self.report.faults.append(FaultResult(name, got.injected, got.survived, lost, round(recover, 2), got.detail))
 
     def kill_learner(self, lid: str, point: str | None) -> Injection:
@@ -443,13 +461,20 @@ class Suite:
         step = self.learner_row(lid).step
         back = _wait(lambda: self.learner_row(lid).step > step and self.learner_row(lid).status != "dead", 60)
         recover = time.monotonic() - stopped
-        with self.ctx.reading() as s:
-            late = s.execute(
-                select(Submission.status, func.count()).where(
-                    Submission.run_id == self.run_id, Submission.learner_id == lid, Submission.created_at >= to_datetime(woke))
-                .group_by(Submission.status)
-            ).all()
-        fates = ", ".join(f"{n} {status}" for status, n in late) or "none yet"
+        window = (to_datetime(woke), to_datetime(time.time()))
+
+        def late_fates() -> Counter[tuple[str, str]]:
+            with self.ctx.reading() as s:
+                rows = s.execute(
+                    select(Submission.status, Submission.reject_reason).where(
+                        Submission.run_id == self.run_id, Submission.learner_id == lid, Submission.created_at.between(*window))
+                ).all()
+            return Counter((status, (why or "").split(":", 1)[0]) for status, why in rows)
+
+        # What it sent between waking and resuming was trained against versions it had not yet
+        # replaced: the staleness rule decides those. Wait for their fates.
+        _wait(lambda: all(status != "pending" for status, _ in late_fates()), 30)
+        fates = ", ".join(f"{n} {status}" + (f" ({why})" if why else "") for (status, why), n in late_fates().items()) or "none"
         ok = bool(dead and progressed and back)
         return Injection(int(ok), 1, f"declared dead while stopped: {bool(dead)}; run went on: {bool(progressed)}; "
                          f"resumed after SIGCONT: {bool(back)}; its submissions since: {fates}", recover)
@@ -609,24 +634,29 @@ class Suite:
             "learners.regions.0.speeds": {"learners": {"regions": [{"name": "us", "learners": 1, "speeds": [3.0]}]}},
             "unknown_key": {"unknown_key": 1},
         }
-        survived = 0
-        details = []
+        invocations: dict[str, list[str]] = {}
         for field_name, data in cases.items():
             path = self.workdir / f"bad-{field_name}.yaml"
             base = self.cfg.model_dump(mode="json")
             for k, v in data.items():
                 base[k] = {**base[k], **v} if isinstance(base.get(k), dict) and isinstance(v, dict) else v
             path.write_text(yaml.safe_dump(base))
-            out = subprocess.run([sys.executable, "-m", "ddiloco", "learner", "--config", str(path), "--learner", "us-0"],
-                                 capture_output=True, text=True, timeout=120)
-            ok = out.returncode == 2 and field_name.split(".")[0] in out.stderr + out.stdout
+            invocations[field_name] = ["--config", str(path), "--learner", "us-0"]
+        invocations["../x"] = ["--config", str(self.config_path), "--learner", "../x"]
+        procs = {
+            name: subprocess.Popen([sys.executable, "-m", "ddiloco", "learner", *args], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+            for name, args in invocations.items()
+        }
+        survived = 0
+        details = []
+        for name, proc in procs.items():
+            output, _ = proc.communicate(timeout=120)
+            # The error names the field (or the bad id) and the command exits 2.
+            needle = name if name == "../x" else name.split(".")[0]
+            ok = proc.returncode == 2 and needle in output
             survived += int(ok)
-            details.append(f"{field_name}: exit {out.returncode}")
-        out = subprocess.run([sys.executable, "-m", "ddiloco", "learner", "--config", str(self.config_path), "--learner", "../x"],
-                             capture_output=True, text=True, timeout=120)
-        ok = out.returncode == 2 and "../x" in out.stderr + out.stdout
-        survived += int(ok)
-        details.append(f"learner id '../x': exit {out.returncode}")
+            details.append(f"{name}: exit {proc.returncode}")
         # Other learners keep submitting meanwhile; what matters is that the bad invocations wrote nothing.
         with self.ctx.reading() as s:
             rogue = s.scalar(select(func.count()).select_from(Learner).where(Learner.run_id == self.run_id, Learner.id == "../x"))
@@ -684,9 +714,16 @@ class Suite:
         return self.report
 
 
+def _interrupt(_signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_suite(*, quick: bool, postgres_url: str | None = None, workdir: Path | None = None) -> SuiteReport:
     workdir = workdir or Path(tempfile.mkdtemp(prefix="ddiloco-chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM unwinds like Ctrl-C, so the run's processes and scratch database are cleaned up.
+        signal.signal(signal.SIGTERM, _interrupt)
     with Suite(quick, postgres_url or os.environ.get("DDILOCO_TEST_POSTGRES_URL") or DEFAULT_POSTGRES, workdir) as suite:
         return suite.run()
 
