@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -283,6 +284,7 @@ class Suite:
         self.db_name = f"ddiloco_chaos_{uuid.uuid4().hex[:8]}"
         self.outages: list[tuple[float, float]] = []
         self.verified: set[str] = set()
+        self._verified_lock = threading.Lock()
         self.spare_synchronizers = 0
 
     # --- set-up ----------------------------------------------------------------------------------
@@ -361,7 +363,8 @@ class Suite:
             return store.exists(key)
         ok = store.verify(key, sha256)
         if ok:
-            self.verified.add(key)
+            with self._verified_lock:
+                self.verified.add(key)
         return ok
 
     def check_invariants(self, when: str) -> int:
@@ -399,7 +402,11 @@ class Suite:
                 problems.append(f"{when}: submission {sid} has no fate ({status})")
             if status == "rejected" and not reason:
                 problems.append(f"{when}: submission {sid} rejected without a reason")
-            if status == "pending" and not self.blob_ok(store, key, sha):
+        pending = [(sid, key, sha) for sid, status, key, sha, _ in subs if status == "pending"]
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            fine = list(pool.map(lambda p: self.blob_ok(store, p[1], p[2]), pending))
+        for (sid, _, _), ok in zip(pending, fine):
+            if not ok:
                 problems.append(f"{when}: pending submission {sid} points to a missing or bad blob")
                 lost += 1
         if not acct.balanced:

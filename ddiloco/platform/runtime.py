@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import time
 from contextlib import contextmanager
@@ -13,7 +14,7 @@ from typing import Callable, Iterator
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
-from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+from tenacity import before_sleep_log, retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 import ddiloco
 from ddiloco.platform.config import RunConfig
@@ -21,6 +22,8 @@ from ddiloco.platform.ledger.engine import make_engine, open_ledger, session_fac
 from ddiloco.platform.store import FragmentStore, open_store
 
 Clock = Callable[[], float]
+
+log = logging.getLogger("ddiloco.runtime")
 
 # A ledger that restarts (PostgreSQL failover, a locked SQLite file) is retried this long.
 LEDGER_RETRY_S = 120.0
@@ -56,6 +59,18 @@ ledger_retry = retry(
 )
 
 
+@retry(
+    retry=retry_if_exception_type(OperationalError),
+    stop=stop_after_delay(LEDGER_RETRY_S),
+    wait=wait_exponential(multiplier=0.5, max=5.0),
+    before_sleep=before_sleep_log(log, logging.WARNING),
+    reraise=True,
+)
+def _open_ledger_retrying(cfg: RunConfig) -> Engine:
+    """Open (and migrate) the ledger; a process started while the server restarts waits for it."""
+    return open_ledger(cfg.ledger.url, idle_in_transaction_timeout_s=cfg.ledger.idle_in_transaction_timeout_s)
+
+
 @dataclass
 class RunContext:
     """Handles a process needs to take part in a run."""
@@ -69,7 +84,7 @@ class RunContext:
 
     @classmethod
     def open(cls, cfg: RunConfig, run_id: str | None = None, clock: Clock = time.time, engine: Engine | None = None) -> "RunContext":
-        engine = engine or open_ledger(cfg.ledger.url, idle_in_transaction_timeout_s=cfg.ledger.idle_in_transaction_timeout_s)
+        engine = engine or _open_ledger_retrying(cfg)
         return cls(cfg=cfg, run_id=run_id or cfg.name, engine=engine, clock=clock)
 
     @property
