@@ -77,3 +77,60 @@ def test_blend_on_receipt_moves_halfway():
     learner.apply_received()
     torch.testing.assert_close(learner.params[name].detach(), 0.5 * local)
     assert learner.c_steps[0] == 0 and torch.equal(learner.snapshot[0][name], incoming[name])
+
+
+def _arrive(learner, p, tensors):
+    with learner._lock:
+        learner._inbox[p] = (learner.base[p] + 1, tensors)
+    learner.apply_received()
+
+
+def test_rebase_on_receipt_carries_the_unsent_progress_onto_the_new_version():
+    cfg, clock, ctx, sync = make_run(merge={"on_receipt": "rebase"})
+    learner = Learner(ctx, "us-0", "us", index=0, num_learners=1, background_io=False)
+    learner.start(clock.t)
+    for _ in range(cfg.fragments.period + 2):
+        clock.t += 1.0
+        learner.step(clock.t)
+    p = max(range(len(learner.fragments)), key=lambda i: learner.c_steps[i])
+    names = learner.fragments[p].names
+    steps, tokens = learner.c_steps[p], learner.c_tokens[p]
+    assert steps > 0
+    unsent = {n: learner.params[n].detach() - learner.snapshot[p][n] for n in names}
+    assert max(float(u.abs().max()) for u in unsent.values()) > 0
+    incoming = {n: torch.randn_like(learner.params[n]) for n in names}
+    _arrive(learner, p, incoming)
+    for n in names:
+        # What the next send (snapshot - params) carries is the progress it would have carried before.
+        torch.testing.assert_close(learner.params[n].detach() - learner.snapshot[p][n], unsent[n])
+        torch.testing.assert_close(learner.params[n].detach(), incoming[n] + unsent[n])
+        assert torch.equal(learner.snapshot[p][n], incoming[n])
+    # Those steps are still unsent, so they are still counted.
+    assert (learner.c_steps[p], learner.c_tokens[p]) == (steps, tokens)
+
+    # Without unsent progress (a fragment just sent) rebase is overwrite, bit for bit.
+    report = learner.step(clock.t + 1.0)
+    while not report.submitted:
+        report = learner.step(clock.t + 1.0)
+    q_ = report.submitted[0]
+    assert learner.c_steps[q_] == 0
+    incoming = {n: torch.randn_like(learner.params[n]) for n in learner.fragments[q_].names}
+    _arrive(learner, q_, incoming)
+    for n, t in incoming.items():
+        assert torch.equal(learner.params[n].detach(), t)
+    assert learner.c_steps[q_] == 0 and learner.c_tokens[q_] == 0
+
+
+def test_overwrite_on_receipt_discards_the_unsent_progress():
+    cfg, clock, ctx, sync = make_run(merge={"on_receipt": "overwrite"})
+    learner = Learner(ctx, "us-0", "us", index=0, num_learners=1, background_io=False)
+    learner.start(clock.t)
+    for _ in range(2):
+        clock.t += 1.0
+        learner.step(clock.t)
+    p = max(range(len(learner.fragments)), key=lambda i: learner.c_steps[i])
+    incoming = {n: torch.randn_like(learner.params[n]) for n in learner.fragments[p].names}
+    _arrive(learner, p, incoming)
+    for n, t in incoming.items():
+        assert torch.equal(learner.params[n].detach(), t)
+    assert learner.c_steps[p] == 0 and learner.c_tokens[p] == 0

@@ -17,7 +17,8 @@ Rows (``regime``):
 * ``decoupled_stragglers``: the same with learner speeds 1, 0.5, 0.667, 1.
 * ``decoupled_failures``: the same with a seeded outage schedule taking ~25% of learner-time.
 * ablations and the sweep: the decoupled (or stragglers, outages) row with one knob changed;
-  ``m8_*``: M = 8 learners at the same tokens.
+  ``m8_*``: M = 8 learners at the same tokens; ``ablation_rebase*`` and ``m8_rebase``:
+  ``merge.on_receipt: rebase`` against the default blend, on every model.
 
 Goodput (in-process) = tokens merged into the global model / tokens the learners could have
 trained in the learner-time allocated to the run (each learner at its own speed, over the whole
@@ -261,6 +262,28 @@ def many_learner_specs(model: str, scale: Scale) -> list[RunSpec]:
     ]
 
 
+RECEIPT_ROWS = {"dense": ("", "stragglers", "failures"), "moe": ("",), "vision": ("stragglers", "failures")}
+"""Where the rebase rows run: the base rows (``decoupled`` and its stragglers and outages variants) per model."""
+
+
+def receipt_specs(model: str, scale: Scale) -> list[RunSpec]:
+    """merge.on_receipt=rebase (θ ← G + (θ − S): the unsent progress carried onto the new version) against
+    the default blend, without faults, with stragglers and with outages; on the dense model also at M = 8."""
+    S = STRAGGLER_SPEEDS[: scale.learners]
+    ov = {"merge": {"on_receipt": "rebase"}}
+    out = []
+    for kind in RECEIPT_ROWS.get(model, ()):
+        kw: dict[str, Any] = {"speeds": S} if kind == "stragglers" else {"failures": FAILURE_FRACTION} if kind == "failures" else {}
+        what = {"": "", "stragglers": ", stragglers", "failures": ", outages"}[kind]
+        base = f"decoupled_{kind}" if kind else "decoupled"
+        out.append(RunSpec(model, f"ablation_rebase{'_' + kind if kind else ''}", "ablation", ov, base=base,
+                           knob=f"rebase (vs blend 0.5) on receipt{what}", **kw))
+    if model == "dense":
+        out.append(RunSpec(model, f"m{M_LARGE}_rebase", "ablation", ov, base=f"m{M_LARGE}_decoupled",
+                           knob=f"rebase (vs blend 0.5) on receipt, M = {M_LARGE}", learners=M_LARGE))
+    return out
+
+
 def select(specs: Sequence[RunSpec], only: str | Sequence[str] | None) -> list[RunSpec]:
     """The rows named in ``only``: ``regime`` (every model) or ``model:regime``, comma-separated."""
     if not only:
@@ -291,6 +314,8 @@ def plan(models: Sequence[str], scale: Scale, quick: bool, ablations: bool = Tru
                 if model != extra:
                     specs += other_model_sweep(model, scale)
             specs += many_learner_specs(extra, scale)
+            for model in models:
+                specs += receipt_specs(model, scale)
     if quick:
         specs = [s for s in specs if s.group == "regime" or s.regime in QUICK_EXTRA]
     return specs

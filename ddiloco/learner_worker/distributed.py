@@ -13,7 +13,7 @@ Lock-step protocol, once per inner step (every rank runs the same sequence of co
    learner is waiting for (overlap-0 mode). All ranks therefore apply the same fragments at the same step,
    stop at the same step, and skip the same steps.
 2. *fragments* — if the apply list is not empty, rank 0 broadcasts the new global tensors (one flat
-   buffer, on the training device); every rank overwrites (or blends) its parameters with them.
+   buffer, on the training device); every rank overwrites (blends, or rebases onto) its parameters with them.
 3. *train* — one DDP step on this rank's batch (gradients averaged over ranks), AdamW, and an
    ``all_reduce`` of (loss × tokens, tokens): the learner's tokens are the sum over ranks, its loss the
    token-weighted mean.
@@ -398,8 +398,21 @@ class DistributedLearner(Learner):
     def _apply(self, control: Control) -> None:
         names = [(p, n) for p, _ in control.apply for n in self.fragments[p].names]
         sizes = [self.params[n].numel() for _, n in names]
+        # rebase (see Learner.apply_received): every rank adds G - S, which rank 0 computes from its
+        # host snapshot; base and c_steps are the same on every rank, so they all agree on the set.
+        rebase = {
+            p for p, _ in control.apply
+            if self.cfg.merge.on_receipt == "rebase" and self.base[p] >= 0 and self.c_steps[p] > 0
+        }
         if self.rank == 0:
-            flat = torch.cat([control.arrived[p][1][n].reshape(-1).to(torch.float32) for p, n in names]).to(self.device)
+            snaps = {}
+            for p in rebase:
+                staged = self._staged_snapshot.get(p)
+                snaps[p] = staged.wait() if staged is not None else self.snapshot[p]
+            flat = torch.cat([
+                (control.arrived[p][1][n] - snaps[p][n] if p in rebase else control.arrived[p][1][n]).reshape(-1).to(torch.float32)
+                for p, n in names
+            ]).to(self.device)
         else:
             flat = torch.empty(sum(sizes), dtype=torch.float32, device=self.device)
         if self.world > 1:
@@ -410,7 +423,9 @@ class DistributedLearner(Learner):
             for p, version in control.apply:
                 first = self.base[p] < 0
                 for n in self.fragments[p].names:
-                    if first or alpha >= 1.0:
+                    if p in rebase:
+                        self.params[n].add_(incoming[n].to(self.params[n].dtype))
+                    elif first or alpha >= 1.0:
                         self.params[n].copy_(incoming[n])
                     else:
                         self.params[n].mul_(1 - alpha).add_(incoming[n].to(self.params[n].dtype), alpha=alpha)
@@ -419,8 +434,9 @@ class DistributedLearner(Learner):
                     self.snapshot[p] = {n: t.clone() for n, t in control.arrived[p][1].items()}
                 self._staged_snapshot.pop(p, None)
                 self.base[p] = version
-                self.c_steps[p] = 0
-                self.c_tokens[p] = 0
+                if p not in rebase:
+                    self.c_steps[p] = 0
+                    self.c_tokens[p] = 0
 
     # --- training -----------------------------------------------------------------------------
 

@@ -406,22 +406,35 @@ class Learner:
         return got
 
     def apply_received(self) -> list[int]:
-        """Swap arrived global fragments into the local model (overwrite, or blend) and reset counters."""
+        """Swap arrived global fragments into the local model and reset the fragment's snapshot.
+
+        ``merge.on_receipt``: overwrite (θ ← G), blend (θ ← (1 − α)·θ + α·G) — both reset the
+        counters, the progress since the last send being discarded or halved — or rebase
+        (θ ← θ + (G − S), S ← G): the unsent progress θ − S is carried onto the new version and
+        the counters are kept, since the next send (S − θ) still carries those steps. Without
+        unsent progress (c_steps 0, so θ = S: the first receipt, overlap 0) rebase is overwrite,
+        exactly. Failed uploads waiting in ``_carry`` are progress already taken out of θ − S
+        (as if in flight): every mode sends them with the next send, none applies them locally."""
         with self._lock:
             arrived, self._inbox = self._inbox, {}
-        alpha = self.cfg.merge.blend_alpha if self.cfg.merge.on_receipt == "blend" else 1.0
+        mode = self.cfg.merge.on_receipt
+        alpha = self.cfg.merge.blend_alpha if mode == "blend" else 1.0
         with torch.no_grad():
             for p, (version, tensors) in arrived.items():
                 first = self.base[p] < 0
+                rebase = mode == "rebase" and not first and self.c_steps[p] > 0
                 for n, t in tensors.items():
-                    if first or alpha >= 1.0:
+                    if rebase:
+                        self.params[n].add_(t - self.snapshot[p][n])
+                    elif first or alpha >= 1.0:
                         self.params[n].copy_(t)
                     else:
                         self.params[n].mul_(1 - alpha).add_(t, alpha=alpha)
                 self.snapshot[p] = {n: t.clone() for n, t in tensors.items()}
                 self.base[p] = version
-                self.c_steps[p] = 0
-                self.c_tokens[p] = 0
+                if not rebase:
+                    self.c_steps[p] = 0
+                    self.c_tokens[p] = 0
                 self.awaiting.discard(p)
         return sorted(arrived)
 
