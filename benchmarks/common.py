@@ -9,10 +9,7 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -20,47 +17,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ddiloco.bench.provenance import git_state, json_safe, load_average, machine_info
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-def git_commit() -> dict[str, Any]:
-    """HEAD of the checkout and whether the tree has uncommitted changes (read-only git calls)."""
-    out: dict[str, Any] = {"commit": None, "dirty": None}
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5, check=False)
-        if head.returncode == 0:
-            out["commit"] = head.stdout.strip() or None
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, timeout=5, check=False
-        )
-        if status.returncode == 0:
-            out["dirty"] = bool(status.stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return out
-
-
-def machine_info() -> dict[str, Any]:
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        usable = os.cpu_count()
-    info: dict[str, Any] = {
-        "cores": os.cpu_count(),
-        "usable_cores": usable,
-        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-    }
-    try:
-        import torch
-
-        info["torch"] = torch.__version__
-        info["torch_threads"] = torch.get_num_threads()
-    except ImportError:
-        pass
-    return info
 
 
 def header(name: str, args: argparse.Namespace | None = None) -> dict[str, Any]:
@@ -68,7 +28,7 @@ def header(name: str, args: argparse.Namespace | None = None) -> dict[str, Any]:
     h: dict[str, Any] = {
         "benchmark": name,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        **git_commit(),
+        **git_state(),
         "machine": machine_info(),
     }
     if args is not None:
@@ -83,23 +43,12 @@ def results_path(name: str, override: str | None = None) -> Path:
 def write_results(name: str, results: dict[str, Any], override: str | None = None) -> Path:
     """Write ``results`` (after refreshing the machine's load figure) and return the path."""
     results.setdefault("machine", machine_info())
-    results["machine"]["load_avg_1m_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    results["machine"]["load_avg_1m_end"] = load_average()
     path = results_path(name, override)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_clean(results), indent=2) + "\n")
+    path.write_text(json.dumps(json_safe(results), indent=2) + "\n")
     print(f"wrote {path}")
     return path
-
-
-def _clean(x: Any) -> Any:
-    """JSON-safe: NaN/inf become null, tuples become lists."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
 
 
 def base_parser(doc: str | None) -> argparse.ArgumentParser:

@@ -29,10 +29,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import random
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -40,6 +37,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from ddiloco.bench.provenance import git_state, json_safe, machine_info
 
 LN256 = math.log(256)
 MODELS = ("dense", "moe", "vision")
@@ -845,8 +844,8 @@ def run_benchmark(*, quick: bool = False, models: Sequence[str] = MODELS, json_p
     result: dict[str, Any] = {
         "benchmark": "quality",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        **_git(),
-        "machine": _machine(),
+        **git_state(),
+        "machine": machine_info(),
         "scale": asdict(scale),
         "jobs": jobs,
         "total_real_s": round(total_s, 1),
@@ -878,7 +877,7 @@ def run_benchmark(*, quick: bool = False, models: Sequence[str] = MODELS, json_p
     print(f"\ntotal {total_s:.0f} s")
     path = Path(json_path) if json_path else RESULTS
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_clean(result), indent=1) + "\n")
+    path.write_text(json.dumps(json_safe(result), indent=1) + "\n")
     print(f"wrote {path}")
     pdir = plots_dir if plots_dir is not None else (DOCS if docs else path.parent)
     plots = save_plots(rows, pdir)
@@ -898,7 +897,7 @@ def render(json_path: Path, docs: bool = True) -> None:
     data = json.loads(Path(json_path).read_text())
     rows = rows_from_json(data)
     data["goals"], data["ablations"], data["notes"] = goals(rows), ablation_lines(rows), notes(rows)
-    Path(json_path).write_text(json.dumps(_clean(data), indent=1) + "\n")
+    Path(json_path).write_text(json.dumps(json_safe(data), indent=1) + "\n")
     save_plots(rows, DOCS if docs else Path(json_path).parent)
     if docs:
         write_docs(data, rows, DOCS / "quality.md")
@@ -911,50 +910,12 @@ def _row_json(r: Row) -> dict[str, Any]:
     return {**{k: d[k] for k in head}, **{k: v for k, v in d.items() if k not in head}}
 
 
-def _clean(x: Any) -> Any:
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
-
-
-def _git() -> dict[str, Any]:
-    out: dict[str, Any] = {"commit": None, "dirty": None}
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=5, check=False)
-        if head.returncode == 0:
-            out["commit"] = head.stdout.strip() or None
-        st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True, timeout=5, check=False)
-        if st.returncode == 0:
-            out["dirty"] = bool(st.stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return out
-
-
 def _cpu_s() -> float:
     """User + system CPU seconds of this process and its finished children (the worker pool)."""
     import resource
 
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return round(own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime, 1)
-
-
-def _machine() -> dict[str, Any]:
-    import platform
-
-    import torch
-
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-    return {"cores": os.cpu_count(), "usable_cores": usable,
-            "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
-            "python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform()}
 
 
 # --- reporting -----------------------------------------------------------------------------------

@@ -1,0 +1,67 @@
+"""Where a benchmark's figures come from: the commit, the machine, and JSON-safe values."""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def git_state(root: Path = ROOT) -> dict[str, Any]:
+    """HEAD of the checkout and whether the tree has uncommitted changes (read-only git calls)."""
+    out: dict[str, Any] = {"commit": None, "dirty": None}
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5, check=False)
+        if head.returncode == 0:
+            out["commit"] = head.stdout.strip() or None
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=5, check=False
+        )
+        if status.returncode == 0:
+            out["dirty"] = bool(status.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
+
+
+def load_average() -> float | None:
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
+def machine_info() -> dict[str, Any]:
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count()
+    info: dict[str, Any] = {
+        "cores": os.cpu_count(),
+        "usable_cores": usable,
+        "load_avg_1m": load_average(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    return info
+
+
+def json_safe(x: Any) -> Any:
+    """NaN/inf become null, tuples become lists, keys become strings."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
