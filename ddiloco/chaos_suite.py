@@ -287,8 +287,6 @@ class Suite:
         self.run_id = f"chaos-{uuid.uuid4().hex[:6]}"
         self.db_name = f"ddiloco_chaos_{uuid.uuid4().hex[:8]}"
         self.outages: list[tuple[float, float]] = []
-        self.verified: set[str] = set()
-        self._verified_lock = threading.Lock()
         self.spare_synchronizers = 0
 
     # --- set-up ----------------------------------------------------------------------------------
@@ -360,17 +358,6 @@ class Suite:
                 FragmentVersion.run_id == self.run_id, FragmentVersion.synchronizer != holder))
         return newest is not None and newest.timestamp() >= since
 
-    def blob_ok(self, store: FragmentStore, key: str, sha256: str) -> bool:
-        """The blob exists and its bytes hash to ``sha256``. Blobs are immutable, so a key read and
-        hashed once is afterwards only checked to still exist."""
-        if key in self.verified:
-            return store.exists(key)
-        ok = store.verify(key, sha256)
-        if ok:
-            with self._verified_lock:
-                self.verified.add(key)
-        return ok
-
     @staticmethod
     def listed_sizes(store: FragmentStore, prefix: str) -> dict[str, int]:
         try:
@@ -408,7 +395,7 @@ class Suite:
             if tokens != sorted(tokens):
                 problems.append(f"{when}: fragment {f} has a version from a synchronizer that had lost its lease")
             newest = max(rows, key=lambda r: r[0])
-            if not self.blob_ok(store, newest[2], newest[3]):
+            if not store.verify(newest[2], newest[3]):
                 problems.append(f"{when}: fragment {f} v{newest[0]} blob missing or corrupt")
                 lost += 1
         for sid, status, key, sha, reason, _ in subs:
@@ -416,7 +403,7 @@ class Suite:
                 problems.append(f"{when}: submission {sid} has no fate ({status})")
             if status == "rejected" and not reason:
                 problems.append(f"{when}: submission {sid} rejected without a reason")
-        # A pending blob is checked to exist with the size its row records (one HEAD): the
+        # A pending blob is checked to exist with the size its row records: the
         # synchronizer hashes every blob it merges and rejects a mismatch with a reason, and a full
         # read of hundreds of blobs here would slow the S3 server the run depends on.
         pending = [(sid, key, nbytes) for sid, status, key, _, _, nbytes in subs if status == "pending"]

@@ -492,18 +492,19 @@ class Synchronizer:
 
     def _loop(self, stop: threading.Event, until: float | None) -> None:
         role = None
+        # A ledger or store outage is waited out with exponential backoff; the run goes on after it.
+        # (Each ``for attempt in retrying`` starts a fresh backoff.)
+        retrying = Retrying(
+            retry=retry_if_exception_type(Exception),
+            wait=wait_exponential(multiplier=self.cfg.synchronizer.poll_s, max=POLL_RETRY_MAX_S),
+            stop=lambda _state: stop.is_set(),
+            sleep=stop.wait,
+            before_sleep=self._poll_failed,
+            reraise=True,
+        )
         while not stop.is_set():
             if until is not None and self.ctx.now() >= until:
                 break
-            # A ledger or store outage is waited out with exponential backoff; the run goes on after it.
-            retrying = Retrying(
-                retry=retry_if_exception_type(Exception),
-                wait=wait_exponential(multiplier=self.cfg.synchronizer.poll_s, max=POLL_RETRY_MAX_S),
-                stop=lambda _state: stop.is_set(),
-                sleep=stop.wait,
-                before_sleep=self._poll_failed,
-                reraise=True,
-            )
             try:
                 for attempt in retrying:
                     with attempt:
