@@ -64,7 +64,7 @@ from ddiloco.learner_worker.device import (
     set_device,
 )
 from ddiloco.learner_worker.process import LearnerJobFailed, resolve_learner
-from ddiloco.learner_worker.worker import Learner, Outgoing
+from ddiloco.learner_worker.worker import Learner, Outgoing, rebases, receive_tensor
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.data import Batch
 from ddiloco.platform.models import compute_loss
@@ -400,10 +400,7 @@ class DistributedLearner(Learner):
         sizes = [self.params[n].numel() for _, n in names]
         # rebase (see Learner.apply_received): every rank adds G - S, which rank 0 computes from its
         # host snapshot; base and c_steps are the same on every rank, so they all agree on the set.
-        rebase = {
-            p for p, _ in control.apply
-            if self.cfg.merge.on_receipt == "rebase" and self.base[p] >= 0 and self.c_steps[p] > 0
-        }
+        rebase = {p for p, _ in control.apply if rebases(self.cfg.merge.on_receipt, self.base[p], self.c_steps[p])}
         if self.rank == 0:
             snaps = {}
             for p in rebase:
@@ -423,12 +420,7 @@ class DistributedLearner(Learner):
             for p, version in control.apply:
                 first = self.base[p] < 0
                 for n in self.fragments[p].names:
-                    if p in rebase:
-                        self.params[n].add_(incoming[n].to(self.params[n].dtype))
-                    elif first or alpha >= 1.0:
-                        self.params[n].copy_(incoming[n])
-                    else:
-                        self.params[n].mul_(1 - alpha).add_(incoming[n].to(self.params[n].dtype), alpha=alpha)
+                    receive_tensor(self.params[n], incoming[n], rebase=p in rebase, first=first, alpha=alpha)
                 if self.rank == 0:
                     # The snapshot is the global fragment as stored (host memory), as in Learner.apply_received.
                     self.snapshot[p] = {n: t.clone() for n, t in control.arrived[p][1].items()}

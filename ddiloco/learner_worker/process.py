@@ -10,7 +10,7 @@ import threading
 import torch
 
 from ddiloco.learner_worker.worker import Learner
-from ddiloco.platform.config import ConfigError, RunConfig
+from ddiloco.platform.config import RunConfig
 from ddiloco.platform.runtime import RunContext
 
 log = logging.getLogger("ddiloco.learner")

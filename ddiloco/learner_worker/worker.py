@@ -51,6 +51,22 @@ class Outgoing:
     created_at: float
 
 
+def rebases(mode: str, base_version: int, c_steps: int) -> bool:
+    """Whether a receipt rebases: only in rebase mode, onto a fragment already held, with unsent
+    progress (without any, rebase is exactly overwrite)."""
+    return mode == "rebase" and base_version >= 0 and c_steps > 0
+
+
+def receive_tensor(param: torch.Tensor, incoming: torch.Tensor, *, rebase: bool, first: bool, alpha: float) -> None:
+    """Fold one arrived global tensor into a local parameter (``incoming`` is G − S when rebasing)."""
+    if rebase:
+        param.add_(incoming.to(param.dtype))
+    elif first or alpha >= 1.0:
+        param.copy_(incoming)
+    else:
+        param.mul_(1 - alpha).add_(incoming.to(param.dtype), alpha=alpha)
+
+
 @dataclass
 class StepReport:
     step: int
@@ -422,14 +438,9 @@ class Learner:
         with torch.no_grad():
             for p, (version, tensors) in arrived.items():
                 first = self.base[p] < 0
-                rebase = mode == "rebase" and not first and self.c_steps[p] > 0
+                rebase = rebases(mode, self.base[p], self.c_steps[p])
                 for n, t in tensors.items():
-                    if rebase:
-                        self.params[n].add_(t - self.snapshot[p][n])
-                    elif first or alpha >= 1.0:
-                        self.params[n].copy_(t)
-                    else:
-                        self.params[n].mul_(1 - alpha).add_(t, alpha=alpha)
+                    receive_tensor(self.params[n], t - self.snapshot[p][n] if rebase else t, rebase=rebase, first=first, alpha=alpha)
                 self.snapshot[p] = {n: t.clone() for n, t in tensors.items()}
                 self.base[p] = version
                 if not rebase:
