@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
 
+from ddiloco.platform import liveness
 from ddiloco.platform.compression import CompressionError, decode_delta
 from ddiloco.platform.data import build_dataset
 from ddiloco.platform.faults import fault_point
@@ -109,6 +110,7 @@ class Synchronizer:
             min_s=self.cfg.grace.min_s,
             max_s=self.cfg.grace.max_s,
         )
+        self.liveness = liveness.LivenessPolicy.from_learners_config(self.cfg.learners)
         self.quorum_policy = pol.QuorumPolicy(self.cfg.quorum.min_count, self.cfg.quorum.min_fraction)
 
     # --- lease and bootstrap ---------------------------------------------------------------------
@@ -212,21 +214,19 @@ class Synchronizer:
                 self._bootstrap(now)
             self._bootstrapped = True
         result = PollResult(role="active")
-        lcfg = self.cfg.learners
         now_dt = to_datetime(now)
         if now - self._last_status >= STATUS_EVERY_S:
             self._last_status = now
             with self.ctx.transaction() as s:
-                q.update_learner_statuses(s, run_id, now_dt, dead_after_s=lcfg.dead_after_s, straggler_factor=lcfg.straggler_factor)
+                q.update_learner_statuses(s, run_id, now_dt, self.liveness)
         with self.ctx.reading() as s:
             rows = q.learners(s, run_id)
             pending = q.pending_submissions(s, run_id)
             latest = q.latest_versions(s, run_id)
         regions = {r.id: r.region for r in rows}
-        live_rows = [r for r in rows if r.last_heartbeat_at is not None and (now_dt - r.last_heartbeat_at).total_seconds() <= lcfg.dead_after_s]
-        live = [r.id for r in live_rows]
-        step_times = sorted(r.step_time_s for r in live_rows if r.step_time_s > 0)
-        step_s = step_times[len(step_times) // 2] if step_times else None
+        snaps = q.learner_snapshots(rows)
+        live = liveness.live_ids(liveness.learner_verdicts(snaps, now_dt, self.liveness))
+        step_s = liveness.median_live_step_s(snaps, now_dt, self.liveness) or None
         if step_s is not None:
             self.stats = pol.TimingStats(step_s=step_s, quorum_s=self.stats.quorum_s, sync_s=self.stats.sync_s)
         by_fragment: dict[int, list[Submission]] = defaultdict(list)

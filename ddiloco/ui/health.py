@@ -2,9 +2,9 @@
 
 Nothing here reads the clock or the ledger. Each decision returns a readable reason with its
 verdict, so the page can say *why* a learner is dead or a run is degraded, and tests move time by
-editing timestamps. The learner rules mirror ``queries.update_learner_statuses`` (the
-synchronizer's own verdict): the dashboard recomputes them from heartbeats because the stored
-status goes stale exactly when it matters most — when the synchronizer is down."""
+editing timestamps. Learner verdicts come from ``ddiloco.platform.liveness``, the rule the
+synchronizer writes to the ledger too: the dashboard recomputes them from heartbeats because the
+stored status goes stale exactly when it matters most — when the synchronizer is down."""
 
 from __future__ import annotations
 
@@ -12,12 +12,22 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Iterable, Sequence
 
-# Learner statuses.
-ALIVE = "alive"
-STRAGGLING = "straggling"
-DEAD = "dead"
-RECOVERING = "recovering"
-LEARNER_STATUSES = (ALIVE, STRAGGLING, RECOVERING, DEAD)
+# Learner statuses and verdicts have one home, the platform's liveness rule; re-exported for the pages.
+from ddiloco.platform.liveness import (  # noqa: E402,F401
+    ALIVE,
+    DEAD,
+    LEARNER_STATUSES,
+    RECOVERING,
+    STRAGGLING,
+    LearnerSnapshot,
+    LivenessPolicy,
+    Verdict,
+    format_duration,
+    learner_verdict,
+    learner_verdicts,
+    median_live_step_s,
+    silent_s,
+)
 
 # Run health levels, worst last.
 FINISHED = "finished"
@@ -65,73 +75,20 @@ def hex_of(status: str) -> str:
 
 
 @dataclass(frozen=True)
-class HealthPolicy:
+class HealthPolicy(LivenessPolicy):
     """Thresholds, taken from the run's own config so the dashboard agrees with the synchronizer."""
 
-    dead_after_s: float = 10.0
-    """No heartbeat for this long: dead (``learners.dead_after_s``)."""
-    straggler_factor: float = 2.0
-    """Step time above this multiple of the live median: straggling (``learners.straggler_factor``)."""
     stall_after_s: float = 30.0
     """No new global version for this long while learners are alive: the run is stalled."""
 
     @classmethod
     def from_config(cls, config: dict) -> "HealthPolicy":
-        learners = config.get("learners") or {}
-        dead = float(learners.get("dead_after_s", cls.dead_after_s))
+        live = LivenessPolicy.from_learners_config(config.get("learners") or {})
         return cls(
-            dead_after_s=dead,
-            straggler_factor=float(learners.get("straggler_factor", cls.straggler_factor)),
-            stall_after_s=max(cls.stall_after_s, 2 * dead),
+            dead_after_s=live.dead_after_s,
+            straggler_factor=live.straggler_factor,
+            stall_after_s=max(cls.stall_after_s, 2 * live.dead_after_s),
         )
-
-
-# --- learners ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LearnerSnapshot:
-    id: str
-    last_heartbeat_at: datetime | None
-    started_at: datetime
-    step: int
-    step_time_s: float
-    ledger_status: str
-    """As last written by the synchronizer (``learners.status``)."""
-
-
-@dataclass(frozen=True)
-class Verdict:
-    status: str
-    reason: str
-
-
-def silent_s(snap: LearnerSnapshot, now: datetime) -> float:
-    """Seconds since the learner was last heard of (its start counts as a sign of life)."""
-    return (now - (snap.last_heartbeat_at or snap.started_at)).total_seconds()
-
-
-def median_live_step_s(snaps: Iterable[LearnerSnapshot], now: datetime, policy: HealthPolicy) -> float:
-    times = sorted(s.step_time_s for s in snaps if silent_s(s, now) <= policy.dead_after_s and s.step_time_s > 0)
-    return times[len(times) // 2] if times else 0.0
-
-
-def learner_verdict(snap: LearnerSnapshot, now: datetime, policy: HealthPolicy, median_step_s: float) -> Verdict:
-    """Dead beats straggling beats recovering beats alive — the synchronizer's order."""
-    silent = silent_s(snap, now)
-    if silent > policy.dead_after_s:
-        return Verdict(DEAD, f"no heartbeat for {format_duration(silent)} (limit {format_duration(policy.dead_after_s)})")
-    if median_step_s > 0 and snap.step_time_s > policy.straggler_factor * median_step_s:
-        ratio = snap.step_time_s / median_step_s
-        return Verdict(STRAGGLING, f"step time {snap.step_time_s:.2f}s is {ratio:.1f}x the live median {median_step_s:.2f}s")
-    if snap.ledger_status == RECOVERING and snap.step == 0:
-        return Verdict(RECOVERING, "restarted; rejoining from the newest global state")
-    return Verdict(ALIVE, f"last heartbeat {format_duration(silent)} ago")
-
-
-def learner_verdicts(snaps: Sequence[LearnerSnapshot], now: datetime, policy: HealthPolicy) -> dict[str, Verdict]:
-    median = median_live_step_s(snaps, now, policy)
-    return {s.id: learner_verdict(s, now, policy, median) for s in snaps}
 
 
 # --- synchronizer --------------------------------------------------------------------------------------
@@ -279,23 +236,6 @@ def event_category(kind: str) -> str:
 
 
 # --- formatting --------------------------------------------------------------------------------------
-
-
-def format_duration(seconds: float | None) -> str:
-    """'4.2s', '3m 05s', '2h 01m', '3d 4h' — short enough for a table cell."""
-    if seconds is None:
-        return "—"
-    s = max(0.0, float(seconds))
-    if s < 60:
-        return f"{s:.1f}s" if s < 10 else f"{s:.0f}s"
-    m, sec = divmod(int(round(s)), 60)
-    if m < 60:
-        return f"{m}m {sec:02d}s"
-    h, m = divmod(m, 60)
-    if h < 48:
-        return f"{h}h {m:02d}m"
-    d, h = divmod(h, 24)
-    return f"{d}d {h}h"
 
 
 def format_count(n: float | None) -> str:

@@ -12,6 +12,7 @@ from sqlalchemy import and_, bindparam, case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from ddiloco.platform import liveness
 from ddiloco.platform.ledger.models import (
     MERGED,
     PENDING,
@@ -256,54 +257,34 @@ def learners(session: Session, run_id: str) -> list[Learner]:
     return list(session.scalars(select(Learner).where(Learner.run_id == run_id).order_by(Learner.region, Learner.id)))
 
 
+def learner_snapshots(rows: list[Learner]) -> list[liveness.LearnerSnapshot]:
+    """What the liveness rule needs of each learner row."""
+    return [
+        liveness.LearnerSnapshot(
+            id=r.id, last_heartbeat_at=r.last_heartbeat_at, started_at=r.started_at,
+            step=r.step, step_time_s=r.step_time_s, ledger_status=r.status,
+        )
+        for r in rows
+    ]
+
+
 def update_learner_statuses(
-    session: Session, run_id: str, now: datetime, *, dead_after_s: float, straggler_factor: float
-) -> list[str]:
-    """Set alive / straggling / dead from heartbeats; returns the learners newly declared dead."""
+    session: Session, run_id: str, now: datetime, policy: liveness.LivenessPolicy
+) -> dict[str, liveness.Verdict]:
+    """Write every learner's verdict (``platform.liveness``) to its row; returns the verdicts.
+
+    A learner newly declared dead gets a ``learner_dead`` event with the tokens it may have lost."""
     rows = learners(session, run_id)
-    live_step_times = sorted(
-        r.step_time_s for r in rows if r.last_heartbeat_at and (now - r.last_heartbeat_at).total_seconds() <= dead_after_s and r.step_time_s > 0
-    )
-    median = live_step_times[len(live_step_times) // 2] if live_step_times else 0.0
-    newly_dead = []
+    verdicts = liveness.learner_verdicts(learner_snapshots(rows), now, policy)
     for r in rows:
-        silent = (now - (r.last_heartbeat_at or r.started_at)).total_seconds()
-        if silent > dead_after_s:
-            status = "dead"
-        elif median > 0 and r.step_time_s > straggler_factor * median:
-            status = "straggling"
-        elif r.status == "recovering" and r.step == 0:
-            status = "recovering"
-        else:
-            status = "alive"
+        status = verdicts[r.id].status
         if status != r.status:
-            if status == "dead":
-                newly_dead.append(r.id)
+            if status == liveness.DEAD:
                 lost = max(0, r.inc_tokens_trained - r.inc_tokens_submitted)
-                record_event(session, run_id, "learner_dead", r.id, f"no heartbeat for {silent:.1f}s; up to {lost} tokens lost", now)
+                record_event(session, run_id, "learner_dead", r.id, f"{verdicts[r.id].reason}; up to {lost} tokens lost", now)
             r.status = status
     session.flush()
-    return newly_dead
-
-
-def live_learner_ids(session: Session, run_id: str, now: datetime, dead_after_s: float) -> list[str]:
-    cutoff = now - timedelta(seconds=dead_after_s)
-    return list(
-        session.scalars(
-            select(Learner.id).where(Learner.run_id == run_id, Learner.last_heartbeat_at >= cutoff).order_by(Learner.id)
-        )
-    )
-
-
-def median_step_time(session: Session, run_id: str, now: datetime, dead_after_s: float) -> float | None:
-    cutoff = now - timedelta(seconds=dead_after_s)
-    times = sorted(
-        t
-        for t in session.scalars(
-            select(Learner.step_time_s).where(Learner.run_id == run_id, Learner.last_heartbeat_at >= cutoff, Learner.step_time_s > 0)
-        )
-    )
-    return times[len(times) // 2] if times else None
+    return verdicts
 
 
 def set_optimizer_state(session: Session, run_id: str, learner_id: str, key: str, sha256: str) -> str | None:

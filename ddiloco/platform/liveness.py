@@ -1,0 +1,103 @@
+"""Who is alive: the one rule for a learner's status, as a pure function of (snapshot, now, policy).
+
+The synchronizer's status writer and live set and the dashboard all call :func:`learner_verdicts`;
+nothing here reads the clock or the ledger, and every verdict carries its reason."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+ALIVE = "alive"
+STRAGGLING = "straggling"
+DEAD = "dead"
+RECOVERING = "recovering"
+LEARNER_STATUSES = (ALIVE, STRAGGLING, RECOVERING, DEAD)
+
+
+@dataclass(frozen=True)
+class LivenessPolicy:
+    """Thresholds, from the run's ``learners`` config."""
+
+    dead_after_s: float = 10.0
+    """No heartbeat for this long: dead (``learners.dead_after_s``)."""
+    straggler_factor: float = 2.0
+    """Step time above this multiple of the live median: straggling (``learners.straggler_factor``)."""
+
+    @classmethod
+    def from_learners_config(cls, learners: Mapping | object) -> LivenessPolicy:
+        """From ``RunConfig.learners`` or its recorded dict form (old runs may lack a key: defaults)."""
+        get = learners.get if isinstance(learners, Mapping) else lambda k, d: getattr(learners, k, d)
+        return cls(
+            dead_after_s=float(get("dead_after_s", cls.dead_after_s)),
+            straggler_factor=float(get("straggler_factor", cls.straggler_factor)),
+        )
+
+
+@dataclass(frozen=True)
+class LearnerSnapshot:
+    id: str
+    last_heartbeat_at: datetime | None
+    started_at: datetime
+    step: int
+    step_time_s: float
+    ledger_status: str
+    """As last written by the synchronizer (``learners.status``)."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: str
+    reason: str
+
+
+def format_duration(seconds: float | None) -> str:
+    """'4.2s', '3m 05s', '2h 01m', '3d 4h' — short enough for a table cell."""
+    if seconds is None:
+        return "—"
+    s = max(0.0, float(seconds))
+    if s < 60:
+        return f"{s:.1f}s" if s < 10 else f"{s:.0f}s"
+    m, sec = divmod(int(round(s)), 60)
+    if m < 60:
+        return f"{m}m {sec:02d}s"
+    h, m = divmod(m, 60)
+    if h < 48:
+        return f"{h}h {m:02d}m"
+    d, h = divmod(h, 24)
+    return f"{d}d {h}h"
+
+
+def silent_s(snap: LearnerSnapshot, now: datetime) -> float:
+    """Seconds since the learner was last heard of (its start counts as a sign of life)."""
+    return (now - (snap.last_heartbeat_at or snap.started_at)).total_seconds()
+
+
+def median_live_step_s(snaps: Iterable[LearnerSnapshot], now: datetime, policy: LivenessPolicy) -> float:
+    times = sorted(s.step_time_s for s in snaps if silent_s(s, now) <= policy.dead_after_s and s.step_time_s > 0)
+    return times[len(times) // 2] if times else 0.0
+
+
+def learner_verdict(snap: LearnerSnapshot, now: datetime, policy: LivenessPolicy, median_step_s: float) -> Verdict:
+    """Dead beats straggling beats recovering beats alive."""
+    silent = silent_s(snap, now)
+    if silent > policy.dead_after_s:
+        return Verdict(DEAD, f"no heartbeat for {format_duration(silent)} (limit {format_duration(policy.dead_after_s)})")
+    if median_step_s > 0 and snap.step_time_s > policy.straggler_factor * median_step_s:
+        ratio = snap.step_time_s / median_step_s
+        return Verdict(STRAGGLING, f"step time {snap.step_time_s:.2f}s is {ratio:.1f}x the live median {median_step_s:.2f}s")
+    if snap.ledger_status == RECOVERING and snap.step == 0:
+        return Verdict(RECOVERING, "restarted; rejoining from the newest global state")
+    return Verdict(ALIVE, f"last heartbeat {format_duration(silent)} ago")
+
+
+def learner_verdicts(snaps: Sequence[LearnerSnapshot], now: datetime, policy: LivenessPolicy) -> dict[str, Verdict]:
+    """Every learner's verdict, judged against the median step time of the live ones."""
+    median = median_live_step_s(snaps, now, policy)
+    return {s.id: learner_verdict(s, now, policy, median) for s in snaps}
+
+
+def live_ids(verdicts: Mapping[str, Verdict]) -> list[str]:
+    """The learners that count as live for quorum and grace: every one not dead, sorted."""
+    return sorted(lid for lid, v in verdicts.items() if v.status != DEAD)
