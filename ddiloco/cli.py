@@ -61,6 +61,49 @@ def ledger_upgrade(ledger: Optional[str] = LedgerOpt, config: Optional[Path] = C
     console.print(f"ledger at {_redact(url)} is at the newest schema revision")
 
 
+@ledger_app.command("check")
+def ledger_check(
+    config: Optional[Path] = ConfigOpt,
+    run: Optional[str] = typer.Option(None, "--run", help="Run id; defaults to the config's name."),
+    ledger: Optional[str] = LedgerOpt,
+    store: Optional[str] = typer.Option(None, "--store", help="Fragment store URL; defaults to the config's storage.url."),
+) -> None:
+    """Check a run's invariants against its store, read-only: prints "ok", or every problem and exits 1."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from ddiloco.platform.invariants import check_run
+    from ddiloco.platform.ledger import make_engine
+    from ddiloco.platform.ledger.queries import UnknownRunError
+    from ddiloco.platform.runtime import RunContext
+
+    cfg = _config(config)
+    if store:
+        cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"url": store})})
+    url = ledger or cfg.ledger.url
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and not (parsed.database and Path(parsed.database).is_file()):
+        # Connecting would create an empty file; a check never creates a ledger.
+        err_console.print(f"[red]error:[/red] no ledger file at {_redact(url)}")
+        raise typer.Exit(2)
+    ctx = RunContext.open(cfg, run or cfg.name, engine=make_engine(url, read_only=True))
+    try:
+        problems = check_run(ctx)
+    except UnknownRunError as err:
+        err_console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+    except SQLAlchemyError as err:
+        err_console.print(f"[red]error:[/red] cannot read the ledger at {_redact(url)}: {str(err).splitlines()[0]}")
+        raise typer.Exit(2) from None
+    finally:
+        ctx.engine.dispose()
+    for problem in problems:
+        typer.echo(str(problem))
+    if problems:
+        raise typer.Exit(1)
+    typer.echo(f"ok: run {ctx.run_id} holds every invariant")
+
+
 @app.command("runs")
 def runs(ledger: Optional[str] = LedgerOpt, config: Optional[Path] = ConfigOpt) -> None:
     """List the runs in the ledger."""
@@ -128,7 +171,7 @@ def learner(
     except ConfigError as err:
         err_console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
-    from ddiloco.learner_worker.process import LearnerJobFailed, run_learner
+    from ddiloco.learner_worker.launch import LearnerJobFailed, run_learner
 
     try:
         run_learner(

@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Mapping, Protocol, Sequence
 
 from ddiloco.platform.config import RunConfig
 
@@ -48,23 +48,26 @@ class SubprocessLauncher:
         logdir.mkdir(parents=True, exist_ok=True)
         self.handles: list[Handle] = []
 
-    def _spawn(self, name: str, args: list[str]) -> Handle:
+    def spawn(self, name: str, args: list[str], *, env: Mapping[str, str] | None = None, wrap: Sequence[str] = ()) -> Handle:
+        """``ddiloco <args>`` for this run, logging to ``<logdir>/<name>.log``; ``wrap`` prefixes the
+        command line (``ip netns exec <ns>``), ``env`` replaces the inherited environment."""
         log = open(self.logdir / f"{name}.log", "ab")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "ddiloco", *args, "--config", str(self.config_path), "--run", self.run_id],
+            [*wrap, sys.executable, "-m", "ddiloco", *args, "--config", str(self.config_path), "--run", self.run_id],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            env=env,
         )
         handle = Handle(name=name, started_at=time.time(), process=proc)
         self.handles.append(handle)
         return handle
 
     def start_learner(self, learner_id: str, region: str) -> Handle:
-        return self._spawn(learner_id, ["learner", "--learner", learner_id])
+        return self.spawn(learner_id, ["learner", "--learner", learner_id])
 
     def start_synchronizer(self, label: str) -> Handle:
-        return self._spawn(label, ["synchronizer", "--label", label])
+        return self.spawn(label, ["synchronizer", "--label", label])
 
     def is_running(self, handle: Handle) -> bool:
         return handle.process is not None and handle.process.poll() is None

@@ -1,0 +1,231 @@
+"""What must hold of a run's ledger and store at any moment, whatever failed (``ddiloco ledger check``).
+
+- every submission has exactly one fate: merged into a version that exists, rejected with a reason,
+  or pending;
+- each fragment's versions are dense (0, 1, 2, …) and their fencing tokens never go backwards (no
+  version from a synchronizer that had lost its lease);
+- the newest version of each fragment points to a blob that exists and matches its sha256;
+- every pending submission points to a blob that exists with the size its row records (the
+  synchronizer hashes each one it merges; hashing every pending blob here would load the store the
+  run depends on);
+- tokens trained = merged + rejected + pending + lost + in flight.
+
+The checks are pure functions of plain rows; :func:`check_run` reads one snapshot of the ledger,
+looks at the store and hands both to them. It only reads."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger.models import MERGED, PENDING, REJECTED, FragmentVersion, Learner, Submission
+from ddiloco.platform.runtime import RunContext
+from ddiloco.platform.store import FragmentStore
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One broken invariant; ``lost`` counts the rows (or tokens) whose data is gone because of it."""
+
+    what: str
+    lost: int = 0
+
+    def __str__(self) -> str:
+        return self.what
+
+
+@dataclass(frozen=True)
+class VersionRow:
+    fragment: int
+    version: int
+    lease_token: int
+    blob_key: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class SubmissionRow:
+    id: int
+    fragment: int
+    status: str
+    merged_version: int | None
+    reject_reason: str | None
+    blob_key: str
+    nbytes: int
+    region: str | None = None
+    """The submitting learner's region, whose store holds the blob."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    versions: list[VersionRow]
+    submissions: list[SubmissionRow]
+    accounting: q.TokenAccounting
+
+
+# --- the pure checks --------------------------------------------------------------------------------
+
+
+def newest_versions(versions: Iterable[VersionRow]) -> dict[int, VersionRow]:
+    out: dict[int, VersionRow] = {}
+    for v in versions:
+        if v.fragment not in out or v.version > out[v.fragment].version:
+            out[v.fragment] = v
+    return out
+
+
+def version_problems(versions: Iterable[VersionRow]) -> list[Problem]:
+    """Versions dense per fragment; fencing tokens non-decreasing with the version."""
+    by_fragment: dict[int, list[VersionRow]] = defaultdict(list)
+    for v in versions:
+        by_fragment[v.fragment].append(v)
+    problems = []
+    for fragment, rows in sorted(by_fragment.items()):
+        rows.sort(key=lambda v: v.version)
+        numbers = [v.version for v in rows]
+        if numbers != list(range(len(numbers))):
+            missing = sorted(set(range(max(numbers) + 1)) - set(numbers))
+            problems.append(Problem(f"fragment {fragment}: versions not dense (missing {missing[:10]}, "
+                                    f"{len(numbers) - len(set(numbers))} duplicated)"))
+        for before, after in zip(rows, rows[1:]):
+            if after.lease_token < before.lease_token:
+                problems.append(Problem(f"fragment {fragment}: v{after.version} has fencing token {after.lease_token} < "
+                                        f"{before.lease_token} of v{before.version}: published by a synchronizer that had lost its lease"))
+    return problems
+
+
+def fate_problems(submissions: Iterable[SubmissionRow], newest: Mapping[int, int]) -> list[Problem]:
+    """Each submission merged into an existing version, rejected with a reason, or pending — one of them."""
+    problems = []
+    for s in submissions:
+        if s.status == MERGED:
+            if s.merged_version is None or s.merged_version > newest.get(s.fragment, -1):
+                problems.append(Problem(f"submission {s.id}: merged into v{s.merged_version} of fragment {s.fragment}, "
+                                        "which does not exist"))
+            elif s.reject_reason:
+                problems.append(Problem(f"submission {s.id}: merged, and also a reject reason"))
+        elif s.status == REJECTED:
+            if not s.reject_reason:
+                problems.append(Problem(f"submission {s.id}: rejected without a reason"))
+            elif s.merged_version is not None:
+                problems.append(Problem(f"submission {s.id}: rejected, and also merged into v{s.merged_version}"))
+        elif s.status == PENDING:
+            if s.merged_version is not None or s.reject_reason:
+                problems.append(Problem(f"submission {s.id}: pending, yet with a merged version or a reject reason"))
+        else:
+            problems.append(Problem(f"submission {s.id}: no fate (status {s.status!r})"))
+    return problems
+
+
+def blob_problems(
+    newest: Mapping[int, VersionRow],
+    intact: Mapping[int, bool],
+    pending: Iterable[SubmissionRow],
+    listed_size: Mapping[int, int | None],
+) -> list[Problem]:
+    """The newest blob of each fragment verified (``intact`` by fragment); each pending blob listed with
+    its recorded size (``listed_size`` by submission id, None when absent)."""
+    problems = []
+    for fragment, v in sorted(newest.items()):
+        if not intact.get(fragment, False):
+            problems.append(Problem(f"fragment {fragment}: v{v.version}'s blob {v.blob_key} is missing or does not match "
+                                    "its sha256", lost=1))
+    for s in pending:
+        size = listed_size.get(s.id)
+        if size != s.nbytes:
+            found = "is missing" if size is None else f"has {size} bytes, not {s.nbytes}"
+            problems.append(Problem(f"pending submission {s.id}: its blob {s.blob_key} {found}", lost=1))
+    return problems
+
+
+def accounting_problems(acct: q.TokenAccounting) -> list[Problem]:
+    accounted = acct.merged + acct.rejected + acct.pending + acct.lost + acct.in_flight
+    if acct.trained == accounted:
+        return []
+    return [Problem(f"token accounting does not balance: trained {acct.trained} != merged {acct.merged} + rejected "
+                    f"{acct.rejected} + pending {acct.pending} + lost {acct.lost} + in flight {acct.in_flight}",
+                    lost=abs(acct.trained - accounted))]
+
+
+def check_snapshot(snap: Snapshot, intact: Mapping[int, bool], listed_size: Mapping[int, int | None]) -> list[Problem]:
+    """Every invariant over one snapshot and what the store showed of it."""
+    newest = newest_versions(snap.versions)
+    pending = [s for s in snap.submissions if s.status == PENDING]
+    return [
+        *version_problems(snap.versions),
+        *fate_problems(snap.submissions, {f: v.version for f, v in newest.items()}),
+        *blob_problems(newest, intact, pending, listed_size),
+        *accounting_problems(snap.accounting),
+    ]
+
+
+# --- reading the ledger and the store ---------------------------------------------------------------
+
+
+def read_snapshot(session: Session, run_id: str) -> Snapshot:
+    """The rows the checks need, from one transaction (raises UnknownRunError for a run not in the ledger)."""
+    q.require_run(session, run_id)
+    versions = [
+        VersionRow(*row)
+        for row in session.execute(
+            select(FragmentVersion.fragment, FragmentVersion.version, FragmentVersion.lease_token, FragmentVersion.blob_key,
+                   FragmentVersion.sha256).where(FragmentVersion.run_id == run_id)
+        )
+    ]
+    submissions = [
+        SubmissionRow(*row)
+        for row in session.execute(
+            select(Submission.id, Submission.fragment, Submission.status, Submission.merged_version, Submission.reject_reason,
+                   Submission.blob_key, Submission.nbytes, Learner.region)
+            .outerjoin(Learner, (Learner.run_id == Submission.run_id) & (Learner.id == Submission.learner_id))
+            .where(Submission.run_id == run_id)
+        )
+    ]
+    return Snapshot(versions, submissions, q.token_accounting(session, run_id))
+
+
+def _bare(path: str) -> str:
+    """A store path without its protocol or leading slash, as listings and ``store.path`` may differ in both."""
+    return path.split("://", 1)[-1].lstrip("/")
+
+
+def listed_sizes(store: FragmentStore, prefix: str) -> dict[str, int]:
+    """Size of every blob under ``prefix``, by bare path, from one listing."""
+    try:
+        found = store.fs.find(store.path(prefix), detail=True)
+    except FileNotFoundError:
+        return {}
+    return {_bare(path): int(info["size"]) for path, info in found.items()}
+
+
+def probe_store(
+    snap: Snapshot, run_id: str, store_for: Callable[[str | None], FragmentStore]
+) -> tuple[dict[int, bool], dict[int, int | None]]:
+    """(newest version blob verified, by fragment; pending blob's listed size, by submission id)."""
+    central = store_for(None)
+    intact = {f: central.verify(v.blob_key, v.sha256) for f, v in newest_versions(snap.versions).items()}
+    pending = [s for s in snap.submissions if s.status == PENDING]
+    by_store: dict[str, tuple[FragmentStore, list[SubmissionRow]]] = {}
+    for s in pending:
+        store = store_for(s.region)
+        by_store.setdefault(store.url, (store, []))[1].append(s)
+    sizes: dict[int, int | None] = {}
+    for store, rows in by_store.values():
+        # One listing per store instead of a request per blob; taken after the rows were read, and a
+        # blob is written before its row, so a blob that exists is listed.
+        listed = listed_sizes(store, f"{run_id}/submissions")
+        sizes.update({s.id: listed.get(_bare(store.path(s.blob_key))) for s in rows})
+    return intact, sizes
+
+
+def check_run(ctx: RunContext, store_for: Callable[[str | None], FragmentStore] | None = None) -> list[Problem]:
+    """Every broken invariant of ``ctx``'s run; an empty list when the run is sound."""
+    with ctx.reading() as s:
+        snap = read_snapshot(s, ctx.run_id)
+    intact, sizes = probe_store(snap, ctx.run_id, store_for or ctx.store)
+    return check_snapshot(snap, intact, sizes)

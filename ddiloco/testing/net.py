@@ -1,0 +1,58 @@
+"""Ports and waits: a free loopback port, and polling a condition with a deadline."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at ``host`` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_open(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def poll_until(
+    predicate: Callable[[], T], timeout_s: float, *, interval_s: float = 0.1, transient: tuple[type[BaseException], ...] = ()
+) -> T | None:
+    """The first truthy value of ``predicate()``, or None once ``timeout_s`` has passed.
+
+    An exception of a ``transient`` type counts as "not yet" (a backend restarting while we look)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = predicate()
+        except transient:
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(interval_s)
+
+
+def wait_for(
+    predicate: Callable[[], T],
+    timeout_s: float,
+    what: str,
+    *,
+    interval_s: float = 0.1,
+    transient: tuple[type[BaseException], ...] = (),
+) -> T:
+    """Like :func:`poll_until`, but a timeout is an error that says what never happened."""
+    value = poll_until(predicate, timeout_s, interval_s=interval_s, transient=transient)
+    if not value:
+        raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+    return value

@@ -1,0 +1,134 @@
+"""A run's learners and synchronizers as OS processes, started the way the flows start them
+(:class:`~ddiloco.flows.launchers.SubprocessLauncher`), each with its fault points armed by the
+environment (see :mod:`ddiloco.platform.faults`)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+import yaml
+
+from ddiloco.flows.launchers import SubprocessLauncher
+from ddiloco.platform.config import RunConfig
+from ddiloco.platform.faults import ARMED_BY_FILE, arm_file
+from ddiloco.platform.runtime import RunContext
+
+FAULT_ENV = ("DDILOCO_FAULTS", "DDILOCO_FAULT_DIR")
+
+
+def write_config(cfg: RunConfig, path: Path) -> Path:
+    """Save ``cfg`` where ``ddiloco … --config`` reads it."""
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    return path
+
+
+def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = 30.0) -> None:
+    """SIGTERM every process still running (after SIGCONT: a stopped one cannot act on it), then
+    SIGKILL whatever is left after ``grace_s``."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
+
+
+class ProcessCluster:
+    """The processes of one run, by name; a process may be stopped at a named fault point, signalled and restarted."""
+
+    LEARNER_POINTS = ("learner.mid_step", "learner.after_blob", "learner.after_download")
+    SYNC_POINTS = ("sync.mid_merge", "sync.before_commit", "sync.renew_lease")
+
+    def __init__(self, config_path: Path, run_id: str, logdir: Path, env: Mapping[str, str] | None = None) -> None:
+        self.launcher = SubprocessLauncher(config_path, run_id, logdir)
+        self.config_path, self.run_id, self.logdir = config_path, run_id, logdir
+        self.env = {k: v for k, v in (os.environ if env is None else env).items() if k not in FAULT_ENV}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(
+        self, name: str, args: list[str], *, faults: str | Sequence[str] = (), env: Mapping[str, str] | None = None,
+        wrap: Sequence[str] = (),
+    ) -> subprocess.Popen:
+        """Start ``ddiloco <args>`` as ``name``. ``faults`` is a ``DDILOCO_FAULTS`` spec (``"learner.after_blob:3"``)
+        or the points to arm later, one by one, with :meth:`arm`; ``env`` adds to the cluster's environment."""
+        env = {**self.env, **(env or {})}
+        spec = faults if isinstance(faults, str) else ",".join(f"{p}:{ARMED_BY_FILE}" for p in faults)
+        if spec:
+            env.update(DDILOCO_FAULTS=spec, DDILOCO_FAULT_DIR=str(self.fault_dir(name)))
+        proc = self.launcher.spawn(name, args, env=env, wrap=wrap).process
+        assert proc is not None
+        self.procs[name] = proc
+        return proc
+
+    def learner(self, lid: str, *args: str, faults: str | Sequence[str] = (), env: Mapping[str, str] | None = None,
+                wrap: Sequence[str] = ()) -> subprocess.Popen:
+        return self.start(lid, ["learner", "--learner", lid, *args], faults=faults, env=env, wrap=wrap)
+
+    def synchronizer(self, label: str, *, faults: str | Sequence[str] = (), env: Mapping[str, str] | None = None,
+                     wrap: Sequence[str] = ()) -> subprocess.Popen:
+        return self.start(label, ["synchronizer", "--label", label], faults=faults, env=env, wrap=wrap)
+
+    # --- fault points ------------------------------------------------------------------------------
+
+    def fault_dir(self, name: str) -> Path:
+        return self.logdir / "faults" / name
+
+    def arm(self, name: str, point: str) -> None:
+        """Make ``name`` (started with ``point`` armed by file) stop the next time it reaches ``point``."""
+        (self.fault_dir(name) / point).unlink(missing_ok=True)
+        trigger = arm_file(self.fault_dir(name), point)
+        trigger.parent.mkdir(parents=True, exist_ok=True)
+        trigger.write_text("")
+
+    def disarm(self, name: str, point: str) -> None:
+        arm_file(self.fault_dir(name), point).unlink(missing_ok=True)
+
+    def fault_reached(self, name: str, point: str) -> bool:
+        """``name`` is stopped at ``point`` (it wrote its marker there)."""
+        return (self.fault_dir(name) / point).exists()
+
+    # --- signals and logs ----------------------------------------------------------------------------
+
+    def signal(self, name: str, sig: int) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            if sig == signal.SIGKILL:
+                proc.wait(timeout=10)
+
+    def kill(self, name: str) -> None:
+        self.signal(name, signal.SIGKILL)
+
+    def log(self, name: str) -> str:
+        path = self.logdir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop_all(self, grace_s: float = 30.0) -> None:
+        stop_processes(self.procs.values(), grace_s)
+
+
+class ProcessRun(ProcessCluster):
+    """A run on a SQLite ledger and a file:// store under ``workdir``, its learners and synchronizers real processes."""
+
+    def __init__(self, workdir: Path, cfg: RunConfig) -> None:
+        cfg = cfg.model_copy(
+            update={
+                "ledger": cfg.ledger.model_copy(update={"url": f"sqlite:///{workdir / 'ledger.db'}"}),
+                "storage": cfg.storage.model_copy(update={"url": f"file://{workdir / 'store'}"}),
+            }
+        )
+        super().__init__(write_config(cfg, workdir / "config.yaml"), cfg.name, workdir)
+        self.cfg = cfg
+        self.dir = workdir
+        self.ctx = RunContext.open(cfg, cfg.name)
