@@ -1,15 +1,15 @@
 """Training quality: Decoupled DiLoCo vs synchronous DiLoCo vs data-parallel, at equal tokens.
 
-A thin wrapper over ``ddiloco.bench.quality`` (also ``ddiloco bench quality``); see docs/quality.md.
+The same command as ``ddiloco bench quality`` (``ddiloco.bench.quality``); see docs/quality.md.
 
-    python benchmarks/quality.py [--quick] [--json PATH] [--models dense,moe,vision] [--docs] [--jobs N]
+    python benchmarks/quality.py [--quick] [--out DIR | --publish] [--models dense,moe,vision] [--jobs N] [--only ROWS]
 """
 
 from __future__ import annotations
 
-import sys
+import typer
 
-from ddiloco.bench.quality import main
+from ddiloco.bench.command import quality_command
 
 if __name__ == "__main__":
-    sys.exit(main())
+    typer.run(quality_command)

@@ -1,49 +1,84 @@
-"""The quality benchmark's --quick mode runs end to end and writes the JSON the docs are built from.
+"""The quality benchmark's --quick mode runs end to end from a checkout, writes its results where it
+says, and leaves the published results alone.
 
 Not a quality test: a few steps of a tiny model say nothing about the gaps between regimes, so
 only the shape of the output and the sanity of its numbers are checked here."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from sqlalchemy import create_engine, text
 
-from ddiloco.bench import quality as Q
-
-# A few minutes on a loaded 2-core machine: 23 short in-process runs.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+from ddiloco.bench.quality import output as O
+from ddiloco.bench.quality import plan as P
+from ddiloco.bench.quality.run import counting_sql, profile_of
+from ddiloco.platform import spans
+from ddiloco.platform.data import tokens_per_step
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def published_hashes() -> dict[str, str]:
+    """sha256 of every file a --quick run must not touch: the published results, plots and page."""
+    paths = [ROOT / O.PUBLISHED_RESULTS, ROOT / O.DOCS_PAGE, *sorted((ROOT / O.PUBLISHED_PLOTS).glob("*.png"))]
+    return {str(p.relative_to(ROOT)): hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
+    """One --quick run from the checkout, without --out: its default folder is a new temporary
+    directory, here under the test's own (TMPDIR). A few minutes on a loaded 2-core machine: 23
+    short in-process runs."""
     tmp = tmp_path_factory.mktemp("quality")
-    out = tmp / "quality.json"
+    before = published_hashes()
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--quick", "--json", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--quick"],
         cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp)},
         capture_output=True,
         text=True,
         timeout=880,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text()), proc.stdout, tmp
+    said = re.search(r"^results go to (.+)$", proc.stdout, re.M)
+    assert said, proc.stdout[:2000]
+    results = Path(said.group(1))
+    return json.loads(results.read_text()), proc.stdout, results, tmp, before
 
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quick_writes_where_it_said_and_never_over_the_published_results(quick):
+    _, out, results, tmp, before = quick
+    assert published_hashes() == before
+    assert results.is_relative_to(tmp), results
+    assert f"wrote {results}" in out
+    for model in P.MODELS:
+        png = results.parent / f"quality-{model}.png"
+        assert png.stat().st_size > 1000
+        assert f"wrote {png}" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_rows_have_the_issue_shape(quick):
-    data, _, _ = quick
+    data = quick[0]
     rows = data["rows"]
-    for model in Q.MODELS:
-        assert {r["regime"] for r in rows if r["model"] == model} >= set(Q.REGIMES), model
+    for model in P.MODELS:
+        assert {r["regime"] for r in rows if r["model"] == model} >= set(P.REGIMES), model
     for r in rows:
-        assert r["model"] in Q.MODELS
+        assert r["model"] in P.MODELS
         assert isinstance(r["tokens"], int) and r["tokens"] > 0
         for key in ("val_loss", "bytes_per_token", "goodput"):
             assert isinstance(r[key], float) and math.isfinite(r[key]), (r["regime"], key)
@@ -58,13 +93,15 @@ def test_rows_have_the_issue_shape(quick):
     assert any(r["regime"].startswith("sweep_") for r in rows)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_equal_tokens_and_accounting(quick):
-    data, _, _ = quick
-    rows = data["rows"]
-    for model in Q.MODELS:
+    rows = quick[0]["rows"]
+    for model in P.MODELS:
         tokens = {r["regime"]: r["tokens"] for r in rows if r["model"] == model}
         # Every regime trains the same tokens (the run stops within one learner step of the target).
-        step = max(Q._tokens_per_step(Q.build_run_config(s, Q.QUICK, True)) for s in Q.regime_specs(model, Q.QUICK))
+        cfgs = [P.build_run_config(s, P.QUICK, True) for s in P.regime_specs(model, P.QUICK)]
+        step = max(tokens_per_step(c.model, c.learners.batch_size) for c in cfgs)
         assert max(tokens.values()) - min(tokens.values()) <= step, (model, tokens)
     fail = next(r for r in rows if r["model"] == "dense" and r["regime"] == "decoupled_failures")
     assert 0.1 < fail["lost_fraction"] < 0.4
@@ -73,20 +110,70 @@ def test_equal_tokens_and_accounting(quick):
     assert dp["bytes_per_token"] > 10 * fail["bytes_per_token"]
 
 
-def test_report_lines_and_plots(quick):
-    data, out, tmp = quick
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_report_lines_and_profile(quick):
+    data, out, _, _, _ = quick
     assert data["goals"] and all(isinstance(g["pass"], bool) for g in data["goals"])
     assert "PASS" in out or "FAIL" in out
-    assert data["time_breakdown"]["learner_steps"] > 0
-    for model in Q.MODELS:
-        assert (tmp / f"quality-{model}.png").stat().st_size > 1000
+    rows = data["rows"]
+    # The data-parallel loop's own spans: one train_step per step.
+    dp = next(r for r in rows if r["model"] == "dense" and r["regime"] == "data_parallel")
+    assert dp["profile"]["learner.compute.calls"] == dp["knobs"]["steps_per_learner"]
+    # The in-process rows: the learner's and synchronizer's spans, and SQL statements, were collected.
+    steps = sum(r["profile"].get("learner.compute.calls", 0) for r in rows if r["regime"] != "data_parallel")
+    tb = data["time_breakdown"]
+    assert tb["learner_steps"] == steps > 0
+    assert tb["sql_statements"] > 0 and tb["sync_polls"] > 0
+    assert sum(tb["seconds"].values()) == pytest.approx(tb["real_s"], abs=0.1 * len(tb["seconds"]))
+
+
+def test_profile_keys_are_the_reports():
+    totals = {"learner.train_step": 1.23456, "learner.train_step.calls": 3.0, "sql": 0.5, "sql.calls": 7.0,
+              "sync.eval": 0.25, "sync.eval.calls": 2.0, "sync.merge": 0.1, "sync.merge.calls": 1.0}
+    assert profile_of(totals) == {
+        "eval": 0.25, "eval.calls": 2.0, "learner.compute": 1.235, "learner.compute.calls": 3.0,
+        "sql.s": 0.5, "sql.statements": 7.0, "sync.merge": 0.1, "sync.merge.calls": 1.0,
+    }
+
+
+def test_sql_statements_are_counted_only_inside_the_block():
+    engine = create_engine("sqlite://")
+    with spans.collecting() as inside, counting_sql(), engine.connect() as conn:
+        conn.execute(text("select 1"))
+        conn.execute(text("select 2"))
+    with spans.collecting() as after, engine.connect() as conn:
+        conn.execute(text("select 3"))
+    assert inside["sql.calls"] >= 2 and inside["sql"] >= 0
+    assert "sql" not in after
+
+
+def test_only_the_full_plan_is_published(tmp_path):
+    repo = O.checkout(ROOT)
+    assert repo == ROOT
+    assert O.checkout(tmp_path) is None
+    with pytest.raises(ValueError, match="full plan"):
+        O.destination(None, publish=True, full_plan=False, repo=repo)
+    with pytest.raises(ValueError, match="checkout"):
+        O.destination(None, publish=True, full_plan=True, repo=None)
+    for published in (ROOT / "benchmarks" / "results", ROOT / "docs"):
+        with pytest.raises(ValueError, match="published"):
+            O.destination(published, publish=False, full_plan=True, repo=repo)
+    dest = O.destination(None, publish=True, full_plan=True, repo=repo)
+    assert (dest.results, dest.plots, dest.docs_page) == (ROOT / O.PUBLISHED_RESULTS, ROOT / "docs", ROOT / "docs" / "quality.md")
+    mine = O.destination(tmp_path / "q", publish=False, full_plan=True, repo=repo)
+    assert (mine.results, mine.plots, mine.docs_page) == (tmp_path / "q" / "quality.json", tmp_path / "q", None)
+    assert P.is_published_plan(P.MODELS, quick=False, ablations=True, sweep=True, only=None)
+    assert not P.is_published_plan(P.MODELS, quick=True, ablations=True, sweep=True, only=None)
+    assert not P.is_published_plan(("dense",), quick=False, ablations=True, sweep=True, only=None)
+    assert not P.is_published_plan(P.MODELS, quick=False, ablations=True, sweep=True, only="diloco")
 
 
 def test_outage_schedule_is_seeded_and_sized():
     ids = [f"dc-{i}" for i in range(4)]
-    a = Q.outage_schedule(ids, 256.0, 0.25, seed=7)
-    assert a == Q.outage_schedule(ids, 256.0, 0.25, seed=7)
-    assert a != Q.outage_schedule(ids, 256.0, 0.25, seed=8)
+    a = P.outage_schedule(ids, 256.0, 0.25, seed=7)
+    assert a == P.outage_schedule(ids, 256.0, 0.25, seed=7)
+    assert a != P.outage_schedule(ids, 256.0, 0.25, seed=8)
     down = sum(o.end_s - o.start_s for o in a)
     assert down == pytest.approx(0.25 * 256.0 * 4, rel=1e-3)
-    assert not Q._all_down_at_some_point(a, len(ids))
+    assert not P.all_down_at_some_point(a, len(ids))

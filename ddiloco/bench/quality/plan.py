@@ -1,0 +1,366 @@
+"""The quality benchmark's plan: which rows run, with which config, and the goals they are held to.
+
+Pure data and pure functions: nothing here trains, reads the clock or writes a file (and nothing
+imports torch, so the command refuses bad options at once)."""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ddiloco.inprocess import Outage
+    from ddiloco.platform.config import RunConfig
+
+MODELS = ("dense", "moe", "vision")
+REGIMES = ("data_parallel", "diloco", "streaming_diloco", "decoupled", "decoupled_stragglers", "decoupled_failures")
+STRAGGLER_SPEEDS = (1.0, 0.5, 0.667, 1.0)
+"""One learner 2x slower, one 1.5x slower (RegionConfig wants speeds in (0, 1])."""
+FAILURE_FRACTION = 0.25
+OUTAGES_PER_LEARNER = 3
+OUTAGE_SEED = 1234
+
+GOALS_VS_DILOCO = (("decoupled", 0.02), ("decoupled_stragglers", 0.03), ("decoupled_failures", 0.03))
+"""(row, largest relative gap in validation loss to synchronous DiLoCo's) per model."""
+GOAL_COMM_RATIO = 200.0
+"""Data-parallel's bytes per token over an int4 row's, at least."""
+
+
+# --- what is run ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scale:
+    name: str
+    steps: int
+    """Inner steps per learner at full speed (the data-parallel steps)."""
+    learners: int
+    evals: int
+    """Evaluation points per run (besides the one at 0 tokens)."""
+
+
+FULL = Scale("full", steps=192, learners=4, evals=12)
+QUICK = Scale("quick", steps=12, learners=3, evals=3)
+QUICK_EXTRA = ("diloco_stragglers", "ablation_overwrite", "ablation_int4", "ablation_no_grace", "sweep_lr0.7")
+"""The extra rows --quick runs: enough to exercise every part of the report."""
+
+
+def model_sections(model: str, quick: bool) -> dict[str, Any]:
+    """The config sections of a model at a scale: model, data, batch, inner optimizer, fragments P and period H."""
+    if model in ("dense", "moe"):
+        kind = "gpt" if model == "dense" else "moe_gpt"
+        if quick:
+            m = {"kind": kind, "n_layer": 1, "d_model": 32, "n_head": 2, "seq_len": 32}
+            batch, P, H, data = 4, 4, 4, {"source": "stdlib", "max_bytes": 400_000, "val_batches": 2}
+        else:
+            m = {"kind": kind, "n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 64}
+            batch, P, H, data = 8, 24, 24, {"source": "stdlib", "max_bytes": 2_000_000, "val_batches": 16}
+        if model == "moe":
+            m.update({"n_experts": 4, "top_k": 2})
+    elif model == "vision":
+        m = {"kind": "vision", "image_size": 8, "n_classes": 10}
+        # 23 batches of 16 = every one of the 359 held-out digits.
+        batch, P, H, data = 16, 4, (4 if quick else 24), {"source": "digits", "val_batches": 4 if quick else 23}
+    else:
+        raise ValueError(f"unknown model {model!r}; expected one of {', '.join(MODELS)}")
+    sections = {
+        "model": m,
+        "data": data,
+        "learners": {"batch_size": batch},
+        "inner": {"lr": 3e-3, "warmup_steps": 4 if quick else 20},
+        "fragments": {"count": P, "every": H},
+    }
+    return sections
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    model: str
+    regime: str
+    group: str
+    """regime, ablation or sweep"""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    speeds: tuple[float, ...] | None = None
+    failures: float = 0.0
+    base: str | None = None
+    """For an ablation or sweep point: the row it changes one knob of."""
+    knob: str = ""
+    seed: int = 0
+    learners: int | None = None
+    """M for this row when it differs from the scale's (steps then shrink so the tokens stay equal)."""
+
+
+def spec_scale(spec: RunSpec, scale: Scale) -> Scale:
+    """The scale a row runs at: the benchmark's, or M = ``spec.learners`` with the same total tokens."""
+    if spec.learners is None or spec.learners == scale.learners:
+        return scale
+    total_steps = scale.learners * scale.steps
+    if total_steps % spec.learners:
+        raise ValueError(f"{scale.learners} x {scale.steps} steps do not split over {spec.learners} learners")
+    return Scale(scale.name, steps=total_steps // spec.learners, learners=spec.learners, evals=scale.evals)
+
+
+SYNC = {
+    "fragments": {"overlap": 0},
+    "grace": {"enabled": False},
+    "merge": {"method": "mean", "weighting": "equal", "max_staleness": 0, "on_receipt": "overwrite"},
+    "compression": {"codec": "none"},
+    "outer": {"lr": 0.7, "momentum": 0.9},
+}
+"""Synchronous DiLoCo at the paper's settings (whatever the run defaults are)."""
+
+
+def regime_specs(model: str, scale: Scale) -> list[RunSpec]:
+    """The six regimes every model runs (``REGIMES``)."""
+    M = scale.learners
+    return [
+        RunSpec(model, "data_parallel", "regime"),
+        RunSpec(model, "diloco", "regime", deep_merge(SYNC, {"fragments": {"count": 1}, "quorum": {"min_count": M}})),
+        RunSpec(model, "streaming_diloco", "regime", deep_merge(SYNC, {"quorum": {"min_count": M}})),
+        RunSpec(model, "decoupled", "regime"),
+        RunSpec(model, "decoupled_stragglers", "regime", speeds=STRAGGLER_SPEEDS[:M]),
+        RunSpec(model, "decoupled_failures", "regime", failures=FAILURE_FRACTION),
+    ]
+
+
+def reference_specs(model: str, scale: Scale) -> list[RunSpec]:
+    """Synchronous DiLoCo under the same stragglers and outages: what the decoupled rows save in
+    wall-clock (it waits for the slowest learner, and stalls while one is down)."""
+    M = scale.learners
+    sync = deep_merge(SYNC, {"fragments": {"count": 1}, "quorum": {"min_count": M}})
+    return [
+        RunSpec(model, "diloco_stragglers", "reference", sync, speeds=STRAGGLER_SPEEDS[:M], base="diloco", knob="stragglers"),
+        RunSpec(model, "diloco_failures", "reference", sync, failures=FAILURE_FRACTION, base="diloco", knob="outages"),
+    ]
+
+
+def noise_specs(model: str, scale: Scale) -> list[RunSpec]:
+    """The same two rows from another seed (model init and data order): how large a gap chance makes."""
+    return [
+        RunSpec(model, "diloco_seed1", "noise", regime_specs(model, scale)[1].overrides, base="diloco", knob="seed 1 (vs 0)", seed=1),
+        RunSpec(model, "decoupled_seed1", "noise", base="decoupled", knob="seed 1 (vs 0)", seed=1),
+    ]
+
+
+def ablation_specs(model: str, scale: Scale) -> list[RunSpec]:
+    """One knob of the platform's choices changed; grace and weights where they can matter (stragglers:
+    homogeneous learners submit in lock-step, so every merge closes at once with equal weights)."""
+    S = STRAGGLER_SPEEDS[: scale.learners]
+    return [
+        RunSpec(model, "ablation_mean", "ablation", {"merge": {"method": "mean"}}, base="decoupled", knob="merge.method=mean (vs rda)"),
+        RunSpec(model, "ablation_overwrite", "ablation", {"merge": {"on_receipt": "overwrite"}}, base="decoupled",
+                knob="merge.on_receipt=overwrite (vs blend 0.5)"),
+        RunSpec(model, "ablation_fp32", "ablation", {"compression": {"codec": "none"}}, base="decoupled", knob="codec none (vs int8)"),
+        RunSpec(model, "ablation_bf16", "ablation", {"compression": {"codec": "bf16"}}, base="decoupled", knob="codec bf16 (vs int8)"),
+        RunSpec(model, "ablation_int4", "ablation", {"compression": {"codec": "int4"}}, base="decoupled", knob="codec int4 (vs int8)"),
+        # At H = 24 int4 cannot reach 200x (4 bytes x 24 steps / 0.5 byte is 192x before any scale or
+        # header); the same codec sending each fragment every 32 steps, and what that costs in loss.
+        RunSpec(model, "ablation_int4_h32", "ablation", {"compression": {"codec": "int4"}, "fragments": {"every": 32}},
+                base="ablation_int4", knob="H = 32 (vs 24), int4"),
+        RunSpec(model, "ablation_no_grace", "ablation", {"grace": {"enabled": False}}, speeds=S, base="decoupled_stragglers",
+                knob="K=1 without grace window (vs with), stragglers"),
+        RunSpec(model, "ablation_equal_weights", "ablation", {"merge": {"weighting": "equal"}}, speeds=S, base="decoupled_stragglers",
+                knob="equal weights (vs token weights), stragglers"),
+    ]
+
+
+OLD_DEFAULTS = {"outer": {"lr": 0.7}, "merge": {"on_receipt": "overwrite"}}
+"""The run defaults before this benchmark changed them (DiLoCo's outer lr, DESIGN.md's overwrite)."""
+OLD_KNOB = "outer.lr=0.7 and overwrite (vs 0.5, blend: the old defaults)"
+
+
+def sweep_specs(model: str, scale: Scale, quick: bool) -> list[RunSpec]:
+    """Outer lr under asynchrony (stragglers: merges are out of phase; outages), and gamma of the grace
+    window, around the defaults (outer lr 0.5, blend 0.5)."""
+    S = STRAGGLER_SPEEDS[: scale.learners]
+    lrs = (0.7,) if quick else (0.3, 0.7)
+    out = [
+        RunSpec(model, f"sweep_lr{lr:g}", "sweep", {"outer": {"lr": lr}}, base="decoupled", knob=f"outer.lr={lr:g} (vs 0.5)")
+        for lr in lrs
+    ]
+    if not quick:
+        out += [
+            RunSpec(model, f"sweep_stragglers_lr{lr:g}", "sweep", {"outer": {"lr": lr}}, speeds=S, base="decoupled_stragglers",
+                    knob=f"outer.lr={lr:g} (vs 0.5), stragglers")
+            for lr in lrs
+        ]
+        out += [
+            RunSpec(model, "sweep_stragglers_gamma0.5", "sweep", {"grace": {"gamma": 0.5}}, speeds=S,
+                    base="decoupled_stragglers", knob="grace.gamma=0.5 (vs 0.8), stragglers"),
+            RunSpec(model, "sweep_lr0.7_seed1", "sweep", {"outer": {"lr": 0.7}}, base="decoupled_seed1",
+                    knob="outer.lr=0.7 (vs 0.5), seed 1", seed=1),
+            RunSpec(model, "sweep_failures_lr0.7", "sweep", {"outer": {"lr": 0.7}}, failures=FAILURE_FRACTION,
+                    base="decoupled_failures", knob="outer.lr=0.7 (vs 0.5), outages"),
+            RunSpec(model, "sweep_lr0.7_overwrite", "sweep", OLD_DEFAULTS, base="decoupled", knob=OLD_KNOB),
+        ]
+    return out
+
+
+def other_model_sweep(model: str, scale: Scale) -> list[RunSpec]:
+    """The old defaults on another model; for vision also under stragglers and outages, one knob
+    at a time (the rows whose goals the old defaults missed)."""
+    out = [RunSpec(model, "sweep_lr0.7_overwrite", "sweep", OLD_DEFAULTS, base="decoupled", knob=OLD_KNOB)]
+    if model != "vision":
+        return out
+    S = STRAGGLER_SPEEDS[: scale.learners]
+    for kind, kw in (("stragglers", {"speeds": S}), ("failures", {"failures": FAILURE_FRACTION})):
+        what = "stragglers" if kind == "stragglers" else "outages"
+        for tag, ov, knob in (("lr0.7", {"outer": {"lr": 0.7}}, "outer.lr=0.7 (vs 0.5)"),
+                              ("overwrite", {"merge": {"on_receipt": "overwrite"}}, "overwrite (vs blend 0.5)"),
+                              ("lr0.7_overwrite", OLD_DEFAULTS, OLD_KNOB)):
+            out.append(RunSpec(model, f"sweep_{kind}_{tag}", "sweep", ov, base=f"decoupled_{kind}", knob=f"{knob}, {what}", **kw))
+    return out
+
+
+M_LARGE = 8
+
+
+def many_learner_specs(model: str, scale: Scale) -> list[RunSpec]:
+    """M = 8 learners at the same total tokens (half the steps each, so 4 rounds of H): does overwrite
+    beat the 0.5 blend as M grows, as the paper reports?"""
+    M = M_LARGE
+    sync = deep_merge(SYNC, {"fragments": {"count": 1}, "quorum": {"min_count": M}})
+    lr7, over = {"outer": {"lr": 0.7}}, {"merge": {"on_receipt": "overwrite"}}
+    return [
+        RunSpec(model, "m8_diloco", "reference", sync, base="diloco", knob=f"M = {M} (vs {scale.learners}), same tokens", learners=M),
+        RunSpec(model, "m8_decoupled", "ablation", base="decoupled", knob=f"M = {M} (vs {scale.learners}), same tokens", learners=M),
+        RunSpec(model, "m8_overwrite", "ablation", over, base="m8_decoupled", knob=f"overwrite (vs blend 0.5), M = {M}", learners=M),
+        RunSpec(model, "m8_lr0.7", "sweep", lr7, base="m8_decoupled", knob=f"outer.lr=0.7 (vs 0.5), M = {M}", learners=M),
+        RunSpec(model, "m8_lr0.7_overwrite", "sweep", OLD_DEFAULTS, base="m8_lr0.7",
+                knob=f"overwrite (vs blend 0.5) at outer.lr=0.7, M = {M}", learners=M),
+    ]
+
+
+RECEIPT_ROWS = {"dense": ("", "stragglers", "failures"), "moe": ("",), "vision": ("stragglers", "failures")}
+"""Where the rebase rows run: the base rows (``decoupled`` and its stragglers and outages variants) per model."""
+
+
+def receipt_specs(model: str, scale: Scale) -> list[RunSpec]:
+    """merge.on_receipt=rebase (θ ← G + (θ − S): the unsent progress carried onto the new version) against
+    the default blend, without faults, with stragglers and with outages; on the dense model also at M = 8."""
+    S = STRAGGLER_SPEEDS[: scale.learners]
+    ov = {"merge": {"on_receipt": "rebase"}}
+    out = []
+    for kind in RECEIPT_ROWS.get(model, ()):
+        kw: dict[str, Any] = {"speeds": S} if kind == "stragglers" else {"failures": FAILURE_FRACTION} if kind == "failures" else {}
+        what = {"": "", "stragglers": ", stragglers", "failures": ", outages"}[kind]
+        base = f"decoupled_{kind}" if kind else "decoupled"
+        out.append(RunSpec(model, f"ablation_rebase{'_' + kind if kind else ''}", "ablation", ov, base=base,
+                           knob=f"rebase (vs blend 0.5) on receipt{what}", **kw))
+    if model == "dense":
+        out.append(RunSpec(model, f"m{M_LARGE}_rebase", "ablation", ov, base=f"m{M_LARGE}_decoupled",
+                           knob=f"rebase (vs blend 0.5) on receipt, M = {M_LARGE}", learners=M_LARGE))
+    return out
+
+
+def select(specs: Sequence[RunSpec], only: str | Sequence[str] | None) -> list[RunSpec]:
+    """The rows named in ``only``: ``regime`` (every model) or ``model:regime``, comma-separated."""
+    if not only:
+        return list(specs)
+    names = [x.strip() for x in (only.split(",") if isinstance(only, str) else only) if x.strip()]
+    out = [s for s in specs if s.regime in names or f"{s.model}:{s.regime}" in names]
+    unknown = [n for n in names if not any(n in (s.regime, f"{s.model}:{s.regime}") for s in specs)]
+    if unknown:
+        raise ValueError(f"no row named {', '.join(unknown)} in this plan")
+    return out
+
+
+def plan(models: Sequence[str], scale: Scale, quick: bool, ablations: bool = True, sweep: bool = True) -> list[RunSpec]:
+    """Every row of a benchmark: the six regimes per model, then the extra rows asked for."""
+    specs: list[RunSpec] = []
+    for model in models:
+        specs += regime_specs(model, scale)
+    # Ablations and the sweep on the dense model (or the first model asked for).
+    extra = "dense" if "dense" in models else models[0]
+    if ablations:
+        specs += reference_specs(extra, scale)
+        specs += ablation_specs(extra, scale)
+        if not quick:
+            specs += noise_specs(extra, scale)
+    if sweep:
+        specs += sweep_specs(extra, scale, quick)
+        if not quick:
+            for model in models:
+                if model != extra:
+                    specs += other_model_sweep(model, scale)
+            specs += many_learner_specs(extra, scale)
+            for model in models:
+                specs += receipt_specs(model, scale)
+    if quick:
+        specs = [s for s in specs if s.group == "regime" or s.regime in QUICK_EXTRA]
+    return specs
+
+
+def deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """``a`` with ``b``'s values, section by section (neither is changed)."""
+    out = copy.deepcopy(a)
+    for k, v in b.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def build_run_config(spec: RunSpec, scale: Scale, quick: bool) -> RunConfig:
+    from ddiloco.platform.config import build_config
+
+    sections = model_sections(spec.model, quick)
+    region: dict[str, Any] = {"name": "dc", "learners": scale.learners}
+    if spec.speeds:
+        region["speeds"] = list(spec.speeds)
+    data = deep_merge(sections, {"learners": {"regions": [region]}})
+    data = deep_merge(data, spec.overrides)
+    name = f"q-{spec.model}-{spec.regime}"[:64]
+    return build_config({"name": name, "seed": spec.seed, **data})
+
+
+# --- failure schedule ----------------------------------------------------------------------------
+
+
+def outage_schedule(learner_ids: Sequence[str], horizon_s: float, fraction: float, seed: int,
+                    per_learner: int = OUTAGES_PER_LEARNER, min_outage_s: float = 5.0) -> list[Outage]:
+    """Seeded outages: each learner is down ``fraction`` of ``horizon_s`` in ``per_learner`` spells
+    of random length at random places; redrawn until at least one learner is always up."""
+    from ddiloco.inprocess import Outage
+
+    rng = random.Random(seed)
+    min_outage_s = min(min_outage_s, fraction * horizon_s / (2 * per_learner))
+
+    def split(total: float, n: int, floor: float) -> list[float]:
+        w = [rng.expovariate(1.0) for _ in range(n)]
+        s = sum(w)
+        return [floor + (total - n * floor) * x / s for x in w]
+
+    for _ in range(1000):
+        out = []
+        for lid in learner_ids:
+            down = split(fraction * horizon_s, per_learner, min_outage_s)
+            gaps = split((1 - fraction) * horizon_s, per_learner + 1, 1.0)
+            t = gaps[0]
+            for d, g in zip(down, gaps[1:], strict=True):
+                out.append(Outage(lid, round(t, 3), round(t + d, 3)))
+                t += d + g
+        if not all_down_at_some_point(out, len(learner_ids)):
+            return sorted(out, key=lambda o: (o.start_s, o.learner))
+    raise RuntimeError("could not draw an outage schedule that keeps a learner up")
+
+
+def all_down_at_some_point(outages: Sequence[Outage], learners: int) -> bool:
+    edges = sorted([(o.start_s, 1) for o in outages] + [(o.end_s, -1) for o in outages])
+    down = 0
+    for _, d in edges:
+        down += d
+        if down >= learners:
+            return True
+    return False
+
+
+def row_outages(learner_ids: Sequence[str], scale: Scale, failures: float = FAILURE_FRACTION, seed: int = 0) -> list[Outage]:
+    """A row's outages: down ``failures`` of the span the run needs at the capacity that is left."""
+    return outage_schedule(learner_ids, scale.steps / (1 - failures), failures, OUTAGE_SEED + seed)
+
+
+def is_published_plan(models: Sequence[str], quick: bool, ablations: bool, sweep: bool, only: str | Sequence[str] | None) -> bool:
+    """Whether these options run the whole benchmark, the only run whose results may be published."""
+    return not quick and set(models) == set(MODELS) and ablations and sweep and not only

@@ -1,0 +1,291 @@
+"""The quality benchmark's runs: one row of the plan trained and measured, alone or in a process pool.
+
+The DiLoCo rows go through :func:`ddiloco.inprocess.run_inprocess`; data-parallel is a plain loop.
+Where a row's real seconds go comes from the timing spans in the code itself
+(:mod:`ddiloco.platform.spans`) and from counting SQL statements for the row's duration."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ddiloco.bench.quality.plan import RunSpec, Scale, build_run_config, row_outages, spec_scale
+
+if TYPE_CHECKING:
+    from ddiloco.platform.config import RunConfig
+
+
+@dataclass
+class Row:
+    model: str
+    regime: str
+    group: str
+    tokens: int
+    val_loss: float
+    val_accuracy: float | None
+    bytes_per_token: float
+    goodput: float
+    wall_clock_s: float
+    """Simulated span of the run (a learner step at full speed = 1 s)."""
+    tokens_merged: int
+    bytes_sent: int
+    payload_bytes_per_token: float
+    """Encoded tensor bytes only (without the safetensors header of each blob)."""
+    lost_fraction: float
+    """Share of the allocated learner-time spent down."""
+    merges: int
+    mean_learners_per_merge: float
+    mean_grace_window_s: float
+    real_s: float
+    knobs: dict[str, Any]
+    base: str | None = None
+    knob: str = ""
+    curve: list[list[float | None]] = field(default_factory=list)
+    """[tokens, simulated seconds, val loss, val accuracy] per evaluation."""
+    profile: dict[str, float] = field(default_factory=dict)
+    """Real seconds and calls per profile key (:data:`PROFILE_KEYS`)."""
+
+
+PROFILE_KEYS = {
+    "learner.train_step": "learner.compute",
+    "learner.poll": "learner.poll_versions",
+    "sync.eval": "eval",
+    "sql": "sql.s",
+    "sql.calls": "sql.statements",
+}
+"""Span names under the profile keys the report and the published results have always used; other
+spans keep their own names."""
+
+
+def profile_of(totals: Mapping[str, float]) -> dict[str, float]:
+    """Span totals (``name`` seconds, ``name.calls``) under the report's profile keys, rounded."""
+    out: dict[str, float] = {}
+    for key, value in totals.items():
+        name, calls = (key[: -len(".calls")], ".calls") if key.endswith(".calls") else (key, "")
+        out[PROFILE_KEYS.get(key) or PROFILE_KEYS.get(name, name) + calls] = round(value, 3)
+    return dict(sorted(out.items()))
+
+
+@contextmanager
+def counting_sql() -> Iterator[None]:
+    """Count every SQL statement and its time as the span ``sql`` while the block runs; the listeners
+    are removed again when it ends."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    from ddiloco.platform import spans
+
+    def before(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+        conn.info.setdefault("bench_sql_t0", []).append(time.perf_counter())
+
+    def after(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+        spans.add("sql", time.perf_counter() - conn.info["bench_sql_t0"].pop())
+
+    event.listen(Engine, "before_cursor_execute", before)
+    event.listen(Engine, "after_cursor_execute", after)
+    try:
+        yield
+    finally:
+        event.remove(Engine, "before_cursor_execute", before)
+        event.remove(Engine, "after_cursor_execute", after)
+
+
+def run_spec(spec: RunSpec, scale: Scale, quick: bool) -> Row:
+    """Train one row and measure it, with the profile of its real time."""
+    import torch
+
+    from ddiloco.platform import spans
+
+    torch.set_num_threads(1)
+    # The first AdamW of a process imports torch._dynamo (seconds): not the run's time.
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    t0 = time.perf_counter()
+    scale = spec_scale(spec, scale)
+    cfg = build_run_config(spec, scale, quick)
+    with spans.collecting() as totals, counting_sql():
+        row = _run_data_parallel(spec, cfg, scale) if spec.regime == "data_parallel" else _run_decoupled(spec, cfg, scale)
+    row.real_s = round(time.perf_counter() - t0, 2)
+    row.profile = profile_of(totals)
+    return row
+
+
+def _knobs(cfg: RunConfig, spec: RunSpec, scale: Scale) -> dict[str, Any]:
+    return {
+        "learners": cfg.learners.count,
+        "steps_per_learner": scale.steps,
+        "batch": cfg.learners.batch_size,
+        "fragments": cfg.fragments.count,
+        "every": cfg.fragments.period,
+        "overlap": cfg.fragments.overlap,
+        "quorum": cfg.quorum.min_count,
+        "grace": cfg.grace.enabled,
+        "gamma": cfg.grace.gamma,
+        "method": cfg.merge.method,
+        "weighting": cfg.merge.weighting,
+        "on_receipt": cfg.merge.on_receipt,
+        "codec": cfg.compression.codec,
+        "outer_lr": cfg.outer.lr,
+        "outer_momentum": cfg.outer.momentum,
+        "speeds": list(spec.speeds) if spec.speeds else None,
+        "failures": spec.failures,
+    }
+
+
+def _run_decoupled(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
+    from sqlalchemy import select
+
+    from ddiloco.inprocess import run_inprocess
+    from ddiloco.platform.data import tokens_per_step
+    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger.models import Merge, Submission
+
+    tps = tokens_per_step(cfg.model, cfg.learners.batch_size)
+    total = scale.learners * scale.steps * tps
+    ids = [lid for lid, _, _ in cfg.learners.learner_ids()]
+    outages = row_outages(ids, scale, spec.failures, spec.seed) if spec.failures > 0 else None
+    run = run_inprocess(cfg, total_tokens=total, step_time_s=1.0, outages=outages, eval_every_tokens=max(1, total // scale.evals))
+    final = run.evals[-1]
+    elapsed = run.elapsed_s
+    speeds = [s for _, _, s in cfg.learners.learner_ids()]
+    capacity = sum(speeds) * elapsed * tps
+    numel = {f.index: f.numel for f in run.sync.layout.fragments}
+    with run.ctx.reading() as s:
+        acct = q.token_accounting(s, run.ctx.run_id)
+        subs = list(s.scalars(select(Submission).where(Submission.run_id == run.ctx.run_id)))
+        merges = list(s.scalars(select(Merge).where(Merge.run_id == run.ctx.run_id)))
+    sent = sum(sb.nbytes for sb in subs)
+    payload = sum(payload_bytes(numel[sb.fragment], sb.codec, cfg.compression.block_size) for sb in subs)
+    grace = [m.grace_window_s for m in merges if m.grace_window_s >= 0]
+    return Row(
+        model=spec.model,
+        regime=spec.regime,
+        group=spec.group,
+        tokens=run.tokens_trained,
+        val_loss=final.val_loss,
+        val_accuracy=final.val_accuracy,
+        bytes_per_token=sent / max(1, run.tokens_trained),
+        goodput=acct.merged / capacity if capacity else math.nan,
+        wall_clock_s=elapsed,
+        tokens_merged=acct.merged,
+        bytes_sent=sent,
+        payload_bytes_per_token=payload / max(1, run.tokens_trained),
+        lost_fraction=run.down_s / (len(speeds) * elapsed) if elapsed else 0.0,
+        merges=len(merges),
+        mean_learners_per_merge=sum(m.included for m in merges) / max(1, len(merges)),
+        mean_grace_window_s=sum(grace) / len(grace) if grace else 0.0,
+        real_s=0.0,
+        knobs=_knobs(cfg, spec, scale),
+        base=spec.base,
+        knob=spec.knob,
+        curve=[[e.tokens, e.t_s, e.val_loss, e.val_accuracy] for e in run.evals],
+    )
+
+
+def payload_bytes(numel: int, codec: str, block_size: int) -> int:
+    """Encoded bytes of ``numel`` values: the tensor and its per-block scales, no blob header."""
+    if codec == "none":
+        return 4 * numel
+    if codec == "bf16":
+        return 2 * numel
+    scales = 4 * -(-numel // block_size)
+    return (numel if codec == "int8" else -(-numel // 2)) + scales
+
+
+def _run_data_parallel(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
+    """M replicas' gradients averaged every step: one model, M micro-batches (one per learner shard,
+    the same streams the DiLoCo learners read), each loss / M, one AdamW step."""
+    import torch
+
+    from ddiloco.platform.data import build_dataset, tokens_per_step
+    from ddiloco.platform.models import build_model, compute_loss, evaluate
+    from ddiloco.platform.spans import span
+
+    M, icfg = scale.learners, cfg.inner
+    model = build_model(cfg.model, seed=cfg.seed)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=icfg.lr, betas=(icfg.beta1, icfg.beta2), weight_decay=icfg.weight_decay)
+    data = build_dataset(cfg.data, cfg.model)
+    streams = [data.train_batches(m, M, cfg.learners.batch_size, seed=cfg.seed * 1_000_003) for m in range(M)]
+    val = data.val_batches(cfg.learners.batch_size)
+    tps = tokens_per_step(cfg.model, cfg.learners.batch_size)
+    total = M * scale.steps * tps
+    every = max(1, total // scale.evals)
+    n_params = sum(p.numel() for p in model.parameters())
+    curve: list[list[float | None]] = []
+
+    # The spans the in-process rows' learner and evaluation use, so every row's profile reads alike.
+    def ev(tokens: int, t: float) -> None:
+        with span("sync.eval"):
+            loss, acc = evaluate(model, val)
+        curve.append([tokens, t, loss, acc])
+
+    ev(0, 0.0)
+    trained, next_eval = 0, every
+    for step in range(scale.steps):
+        with span("learner.train_step"):
+            lr = icfg.lr * min(1.0, (step + 1) / icfg.warmup_steps) if icfg.warmup_steps > 0 else icfg.lr
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.zero_grad(set_to_none=True)
+            for m in range(M):
+                loss, _ = compute_loss(model, next(streams[m]))
+                (loss / M).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), icfg.grad_clip)
+            opt.step()
+        trained += M * tps
+        if trained >= next_eval:
+            next_eval += every
+            ev(trained, float(step + 1))
+    if curve[-1][0] != trained:
+        ev(trained, float(scale.steps))
+    final = curve[-1]
+    # Every replica sends its float32 gradient every step (one direction, as for the DiLoCo rows).
+    sent = M * scale.steps * 4 * n_params
+    knobs = {"learners": M, "steps_per_learner": scale.steps, "batch": cfg.learners.batch_size, "params": n_params,
+             "lr": icfg.lr, "gradient": "float32, every step"}
+    return Row(
+        model=spec.model, regime=spec.regime, group=spec.group, tokens=trained, val_loss=final[2], val_accuracy=final[3],
+        bytes_per_token=sent / trained, goodput=1.0, wall_clock_s=float(scale.steps), tokens_merged=trained, bytes_sent=sent,
+        payload_bytes_per_token=sent / trained, lost_fraction=0.0, merges=scale.steps, mean_learners_per_merge=float(M),
+        mean_grace_window_s=0.0, real_s=0.0, knobs=knobs, curve=curve,
+    )
+
+
+def _run_one(args: tuple[RunSpec, Scale, bool]) -> Row:
+    spec, scale, quick = args
+    row = run_spec(spec, scale, quick)
+    print(f"  {row.model:6s} {row.regime:30s} loss {row.val_loss:.4f}  goodput {row.goodput:.3f}  "
+          f"B/token {row.bytes_per_token:9.2f}  {row.real_s:6.1f}s", flush=True)
+    return row
+
+
+def run_all(specs: Sequence[RunSpec], scale: Scale, quick: bool, jobs: int = 1) -> list[Row]:
+    """Every row, in plan order (runs are seeded: ``jobs`` changes the time taken, not the figures)."""
+    work = [(s, scale, quick) for s in specs]
+    if jobs <= 1:
+        return [_run_one(w) for w in work]
+    # Longest first, so the pool does not end waiting for one slow run.
+    order = sorted(range(len(work)), key=lambda i: -_cost(work[i][0]))
+    import multiprocessing as mp
+
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
+        futures = {i: pool.submit(_run_one, work[i]) for i in order}
+        return [futures[i].result() for i in range(len(work))]
+
+
+def _cost(spec: RunSpec) -> float:
+    c = {"dense": 1.0, "moe": 2.0, "vision": 0.4}.get(spec.model, 1.0)
+    return c * (0.3 if spec.regime == "data_parallel" else 1.0)
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and its finished children (the worker pool)."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return round(own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime, 1)
