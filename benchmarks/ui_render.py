@@ -362,6 +362,8 @@ def time_queries(url: str) -> dict[str, float]:
     """Each dashboard query once, on a fresh read-only engine (cold database caches aside)."""
     from sqlalchemy.orm import Session
 
+    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.summary import run_summary
     from ddiloco.ui import queries as uq
 
     engine = uq.read_only_engine(url)
@@ -369,7 +371,8 @@ def time_queries(url: str) -> dict[str, float]:
     calls = {
         "runs_overview": lambda s: uq.runs_overview(s, now),
         "health_snapshot": lambda s: uq.health_snapshot(s, RUN, now),
-        "page_summary": lambda s: uq.page_summary(s, uq.run_info(s, RUN), now),
+        "run_aggregates": lambda s: q.run_aggregates(s, RUN),
+        "run_summary": lambda s: run_summary(s, RUN, now),
         "submission_stats": lambda s: uq.submission_stats(s, RUN),
         "learners_frame": lambda s: uq.learners_frame(s, RUN, now),
         "synchronizer_holders": lambda s: uq.synchronizer_holders(s, RUN),
@@ -380,7 +383,6 @@ def time_queries(url: str) -> dict[str, float]:
         "training_loss_frame": lambda s: uq.training_loss_frame(s, RUN),
         "events_frame": lambda s: uq.events_frame(s, RUN),
         "rejections_frame": lambda s: uq.rejections_frame(s, RUN),
-        "rejection_reasons": lambda s: uq.rejection_reasons(s, RUN),
     }
     calls["run_page (all of it)"] = lambda s: uq.run_page(s, RUN, now)
     out = {}
@@ -459,7 +461,7 @@ def fresh_postgres(admin_url: str) -> tuple[str, object]:
 
 def measure(url: str, args, build: bool) -> dict:  # noqa: ANN001 - argparse namespace
     """Fill (unless already filled) and time one ledger; prints and returns its figures."""
-    from ddiloco.ui.queries import redact
+    from ddiloco.platform.redact import redact_url as redact
 
     t = time.perf_counter()
     counts = {}

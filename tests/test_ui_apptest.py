@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 from streamlit.testing.v1 import AppTest
 from ui_support import RunLedger, build_run_ledger, copy_ledger
 
+from ddiloco.platform import liveness
 from ddiloco.platform.ledger import open_ledger, session_factory
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.models import Learner, Run, Submission
@@ -95,7 +96,7 @@ def test_overview_shows_every_run_with_the_ledgers_numbers(monkeypatch, run_ledg
     assert row["tokens"] == expected.tokens and row["versions"] == sum(expected.versions.values())
     assert row["goodput"] == pytest.approx(expected.goodput)
     assert row["val_loss"] == pytest.approx(expected.val_loss_end)
-    assert row["downtime"] == h.format_duration(expected.longest_version_gap_s)
+    assert row["downtime"] == liveness.format_duration(expected.longest_version_gap_s)
     assert "1 of 4 learners dead" in row["reason"]
     links = at.get("page_link")
     assert links and "run=" + run_ledger.run_id in str(links[0].proto)
@@ -122,7 +123,7 @@ def test_run_health_page_shows_the_ledgers_numbers(monkeypatch, run_ledger):
     assert m["Tokens trained"] == f"{expected.tokens:,}"
     assert m["Global versions"] == f"{sum(expected.versions.values()):,}"
     assert m["Goodput"] == f"{expected.goodput:.1%}"
-    assert m["Max downtime"] == h.format_duration(expected.longest_version_gap_s)
+    assert m["Max downtime"] == liveness.format_duration(expected.longest_version_gap_s)
     assert m["Validation loss"] == f"{evals[-1].val_loss:.4f}"
     assert m["Learners up"] == "3/4"
     assert m["Sent"] == h.format_bytes(expected.bytes_sent)
@@ -144,8 +145,8 @@ def test_run_health_page_shows_the_ledgers_numbers(monkeypatch, run_ledger):
         assert row["pending"] == fates.get((lid, "pending"), 0)
         assert row["tokens_trained"] == lrow.tokens_trained + lrow.inc_tokens_trained
         assert row["last_heartbeat"] == widgets.ago(lrow.last_heartbeat_at, now)
-    assert table.loc["eu-1", "status"] == h.DEAD and table.loc["eu-0", "status"] == h.STRAGGLING
-    assert (table.loc[["us-0", "us-1"], "status"] == h.ALIVE).all()
+    assert table.loc["eu-1", "status"] == liveness.DEAD and table.loc["eu-0", "status"] == liveness.STRAGGLING
+    assert (table.loc[["us-0", "us-1"], "status"] == liveness.ALIVE).all()
     # Grouped by region, the worst first within a region.
     assert list(table.index) == ["eu-1", "eu-0", "us-0", "us-1"]
     regions = frame_with(at, "share_merged").set_index("region")
@@ -202,7 +203,7 @@ def test_everything_silent_long_after_the_run(monkeypatch, run_ledger):
     at = open_app(monkeypatch, run_ledger.url, run_ledger.end + timedelta(minutes=10), run=run_ledger.run_id, page=RUN_HEALTH)
     shown = texts(at)
     assert "DOWN" in shown and "all 4 learners are dead" in shown and "no active synchronizer" in shown
-    assert set(frame_with(at, "last_heartbeat")["status"]) == {h.DEAD}
+    assert set(frame_with(at, "last_heartbeat")["status"]) == {liveness.DEAD}
 
 
 def test_empty_ledger_and_a_run_with_no_heartbeats(monkeypatch, tmp_path):

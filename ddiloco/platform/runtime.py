@@ -18,7 +18,7 @@ from tenacity import before_sleep_log, retry, retry_if_exception_type, stop_afte
 
 import ddiloco
 from ddiloco.platform.config import RunConfig
-from ddiloco.platform.ledger.engine import make_engine, open_ledger, session_factory
+from ddiloco.platform.ledger.engine import open_ledger, reader_of, session_factory
 from ddiloco.platform.store import FragmentStore, open_store
 
 Clock = Callable[[], float]
@@ -106,15 +106,7 @@ class RunContext:
         On SQLite it never waits behind writers (WAL snapshot). On PostgreSQL it is REPEATABLE READ,
         so figures read by several statements (token accounting, say) agree with each other."""
         if self._read_sessions is None:
-            url = self.engine.url
-            file_sqlite = url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:")
-            if file_sqlite:
-                engine = make_engine(url.render_as_string(hide_password=False), read_only=True)
-            elif url.get_backend_name() == "postgresql":
-                engine = self.engine.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
-            else:
-                engine = self.engine
-            self._read_sessions = session_factory(engine)
+            self._read_sessions = session_factory(reader_of(self.engine))
         with self._read_sessions.begin() as session:
             yield session
 

@@ -1,17 +1,20 @@
-"""A run's headline figures, computed from the ledger alone (CLI summary, dashboard, flows)."""
+"""A run's headline figures (CLI summary, demo, dashboard, flows): one pure ``summarize`` of the ledger's aggregates."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from ddiloco.platform.config import ModelConfig
+from ddiloco.platform.data import tokens_per_step
 from ddiloco.platform.ledger import queries as q
-from ddiloco.platform.ledger.models import FragmentSpec, FragmentVersion, Submission
+from ddiloco.platform.ledger.queries import RunAggregates
 
 DP_BYTES_PER_PARAM = 4
 """Data-parallel baseline: every replica sends a float32 gradient of every parameter each step."""
@@ -45,7 +48,7 @@ class RunSummary:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
 
-def _reason_class(reason: str | None) -> str:
+def reason_class(reason: str | None) -> str:
     """Group reasons by their first words ('stale: based on v3 …' -> 'stale')."""
     if not reason:
         return "unknown"
@@ -59,40 +62,30 @@ def longest_gap_s(times: list[datetime], start: datetime, end: datetime) -> floa
     return max(((b - a).total_seconds() for a, b in zip(points, points[1:])), default=0.0)
 
 
-def run_summary(session: Session, run_id: str, now: datetime, *, tokens_per_step: int | None = None) -> RunSummary:
-    run = q.require_run(session, run_id)
-    acct = q.token_accounting(session, run_id)
-    versions = q.latest_version_numbers(session, run_id)
-    evals = q.evaluations(session, run_id)
-    learners = q.learners(session, run_id)
-    end = run.finished_at or now
-    wall = max(1e-9, (end - run.created_at).total_seconds())
-    merged_times = list(
-        session.scalars(select(FragmentVersion.created_at).where(FragmentVersion.run_id == run_id, FragmentVersion.version > 0))
-    )
+def step_tokens(config: Mapping[str, Any]) -> int:
+    """Tokens one learner step trains, from a run's recorded config (1 when the config does not say)."""
+    try:
+        return tokens_per_step(ModelConfig.model_validate(config["model"]), int(config["learners"]["batch_size"]))
+    except (KeyError, TypeError, ValueError):  # a pydantic ValidationError is a ValueError
+        return 1
+
+
+def summarize(agg: RunAggregates, now: datetime) -> RunSummary:
+    """The summary of a run as of ``now`` (its end, once it has finished)."""
+    acct = agg.tokens
+    end = agg.finished_at or now
+    wall = max(1e-9, (end - agg.created_at).total_seconds())
     # Downtime is counted from the first merge: before it, learners are still starting up.
-    gap = longest_gap_s(merged_times, min(merged_times), end) if merged_times else 0.0
-    bytes_sent = int(session.scalar(select(func.coalesce(func.sum(Submission.nbytes), 0)).where(Submission.run_id == run_id)) or 0)
-    reasons = Counter(
-        _reason_class(r)
-        for r in session.scalars(select(Submission.reject_reason).where(Submission.run_id == run_id, Submission.status == "rejected"))
-    )
-    numel = int(session.scalar(select(func.coalesce(func.sum(FragmentSpec.numel), 0)).where(FragmentSpec.run_id == run_id)) or 0)
-    cfg = json.loads(run.config_json) if run.config_json else {}
-    if tokens_per_step is None:
-        try:
-            tokens_per_step = int(cfg["learners"]["batch_size"]) * int(cfg["model"]["seq_len"])
-        except (KeyError, TypeError, ValueError):
-            tokens_per_step = 1
-    steps = acct.trained / max(1, tokens_per_step)
-    busy = sum(l.busy_s for l in learners)
-    allocated = wall * max(1, len(learners))
+    gap = longest_gap_s(agg.merged_at, min(agg.merged_at), end) if agg.merged_at else 0.0
+    steps = acct.trained / max(1, step_tokens(agg.config))
+    allocated = wall * max(1, agg.learners)
     merged_share = acct.merged / acct.trained if acct.trained else 0.0
-    goodput = merged_share * min(1.0, busy / allocated) if allocated > 0 else 0.0
-    n_subs = int(session.scalar(select(func.count()).select_from(Submission).where(Submission.run_id == run_id)) or 0)
+    reasons: Counter[str] = Counter()
+    for reason, n in agg.rejected_reasons.items():
+        reasons[reason_class(reason)] += n
     return RunSummary(
-        run=run_id,
-        status=run.status,
+        run=agg.run,
+        status=agg.status,
         tokens=acct.trained,
         tokens_merged=acct.merged,
         tokens_rejected=acct.rejected,
@@ -100,16 +93,21 @@ def run_summary(session: Session, run_id: str, now: datetime, *, tokens_per_step
         tokens_lost=acct.lost,
         tokens_in_flight=acct.in_flight,
         accounting_balanced=acct.balanced,
-        versions=versions,
-        val_loss_start=evals[0].val_loss if evals else None,
-        val_loss_end=evals[-1].val_loss if evals else None,
-        val_accuracy_end=evals[-1].val_accuracy if evals else None,
-        goodput=goodput,
+        versions=agg.versions,
+        val_loss_start=agg.val_loss_start,
+        val_loss_end=agg.val_loss_end,
+        val_accuracy_end=agg.val_accuracy_end,
+        goodput=merged_share * min(1.0, agg.busy_s / allocated),
         longest_version_gap_s=gap,
-        bytes_sent=bytes_sent,
-        bytes_data_parallel=int(steps * numel * DP_BYTES_PER_PARAM),
+        bytes_sent=agg.bytes_sent,
+        bytes_data_parallel=int(steps * agg.parameters * DP_BYTES_PER_PARAM),
         rejected_by_reason=dict(reasons),
-        submissions=n_subs,
-        learners=len(learners),
+        submissions=agg.submissions,
+        learners=agg.learners,
         wall_s=wall,
     )
+
+
+def run_summary(session: Session, run_id: str, now: datetime) -> RunSummary:
+    """``summarize`` of the run's aggregates as the ledger holds them now."""
+    return summarize(q.run_aggregates(session, run_id), now)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
+from ddiloco.platform import liveness
 from ddiloco.ui import health as h
 
-LEARNER_STATUS_SCALE = alt.Scale(domain=list(h.LEARNER_STATUSES), range=[h.hex_of(s) for s in h.LEARNER_STATUSES])
+LEARNER_STATUS_SCALE = alt.Scale(domain=list(liveness.LEARNER_STATUSES), range=[h.hex_of(s) for s in liveness.LEARNER_STATUSES])
 CATEGORY_ORDER = ["failure", "restart", "chaos", "rejection", "synchronizer", "learner", "run", "other"]
 CATEGORY_SCALE = alt.Scale(domain=CATEGORY_ORDER, range=[h.HEX[h.CATEGORY_COLORS[c]] for c in CATEGORY_ORDER])
 FIXED_SQUARES = 6

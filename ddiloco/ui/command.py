@@ -53,17 +53,17 @@ def ui_command(
     from sqlalchemy.engine import make_url
 
     from ddiloco.platform.config import LedgerConfig
-    from ddiloco.ui.queries import redact
+    from ddiloco.platform.redact import redact_url
 
     url = ledger or LedgerConfig().url
     try:
         make_url(url)
     except Exception:  # noqa: BLE001 - any parse failure is a bad URL
-        typer.echo(f"error: not a ledger URL: {redact(url)}", err=True)
+        typer.echo(f"error: not a ledger URL: {redact_url(url)}", err=True)
         raise typer.Exit(2) from None
     env = dict(os.environ, STREAMLIT_BROWSER_GATHER_USAGE_STATS="false")
     env[LEDGER_URL_ENV] = url
-    typer.echo(f"dashboard for {redact(url)} on http://{address}:{port} (Ctrl-C stops it)")
+    typer.echo(f"dashboard for {redact_url(url)} on http://{address}:{port} (Ctrl-C stops it)")
     code = serve(streamlit_command(port, address, headless=not open_browser), env)
     if code:
         raise typer.Exit(code)

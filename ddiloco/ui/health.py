@@ -10,23 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Iterable, Sequence
+from typing import Iterable
 
-# Learner statuses and verdicts have one home, the platform's liveness rule; re-exported for the pages.
-from ddiloco.platform.liveness import (  # noqa: E402,F401
+from ddiloco.platform.liveness import (
     ALIVE,
     DEAD,
     LEARNER_STATUSES,
     RECOVERING,
     STRAGGLING,
-    LearnerSnapshot,
     LivenessPolicy,
     Verdict,
     format_duration,
-    learner_verdict,
-    learner_verdicts,
-    median_live_step_s,
-    silent_s,
 )
 
 # Run health levels, worst last.

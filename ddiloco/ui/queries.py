@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Engine, and_, event, func, inspect, literal, literal_column, or_, select, true, union_all
+from sqlalchemy import Engine, and_, func, inspect, literal, literal_column, or_, select, true, union_all
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import NoSuchModuleError
 from sqlalchemy.orm import Session
 
+from ddiloco.platform import liveness
 from ddiloco.platform.ledger.engine import make_engine
 from ddiloco.platform.ledger.models import (
     MERGED,
@@ -30,7 +31,6 @@ from ddiloco.platform.ledger.models import (
     REJECTED,
     Evaluation,
     Event,
-    FragmentSpec,
     FragmentVersion,
     Heartbeat,
     Learner,
@@ -40,8 +40,8 @@ from ddiloco.platform.ledger.models import (
     SynchronizerLease,
     UtcDateTime,
 )
-from ddiloco.platform.ledger.queries import TokenAccounting, latest_version_numbers
-from ddiloco.platform.summary import DP_BYTES_PER_PARAM, RunSummary, _reason_class, longest_gap_s
+from ddiloco.platform.redact import redact_url
+from ddiloco.platform.summary import RunSummary, run_summary
 from ddiloco.ui import health as h
 
 REQUIRED_TABLES = (
@@ -72,22 +72,14 @@ class LedgerUnavailable(RuntimeError):
 # --- the engine -----------------------------------------------------------------------------------------
 
 
-def redact(url: str) -> str:
-    """A ledger URL fit to show on screen: the password is hidden."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - not a SQLAlchemy URL; it will fail to open anyway
-        return url.split("@")[-1] if "@" in url else url
-
-
 def read_only_engine(url: str) -> Engine:
-    """An engine that cannot write: SQLite ``query_only``, PostgreSQL read-only transactions.
+    """The platform's read-only engine (``make_engine(read_only=True)``) for a ledger that must already exist.
 
     A missing SQLite file is reported, not created; the schema is never migrated from here."""
     try:
         parsed = make_url(url)
     except Exception as err:  # noqa: BLE001 - any parse failure is a bad URL
-        raise LedgerUnavailable(f"not a ledger URL: {redact(url)} ({err})") from None
+        raise LedgerUnavailable(f"not a ledger URL: {redact_url(url)} ({err})") from None
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         database = parsed.database
@@ -96,20 +88,10 @@ def read_only_engine(url: str) -> Engine:
     elif backend != "postgresql":
         raise LedgerUnavailable(f"unsupported ledger backend {backend!r}: use sqlite:/// or postgresql+psycopg://")
     try:
-        engine = make_engine(url, read_only=True)
+        # One snapshot per page load, so the figures of one run agree with each other.
+        return make_engine(url, read_only=True)
     except (NoSuchModuleError, ImportError) as err:
-        raise LedgerUnavailable(f"cannot open {redact(url)}: {err}") from None
-    if backend == "sqlite":
-
-        @event.listens_for(engine, "connect")
-        def _query_only(dbapi_conn, _record) -> None:  # noqa: ANN001
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA query_only=ON")
-            cur.close()
-
-        return engine
-    # One snapshot per page load, so the figures of one run agree with each other.
-    return engine.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
+        raise LedgerUnavailable(f"cannot open {redact_url(url)}: {err}") from None
 
 
 def check_schema(engine: Engine) -> None:
@@ -119,12 +101,12 @@ def check_schema(engine: Engine) -> None:
             names = set(inspect(conn).get_table_names())
     except Exception as err:  # noqa: BLE001 - server down, bad credentials, corrupt file …
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise LedgerUnavailable(f"cannot connect to the ledger at {redact(str(engine.url))}: {first}") from None
+        raise LedgerUnavailable(f"cannot connect to the ledger at {redact_url(str(engine.url))}: {first}") from None
     missing = [t for t in REQUIRED_TABLES if t not in names]
     if missing:
         what = "has no ledger schema yet" if len(missing) == len(REQUIRED_TABLES) else f"lacks tables {', '.join(missing)}"
         raise LedgerUnavailable(
-            f"the ledger at {redact(str(engine.url))} {what}. The dashboard never migrates: run "
+            f"the ledger at {redact_url(str(engine.url))} {what}. The dashboard never migrates: run "
             f"`ddiloco ledger upgrade --ledger URL` (or start a run), then reload."
         )
 
@@ -190,13 +172,13 @@ def run_info(session: Session, run_id: str) -> RunInfo | None:
 # --- health snapshots --------------------------------------------------------------------------------
 
 
-def learner_snapshots(session: Session, run_id: str) -> list[h.LearnerSnapshot]:
+def learner_snapshots(session: Session, run_id: str) -> list[liveness.LearnerSnapshot]:
     rows = session.execute(
         select(Learner.id, Learner.last_heartbeat_at, Learner.started_at, Learner.step, Learner.step_time_s, Learner.status)
         .where(Learner.run_id == run_id)
         .order_by(Learner.region, Learner.id)
     )
-    return [h.LearnerSnapshot(i, hb, st, int(step), float(sts or 0.0), status) for i, hb, st, step, sts, status in rows]
+    return [liveness.LearnerSnapshot(i, hb, st, int(step), float(sts or 0.0), status) for i, hb, st, step, sts, status in rows]
 
 
 def lease_snapshot(session: Session, run_id: str) -> h.LeaseSnapshot | None:
@@ -215,7 +197,7 @@ def last_version_at(session: Session, run_id: str) -> datetime | None:
 class RunHealthSnapshot:
     info: RunInfo
     as_of: datetime
-    verdicts: dict[str, h.Verdict]
+    verdicts: dict[str, liveness.Verdict]
     sync: h.SyncVerdict
     health: h.RunHealth
 
@@ -226,7 +208,7 @@ def health_snapshot(session: Session, run_id: str, now: datetime) -> RunHealthSn
         return None
     as_of = info.as_of(now)
     policy = info.policy
-    verdicts = h.learner_verdicts(learner_snapshots(session, run_id), as_of, policy)
+    verdicts = liveness.learner_verdicts(learner_snapshots(session, run_id), as_of, policy)
     sync = h.synchronizer_verdict(
         lease_snapshot(session, run_id), last_version_at(session, run_id), as_of, run_running=info.running
     )
@@ -261,7 +243,7 @@ def runs_overview(session: Session, now: datetime) -> pd.DataFrame:
         snap = health_snapshot(session, run_id, now)
         if snap is None:
             continue
-        summary = page_summary(session, snap.info, now)
+        summary = run_summary(session, run_id, now)
         counts = h.count_statuses(snap.verdicts.values())
         rows.append(
             {
@@ -275,7 +257,7 @@ def runs_overview(session: Session, now: datetime) -> pd.DataFrame:
                 "goodput": summary.goodput,
                 "downtime_s": summary.longest_version_gap_s,
                 "val_loss": summary.val_loss_end,
-                "learners_alive": counts[h.ALIVE] + counts[h.STRAGGLING] + counts[h.RECOVERING],
+                "learners_alive": counts[liveness.ALIVE] + counts[liveness.STRAGGLING] + counts[liveness.RECOVERING],
                 "learners": len(snap.verdicts),
                 "created_at": snap.info.created_at,
                 "reason": "; ".join(snap.health.reasons),
@@ -351,87 +333,6 @@ def learner_rows(session: Session, run_id: str) -> list[Any]:
     )
 
 
-def page_summary(
-    session: Session,
-    info: RunInfo,
-    now: datetime,
-    stats: pd.DataFrame | None = None,
-    learners: list[Any] | None = None,
-    evaluations: pd.DataFrame | None = None,
-) -> RunSummary:
-    """The figures of ``platform.summary.run_summary`` (what ``ddiloco summary`` prints), computed from
-    the aggregates the page reads anyway instead of three more passes over the submissions. The
-    tests hold the two equal on SQLite and PostgreSQL."""
-    run_id = info.id
-    stats = submission_stats(session, run_id) if stats is None else stats
-    learners = learner_rows(session, run_id) if learners is None else learners
-    evaluations = evaluations_frame(session, run_id) if evaluations is None else evaluations
-    by_status = stats.groupby("status")["tokens"].sum() if len(stats) else pd.Series(dtype="int64")
-    trained = lost = in_flight = 0
-    for r in learners:
-        unsubmitted = max(0, r.inc_tokens_trained - r.inc_tokens_submitted)
-        trained += r.tokens_trained + r.inc_tokens_trained
-        lost += r.tokens_lost
-        if r.status == "dead":
-            lost += unsubmitted
-        else:
-            in_flight += unsubmitted
-    acct = TokenAccounting(
-        trained=int(trained),
-        merged=int(by_status.get(MERGED, 0)),
-        rejected=int(by_status.get(REJECTED, 0)),
-        pending=int(by_status.get(PENDING, 0)),
-        lost=int(lost),
-        in_flight=int(in_flight),
-    )
-    end = info.finished_at or now
-    wall = max(1e-9, (end - info.created_at).total_seconds())
-    merged_times = list(
-        session.scalars(select(FragmentVersion.created_at).where(FragmentVersion.run_id == run_id, FragmentVersion.version > 0))
-    )
-    gap = longest_gap_s(merged_times, min(merged_times), end) if merged_times else 0.0
-    reasons: Counter = Counter()
-    for reason, n in session.execute(
-        select(Submission.reject_reason, func.count())
-        .where(Submission.run_id == run_id, Submission.status == REJECTED)
-        .group_by(Submission.reject_reason)
-    ):
-        reasons[_reason_class(reason)] += int(n)
-    numel = int(session.scalar(select(func.coalesce(func.sum(FragmentSpec.numel), 0)).where(FragmentSpec.run_id == run_id)) or 0)
-    try:
-        tokens_per_step = int(info.config["learners"]["batch_size"]) * int(info.config["model"]["seq_len"])
-    except (KeyError, TypeError, ValueError):
-        tokens_per_step = 1
-    busy = sum(r.busy_s for r in learners)
-    allocated = wall * max(1, len(learners))
-    merged_share = acct.merged / acct.trained if acct.trained else 0.0
-    val = evaluations["val_loss"]
-    acc = evaluations["val_accuracy"]
-    return RunSummary(
-        run=run_id,
-        status=info.status,
-        tokens=acct.trained,
-        tokens_merged=acct.merged,
-        tokens_rejected=acct.rejected,
-        tokens_pending=acct.pending,
-        tokens_lost=acct.lost,
-        tokens_in_flight=acct.in_flight,
-        accounting_balanced=acct.balanced,
-        versions=latest_version_numbers(session, run_id),
-        val_loss_start=float(val.iloc[0]) if len(val) else None,
-        val_loss_end=float(val.iloc[-1]) if len(val) else None,
-        val_accuracy_end=None if not len(acc) or pd.isna(acc.iloc[-1]) else float(acc.iloc[-1]),
-        goodput=merged_share * min(1.0, busy / allocated) if allocated > 0 else 0.0,
-        longest_version_gap_s=gap,
-        bytes_sent=int(stats["bytes"].sum()) if len(stats) else 0,
-        bytes_data_parallel=int(acct.trained / max(1, tokens_per_step) * numel * DP_BYTES_PER_PARAM),
-        rejected_by_reason=dict(reasons),
-        submissions=int(stats["submissions"].sum()) if len(stats) else 0,
-        learners=len(learners),
-        wall_s=wall,
-    )
-
-
 # --- learners and regions ---------------------------------------------------------------------------
 
 LEARNER_COLUMNS = [
@@ -482,15 +383,15 @@ def learners_frame(
         if last is not None and not pd.isna(last) and (learner_id not in last_sub or last > last_sub[learner_id]):
             last_sub[learner_id] = last
     snaps = [
-        h.LearnerSnapshot(row.id, row.last_heartbeat_at, row.started_at, int(row.step), float(row.step_time_s or 0.0), row.status)
+        liveness.LearnerSnapshot(row.id, row.last_heartbeat_at, row.started_at, int(row.step), float(row.step_time_s or 0.0), row.status)
         for row in learners
     ]
-    verdicts = h.learner_verdicts(snaps, as_of, info.policy)
+    verdicts = liveness.learner_verdicts(snaps, as_of, info.policy)
     rows = []
     for row, snap in zip(learners, snaps):
         loss = row.loss
         fate = fates.get(row.id, Counter())
-        unsubmitted_dead = max(0, row.inc_tokens_trained - row.inc_tokens_submitted) if verdicts[row.id].status == h.DEAD else 0
+        unsubmitted_dead = max(0, row.inc_tokens_trained - row.inc_tokens_submitted) if verdicts[row.id].status == liveness.DEAD else 0
         rows.append(
             {
                 "learner": row.id,
@@ -501,7 +402,7 @@ def learners_frame(
                 "tokens_per_s": float(row.tokens_per_s or 0.0),
                 "step_time_s": float(row.step_time_s or 0.0),
                 "last_heartbeat_at": row.last_heartbeat_at,
-                "silent_s": h.silent_s(snap, as_of),
+                "silent_s": liveness.silent_s(snap, as_of),
                 "last_submission_at": last_sub.get(row.id),
                 "merged": fate[MERGED],
                 "rejected": fate[REJECTED],
@@ -539,15 +440,15 @@ def regions_frame(learners: pd.DataFrame) -> pd.DataFrame:
     total_merged = max(1, int(learners["tokens_merged"].sum()))
     for region, grp in learners.groupby("region", sort=True):
         counts = grp["status"].value_counts()
-        live = grp[grp["status"] != h.DEAD]
+        live = grp[grp["status"] != liveness.DEAD]
         rows.append(
             {
                 "region": region,
                 "learners": len(grp),
-                "alive": int(counts.get(h.ALIVE, 0)),
-                "straggling": int(counts.get(h.STRAGGLING, 0)),
-                "recovering": int(counts.get(h.RECOVERING, 0)),
-                "dead": int(counts.get(h.DEAD, 0)),
+                "alive": int(counts.get(liveness.ALIVE, 0)),
+                "straggling": int(counts.get(liveness.STRAGGLING, 0)),
+                "recovering": int(counts.get(liveness.RECOVERING, 0)),
+                "dead": int(counts.get(liveness.DEAD, 0)),
                 "tokens_per_s": float(live["tokens_per_s"].sum()),
                 "tokens_trained": int(grp["tokens_trained"].sum()),
                 "tokens_merged": int(grp["tokens_merged"].sum()),
@@ -756,15 +657,9 @@ def rejections_frame(session: Session, run_id: str, limit: int = 200) -> pd.Data
     )
 
 
-def rejection_reasons(session: Session, run_id: str) -> pd.DataFrame:
-    """Rejected submissions counted by the class of their reason ('stale', 'norm outlier', …)."""
-    counts: Counter = Counter()
-    for reason, n in session.execute(
-        select(Submission.reject_reason, func.count())
-        .where(Submission.run_id == run_id, Submission.status == REJECTED)
-        .group_by(Submission.reject_reason)
-    ):
-        counts[_reason_class(reason)] += int(n)
+def rejection_reasons(summary: RunSummary) -> pd.DataFrame:
+    """Rejected submissions counted by the class of their reason ('stale', 'norm outlier', …), most first."""
+    counts = summary.rejected_by_reason
     return pd.DataFrame(
         sorted(({"reason": r, "submissions": n} for r, n in counts.items()), key=lambda d: (-d["submissions"], d["reason"])),
         columns=["reason", "submissions"],
@@ -803,10 +698,11 @@ def run_page(session: Session, run_id: str, now: datetime) -> RunPage | None:
     rows = learner_rows(session, run_id)
     evaluations = evaluations_frame(session, run_id)
     learners = learners_frame(session, run_id, now, stats, rows)
+    summary = run_summary(session, run_id, now)
     return RunPage(
         now=now,
         snapshot=snapshot,
-        summary=page_summary(session, snapshot.info, now, stats, rows, evaluations),
+        summary=summary,
         learners=learners,
         regions=regions_frame(learners),
         holders=synchronizer_holders(session, run_id),
@@ -818,5 +714,5 @@ def run_page(session: Session, run_id: str, now: datetime) -> RunPage | None:
         training_loss=training_loss_frame(session, run_id),
         events=events_frame(session, run_id),
         rejections=rejections_frame(session, run_id),
-        rejection_reasons=rejection_reasons(session, run_id),
+        rejection_reasons=rejection_reasons(summary),
     )

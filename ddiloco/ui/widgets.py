@@ -11,6 +11,7 @@ import streamlit as st
 from pandas.io.formats.style import Styler
 from sqlalchemy.exc import SQLAlchemyError
 
+from ddiloco.platform import liveness
 from ddiloco.ui import health as h
 from ddiloco.ui import loaders
 from ddiloco.ui.queries import LedgerUnavailable
@@ -78,7 +79,7 @@ def styled(df: pd.DataFrame, status_columns: Sequence[str] = ("status",)) -> Sty
 def ago(when: datetime | None, now: datetime) -> str:
     if when is None or pd.isna(when):
         return "never"
-    return f"{h.format_duration((now - when).total_seconds())} ago"
+    return f"{liveness.format_duration((now - when).total_seconds())} ago"
 
 
 def no_data(message: str) -> None:

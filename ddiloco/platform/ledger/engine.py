@@ -18,6 +18,8 @@ MIGRATION_LOCK_ID = 0x0DD1_10C0
 def make_engine(url: str, *, read_only: bool = False, idle_in_transaction_timeout_s: float | None = None) -> Engine:
     """An engine for ``url``; SQLite gets WAL, a busy timeout, foreign keys and write-locking transactions.
 
+    ``read_only`` engines cannot write (SQLite ``query_only``, PostgreSQL read-only transactions) and
+    read one snapshot per transaction, so figures read by several statements agree with each other.
     On PostgreSQL, ``idle_in_transaction_timeout_s`` makes the server end a session that sits in an
     open transaction that long: a process frozen mid-transaction (SIGSTOP, a VM pause) then
     releases its row locks instead of stalling every writer behind it."""
@@ -38,7 +40,22 @@ def make_engine(url: str, *, read_only: bool = False, idle_in_transaction_timeou
     connect_args = {}
     if idle_in_transaction_timeout_s:
         connect_args["options"] = f"-c idle_in_transaction_session_timeout={int(idle_in_transaction_timeout_s * 1000)}"
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5, connect_args=connect_args)
+    engine = create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5, connect_args=connect_args)
+    return _read_only_postgresql(engine) if read_only else engine
+
+
+def _read_only_postgresql(engine: Engine) -> Engine:
+    return engine.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
+
+
+def reader_of(engine: Engine) -> Engine:
+    """A read-only engine on the ledger ``engine`` writes to (PostgreSQL shares its connection pool)."""
+    url = engine.url
+    if url.get_backend_name() == "postgresql":
+        return _read_only_postgresql(engine)
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:"):
+        return make_engine(url.render_as_string(hide_password=False), read_only=True)
+    return engine  # in-memory SQLite: one shared connection, the only view of that database
 
 
 def _configure_sqlite(engine: Engine, *, read_only: bool) -> None:
@@ -51,6 +68,8 @@ def _configure_sqlite(engine: Engine, *, read_only: bool) -> None:
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.execute("PRAGMA foreign_keys=ON")
+        if read_only:
+            cur.execute("PRAGMA query_only=ON")
         cur.close()
 
     @event.listens_for(engine, "begin")

@@ -757,29 +757,113 @@ class TokenAccounting:
         return self.trained == self.merged + self.rejected + self.pending + self.lost + self.in_flight
 
 
-def token_accounting(session: Session, run_id: str) -> TokenAccounting:
+def account_tokens(rows: Iterable[Learner], tokens_by_status: dict[str, int]) -> TokenAccounting:
     """Where every trained token went: merged, rejected, pending, lost with a dead learner, or in flight."""
-    by_status = dict(
-        session.execute(
-            select(Submission.status, func.coalesce(func.sum(Submission.tokens_new), 0))
-            .where(Submission.run_id == run_id)
-            .group_by(Submission.status)
-        ).all()
-    )
     trained = lost = in_flight = 0
-    for r in learners(session, run_id):
+    for r in rows:
         unsubmitted = max(0, r.inc_tokens_trained - r.inc_tokens_submitted)
         trained += r.tokens_trained + r.inc_tokens_trained
         lost += r.tokens_lost
-        if r.status == "dead":
+        if r.status == liveness.DEAD:
             lost += unsubmitted
         else:
             in_flight += unsubmitted
     return TokenAccounting(
         trained=int(trained),
-        merged=int(by_status.get(MERGED, 0)),
-        rejected=int(by_status.get(REJECTED, 0)),
-        pending=int(by_status.get(PENDING, 0)),
+        merged=int(tokens_by_status.get(MERGED, 0)),
+        rejected=int(tokens_by_status.get(REJECTED, 0)),
+        pending=int(tokens_by_status.get(PENDING, 0)),
         lost=int(lost),
         in_flight=int(in_flight),
+    )
+
+
+def token_accounting(session: Session, run_id: str) -> TokenAccounting:
+    by_status = session.execute(
+        select(Submission.status, func.coalesce(func.sum(Submission.tokens_new), 0))
+        .where(Submission.run_id == run_id)
+        .group_by(Submission.status)
+    ).all()
+    return account_tokens(learners(session, run_id), {status: int(n) for status, n in by_status})
+
+
+@dataclass(frozen=True)
+class RunAggregates:
+    """The figures a run's summary is computed from (``platform.summary.summarize``), as the ledger holds them."""
+
+    run: str
+    status: str
+    created_at: datetime
+    finished_at: datetime | None
+    config: dict[str, Any]
+    """The run's recorded config (empty when it cannot be read)."""
+    tokens: TokenAccounting
+    versions: dict[int, int]
+    """Newest global version of each fragment."""
+    merged_at: list[datetime]
+    """When each merged version (version > 0) was published."""
+    val_loss_start: float | None
+    val_loss_end: float | None
+    val_accuracy_end: float | None
+    submissions: int
+    bytes_sent: int
+    rejected_reasons: dict[str | None, int]
+    """Rejected submissions counted by their exact reason."""
+    parameters: int
+    learners: int
+    busy_s: float
+    """Learner time spent training, summed over learners."""
+
+
+def run_aggregates(session: Session, run_id: str) -> RunAggregates:
+    """Everything ``summarize`` needs, read from the ledger in a handful of aggregate queries."""
+    run = require_run(session, run_id)
+    try:
+        config = json.loads(run.config_json) if run.config_json else {}
+    except ValueError:
+        config = {}
+    by_status: dict[str, int] = {}
+    reasons: dict[str | None, int] = {}
+    submissions = bytes_sent = 0
+    # One pass over the run's submissions: tokens by fate, bytes, counts and reasons together.
+    for status, reason, n, tokens, nbytes in session.execute(
+        select(
+            Submission.status,
+            Submission.reject_reason,
+            func.count(),
+            func.coalesce(func.sum(Submission.tokens_new), 0),
+            func.coalesce(func.sum(Submission.nbytes), 0),
+        )
+        .where(Submission.run_id == run_id)
+        .group_by(Submission.status, Submission.reject_reason)
+    ):
+        by_status[status] = by_status.get(status, 0) + int(tokens)
+        submissions += int(n)
+        bytes_sent += int(nbytes)
+        if status == REJECTED:
+            reasons[reason] = reasons.get(reason, 0) + int(n)
+    rows = learners(session, run_id)
+    evals = select(Evaluation.val_loss, Evaluation.val_accuracy).where(Evaluation.run_id == run_id).limit(1)
+    first = session.execute(evals.order_by(Evaluation.at, Evaluation.id)).first()
+    last = session.execute(evals.order_by(Evaluation.at.desc(), Evaluation.id.desc())).first()
+    merged_at = select(FragmentVersion.created_at).where(FragmentVersion.run_id == run_id, FragmentVersion.version > 0)
+    parameters = select(func.coalesce(func.sum(FragmentSpec.numel), 0)).where(FragmentSpec.run_id == run_id)
+    return RunAggregates(
+        run=run_id,
+        status=run.status,
+        created_at=run.created_at,
+        finished_at=run.finished_at,
+        config=config if isinstance(config, dict) else {},
+        tokens=account_tokens(rows, by_status),
+        versions=latest_version_numbers(session, run_id),
+        merged_at=list(session.scalars(merged_at)),
+        val_loss_start=first.val_loss if first else None,
+        val_loss_end=last.val_loss if last else None,
+        val_accuracy_end=last.val_accuracy if last else None,
+        submissions=submissions,
+        bytes_sent=bytes_sent,
+        rejected_reasons=reasons,
+        parameters=int(session.scalar(parameters) or 0),
+        learners=len(rows),
+        busy_s=float(sum(r.busy_s for r in rows)),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
+from ddiloco.platform import liveness
 from ddiloco.ui import health as h
 from ddiloco.ui import loaders, widgets
 
@@ -25,7 +26,7 @@ def run_card(row) -> None:  # noqa: ANN001 - a pandas row
         st.markdown(
             f"**{h.format_count(row.tokens)}** tokens · **{row.versions:,}** versions · **{row.goodput:.0%}** goodput  \n"
             f"**{row.learners_alive}/{row.learners}** learners up · val loss **{val_loss}** · "
-            f"age **{h.format_duration(row.age_s)}**"
+            f"age **{liveness.format_duration(row.age_s)}**"
         )
         st.page_link(
             "views/run_health.py", label="Open run health", icon=":material/arrow_forward:", query_params={"run": row.run}
@@ -57,8 +58,8 @@ def overview() -> None:
                     run_card(row)
         st.subheader("All runs")
         table = runs.drop(columns=["created_at"]).assign(
-            age=[h.format_duration(s) for s in runs["age_s"]],
-            downtime=[h.format_duration(s) for s in runs["downtime_s"]],
+            age=[liveness.format_duration(s) for s in runs["age_s"]],
+            downtime=[liveness.format_duration(s) for s in runs["downtime_s"]],
         )
         table = table[
             [

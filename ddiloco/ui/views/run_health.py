@@ -7,12 +7,13 @@ import math
 
 import streamlit as st
 
+from ddiloco.platform import liveness
 from ddiloco.ui import charts, loaders, widgets
 from ddiloco.ui import health as h
 from ddiloco.ui.queries import RunPage
 
 URL = loaders.ledger_url()
-SEVERITY = {h.DEAD: 0, h.STRAGGLING: 1, h.RECOVERING: 2, h.ALIVE: 3}
+SEVERITY = {liveness.DEAD: 0, liveness.STRAGGLING: 1, liveness.RECOVERING: 2, liveness.ALIVE: 3}
 EVENT_ROWS = 200  # newest events listed in the table (the timeline shows more)
 
 
@@ -40,7 +41,7 @@ def header(page: RunPage) -> None:
         st.title(f"Run {snap.info.id} {widgets.badge_markup(snap.health.level)}")
         st.caption(
             f"status **{snap.info.status}** · started {snap.info.created_at:%Y-%m-%d %H:%M:%S} UTC "
-            f"({h.format_duration((page.now - snap.info.created_at).total_seconds())} ago) · "
+            f"({liveness.format_duration((page.now - snap.info.created_at).total_seconds())} ago) · "
             f"{snap.info.num_fragments} fragments · code {snap.info.code_version}"
             + (f" @ {snap.info.git_commit[:10]}" if snap.info.git_commit else "")
             + f" · as of {page.now:%H:%M:%S} UTC"
@@ -61,7 +62,7 @@ def header(page: RunPage) -> None:
         st.success(reasons, icon=":material/check_circle:")
 
     counts = h.count_statuses(snap.verdicts.values())
-    up = counts[h.ALIVE] + counts[h.STRAGGLING] + counts[h.RECOVERING]
+    up = counts[liveness.ALIVE] + counts[liveness.STRAGGLING] + counts[liveness.RECOVERING]
     evals = page.evaluations
     cols = st.columns(7)
     budget = snap.info.token_budget
@@ -75,7 +76,7 @@ def header(page: RunPage) -> None:
     cols[2].metric("Goodput", f"{s.goodput:.1%}", help="Share of allocated learner time that produced merged progress")
     cols[3].metric(
         "Max downtime",
-        h.format_duration(s.longest_version_gap_s),
+        liveness.format_duration(s.longest_version_gap_s),
         help="Global downtime: the longest gap between two new global versions",
     )
     if len(evals):
@@ -89,7 +90,7 @@ def header(page: RunPage) -> None:
     else:
         cols[4].metric("Validation loss", "—")
     cols[5].metric("Learners up", f"{up}/{len(snap.verdicts)}")
-    cols[6].metric("Since new version", h.format_duration(snap.sync.last_version_age_s))
+    cols[6].metric("Since new version", liveness.format_duration(snap.sync.last_version_age_s))
 
 
 def learners_section(page: RunPage) -> None:

@@ -1,0 +1,123 @@
+"""The one liveness rule (``platform.liveness``): pure verdicts of (snapshots, now, policy), time moved by editing timestamps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from ddiloco.platform import liveness
+from ddiloco.platform.liveness import ALIVE, DEAD, RECOVERING, STRAGGLING, LearnerSnapshot, LivenessPolicy
+
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+POLICY = LivenessPolicy(dead_after_s=10, straggler_factor=2.0)
+
+
+def snap(
+    lid: str, silent_s: float | None, step_s: float = 1.0, *, status: str = ALIVE, step: int = 5, started_s: float = 3600
+) -> LearnerSnapshot:
+    """A learner last heard of ``silent_s`` ago (None: no heartbeat yet), started ``started_s`` ago."""
+    heartbeat = None if silent_s is None else T0 - timedelta(seconds=silent_s)
+    return LearnerSnapshot(lid, heartbeat, T0 - timedelta(seconds=started_s), step, step_s, status)
+
+
+def statuses(*snaps: LearnerSnapshot, now: datetime = T0) -> dict[str, str]:
+    return {lid: v.status for lid, v in liveness.learner_verdicts(snaps, now, POLICY).items()}
+
+
+def test_each_status_with_its_reason():
+    verdicts = liveness.learner_verdicts(
+        [
+            snap("a", 1),
+            snap("b", 2),
+            snap("slow", 1, step_s=2.5),
+            snap("gone", 11),
+            snap("back", 0.5, step_s=0.0, status=RECOVERING, step=0),
+        ],
+        T0,
+        POLICY,
+    )
+    expected = {"a": ALIVE, "b": ALIVE, "slow": STRAGGLING, "gone": DEAD, "back": RECOVERING}
+    assert {k: v.status for k, v in verdicts.items()} == expected
+    assert verdicts["a"].reason == "last heartbeat 1.0s ago"
+    assert verdicts["slow"].reason == "step time 2.50s is 2.5x the live median 1.00s"
+    assert verdicts["gone"].reason == "no heartbeat for 11s (limit 10s)"
+    assert verdicts["back"].reason == "restarted; rejoining from the newest global state"
+
+
+def test_dead_beats_straggling_beats_recovering_beats_alive():
+    peers = [snap("p1", 1), snap("p2", 1), snap("p3", 1)]
+    # Silent too long and slow: dead.
+    assert statuses(*peers, snap("x", 11, step_s=9.0))["x"] == DEAD
+    # Silent too long and just restarted: dead.
+    assert statuses(*peers, snap("x", 11, status=RECOVERING, step=0))["x"] == DEAD
+    # Just restarted but slow: straggling.
+    assert statuses(*peers, snap("x", 1, step_s=9.0, status=RECOVERING, step=0))["x"] == STRAGGLING
+    # Restarted and not stepped yet: recovering; once it has stepped it is alive again.
+    assert statuses(*peers, snap("x", 1, status=RECOVERING, step=0))["x"] == RECOVERING
+    assert statuses(*peers, snap("x", 1, status=RECOVERING, step=1))["x"] == ALIVE
+    # The status the ledger holds does not decide: a learner written as dead that heartbeats is alive.
+    assert statuses(*peers, snap("x", 1, status=DEAD))["x"] == ALIVE
+
+
+def test_the_limits_are_strict():
+    assert statuses(snap("a", 10), snap("b", 10.001)) == {"a": ALIVE, "b": DEAD}
+    # Exactly the straggler factor times the median is not yet straggling.
+    assert statuses(snap("a", 1), snap("b", 1), snap("c", 1, step_s=2.0))["c"] == ALIVE
+    assert statuses(snap("a", 1), snap("b", 1), snap("c", 1, step_s=2.01))["c"] == STRAGGLING
+
+
+def test_the_start_counts_as_a_sign_of_life():
+    # No heartbeat yet: judged by when the incarnation started.
+    assert statuses(snap("new", None, started_s=5))["new"] == ALIVE
+    assert statuses(snap("new", None, started_s=11))["new"] == DEAD
+    assert liveness.silent_s(snap("new", None, started_s=5), T0) == 5.0
+    assert liveness.silent_s(snap("old", 2, started_s=500), T0) == 2.0
+
+
+def test_the_median_counts_live_learners_that_have_stepped():
+    live = [snap("a", 1, step_s=1.0), snap("b", 1, step_s=1.0), snap("c", 1, step_s=2.5)]
+    dead_and_slow = [snap("d1", 20, step_s=100.0), snap("d2", 20, step_s=100.0)]
+    not_stepped = [snap("n1", 1, step_s=0.0), snap("n2", 1, step_s=0.0), snap("n3", 1, step_s=0.0)]
+    assert liveness.median_live_step_s([*live, *dead_and_slow, *not_stepped], T0, POLICY) == 1.0
+    # Were the dead counted, the median would be 2.5 and c would look healthy.
+    assert statuses(*live, *dead_and_slow)["c"] == STRAGGLING
+    # Were the learners without a step counted, the median would be 0 and nobody could straggle.
+    assert statuses(*live, *not_stepped)["c"] == STRAGGLING
+    # Nobody live has a step time: there is no median, and nobody straggles.
+    assert liveness.median_live_step_s([snap("x", 20, step_s=3.0), snap("y", 1, step_s=0.0)], T0, POLICY) == 0.0
+
+
+def test_move_time_not_the_learners():
+    learners = [snap("a", 1), snap("b", 2)]
+    assert set(statuses(*learners).values()) == {ALIVE}
+    assert statuses(*learners, now=T0 + timedelta(seconds=9)) == {"a": ALIVE, "b": DEAD}
+    assert set(statuses(*learners, now=T0 + timedelta(seconds=10)).values()) == {DEAD}
+
+
+def test_live_ids_are_every_learner_not_dead_sorted():
+    verdicts = liveness.learner_verdicts(
+        [snap("z", 1), snap("slow", 1, step_s=5.0), snap("m", 1), snap("back", 1, status=RECOVERING, step=0), snap("gone", 30)],
+        T0,
+        POLICY,
+    )
+    assert liveness.live_ids(verdicts) == ["back", "m", "slow", "z"]
+    assert liveness.live_ids({}) == []
+
+
+@dataclass
+class _Learners:
+    dead_after_s: float = 45.0
+
+
+@pytest.mark.parametrize(
+    "learners, expected",
+    [
+        ({"dead_after_s": 40, "straggler_factor": 3}, LivenessPolicy(40.0, 3.0)),
+        ({}, LivenessPolicy()),
+        (_Learners(), LivenessPolicy(45.0, LivenessPolicy.straggler_factor)),
+    ],
+)
+def test_policy_from_the_run_config_or_its_recorded_dict(learners, expected):
+    assert LivenessPolicy.from_learners_config(learners) == expected

@@ -1,0 +1,149 @@
+"""A run's summary and token accounting: one pure ``summarize`` of the ledger's aggregates, one ``tokens_per_step``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import datetime, timedelta, timezone
+from types import SimpleNamespace
+
+import pytest
+
+from ddiloco.platform.config import DataConfig, ModelConfig, build_config
+from ddiloco.platform.data import build_dataset, tokens_per_step
+from ddiloco.platform.ledger import open_ledger, session_factory
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger.queries import RunAggregates, TokenAccounting
+from ddiloco.platform.summary import DP_BYTES_PER_PARAM, run_summary, summarize
+
+T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+GPT = {"kind": "gpt", "seq_len": 64}
+
+
+def at(s: float) -> datetime:
+    return T0 + timedelta(seconds=s)
+
+
+def aggregates(**changes) -> RunAggregates:
+    """Two learners, 100 s of a running run: 6,400 tokens trained, 4,096 merged."""
+    base = RunAggregates(
+        run="r",
+        status="running",
+        created_at=T0,
+        finished_at=None,
+        config={"model": GPT, "learners": {"batch_size": 4}},
+        tokens=TokenAccounting(trained=6400, merged=4096, rejected=1024, pending=256, lost=512, in_flight=512),
+        versions={0: 3, 1: 2},
+        merged_at=[at(20), at(30), at(70)],
+        val_loss_start=5.5,
+        val_loss_end=3.25,
+        val_accuracy_end=None,
+        submissions=9,
+        bytes_sent=12_345,
+        rejected_reasons={"stale: based on v1, now v3": 2, "stale: based on v0, now v3": 1, "norm outlier: 9.1x": 1, None: 1},
+        parameters=1000,
+        learners=2,
+        busy_s=150.0,
+    )
+    return replace(base, **changes)
+
+
+# --- summarize: a pure function of the aggregates ------------------------------------------------------
+
+
+def test_summarize_reports_the_aggregates():
+    s = summarize(aggregates(), at(100))
+    assert (s.run, s.status, s.tokens) == ("r", "running", 6400)
+    assert (s.tokens_merged, s.tokens_rejected, s.tokens_pending) == (4096, 1024, 256)
+    assert (s.tokens_lost, s.tokens_in_flight, s.accounting_balanced) == (512, 512, True)
+    assert (s.versions, s.val_loss_start, s.val_loss_end, s.val_accuracy_end) == ({0: 3, 1: 2}, 5.5, 3.25, None)
+    assert (s.submissions, s.bytes_sent, s.learners, s.wall_s) == (9, 12_345, 2, 100.0)
+    assert s.rejected_by_reason == {"stale": 3, "norm outlier": 1, "unknown": 1}
+    assert not summarize(aggregates(tokens=replace(aggregates().tokens, lost=0)), at(100)).accounting_balanced
+
+
+def test_goodput_is_the_merged_share_times_the_busy_share():
+    # 4096 / 6400 merged, 150 busy of 2 x 100 allocated learner-seconds.
+    assert summarize(aggregates(), at(100)).goodput == pytest.approx(0.64 * 0.75)
+    # Busier than allocated (clock skew) caps at 1; nothing trained is no goodput.
+    assert summarize(aggregates(busy_s=500.0), at(100)).goodput == pytest.approx(0.64)
+    assert summarize(aggregates(tokens=TokenAccounting(0, 0, 0, 0, 0, 0)), at(100)).goodput == 0.0
+
+
+def test_the_longest_gap_counts_from_the_first_merge_to_now_or_the_end():
+    assert summarize(aggregates(), at(100)).longest_version_gap_s == 40.0  # 30 -> 70
+    assert summarize(aggregates(), at(200)).longest_version_gap_s == 130.0  # 70 -> now
+    finished = aggregates(status="finished", finished_at=at(80))
+    assert summarize(finished, at(10_000)) == summarize(finished, at(80))
+    assert summarize(finished, at(10_000)).wall_s == 80.0
+    assert summarize(aggregates(merged_at=[]), at(100)).longest_version_gap_s == 0.0
+
+
+def test_the_data_parallel_baseline_sends_every_parameter_every_step():
+    # 6400 tokens in steps of 4 x 64 tokens: 25 steps of 1000 float32 gradients.
+    assert summarize(aggregates(), at(100)).bytes_data_parallel == 25 * 1000 * DP_BYTES_PER_PARAM
+    # A vision step trains on 4 examples: 1600 steps.
+    vision = aggregates(config={"model": {"kind": "vision"}, "learners": {"batch_size": 4}})
+    assert summarize(vision, at(100)).bytes_data_parallel == 1600 * 1000 * DP_BYTES_PER_PARAM
+    # A config that does not say counts one token per step.
+    assert summarize(aggregates(config={}), at(100)).bytes_data_parallel == 6400 * 1000 * DP_BYTES_PER_PARAM
+
+
+def test_token_accounting_of_learner_rows():
+    def row(status: str, trained: int, lost: int, inc_trained: int, inc_submitted: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            status=status,
+            tokens_trained=trained,
+            tokens_lost=lost,
+            inc_tokens_trained=inc_trained,
+            inc_tokens_submitted=inc_submitted,
+        )
+
+    rows = [row("alive", 100, 10, 50, 20), row("dead", 0, 0, 40, 10), row("straggling", 0, 0, 5, 9)]
+    acct = q.account_tokens(rows, {"merged": 60, "rejected": 20, "pending": 19})
+    # Unsubmitted tokens of a live learner are in flight; a dead learner's are lost.
+    assert acct == TokenAccounting(trained=195, merged=60, rejected=20, pending=19, lost=10 + 30, in_flight=30 + 0)
+
+
+# --- tokens per step: one rule, the one the batches follow --------------------------------------------
+
+
+def test_tokens_per_step_counts_examples_for_vision_and_positions_for_language():
+    assert tokens_per_step(ModelConfig(kind="gpt", seq_len=64), 8) == 512
+    assert tokens_per_step(ModelConfig(kind="moe_gpt", seq_len=32), 8, world=4) == 1024
+    assert tokens_per_step(ModelConfig(kind="vision"), 8) == 8
+    assert tokens_per_step(ModelConfig(kind="vision"), 8, world=2) == 16
+
+
+@pytest.mark.parametrize(
+    "data, model",
+    [
+        (DataConfig(source="digits"), ModelConfig(kind="vision")),
+        (DataConfig(source="stdlib", max_bytes=200_000), ModelConfig(kind="gpt", seq_len=32)),
+    ],
+)
+def test_tokens_per_step_is_what_a_batch_holds(data, model):
+    dataset = build_dataset(data, model)
+    batch = next(dataset.train_batches(0, 2, batch_size=6, seed=0))
+    assert batch.tokens == tokens_per_step(model, 6)
+
+
+# --- through the ledger ----------------------------------------------------------------------------------
+
+
+def test_a_vision_runs_data_parallel_baseline_counts_examples_not_seq_len(tmp_path):
+    cfg = build_config({"name": "v", "model": {"kind": "vision"}, "data": {"source": "digits"}, "learners": {"batch_size": 8}})
+    engine = open_ledger(f"sqlite:///{tmp_path}/ledger.db")
+    with session_factory(engine).begin() as s:
+        q.create_run(
+            s, "v", config_json=cfg.to_json(), code_version="t", git_commit=None, num_fragments=1, token_budget=10**6, now=T0
+        )
+        q.set_fragment_specs(s, "v", [(0, ["w"], 1000, 4000)])
+        q.register_learner(s, "v", "us-0", "us", T0)
+        # 10 steps of 8 images: 80 examples trained.
+        q.record_heartbeat(s, "v", "us-0", 0, now=at(1), step=10, tokens=80, loss=1.0, tokens_per_s=80, step_time_s=0.1)
+    with session_factory(engine)() as s:
+        summary = run_summary(s, "v", at(2))
+    engine.dispose()
+    # Data-parallel would have sent a float32 gradient of all 1000 parameters at each of the 10 steps.
+    assert summary.tokens == 80
+    assert summary.bytes_data_parallel == 10 * 1000 * 4
