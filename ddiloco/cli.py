@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ddiloco.platform.config import ConfigError, RunConfig, load_config
+from ddiloco.platform.redact import redact_url
 from ddiloco.bench.command import bench_app
 from ddiloco.simulator.command import simulate_command
 from ddiloco.ui.command import ui_command
@@ -58,7 +59,7 @@ def ledger_upgrade(ledger: Optional[str] = LedgerOpt, config: Optional[Path] = C
 
     url = _ledger_url(ledger, config)
     upgrade(make_engine(url))
-    console.print(f"ledger at {_redact(url)} is at the newest schema revision")
+    console.print(f"ledger at {redact_url(url)} is at the newest schema revision")
 
 
 @ledger_app.command("check")
@@ -84,7 +85,7 @@ def ledger_check(
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite" and not (parsed.database and Path(parsed.database).is_file()):
         # Connecting would create an empty file; a check never creates a ledger.
-        err_console.print(f"[red]error:[/red] no ledger file at {_redact(url)}")
+        err_console.print(f"[red]error:[/red] no ledger file at {redact_url(url)}")
         raise typer.Exit(2)
     ctx = RunContext.open(cfg, run or cfg.name, engine=make_engine(url, read_only=True))
     try:
@@ -93,7 +94,7 @@ def ledger_check(
         err_console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
     except SQLAlchemyError as err:
-        err_console.print(f"[red]error:[/red] cannot read the ledger at {_redact(url)}: {str(err).splitlines()[0]}")
+        err_console.print(f"[red]error:[/red] cannot read the ledger at {redact_url(url)}: {str(err).splitlines()[0]}")
         raise typer.Exit(2) from None
     finally:
         ctx.engine.dispose()
@@ -292,16 +293,6 @@ def chaos_suite_command(
         json_path.write_text(report_json(report))
     if not report.passed:
         raise typer.Exit(1)
-
-
-def _redact(url: str) -> str:
-    """Hide a password in a URL before printing it."""
-    from sqlalchemy.engine import make_url
-
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - not a SQLAlchemy URL; print as given
-        return url
 
 
 app.command("simulate", help="Goodput of data-parallel vs Decoupled DiLoCo at scale, under chip failures.")(simulate_command)
