@@ -160,7 +160,7 @@ def summary_table(result: RunSummary) -> Table:
     table.add_row("validation loss start -> end", f"{fmt(result.val_loss_start)} -> {fmt(result.val_loss_end)}")
     table.add_row("goodput", f"{result.goodput:.1%}")
     table.add_row("longest gap between versions", f"{result.longest_version_gap_s:.1f} s")
-    ratio = result.bytes_data_parallel / result.bytes_sent if result.bytes_sent else float("nan")
-    table.add_row("bytes sent vs data-parallel", f"{result.bytes_sent / 1e6:.1f} MB vs {result.bytes_data_parallel / 1e6:.1f} MB ({ratio:.0f}x less)")
+    less = f" ({result.bytes_data_parallel / result.bytes_sent:.0f}x less)" if result.bytes_sent else ""
+    table.add_row("bytes sent vs data-parallel", f"{result.bytes_sent / 1e6:.1f} MB vs {result.bytes_data_parallel / 1e6:.1f} MB{less}")
     table.add_row("submissions rejected by reason", ", ".join(f"{k}: {v}" for k, v in result.rejected_by_reason.items()) or "none")
     return table

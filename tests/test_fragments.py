@@ -7,9 +7,7 @@ from ddiloco.platform.config import ModelConfig
 from ddiloco.platform.fragments import (
     Fragment,
     due_fragments,
-    fragment_tensors,
     imbalance,
-    load_fragment,
     partition,
     partition_module,
 )
@@ -111,32 +109,3 @@ def test_due_fragments_every_fragment_once_per_period() -> None:
     assert sorted(sent) == list(range(24))
     with pytest.raises(ValueError):
         due_fragments(1, 0, 1)
-
-
-def test_fragment_tensors_are_live_detached_references() -> None:
-    model = torch.nn.Linear(2, 2)
-    (frag,) = partition_module(model, 1)
-    t = fragment_tensors(model, frag)
-    assert list(t) == ["weight", "bias"]
-    assert not t["weight"].requires_grad
-    with torch.no_grad():
-        model.weight.fill_(3.0)
-    assert torch.equal(t["weight"], torch.full((2, 2), 3.0))
-
-
-def test_load_fragment_copies_in_place() -> None:
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
-    frags = partition_module(model, 2)
-    target = next(f for f in frags if "0.weight" in f.names)
-    weight = model[0].weight
-    new = {n: torch.full_like(v, 7.0) for n, v in fragment_tensors(model, target).items()}
-    load_fragment(model, target, new)
-    assert model[0].weight is weight and torch.equal(weight, torch.full((2, 2), 7.0))
-    new["0.weight"].fill_(0.0)
-    assert torch.equal(weight, torch.full((2, 2), 7.0))  # copied, not aliased
-    with pytest.raises(ValueError, match="expected"):
-        load_fragment(model, target, {"0.weight": torch.zeros(2, 2)})
-    with pytest.raises(ValueError, match="shape"):
-        load_fragment(model, target, {n: torch.zeros(5) for n in target.names})
-    with pytest.raises(KeyError):
-        fragment_tensors(torch.nn.Linear(1, 1), target)

@@ -104,8 +104,3 @@ class HostStager:
             event = torch.cuda.Event()
             event.record(self.stream)
         return Staged(host, event)
-
-
-def to_host(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Detached host copies (for safetensors blobs and pickled broadcasts)."""
-    return {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 
@@ -81,31 +80,3 @@ def due_fragments(step: int, count: int, every: int) -> list[int]:
     if step <= 0:
         return []
     return [p for p in range(count) if (step - p) % every == 0]
-
-
-def _params(module: nn.Module, fragment: Fragment) -> dict[str, nn.Parameter]:
-    params = dict(module.named_parameters())
-    missing = [n for n in fragment.names if n not in params]
-    if missing:
-        raise KeyError(f"fragment {fragment.index} names parameters the module lacks: {missing}")
-    return {n: params[n] for n in fragment.names}
-
-
-def fragment_tensors(module: nn.Module, fragment: Fragment) -> dict[str, torch.Tensor]:
-    """Detached views of the fragment's live parameters (they change as training goes on)."""
-    return {n: p.detach() for n, p in _params(module, fragment).items()}
-
-
-def load_fragment(module: nn.Module, fragment: Fragment, tensors: dict[str, torch.Tensor]) -> None:
-    """Overwrite the fragment's parameters in place with ``tensors`` (exactly its names and shapes)."""
-    params = _params(module, fragment)
-    if set(tensors) != set(params):
-        raise ValueError(
-            f"fragment {fragment.index}: got tensors {sorted(tensors)}, expected {sorted(params)}"
-        )
-    for n, p in params.items():
-        if tuple(tensors[n].shape) != tuple(p.shape):
-            raise ValueError(f"fragment {fragment.index}: {n!r} has shape {tuple(tensors[n].shape)}, expected {tuple(p.shape)}")
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(tensors[n])
