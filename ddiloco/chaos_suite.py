@@ -1,31 +1,26 @@
-"""``ddiloco chaos-suite``: a fault matrix on the real multi-region configuration.
+"""``ddiloco chaos-suite``: the fault matrix, on the real multi-region configuration.
 
-PostgreSQL ledger, an S3 store (moto's S3 server on loopback, through s3fs), learners and
-synchronizers as OS processes. Each fault is injected into one live run, the run must recover,
-and the invariants are checked after every fault:
-
-- every submission has one fate (merged into a version, rejected with a reason, or pending);
-- fragment versions are dense; versions' fencing tokens never go backwards;
-- every ledger row points to a blob that exists and verifies;
-- tokens trained = merged + rejected + pending + lost + in flight;
-- new versions kept appearing while at least K learners were alive.
-"""
+PostgreSQL ledger (a scratch database), an S3 store (moto's S3 server on loopback, through s3fs),
+learners and synchronizers as OS processes started the way the flows start them, every fault point
+of their kind armed by file (scaffolding: :mod:`ddiloco.testing`). Each fault is injected into one
+live run, the run must recover, and after every fault the ledger invariants
+(:mod:`ddiloco.platform.invariants`) must hold; throughout, new versions must keep appearing while at
+least K learners are alive."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import signal
 import shutil
-import socket
+import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 import uuid
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -37,19 +32,22 @@ from sqlalchemy.engine import make_url
 
 from ddiloco.platform.compression import encode_delta
 from ddiloco.platform.config import RunConfig, build_config
-from ddiloco.platform.faults import ARMED_BY_FILE, arm_file
 from ddiloco.platform.ids import submission_key
-from ddiloco.platform.ledger import make_engine
+from ddiloco.platform.invariants import check_run
 from ddiloco.platform.ledger import queries as q
-from ddiloco.platform.ledger.models import FragmentVersion, Learner, Submission
+from ddiloco.platform.ledger.models import Base, FragmentVersion, Learner, Submission
 from ddiloco.platform.runtime import RunContext, to_datetime
 from ddiloco.platform.store import FragmentStore
+from ddiloco.testing.net import poll_until
+from ddiloco.testing.postgres import scratch_database, server_url
+from ddiloco.testing.processes import ProcessCluster, write_config
+from ddiloco.testing.progress import ProgressMonitor
+from ddiloco.testing.s3 import S3Server, environment
 
 log = logging.getLogger("ddiloco.chaos_suite")
 
-DEFAULT_POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-
-
+LEARNER_POINTS = ("learner.mid_step", "learner.after_blob", "learner.after_download")
+SYNC_POINTS = ("sync.mid_merge", "sync.before_commit", "sync.renew_lease")
 # The longest stretch without a new global version the suite accepts while at least K learners are
 # up and the backends are up: a standby takes over within one lease TTL plus a poll, and a learner
 # sends every few steps; the rest is slack for a loaded 2-core machine.
@@ -102,156 +100,9 @@ class SuiteReport:
         return self.invariants_ok and all(f.lost == 0 and f.survived == f.injected for f in self.faults)
 
 
-def _bare(path: str) -> str:
-    """A store path without its protocol, as fsspec listings return it."""
-    return path.split("://", 1)[-1].lstrip("/")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.2) -> object:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            value = predicate()
-        except Exception:  # noqa: BLE001 - a backend may be restarting while we look
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(interval_s)
-
-
-class S3Server:
-    """moto's S3 server on a loopback port, restartable on the same port (its state lives in this process)."""
-
-    def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        self.port = _free_port()
-        self._cls = ThreadedMotoServer
-        self.server = None
-
-    def start(self) -> None:
-        self.server = self._cls(ip_address="127.0.0.1", port=self.port)
-        self.server.start()
-
-    def stop(self) -> None:
-        if self.server is not None:
-            self.server.stop()
-            self.server = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-class Cluster:
-    """The run's processes, each started with every fault point of its kind armed by file, so the
-    suite chooses which process stops where, and when."""
-
-    LEARNER_POINTS = ("learner.mid_step", "learner.after_blob", "learner.after_download")
-    SYNC_POINTS = ("sync.mid_merge", "sync.before_commit", "sync.renew_lease")
-
-    def __init__(self, config_path: Path, run_id: str, logdir: Path) -> None:
-        self.config_path, self.run_id, self.logdir = config_path, run_id, logdir
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def fault_dir(self, name: str) -> Path:
-        return self.logdir / "faults" / name
-
-    def start(self, name: str, args: list[str], points: tuple[str, ...]) -> None:
-        env = dict(os.environ)
-        env["DDILOCO_FAULTS"] = ",".join(f"{p}:{ARMED_BY_FILE}" for p in points)
-        env["DDILOCO_FAULT_DIR"] = str(self.fault_dir(name))
-        log_file = open(self.logdir / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "ddiloco", *args, "--config", str(self.config_path), "--run", self.run_id],
-            env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
-
-    def learner(self, lid: str) -> None:
-        self.start(lid, ["learner", "--learner", lid], self.LEARNER_POINTS)
-
-    def synchronizer(self, label: str) -> None:
-        self.start(label, ["synchronizer", "--label", label], self.SYNC_POINTS)
-
-    def arm(self, name: str, point: str) -> None:
-        (self.fault_dir(name) / point).unlink(missing_ok=True)
-        trigger = arm_file(self.fault_dir(name), point)
-        trigger.parent.mkdir(parents=True, exist_ok=True)
-        trigger.write_text("")
-
-    def disarm(self, name: str, point: str) -> None:
-        arm_file(self.fault_dir(name), point).unlink(missing_ok=True)
-
-    def fault_reached(self, name: str, point: str) -> bool:
-        return (self.fault_dir(name) / point).exists()
-
-    def log_text(self, name: str) -> str:
-        path = self.logdir / f"{name}.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def signal(self, name: str, sig: int) -> None:
-        proc = self.procs[name]
-        if proc.poll() is None:
-            proc.send_signal(sig)
-            if sig == signal.SIGKILL:
-                proc.wait(timeout=10)
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-
-
-class VersionMonitor(threading.Thread):
-    """Samples the number of published versions, to measure the longest stretch without one."""
-
-    def __init__(self, count: Callable[[], int], every_s: float) -> None:
-        super().__init__(name="version-monitor", daemon=True)
-        self.count, self.every_s = count, every_s
-        self.new_version_at: list[float] = []
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        last = -1
-        while not self._halt.wait(self.every_s):
-            try:
-                n = self.count()
-            except Exception:  # noqa: BLE001 - the ledger may be restarting; the next sample sees it
-                continue
-            if n > last:
-                self.new_version_at.append(time.monotonic())
-                last = n
-
-    def stop(self) -> None:
-        self._halt.set()
-        if self.ident is not None:
-            self.join(timeout=10)
-
-    def longest_gap(self, excused: list[tuple[float, float]]) -> tuple[float, float]:
-        """(longest gap between new versions that overlaps no excused window, its start)."""
-        worst, at = 0.0, 0.0
-        for a, b in zip(self.new_version_at, self.new_version_at[1:]):
-            if any(a < end and b > start for start, end in excused):
-                continue
-            if b - a > worst:
-                worst, at = b - a, a
-        return worst, at
+def _wait(predicate: Callable[[], object], timeout_s: float) -> object:
+    """``predicate``'s first truthy value, or None after ``timeout_s``; a backend restarting while we look is "not yet"."""
+    return poll_until(predicate, timeout_s, interval_s=0.2, transient=(Exception,))
 
 
 def suite_config(run_id: str, ledger_url: str, bucket: str) -> RunConfig:
@@ -279,59 +130,55 @@ def suite_config(run_id: str, ledger_url: str, bucket: str) -> RunConfig:
 
 
 class Suite:
-    def __init__(self, quick: bool, postgres_admin_url: str, workdir: Path) -> None:
+    def __init__(self, quick: bool, postgres_server_url: str, workdir: Path) -> None:
         self.quick = quick
-        self.admin_url = postgres_admin_url
+        self.server_url = postgres_server_url
         self.workdir = workdir
         self.report = SuiteReport()
         self.run_id = f"chaos-{uuid.uuid4().hex[:6]}"
-        self.db_name = f"ddiloco_chaos_{uuid.uuid4().hex[:8]}"
         self.outages: list[tuple[float, float]] = []
         self.spare_synchronizers = 0
+        self._stack = ExitStack()
 
     # --- set-up ----------------------------------------------------------------------------------
 
     def __enter__(self) -> "Suite":
-        admin = make_engine(self.admin_url).execution_options(isolation_level="AUTOCOMMIT")
-        with admin.connect() as c:
-            c.execute(text(f'CREATE DATABASE "{self.db_name}"'))
-        admin.dispose()
-        url = make_url(self.admin_url).set(database=self.db_name)
+        try:
+            self._open()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def _open(self) -> None:
+        # Undone in reverse order on exit: processes first, whatever else fails, so a suite that
+        # dies never leaves a run behind; the scratch database last.
+        url = make_url(self._stack.enter_context(scratch_database(self.server_url, "ddiloco_chaos", durable=True)))
         # Planted credentials: the security check greps the ledger and every log for them. The
         # S3 server takes any key; a server with password authentication keeps its real password.
         self.secrets = [f"s3-secret-{uuid.uuid4().hex}"]
         if url.password is None:
             url = url.set(password=f"pg-secret-{uuid.uuid4().hex}")
         self.secrets.append(str(url.password))
-        self.ledger_url = url.render_as_string(hide_password=False)
-        self.s3 = S3Server()
-        self.s3.start()
-        os.environ.update(AWS_ACCESS_KEY_ID="chaos", AWS_SECRET_ACCESS_KEY=self.secrets[0], AWS_DEFAULT_REGION="us-east-1",
-                          AWS_ENDPOINT_URL=self.s3.url)
-        import s3fs
-
-        bucket = f"chaos-{uuid.uuid4().hex[:8]}"
-        s3fs.S3FileSystem(skip_instance_cache=True).mkdir(bucket)
-        self.cfg = suite_config(self.run_id, self.ledger_url, bucket)
-        self.config_path = self.workdir / "config.yaml"
-        self.config_path.write_text(yaml.safe_dump(self.cfg.model_dump(mode="json")))
-        self.cluster = Cluster(self.config_path, self.run_id, self.workdir)
+        self.s3 = self._stack.enter_context(S3Server())
+        self._stack.enter_context(environment(self.s3.env(secret=self.secrets[0])))
+        self.cfg = suite_config(self.run_id, url.render_as_string(hide_password=False), self.s3.bucket("chaos"))
         self.ctx = RunContext.open(self.cfg, self.run_id)
-        self.monitor = VersionMonitor(self.versions_total, every_s=0.25)
-        return self
+        self._stack.callback(self.ctx.engine.dispose)
+        self.monitor = ProgressMonitor(self.versions_total, every_s=0.25)
+        self._stack.callback(self.monitor.stop)
+        self.config_path = write_config(self.cfg, self.workdir / "config.yaml")
+        self.cluster = ProcessCluster(self.config_path, self.run_id, self.workdir)
+        self._stack.callback(self.cluster.stop_all)
 
     def __exit__(self, *exc: object) -> None:
-        # Processes first, whatever else fails: a suite that dies must not leave a run behind.
-        try:
-            self.cluster.stop_all()
-        finally:
-            self.monitor.stop()
-            self.ctx.engine.dispose()
-            self.s3.stop()
-            admin = make_engine(self.admin_url).execution_options(isolation_level="AUTOCOMMIT")
-            with admin.connect() as c:
-                c.execute(text(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)'))
-            admin.dispose()
+        self._stack.close()
+
+    def learner(self, lid: str) -> None:
+        self.cluster.learner(lid, faults=LEARNER_POINTS)
+
+    def synchronizer(self, label: str) -> None:
+        self.cluster.synchronizer(label, faults=SYNC_POINTS)
 
     # --- observations ------------------------------------------------------------------------------
 
@@ -358,73 +205,19 @@ class Suite:
                 FragmentVersion.run_id == self.run_id, FragmentVersion.synchronizer != holder))
         return newest is not None and newest.timestamp() >= since
 
-    @staticmethod
-    def listed_sizes(store: FragmentStore, prefix: str) -> dict[str, int]:
-        try:
-            found = store.fs.find(store.path(prefix), detail=True)
-        except FileNotFoundError:
-            return {}
-        return {_bare(path): int(info["size"]) for path, info in found.items()}
+    def crashed(self) -> list[str]:
+        """Processes that exited by themselves (the suite only ever SIGKILLs)."""
+        return [n for n, p in self.cluster.procs.items() if p.poll() not in (None, -signal.SIGKILL)]
 
     def check_invariants(self, when: str) -> int:
-        """Record every broken invariant; returns the number of rows whose data is lost."""
-        problems = []
-        lost = 0
-        # A client of its own for each check: after a store outage, pooled connections are dead.
-        store = FragmentStore(self.cfg.storage.url, {"skip_instance_cache": True})
-        t0 = time.monotonic()
-        with self.ctx.reading() as s:
-            versions = s.execute(
-                select(FragmentVersion.fragment, FragmentVersion.version, FragmentVersion.lease_token, FragmentVersion.blob_key,
-                       FragmentVersion.sha256).where(FragmentVersion.run_id == self.run_id).order_by(FragmentVersion.created_at)
-            ).all()
-            subs = s.execute(
-                select(Submission.id, Submission.status, Submission.blob_key, Submission.sha256, Submission.reject_reason,
-                       Submission.nbytes)
-                .where(Submission.run_id == self.run_id)
-            ).all()
-            acct = q.token_accounting(s, self.run_id)
-        by_frag: dict[int, list] = {}
-        for f, v, token, key, sha in versions:
-            by_frag.setdefault(f, []).append((v, token, key, sha))
-        for f, rows in by_frag.items():
-            vs = sorted(v for v, _, _, _ in rows)
-            if vs != list(range(len(vs))):
-                problems.append(f"{when}: fragment {f} versions not dense: {vs[:10]}…")
-            tokens = [t for _, t, _, _ in sorted(rows, key=lambda r: r[0])]
-            if tokens != sorted(tokens):
-                problems.append(f"{when}: fragment {f} has a version from a synchronizer that had lost its lease")
-            newest = max(rows, key=lambda r: r[0])
-            if not store.verify(newest[2], newest[3]):
-                problems.append(f"{when}: fragment {f} v{newest[0]} blob missing or corrupt")
-                lost += 1
-        for sid, status, key, sha, reason, _ in subs:
-            if status not in ("pending", "merged", "rejected"):
-                problems.append(f"{when}: submission {sid} has no fate ({status})")
-            if status == "rejected" and not reason:
-                problems.append(f"{when}: submission {sid} rejected without a reason")
-        # A pending blob is checked to exist with the size its row records: the
-        # synchronizer hashes every blob it merges and rejects a mismatch with a reason, and a full
-        # read of hundreds of blobs here would slow the S3 server the run depends on.
-        pending = [(sid, key, nbytes) for sid, status, key, _, _, nbytes in subs if status == "pending"]
-        t1 = time.monotonic()
-        # One listing (after the rows were read: a blob is written before its row) instead of a
-        # request per blob.
-        sizes = self.listed_sizes(store, f"{self.run_id}/submissions") if pending else {}
-        fine = [sizes.get(_bare(store.path(key))) == nbytes for _, key, nbytes in pending]
-        log.info("%s: ledger read in %.1fs (%d submissions), %d pending blobs checked in %.1fs", when, t1 - t0, len(subs),
-                 len(pending), time.monotonic() - t1)
-        for (sid, _, _), ok in zip(pending, fine):
-            if not ok:
-                problems.append(f"{when}: pending submission {sid} points to a missing blob or one of the wrong size")
-                lost += 1
-        if not acct.balanced:
-            problems.append(f"{when}: token accounting does not balance: {acct}")
-            lost += abs(acct.trained - (acct.merged + acct.rejected + acct.pending + acct.lost + acct.in_flight))
-        self.report.problems.extend(problems)
+        """Record every broken invariant; returns the number of rows (or tokens) whose data is lost."""
+        # A store client of its own for each check: after a store outage, pooled connections are dead.
+        problems = check_run(self.ctx, lambda region: FragmentStore(self.cfg.storage_url_for(region), {"skip_instance_cache": True}))
+        self.report.problems.extend(f"{when}: {p}" for p in problems)
         if problems:
             self.report.invariants_ok = False
-        return lost
+        return sum(p.lost for p in problems)
+
 
     # --- the faults --------------------------------------------------------------------------------
 
@@ -457,7 +250,7 @@ class Suite:
         killed = time.monotonic()
         self.cluster.signal(lid, signal.SIGKILL)
         progressed = _wait(lambda: self.progressed_since(versions), 60)  # without it, on the others alone
-        self.cluster.learner(lid)
+        self.learner(lid)
         rejoined = _wait(lambda: self.learner_row(lid).incarnation > before and self.learner_row(lid).step > 0, 120)
         recover = time.monotonic() - killed
         ok = bool(rejoined and progressed)
@@ -513,7 +306,7 @@ class Suite:
         new_holder = self.holder() or "nobody"
         # Keep a standby in reserve for the next fault.
         self.spare_synchronizers += 1
-        self.cluster.synchronizer(f"sync-spare{self.spare_synchronizers}")
+        self.synchronizer(f"sync-spare{self.spare_synchronizers}")
         return Injection(int(bool(ok)), 1, f"{name} killed at {point}; {new_holder.split('@')[0]} published "
                          f"{recover:.1f}s after the kill" if ok else f"no standby published within 60s of killing {name}", recover)
 
@@ -526,13 +319,13 @@ class Suite:
         up = time.monotonic()
         ok = _wait(lambda: self.progressed_since(versions, by=4), 120)
         self.outages.append((down, time.monotonic() + BACKEND_RECOVERY_S))
-        crashed = [n for n, p in self.cluster.procs.items() if p.poll() not in (None, -signal.SIGKILL)]
+        crashed = self.crashed()
         return Injection(int(bool(ok) and not crashed), 1, f"S3 down {seconds:.0f}s; "
                          + (f"crashed: {crashed}" if crashed else "no process crashed"), time.monotonic() - up)
 
     def postgres_restart(self) -> Injection:
         clusters = sorted(os.listdir("/etc/postgresql")) if os.path.isdir("/etc/postgresql") else []
-        if not clusters or make_url(self.admin_url).host not in ("127.0.0.1", "localhost") or not shutil.which("pg_ctlcluster"):
+        if not clusters or make_url(self.server_url).host not in ("127.0.0.1", "localhost") or not shutil.which("pg_ctlcluster"):
             return Injection(0, 0, "skipped: no local PostgreSQL cluster to restart")
         versions = self.versions_total()
         started_before = self.postmaster_started()
@@ -544,7 +337,7 @@ class Suite:
         self.outages.append((down, time.monotonic() + BACKEND_RECOVERY_S))
         # The restart must have hit the server this run's ledger is on, or it proves nothing.
         restarted = self.postmaster_started() != started_before
-        crashed = [n for n, p in self.cluster.procs.items() if p.poll() not in (None, -signal.SIGKILL)]
+        crashed = self.crashed()
         detail = f"pg_ctlcluster restart took {up - down:.1f}s; " + (f"crashed: {crashed}" if crashed else "no process crashed")
         if not restarted:
             detail += "; but the ledger's server was not the one restarted"
@@ -556,8 +349,6 @@ class Suite:
 
     def secrets_check(self) -> Injection:
         """The planted credentials appear nowhere: not in any ledger row, not in any process log."""
-        from ddiloco.platform.ledger.models import Base
-
         places = []
         with self.ctx.reading() as s:
             for table in Base.metadata.sorted_tables:
@@ -650,24 +441,24 @@ class Suite:
             "learners.regions.0.speeds": {"learners": {"regions": [{"name": "us", "learners": 1, "speeds": [3.0]}]}},
             "unknown_key": {"unknown_key": 1},
         }
-        invocations: dict[str, list[str]] = {}
+        bad = self.workdir / "bad-input"
+        bad.mkdir(exist_ok=True)
+        launched: dict[str, tuple[ProcessCluster, subprocess.Popen]] = {}
         for field_name, data in cases.items():
-            path = self.workdir / f"bad-{field_name}.yaml"
             base = self.cfg.model_dump(mode="json")
             for k, v in data.items():
                 base[k] = {**base[k], **v} if isinstance(base.get(k), dict) and isinstance(v, dict) else v
+            path = bad / f"{field_name}.yaml"
             path.write_text(yaml.safe_dump(base))
-            invocations[field_name] = ["--config", str(path), "--learner", "us-0"]
-        invocations["../x"] = ["--config", str(self.config_path), "--learner", "../x"]
-        procs = {
-            name: subprocess.Popen([sys.executable, "-m", "ddiloco", "learner", *args], stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True)
-            for name, args in invocations.items()
-        }
+            cluster = ProcessCluster(path, self.run_id, bad)
+            launched[field_name] = cluster, cluster.start(field_name, ["learner", "--learner", "us-0"])
+        cluster = ProcessCluster(self.config_path, self.run_id, bad)
+        launched["../x"] = cluster, cluster.start("bad-id", ["learner", "--learner", "../x"])
         survived = 0
         details = []
-        for name, proc in procs.items():
-            output, _ = proc.communicate(timeout=120)
+        for name, (cluster, proc) in launched.items():
+            proc.wait(timeout=120)
+            output = cluster.log("bad-id" if name == "../x" else name)
             # The error names the field (or the bad id) and the command exits 2.
             needle = name if name == "../x" else name.split(".")[0]
             ok = proc.returncode == 2 and needle in output
@@ -685,11 +476,10 @@ class Suite:
 
     def run(self) -> SuiteReport:
         started = time.monotonic()
-        c = self.cluster
-        c.synchronizer("sync-a")
+        self.synchronizer("sync-a")
         # Learners start at once (they wait for version 0 themselves), so process start-ups overlap.
         for lid, _, _ in self.cfg.learners.learner_ids():
-            c.learner(lid)
+            self.learner(lid)
 
         def v0() -> bool:
             with self.ctx.reading() as s:
@@ -699,8 +489,8 @@ class Suite:
             raise RuntimeError("the synchronizer did not publish version 0")
         # Standbys start only now, so sync-a is the first holder; the learner faults come first,
         # which leaves them the time to start.
-        c.synchronizer("sync-b")
-        c.synchronizer("sync-c")
+        self.synchronizer("sync-b")
+        self.synchronizer("sync-c")
         if not _wait(lambda: self.versions_total() >= 8, 240):
             raise RuntimeError("the run did not start merging")
         self.monitor.start()
@@ -740,7 +530,7 @@ def run_suite(*, quick: bool, postgres_url: str | None = None, workdir: Path | N
     if threading.current_thread() is threading.main_thread():
         # SIGTERM unwinds like Ctrl-C, so the run's processes and scratch database are cleaned up.
         signal.signal(signal.SIGTERM, _interrupt)
-    with Suite(quick, postgres_url or os.environ.get("DDILOCO_TEST_POSTGRES_URL") or DEFAULT_POSTGRES, workdir) as suite:
+    with Suite(quick, postgres_url or server_url(), workdir) as suite:
         return suite.run()
 
 

@@ -8,14 +8,17 @@ import time
 import pytest
 import torch
 from sqlalchemy import select
-from support import ProcessRun, tiny_config, wait_for
+from support import tiny_config
 
 from ddiloco.platform.compression import decode_delta
+from ddiloco.platform.invariants import check_run
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.models import FragmentVersion, Learner, Merge, Submission
 from ddiloco.platform.store import FragmentStore
-from ddiloco.synchronizer.merge import flatten, merge_vectors, unflatten
-from ddiloco.synchronizer.outer import momentum_from_blob, outer_step
+from ddiloco.synchronizer.merge import GlobalFragment, Member, MergePolicy, merge_fragment
+from ddiloco.synchronizer.outer import momentum_from_blob
+from ddiloco.testing.net import wait_for
+from ddiloco.testing.processes import ProcessRun
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +47,7 @@ def test_learner_killed_mid_upload_leaves_no_dangling_row_and_rejoins(tmp_path):
         wait_for(lambda: v0_published(run), 120, "version 0")
         run.learner("us-0", faults="learner.after_blob:3")
         run.learner("us-1")
-        wait_for(lambda: run.fault_reached("learner.after_blob"), 120, "us-0 to stop between blob and ledger row")
+        wait_for(lambda: run.fault_reached("us-0", "learner.after_blob"), 120, "us-0 to stop between blob and ledger row")
         run.kill("us-0")
         store = FragmentStore(run.cfg.storage.url)
         with run.ctx.transaction() as s:
@@ -73,6 +76,7 @@ def test_learner_killed_mid_upload_leaves_no_dangling_row_and_rejoins(tmp_path):
             assert "learner_restarted" in kinds
             acct = q.token_accounting(s, "killmid")
         assert acct.balanced and acct.merged > 0
+        assert check_run(run.ctx) == []
     finally:
         run.stop_all()
 
@@ -86,20 +90,16 @@ def recompute_version(run: ProcessRun, fragment: int, version: int) -> tuple[dic
         merge = s.scalar(select(Merge).where(Merge.run_id == cfg.name, Merge.fragment == fragment, Merge.version == version))
         detail = json.loads(merge.detail_json)
         subs = {sb.id: sb for sb in s.scalars(select(Submission).where(Submission.id.in_([m["submission"] for m in detail["members"]])))}
-    params = store.get(prev.blob_key, prev.sha256)
-    momentum = momentum_from_blob(store.get(prev.state_key, prev.state_sha256))
-    names = list(params)
-    per_learner: dict[str, list] = {}
-    weight: dict[str, float] = {}
+    current = GlobalFragment(version - 1, store.get(prev.blob_key, prev.sha256),
+                             momentum_from_blob(store.get(prev.state_key, prev.state_sha256)))
+    members = []
     for m in detail["members"]:
         sb = subs[m["submission"]]
         tensors, meta = store.get_with_metadata(sb.blob_key, sb.sha256)
-        per_learner.setdefault(m["learner"], []).append(flatten(decode_delta(tensors, meta), names))
-        weight[m["learner"]] = m["weight"]
-    # A learner's increments add up to its outer gradient; learners are then merged.
-    vectors = [torch.stack(v).sum(0) for v in per_learner.values()]
-    grad = merge_vectors(vectors, [weight[lid] for lid in per_learner], detail["method"]) * detail["participation_scale"]
-    return outer_step(params, unflatten(grad, params, names), momentum, lr=cfg.outer.lr, beta=cfg.outer.momentum)
+        members.append(Member(sb.id, sb.learner_id, decode_delta(tensors, meta), m["norm"], sb.c_steps, sb.c_tokens, sb.base_version))
+    out = merge_fragment(current, members, MergePolicy.from_config(cfg), live_learners=merge.live_learners)
+    assert out.detail["members"] == detail["members"] and out.detail["participation_scale"] == detail["participation_scale"]
+    return out.params, out.momentum
 
 
 def test_synchronizer_killed_mid_merge_standby_resumes_exactly(tmp_path):
@@ -112,7 +112,7 @@ def test_synchronizer_killed_mid_merge_standby_resumes_exactly(tmp_path):
         run.synchronizer("sync-b")
         run.learner("us-0")
         run.learner("us-1")
-        wait_for(lambda: run.fault_reached("sync.before_commit"), 180, "sync-a to stop mid-merge")
+        wait_for(lambda: run.fault_reached("sync-a", "sync.before_commit"), 180, "sync-a to stop mid-merge")
         killed_at = time.time()
         run.kill("sync-a")
 
@@ -136,9 +136,7 @@ def test_synchronizer_killed_mid_merge_standby_resumes_exactly(tmp_path):
             merged = s.execute(select(Submission.id, Submission.merged_version, Submission.fragment)
                                .where(Submission.run_id == "failover", Submission.status == "merged")).all()
             merges = list(s.scalars(select(Merge).where(Merge.run_id == "failover")))
-        for p in range(P):
-            vs = sorted(v for f, v, _ in versions if f == p)
-            assert vs == list(range(len(vs))), f"fragment {p} versions are not dense: {vs}"
+        assert check_run(run.ctx) == []  # dense versions, fencing, fates, blobs, accounting
         listed = [m["submission"] for mg in merges for m in json.loads(mg.detail_json)["members"]]
         assert len(listed) == len(set(listed)), "a submission was merged twice"
         by_id = {sid: (v, f) for sid, v, f in merged}

@@ -209,17 +209,19 @@ def probe_store(
     """(newest version blob verified, by fragment; pending blob's listed size, by submission id)."""
     central = store_for(None)
     intact = {f: central.verify(v.blob_key, v.sha256) for f, v in newest_versions(snap.versions).items()}
-    pending = [s for s in snap.submissions if s.status == PENDING]
-    by_store: dict[str, tuple[FragmentStore, list[SubmissionRow]]] = {}
-    for s in pending:
-        store = store_for(s.region)
-        by_store.setdefault(store.url, (store, []))[1].append(s)
+    by_region: dict[str | None, list[SubmissionRow]] = defaultdict(list)
+    for s in snap.submissions:
+        if s.status == PENDING:
+            by_region[s.region].append(s)
+    listings: dict[str, dict[str, int]] = {}
     sizes: dict[int, int | None] = {}
-    for store, rows in by_store.values():
+    for region, rows in by_region.items():
+        store = store_for(region)
         # One listing per store instead of a request per blob; taken after the rows were read, and a
         # blob is written before its row, so a blob that exists is listed.
-        listed = listed_sizes(store, f"{run_id}/submissions")
-        sizes.update({s.id: listed.get(_bare(store.path(s.blob_key))) for s in rows})
+        if store.url not in listings:
+            listings[store.url] = listed_sizes(store, f"{run_id}/submissions")
+        sizes.update({s.id: listings[store.url].get(_bare(store.path(s.blob_key))) for s in rows})
     return intact, sizes
 
 

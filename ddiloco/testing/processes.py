@@ -47,9 +47,6 @@ def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = 30.0) -> 
 class ProcessCluster:
     """The processes of one run, by name; a process may be stopped at a named fault point, signalled and restarted."""
 
-    LEARNER_POINTS = ("learner.mid_step", "learner.after_blob", "learner.after_download")
-    SYNC_POINTS = ("sync.mid_merge", "sync.before_commit", "sync.renew_lease")
-
     def __init__(self, config_path: Path, run_id: str, logdir: Path, env: Mapping[str, str] | None = None) -> None:
         self.launcher = SubprocessLauncher(config_path, run_id, logdir)
         self.config_path, self.run_id, self.logdir = config_path, run_id, logdir
@@ -66,10 +63,8 @@ class ProcessCluster:
         spec = faults if isinstance(faults, str) else ",".join(f"{p}:{ARMED_BY_FILE}" for p in faults)
         if spec:
             env.update(DDILOCO_FAULTS=spec, DDILOCO_FAULT_DIR=str(self.fault_dir(name)))
-        proc = self.launcher.spawn(name, args, env=env, wrap=wrap).process
-        assert proc is not None
-        self.procs[name] = proc
-        return proc
+        self.procs[name] = self.launcher.spawn(name, args, env=env, wrap=wrap).process
+        return self.procs[name]
 
     def learner(self, lid: str, *args: str, faults: str | Sequence[str] = (), env: Mapping[str, str] | None = None,
                 wrap: Sequence[str] = ()) -> subprocess.Popen:
