@@ -43,7 +43,8 @@ def checkout(path: Path) -> Path | None:
 
 
 def destination(out: Path | None, *, publish: bool, full_plan: bool, repo: Path | None) -> Destination:
-    """Where a run's files go; ``repo`` is the checkout the command runs in (or was given), if any.
+    """Where a run's files go (without ``out`` or ``publish``: a new temporary directory, made here);
+    ``repo`` is the checkout the command runs in (or was given), if any.
 
     Raises ValueError, saying what to change, for a publish that is not of the full plan or has no
     checkout, and for an ``out`` that would overwrite the published files."""
