@@ -49,7 +49,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
 from common import (  # noqa: E402
     base_parser,
     exit_on_sigterm,
@@ -287,9 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     exit_on_sigterm()
-    from support import ProcessRun, wait_for
-
     from ddiloco.platform.ledger import queries as q
+    from ddiloco.testing.net import wait_for
+    from ddiloco.testing.processes import ProcessRun
 
     cfg = bench_config(args.quick)
     args.rounds = args.rounds or (1 if args.quick else 6)

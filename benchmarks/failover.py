@@ -1,7 +1,7 @@
 """Synchronizer failover: SIGKILL the active synchronizer, time until the standby publishes a version.
 
-Real OS processes, as tests/test_processes.py starts them (``python -m ddiloco learner|synchronizer``,
-via tests/support.py's ProcessRun) on a SQLite ledger and a file:// store in a temp dir:
+Real OS processes, started as the flows start them (``python -m ddiloco learner|synchronizer``,
+through ddiloco.testing's ProcessRun) on a SQLite ledger and a file:// store in a temp dir:
 2 learners, an active and a standby synchronizer, lease_ttl_s from the config's default (3.0 s).
 Each round: wait for a quiet window, look the lease holder up in the ledger, SIGKILL that process
 by its PID, and watch the ledger (every 50 ms) until a version published by another holder
@@ -35,7 +35,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,15 +45,15 @@ from sqlalchemy import func, select
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
 from common import base_parser, exit_on_sigterm, header, verdict, write_results
-from support import ProcessRun, wait_for
 
 from ddiloco.platform.config import build_config
 from ddiloco.platform.ledger import open_ledger
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.models import Event, FragmentVersion, Heartbeat
 from ddiloco.platform.runtime import RunContext
+from ddiloco.testing.net import wait_for
+from ddiloco.testing.processes import ProcessRun
 
 NAME = "failover"
 GOAL_FAILOVER_S = 5.0
@@ -75,7 +74,8 @@ def bench_config(name: str, quick: bool):
     return build_config(data)
 
 
-PREWARM = "import torch, torch._dynamo; from ddiloco.cli import app; app()"
+# Wraps the launcher's ``python -m ddiloco <args>``: inside, argv is [-c, python, -m, ddiloco, <args>...].
+PREWARM = [sys.executable, "-c", "import sys, torch._dynamo; from ddiloco.cli import app; sys.argv = sys.argv[3:]; app()"]
 
 
 class BenchRun(ProcessRun):
@@ -92,18 +92,8 @@ class BenchRun(ProcessRun):
         # never take SQLite's write lock away from the processes being measured.
         self.ro = RunContext.open(self.cfg, self.cfg.name, engine=open_ledger(self.cfg.ledger.url, migrate=False, read_only=True))
 
-    def _start(self, name, args, faults):
-        if not (self.prewarm and args and args[0] == "synchronizer"):
-            return super()._start(name, args, faults)
-        env = dict(os.environ)
-        env.pop("DDILOCO_FAULTS", None)
-        log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - the child writes to it
-        proc = subprocess.Popen(
-            [sys.executable, "-c", PREWARM, *args, "--config", str(self.config_path)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-        )
-        self.procs[name] = proc
-        return proc
+    def synchronizer(self, label: str, **kw):  # noqa: ANN003 - ProcessRun.synchronizer's
+        return super().synchronizer(label, wrap=PREWARM if self.prewarm else (), **kw)
 
 
 def label_of(holder: str) -> str:

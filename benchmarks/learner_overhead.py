@@ -41,7 +41,6 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
 from common import (
     base_parser,
     exit_on_sigterm,
@@ -55,13 +54,14 @@ from common import (
     wrap_timed,
     write_results,
 )
-from support import ProcessRun, wait_for
 
 from ddiloco.learner_worker.worker import Learner
 from ddiloco.platform.config import build_config
 from ddiloco.platform.data import build_dataset
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.models import build_model, compute_loss
+from ddiloco.testing.net import wait_for
+from ddiloco.testing.processes import ProcessRun
 
 NAME = "learner_overhead"
 GOAL_RATIO = 0.95

@@ -21,19 +21,20 @@ poll latency, on SQLite and PostgreSQL (a fresh database on the local server, dr
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue as queue_mod
 import shutil
 import sys
 import tempfile
 import time
 import traceback
-import uuid
+from contextlib import ExitStack
 from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import base_parser, header, verdict, write_results  # noqa: E402
+
+from ddiloco.testing.postgres import scratch_database, server_url  # noqa: E402
 
 GOAL_SUBMISSIONS_PER_S = 2000
 GOAL_P99_POLL_MS = 50.0
@@ -343,25 +344,12 @@ def run_all(phases: list[tuple[str, str, str, bool]], args, ids: list[str], toke
     return results
 
 
-def backend_url(backend: str, postgres_admin: str, workdir: Path) -> tuple[str, object]:
-    """A fresh, empty ledger; returns (url, cleanup)."""
+def backend_url(backend: str, postgres_server: str, workdir: Path, cleanups: ExitStack) -> str:
+    """A fresh, empty ledger (a PostgreSQL one is dropped when ``cleanups`` closes)."""
     if backend == "sqlite":
-        return f"sqlite:///{workdir}/ledger.db", lambda: None
-    from sqlalchemy import create_engine
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.pool import NullPool
-
-    name = f"ddiloco_bench_{uuid.uuid4().hex[:16]}"
-    admin = create_engine(postgres_admin, isolation_level="AUTOCOMMIT", poolclass=NullPool)
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-
-    def drop() -> None:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
-
-    return make_url(postgres_admin).set(database=name).render_as_string(hide_password=False), drop
+        return f"sqlite:///{workdir}/ledger.db"
+    # Durable commits: commit throughput is what this benchmark measures.
+    return cleanups.enter_context(scratch_database(postgres_server, "ddiloco_bench", durable=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,8 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poll-interval", type=float, default=0.05, help="seconds between the dedicated poller's polls")
     ap.add_argument(
         "--postgres-url",
-        default=os.environ.get("DDILOCO_BENCH_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"),
-        help="a server where the benchmark may CREATE and DROP a database",
+        default=server_url(),
+        help="a server where the benchmark may CREATE and DROP a database (default $DDILOCO_TEST_POSTGRES_URL or the local one)",
     )
     args = ap.parse_args(argv)
     if args.quick:
@@ -388,17 +376,16 @@ def main(argv: list[str] | None = None) -> int:
         if b not in ("sqlite", "postgres"):
             ap.error(f"unknown backend {b!r}")
     workdir = Path(tempfile.mkdtemp(prefix="ledger-bench-"))
-    cleanups = []
+    cleanups = ExitStack()
     try:
         phases, tokens, ids = [], {}, []
         for backend in backends:
             try:
-                url, cleanup = backend_url(backend, args.postgres_url, workdir)
+                url = backend_url(backend, args.postgres_url, workdir, cleanups)
             except Exception as err:  # noqa: BLE001 - one backend missing must not lose the other's figures
                 print(f"  {backend}: NOT RUN: {str(err).splitlines()[0]}", flush=True)
                 results["backends"][backend] = {"error": str(err)}
                 continue
-            cleanups.append(cleanup)
             t0 = time.perf_counter()
             ids, tokens[backend] = setup_ledger(url, args.learners, args.fragments)
             results["backends"][backend] = {"setup_s": round(time.perf_counter() - t0, 2)}
@@ -413,8 +400,7 @@ def main(argv: list[str] | None = None) -> int:
             for backend, modes in run_all(phases, args, ids, tokens).items():
                 results["backends"][backend].update(modes)
     finally:
-        for cleanup in cleanups:
-            cleanup()
+        cleanups.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
     pg = results["backends"].get("postgres")

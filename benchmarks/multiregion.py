@@ -54,19 +54,20 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
+
+from ddiloco.testing.net import free_port, poll_until  # noqa: E402 - stdlib only: the relay process imports this file too
 
 NAME = "multiregion"
 GOAL_RATIO = 0.9
 GOAL_RATE_MBIT = 100.0
 NS_PREFIX = "ddmr"
-DEFAULT_POSTGRES = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
 
 # --- the delay relay (runs as its own process: ``multiregion.py relay ROUTE...``) ---------------------
@@ -269,37 +270,9 @@ class Topology:
         self.regions = []
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _wait(predicate, timeout_s: float, interval_s: float = 0.25):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            value = predicate()
-        except Exception:  # noqa: BLE001 - a process may still be starting
-            value = None
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(interval_s)
-
-
-def _stop(procs: list[subprocess.Popen], timeout_s: float = 20.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=10)
+def region_wrap(r: Region) -> list[str]:
+    """The command prefix that runs a process in region r's namespace (``ip netns exec`` execs in place: same pid)."""
+    return ["ip", "netns", "exec", r.ns]
 
 
 # --- the lab: PostgreSQL database, moto, bucket, topology ---------------------------------------------
@@ -333,15 +306,13 @@ def bench_config(run_id: str, ledger_url: str, bucket: str, regions: list[str], 
 class Lab:
     """A PostgreSQL database, moto's S3 server (own process) and the region namespaces; close() removes all."""
 
-    def __init__(self, regions: list[str], postgres_admin_url: str, workdir: Path) -> None:
+    def __init__(self, regions: list[str], postgres_server_url: str, workdir: Path) -> None:
         self.workdir = workdir
-        self.admin_url = postgres_admin_url
-        self.db_name = f"ddiloco_mr_{uuid.uuid4().hex[:8]}"
-        self.procs: list[subprocess.Popen] = []
+        self.server_url = postgres_server_url
         self.relay: subprocess.Popen | None = None
         self.topo: Topology | None = None
-        self.db_created = False
         self.region_names = regions
+        self._stack = ExitStack()
 
     def __enter__(self) -> "Lab":
         try:
@@ -355,44 +326,26 @@ class Lab:
         self.close()
 
     def _open(self) -> None:
-        from sqlalchemy import text
         from sqlalchemy.engine import make_url
 
-        from ddiloco.platform.ledger import make_engine
+        from ddiloco.testing.postgres import scratch_database
+        from ddiloco.testing.s3 import TEST_CREDENTIALS, S3Server
 
         remove_stale_namespaces()
-        admin = make_engine(self.admin_url).execution_options(isolation_level="AUTOCOMMIT")
-        with admin.connect() as c:
-            c.execute(text(f'CREATE DATABASE "{self.db_name}"'))
-        admin.dispose()
-        self.db_created = True
-        url = make_url(self.admin_url).set(database=self.db_name)
-        self.ledger_url = url.render_as_string(hide_password=False)
-        self.pg_host, self.pg_port = url.host or "127.0.0.1", int(url.port or 5432)
-        self._pg_url = url
-        self.s3_port = _free_port()
-        log = open(self.workdir / "moto.log", "ab")  # noqa: SIM115 - the child writes to it
-        self.moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.s3_port)],
-                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self.procs.append(self.moto)
-        self.s3_url = f"http://127.0.0.1:{self.s3_port}"
-        self.aws_env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-
-        def s3_up() -> bool:
-            with socket.create_connection(("127.0.0.1", self.s3_port), timeout=1):
-                return True
-
-        if not _wait(s3_up, 60):
-            raise RuntimeError("moto's S3 server did not start")
-        import s3fs
-
+        self.ledger_url = self._stack.enter_context(scratch_database(self.server_url, "ddiloco_mr", durable=True))
+        self._pg_url = make_url(self.ledger_url)
+        self.pg_host, self.pg_port = self._pg_url.host or "127.0.0.1", int(self._pg_url.port or 5432)
+        # Its own process, so the learners' traffic does not share the driver's interpreter.
+        s3 = self._stack.enter_context(S3Server(own_process=True, log=self.workdir / "moto.log"))
+        self.s3_port, self.s3_url = s3.port, s3.url
+        self.aws_env = dict(TEST_CREDENTIALS)
         # Not through os.environ: the driver (or a test process) keeps its own AWS settings.
-        self.storage_options = {"key": "testing", "secret": "testing", "skip_instance_cache": True,
-                                "client_kwargs": {"endpoint_url": self.s3_url}}
-        self.bucket = f"mr-{uuid.uuid4().hex[:8]}"
-        s3fs.S3FileSystem(**self.storage_options).mkdir(self.bucket)
+        self.storage_options = s3.storage_options()
+        self.bucket = s3.bucket("mr", self.storage_options)
         self.topo = Topology(self.region_names)
-        self.relay_ports = {r.name: (_free_port(r.host_ip), _free_port(r.host_ip)) for r in self.topo.regions}
+        self._stack.callback(self.topo.close)
+        self._stack.callback(self._stop_relay)
+        self.relay_ports = {r.name: (free_port(r.host_ip), free_port(r.host_ip)) for r in self.topo.regions}
 
     def region_env(self, r: Region) -> dict[str, str]:
         """How a process in region r reaches the store and the ledger: through its relay, over the veth."""
@@ -404,8 +357,7 @@ class Lab:
         """Shape every link to rate_mbit and (re)start the relay with each region's one-way delay."""
         assert self.topo is not None
         self.topo.shape(rate_mbit)
-        if self.relay is not None:
-            _stop([self.relay], 5)
+        self._stop_relay()
         routes = []
         for r, rtt in zip(self.topo.regions, rtt_ms):
             r.one_way_ms = rtt / 2
@@ -418,31 +370,22 @@ class Lab:
         if "relay ready" not in line:
             raise RuntimeError(f"the relay did not start: {line.strip()}")
 
+    def _stop_relay(self) -> None:
+        from ddiloco.testing.processes import stop_processes
+
+        if self.relay is not None:
+            stop_processes([self.relay], 5)
+            self.relay = None
+
     def close(self) -> None:
-        try:
-            if self.relay is not None:
-                _stop([self.relay], 5)
-            _stop(self.procs, 10)
-        finally:
-            if self.topo is not None:
-                self.topo.close()
-            if self.db_created:
-                from sqlalchemy import text
-
-                from ddiloco.platform.ledger import make_engine
-
-                admin = make_engine(self.admin_url).execution_options(isolation_level="AUTOCOMMIT")
-                with admin.connect() as c:
-                    c.execute(text(f'DROP DATABASE IF EXISTS "{self.db_name}" WITH (FORCE)'))
-                admin.dispose()
-                self.db_created = False
+        """Relay, namespaces, moto and the database, in that order, each whatever happened to the others."""
+        self._stack.close()
 
 
 # --- one setting: a fresh run, measured over a window --------------------------------------------------
 
 
 def run_setting(lab: Lab, label: str, rate_mbit: float | None, rtt_ms: list[float], args: argparse.Namespace) -> dict:
-    import yaml
     from sqlalchemy import func, select
 
     from ddiloco.platform.config import build_config
@@ -450,34 +393,26 @@ def run_setting(lab: Lab, label: str, rate_mbit: float | None, rtt_ms: list[floa
     from ddiloco.platform.ledger.models import Heartbeat, Submission
     from ddiloco.platform.runtime import RunContext
     from ddiloco.platform.summary import run_summary
+    from ddiloco.testing.processes import ProcessCluster, stop_processes, write_config
 
     assert lab.topo is not None
     run_id = f"mr-{uuid.uuid4().hex[:6]}"
     regions = [r.name for r in lab.topo.regions]
     cfg = build_config(bench_config(run_id, lab.ledger_url, lab.bucket, regions, args.per_region, args.quick))
-    cfg_path = lab.workdir / f"{run_id}.yaml"
-    cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    cfg_path = write_config(cfg, lab.workdir / f"{run_id}.yaml")
     ctx = RunContext.open(cfg, run_id)
     lab.set_network(rate_mbit, rtt_ms)
     logs = lab.workdir / run_id
     logs.mkdir()
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith(("DDILOCO_", "AWS_"))}
-    sync_env = {**base_env, **lab.aws_env, "AWS_ENDPOINT_URL": lab.s3_url}
-    common = ["--config", str(cfg_path), "--run", run_id]
-    sync = subprocess.Popen([sys.executable, "-m", "ddiloco", "synchronizer", "--label", "mr", *common], env=sync_env, cwd=ROOT,
-                            stdout=open(logs / "synchronizer.log", "ab"),  # noqa: SIM115 - the child writes to it
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    cluster = ProcessCluster(cfg_path, run_id, logs, env={k: v for k, v in os.environ.items() if not k.startswith(("DDILOCO_", "AWS_"))})
+    sync = cluster.synchronizer("synchronizer", env={**lab.aws_env, "AWS_ENDPOINT_URL": lab.s3_url})
     learners: dict[str, subprocess.Popen] = {}
     t_start = time.monotonic()
     try:
         for r in lab.topo.regions:
             for k in range(args.per_region):
                 lid = f"{r.name}-{k}"
-                learners[lid] = subprocess.Popen(
-                    ["ip", "netns", "exec", r.ns, sys.executable, "-m", "ddiloco", "learner", "--learner", lid, *common],
-                    env={**base_env, **lab.region_env(r)}, cwd=ROOT, stdout=open(logs / f"{lid}.log", "ab"),  # noqa: SIM115
-                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                )
+                learners[lid] = cluster.learner(lid, env=lab.region_env(r), wrap=region_wrap(r))
 
         def all_stepping() -> bool:
             for p in (*learners.values(), sync):
@@ -487,7 +422,7 @@ def run_setting(lab: Lab, label: str, rate_mbit: float | None, rtt_ms: list[floa
                 rows = {r.id: r for r in q.learners(s, run_id)}
             return all(lid in rows and rows[lid].step > 0 for lid in learners)
 
-        if not _wait(lambda: all_stepping(), 180, 0.5):
+        if not poll_until(all_stepping, 180, interval_s=0.5, transient=(Exception,)):
             raise RuntimeError(f"{label}: the learners did not start stepping within 180 s (logs in {logs})")
         startup_s = time.monotonic() - t_start
         time.sleep(args.warmup_s)
@@ -526,9 +461,9 @@ def run_setting(lab: Lab, label: str, rate_mbit: float | None, rtt_ms: list[floa
             net[name] = {d: (c1[name][d] - c0[name][d]) * 8 / window / 1e6 for d in ("up", "down")}
     finally:
         # Stop the learners (SIGTERM: they flush their uploads, bounded), then let the synchronizer merge what arrived.
-        _stop(list(learners.values()), args.drain_s)
+        stop_processes(learners.values(), args.drain_s)
         time.sleep(3.0)
-        _stop([sync], 20)
+        stop_processes([sync], 20)
     with ctx.reading() as s:
         summ = run_summary(s, run_id, ctx.now_dt())
         rejected = dict(summ.rejected_by_reason)
@@ -581,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
         return relay_cli(argv[1:])
     from common import base_parser, exit_on_sigterm, header, verdict, write_results
 
+    from ddiloco.testing.postgres import server_url
+
     ap = base_parser(__doc__)
     ap.add_argument("--rates", default="100,30,10,3,1", help="bandwidths to sweep, Mbit/s, descending")
     ap.add_argument("--rtt-ms", default="40,80", help="round trip time of each region's link (one region per value)")
@@ -588,8 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-s", type=float, default=40.0, help="measured window per setting")
     ap.add_argument("--warmup-s", type=float, default=10.0, help="after every learner stepped, before the window")
     ap.add_argument("--drain-s", type=float, default=10.0, help="time the learners get to flush uploads when stopped")
-    ap.add_argument("--postgres", default=os.environ.get("DDILOCO_TEST_POSTGRES_URL", DEFAULT_POSTGRES),
-                    help="PostgreSQL admin URL (a database is created and dropped)")
+    ap.add_argument("--postgres", default=server_url(),
+                    help="PostgreSQL server URL (a database is created and dropped; default $DDILOCO_TEST_POSTGRES_URL or the local one)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (configs, logs)")
     args = ap.parse_args(argv)
     if args.quick:

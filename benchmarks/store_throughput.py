@@ -12,14 +12,12 @@ Compares, in the same run and on the same disk:
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 import torch
@@ -193,23 +191,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bench_s3(frags: list[dict[str, torch.Tensor]], repeats: int) -> dict:
-    from moto.server import ThreadedMotoServer
+    from ddiloco.testing.s3 import S3Server, environment
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        os.environ["AWS_ENDPOINT_URL"] = f"http://{host}:{port}"
-        import s3fs
-
-        bucket = f"bench-{uuid.uuid4().hex[:12]}"
-        s3fs.S3FileSystem().mkdir(bucket)
+    with S3Server() as server, environment(server.env()):
+        bucket = server.bucket("bench")
         runs = [bench_store(f"s3://{bucket}/root", frags, f"r{r}") for r in range(repeats)]
         return summarize(runs)
-    finally:
-        server.stop()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -31,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("STREAMLIT_BROWSER_GATHER_USAGE_STATS", "false")
 
 from common import base_parser, header, verdict, write_results  # noqa: E402
+
+from ddiloco.testing.postgres import scratch_database, server_url  # noqa: E402
 
 GOAL_RENDER_S = 2.0
 RUN = "bench"
@@ -438,27 +441,6 @@ def time_page(url: str, repeats: int) -> dict[str, list[float]]:
     return out
 
 
-def fresh_postgres(admin_url: str) -> tuple[str, object]:
-    """A new, empty database on the server at ``admin_url``; returns (url, drop)."""
-    import uuid
-
-    from sqlalchemy import create_engine
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.pool import NullPool
-
-    name = f"ddiloco_uibench_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-
-    def drop() -> None:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
-
-    return make_url(admin_url).set(database=name).render_as_string(hide_password=False), drop
-
-
 def measure(url: str, args, build: bool) -> dict:  # noqa: ANN001 - argparse namespace
     """Fill (unless already filled) and time one ledger; prints and returns its figures."""
     from ddiloco.platform.redact import redact_url as redact
@@ -503,8 +485,8 @@ def main() -> None:
     ap.add_argument("--backends", default="sqlite", help="sqlite, postgres or both (comma-separated)")
     ap.add_argument(
         "--postgres-url",
-        default=os.environ.get("DDILOCO_BENCH_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"),
-        help="a server where the benchmark may CREATE and DROP a database",
+        default=server_url(),
+        help="a server where the benchmark may CREATE and DROP a database (default $DDILOCO_TEST_POSTGRES_URL or the local one)",
     )
     ap.add_argument("--ledger", default=None, help="time this SQLite/PostgreSQL ledger instead (see --filled)")
     ap.add_argument("--filled", action="store_true", help="--ledger already holds the synthetic run (from an earlier call)")
@@ -523,16 +505,14 @@ def main() -> None:
             if backend == "sqlite":
                 results["backends"]["sqlite"] = measure(f"sqlite:///{tmp.name}/ledger.db", args, build=True)
             elif backend == "postgres":
-                try:
-                    url, drop = fresh_postgres(args.postgres_url)
-                except Exception as err:  # noqa: BLE001 - no server must not lose the SQLite figures
-                    print(f"postgres: NOT RUN: {str(err).splitlines()[0]}")
-                    results["backends"]["postgres"] = {"error": str(err)}
-                    continue
-                try:
+                with ExitStack() as stack:
+                    try:
+                        url = stack.enter_context(scratch_database(args.postgres_url, "ddiloco_uibench", durable=True))
+                    except Exception as err:  # noqa: BLE001 - no server must not lose the SQLite figures
+                        print(f"postgres: NOT RUN: {str(err).splitlines()[0]}")
+                        results["backends"]["postgres"] = {"error": str(err)}
+                        continue
                     results["backends"]["postgres"] = measure(url, args, build=True)
-                finally:
-                    drop()
             else:
                 ap.error(f"unknown backend {backend!r}")
     finally:

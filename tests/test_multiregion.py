@@ -21,9 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from ddiloco.testing.net import free_port
+from ddiloco.testing.processes import stop_processes
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import multiregion as mr
+import multiregion as mr  # noqa: E402
 
 _WHY = mr.netns_unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_WHY is not None, reason=f"network namespaces unavailable: {_WHY}")]
@@ -91,7 +94,7 @@ def test_relay_adds_the_one_way_delay_each_way():
                     conn.sendall(data)
 
         threading.Thread(target=serve, daemon=True).start()
-        port = mr._free_port()
+        port = free_port()
         relay = subprocess.Popen(
             [sys.executable, str(ROOT / "benchmarks" / "multiregion.py"), "relay", f"127.0.0.1:{port}=127.0.0.1:{echo.getsockname()[1]}@100"],
             stdout=subprocess.PIPE, text=True,
@@ -113,14 +116,13 @@ def test_relay_adds_the_one_way_delay_each_way():
                     got += len(c.recv(1 << 20))
                 bulk_s = time.perf_counter() - t0
         finally:
-            mr._stop([relay], 5)
+            stop_processes([relay], 5)
     assert min(rtts) >= 0.2, f"100 ms each way must give a round trip >= 200 ms, got {min(rtts) * 1e3:.0f} ms"
     assert max(rtts) < 1.0
     assert bulk_s < 1.5, f"4 MB took {bulk_s:.2f} s through the relay: the delay caps bandwidth"
 
 
 def test_learner_in_a_region_namespace_submits_through_the_shaped_link(postgres_url):
-    import yaml
     from sqlalchemy import select
 
     from ddiloco.platform.config import build_config
@@ -128,6 +130,7 @@ def test_learner_in_a_region_namespace_submits_through_the_shaped_link(postgres_
     from ddiloco.platform.ledger.models import Submission
     from ddiloco.platform.runtime import RunContext
     from ddiloco.platform.store import FragmentStore
+    from ddiloco.testing.processes import ProcessCluster, write_config
 
     with tempfile.TemporaryDirectory(prefix="mr-test-") as tmp, mr.Lab(["us"], postgres_url, Path(tmp)) as lab:
         lab.set_network(20.0, [40.0])
@@ -136,19 +139,13 @@ def test_learner_in_a_region_namespace_submits_through_the_shaped_link(postgres_
         data = mr.bench_config(run_id, lab.ledger_url, lab.bucket, ["us"], 1, quick=True)
         data["synchronizer"]["retention"] = {"keep_submission_blobs": True}  # so the test can read them back
         cfg = build_config(data)
-        cfg_path = Path(tmp) / "cfg.yaml"
-        cfg_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+        cfg_path = write_config(cfg, Path(tmp) / "cfg.yaml")
         ctx = RunContext.open(cfg, run_id)
         before = lab.topo.counters()["us"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("DDILOCO_", "AWS_"))}
-        common = ["--config", str(cfg_path), "--run", run_id]
-        logs = Path(tmp)
-        sync = subprocess.Popen([sys.executable, "-m", "ddiloco", "synchronizer", *common], cwd=ROOT,
-                                env={**env, **lab.aws_env, "AWS_ENDPOINT_URL": lab.s3_url},
-                                stdout=open(logs / "sync.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115 - the child writes to it
-        learner = subprocess.Popen(["ip", "netns", "exec", region.ns, sys.executable, "-m", "ddiloco", "learner", "--learner", "us-0",
-                                    "--max-steps", "40", *common], cwd=ROOT, env={**env, **lab.region_env(region)},
-                                   stdout=open(logs / "us-0.log", "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115 - the child writes to it
+        cluster = ProcessCluster(cfg_path, run_id, Path(tmp),
+                                 env={k: v for k, v in os.environ.items() if not k.startswith(("DDILOCO_", "AWS_"))})
+        cluster.synchronizer("sync", env={**lab.aws_env, "AWS_ENDPOINT_URL": lab.s3_url})
+        learner = cluster.learner("us-0", "--max-steps", "40", env=lab.region_env(region), wrap=mr.region_wrap(region))
         try:
             learner.wait(timeout=150)
             with ctx.reading() as s:
@@ -156,7 +153,7 @@ def test_learner_in_a_region_namespace_submits_through_the_shaped_link(postgres_
                 subs = s.execute(select(Submission.blob_key, Submission.sha256, Submission.nbytes)
                                  .where(Submission.run_id == run_id, Submission.learner_id == "us-0")).all()
             after = lab.topo.counters()["us"]
-            log_tail = (logs / "us-0.log").read_text()[-2000:]
+            log_tail = cluster.log("us-0")[-2000:]
             assert learner.returncode == 0, log_tail
             assert row is not None and row.step >= 40, log_tail
             assert subs, "the learner submitted nothing"
@@ -166,6 +163,6 @@ def test_learner_in_a_region_namespace_submits_through_the_shaped_link(postgres_
             assert after["up"] - before["up"] >= sum(n for _, _, n in subs)
             assert after["down"] - before["down"] > 0  # the global fragments came down the same link
         finally:
-            mr._stop([learner, sync], 20)
+            cluster.stop_all(20)
             ctx.engine.dispose()
     assert not Path(f"/var/run/netns/{region.ns}").exists()
