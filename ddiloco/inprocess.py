@@ -14,6 +14,7 @@ from ddiloco.learner_worker.worker import Learner
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.ledger import open_ledger
 from ddiloco.platform.runtime import RunContext
+from ddiloco.synchronizer.evaluation import evaluate_and_record
 from ddiloco.synchronizer.service import Synchronizer
 
 
@@ -172,5 +173,5 @@ def run_inprocess(
 
 
 def _evaluate(run: InProcessRun, tokens: int) -> EvalPoint:
-    loss, acc = run.sync.evaluate_now(run.clock.t)
+    loss, acc = evaluate_and_record(run.ctx, run.clock.t, cache=run.sync.state, model=run.sync.layout.model)
     return EvalPoint(run.clock.t - run.t0, tokens, loss, acc)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 import math
+import textwrap
 
 import pytest
 
+from ddiloco.platform.config import MergeConfig
 from ddiloco.synchronizer import policy as pol
 from ddiloco.synchronizer.policy import PendingEntry as P
 
@@ -86,3 +90,22 @@ def test_participation_scale():
     assert pol.participation_scale(2, 4) == 0.5
     assert pol.participation_scale(5, 4) == 1.0
     assert pol.participation_scale(1, 0) == 1.0
+
+
+def test_norm_outliers_are_judged_against_the_recent_maximum_as_the_config_says():
+    # Median 1, maximum 5: 20 is 20x the median but only 4x the maximum, so it is kept.
+    recent = [1.0, 1.0, 1.0, 5.0]
+    assert pol.check_norm(20.0, recent, 10.0) is None
+    assert pol.check_norm(51.0, recent, 10.0) is not None
+    # The field's documentation names the same yardstick.
+    doc = _attribute_doc(MergeConfig, "norm_outlier_factor")
+    assert "median" not in doc and ("largest" in doc or "maximum" in doc), doc
+
+
+def _attribute_doc(cls: type, name: str) -> str:
+    """The docstring written under a class attribute (pydantic keeps none at run time)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    for stmt, nxt in zip(body, body[1:]):
+        if isinstance(stmt, ast.AnnAssign) and getattr(stmt.target, "id", None) == name:
+            return nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) else ""
+    raise AssertionError(f"{cls.__name__}.{name} not found")

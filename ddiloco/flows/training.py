@@ -26,6 +26,7 @@ from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.run_state import build_layout, register_run
 from ddiloco.platform.runtime import RunContext, to_timestamp
 from ddiloco.platform.summary import RunSummary, run_summary
+from ddiloco.synchronizer.evaluation import evaluate_and_record
 from ddiloco.synchronizer.service import Synchronizer, holder_name
 
 SUPERVISE_EVERY_S = 1.0
@@ -141,7 +142,7 @@ def finish_run(ctx: RunContext) -> RunSummary:
     """Merge what is still pending, evaluate the final global model, and summarise."""
     final = Synchronizer(ctx, holder=holder_name("final"))
     _wait(lambda: final.poll_once(drain=True).role == "active", ctx.cfg.synchronizer.lease_ttl_s * 4 + 10, "the lease for the final merge")
-    final.evaluate_now(ctx.now())
+    evaluate_and_record(ctx, ctx.now(), cache=final.state)
     with ctx.transaction() as s:
         q.release_lease(s, ctx.run_id, final.holder, final.token, ctx.now_dt())
         return run_summary(s, ctx.run_id, ctx.now_dt())
@@ -236,6 +237,5 @@ def chaos_flow(config: RunConfig, run_id: Optional[str] = None, seconds: float =
 def evaluate_flow(config: RunConfig, run_id: Optional[str] = None) -> dict:
     """Evaluate the newest global model on the fixed validation set and record it in the ledger."""
     ctx = RunContext.open(config, run_id or config.name)
-    sync = Synchronizer(ctx, holder=holder_name("evaluate"))
-    loss, acc = sync.evaluate_now(ctx.now())
+    loss, acc = evaluate_and_record(ctx, ctx.now())
     return {"val_loss": loss, "val_accuracy": acc}

@@ -230,9 +230,11 @@ class MergeConfig(_Section):
     max_staleness: int = Field(4, ge=0)
     """Submissions based on a version more than this many versions old are rejected."""
     norm_outlier_factor: float = Field(10.0, gt=1)
-    """A submission whose norm exceeds this multiple of the recent median is rejected."""
+    """A submission whose norm per inner step exceeds this multiple of the largest one among the
+    fragment's recent merges is rejected (why the maximum: ``synchronizer.policy.check_norm``)."""
     plain_mean_fragments: list[str] = Field(default_factory=lambda: ["embed"])
-    """Fragments holding a tensor whose name contains one of these use the plain weighted mean."""
+    """Tensors whose name contains one of these are merged with the plain weighted mean, the rest of
+    their fragment with ``method`` (the rule is per tensor, despite the key's name)."""
 
 
 class OuterOptimizerConfig(_Section):

@@ -1,7 +1,8 @@
 """The synchronizer service: holds the lease, polls the ledger, merges fragments, publishes versions.
 
-``Synchronizer.poll_once(now)`` is one pass; the process loop, tests and the in-process
-simulation all call it. Decisions come from ``policy``; this module owns the I/O."""
+``Synchronizer.poll_once(now)`` is one pass: snapshot the ledger, decide per fragment, merge. The
+process loop, tests and the in-process simulation all call it. Decisions come from ``policy``, the
+merge from ``merge.merge_fragment``; this module owns the I/O."""
 
 from __future__ import annotations
 
@@ -14,25 +15,25 @@ import time
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
 
 from ddiloco.platform import liveness
 from ddiloco.platform.compression import CompressionError, decode_delta
-from ddiloco.platform.data import build_dataset
 from ddiloco.platform.faults import fault_point
 from ddiloco.platform.ids import global_key, outer_state_key
 from ddiloco.platform.ledger import queries as q
-from ddiloco.platform.ledger.models import Submission
-from ddiloco.platform.models import evaluate
+from ddiloco.platform.ledger.models import FragmentVersion, Submission
 from ddiloco.platform.run_state import Layout, build_layout, read_version, register_run
 from ddiloco.platform.runtime import RunContext, to_datetime, to_timestamp
+from ddiloco.platform.spans import span
 from ddiloco.platform.store import StoreError
 from ddiloco.synchronizer import policy as pol
-from ddiloco.synchronizer.merge import flatten, merge_vectors, unflatten
-from ddiloco.synchronizer.outer import momentum_from_blob, momentum_to_blob, outer_step
+from ddiloco.synchronizer.evaluation import evaluate_and_record, load_params, newest_params
+from ddiloco.synchronizer.merge import GlobalFragment, Member, MergePolicy, merge_fragment, norm_of
+from ddiloco.synchronizer.outer import momentum_from_blob, momentum_to_blob
 
 log = logging.getLogger("ddiloco.synchronizer")
 
@@ -44,14 +45,8 @@ NORM_HISTORY = 8
 """Recently merged norms an outlier is judged against: short, because norms grow during warm-up."""
 POLL_RETRY_MAX_S = 5.0
 """Longest wait between two attempts of a failing poll (ledger or store down)."""
-
-
-@dataclass
-class FragmentState:
-    version: int
-    params: dict[str, torch.Tensor]
-    momentum: dict[str, torch.Tensor] | None
-    published_at: float
+GC_EVERY_S = 5.0
+"""How often blobs the retention policy lets go are deleted."""
 
 
 @dataclass
@@ -61,7 +56,22 @@ class PollResult:
     merged: list[int] = field(default_factory=list)
     """Fragments for which a version was published in this pass."""
     waiting: dict[int, str] = field(default_factory=dict)
+    """Why each fragment with pending work was not merged."""
     rejected: int = 0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What one pass decides from, read from the ledger at its start."""
+
+    regions: dict[str, str]
+    """Region of every registered learner."""
+    live: frozenset[str]
+    pending: dict[int, list[Submission]]
+    """Pending submissions by fragment, fragments in order."""
+    latest: dict[int, FragmentVersion]
+    quorum: int
+    grace_s: float
 
 
 def holder_name(label: str = "sync") -> str:
@@ -85,24 +95,13 @@ class Synchronizer:
         self.holder = holder or holder_name()
         self.token: int | None = None
         self.layout: Layout = build_layout(ctx)
-        self.state: dict[int, FragmentState] = {}
+        self.state: dict[int, GlobalFragment] = {}
+        """Newest published version of each fragment, as far as this holder knows (a cache of the store)."""
         self.stats = pol.TimingStats()
         self.eval_every_s = self.cfg.synchronizer.eval_every_s if evaluate_every_s is None else evaluate_every_s
-        self._last_eval: float | None = None
-        self._registered = False
-        self._bootstrapped = False
-        self._last_status = -math.inf
-        self._poll_started: float | None = None
-        self._fetch_pool = ThreadPoolExecutor(max_workers=FETCH_WORKERS, thread_name_prefix="fetch")
-        self._last_gc: float = -math.inf
         self.simulated_time = False
         """In-process runs: a merge takes no simulated time, so the sync-time average stays 0."""
-        self._dataset = None
-        self._plain_mean = {
-            f.index
-            for f in self.layout.fragments
-            if any(tag in name for name in f.names for tag in self.cfg.merge.plain_mean_fragments)
-        }
+        self.merge_policy = MergePolicy.from_config(self.cfg)
         self.grace_policy = pol.GracePolicy(
             enabled=self.cfg.grace.enabled,
             gamma=self.cfg.grace.gamma,
@@ -112,36 +111,221 @@ class Synchronizer:
         )
         self.liveness = liveness.LivenessPolicy.from_learners_config(self.cfg.learners)
         self.quorum_policy = pol.QuorumPolicy(self.cfg.quorum.min_count, self.cfg.quorum.min_fraction)
+        self._registered = False
+        self._bootstrapped = False
+        self._last_status = -math.inf
+        self._last_eval: float | None = None
+        self._last_gc = -math.inf
+        self._poll_started: float | None = None
+        self._fetch_pool = ThreadPoolExecutor(max_workers=FETCH_WORKERS, thread_name_prefix="fetch")
 
-    # --- lease and bootstrap ---------------------------------------------------------------------
+    # --- one pass: snapshot -> decide -> merge ----------------------------------------------------
+
+    def poll_once(self, now: float | None = None, *, drain: bool = False) -> PollResult:
+        """Renew the lease, then merge every fragment whose policy says so. ``drain`` merges any pending work."""
+        now = self.ctx.now() if now is None else now
+        with span("sync.poll_once"):
+            self._register()
+            if not self._acquire(now):
+                return PollResult(role="standby")
+            self._bootstrap(now)
+            self._write_statuses(now)
+            snap = self._snapshot(now)
+            result = PollResult(role="active")
+            try:
+                for fragment, subs in snap.pending.items():
+                    self._pass_fragment(fragment, subs, snap, now, drain, result)
+            except q.LeaseLostError:
+                log.warning("%s lost the lease while merging", self.holder)
+                self._stand_down()
+                return PollResult(role="standby")
+            self._maybe_evaluate(now)
+            self._maybe_collect_garbage(now)
+            return result
+
+    def _register(self) -> None:
+        if not self._registered:
+            register_run(self.ctx, self.layout)
+            self._registered = True
 
     def _acquire(self, now: float) -> bool:
+        """Take or renew the lease; a new token means someone else may have published meanwhile."""
         with self.ctx.transaction() as s:
             token = q.acquire_lease(s, self.ctx.run_id, self.holder, self.cfg.synchronizer.lease_ttl_s, to_datetime(now))
         if token is None:
             if self.token is not None:
                 log.warning("%s lost the lease", self.holder)
-            self.token = None
-            self.state.clear()
+            self._stand_down()
             return False
         if token != self.token:
             log.info("%s holds the lease with token %s", self.holder, token)
             self.token = token
             self.state.clear()
-            self._bootstrapped = False  # someone else may have published since we last held it
+            self._bootstrapped = False
         return True
 
+    def _stand_down(self) -> None:
+        """Forget the lease and everything read under it: the next pass starts from the ledger."""
+        self.token = None
+        self.state.clear()
+
     def _bootstrap(self, now: float) -> None:
-        """Publish version 0 of every fragment from the seeded initial model (once per run)."""
+        """Publish version 0 of every fragment missing one, from the seeded initial model (once per lease)."""
+        if self._bootstrapped:
+            return
         with self.ctx.transaction() as s:
             have = q.latest_version_numbers(s, self.ctx.run_id)
         params = dict(self.layout.model.named_parameters())
-        store = self.ctx.store()
         for frag in self.layout.fragments:
-            if frag.index in have:
-                continue
-            tensors = {n: params[n].detach().clone() for n in frag.names}
-            self._publish(frag.index, 0, tensors, None, now)
+            if frag.index not in have:
+                self._publish(frag.index, 0, {n: params[n].detach().clone() for n in frag.names}, None, now)
+        self._bootstrapped = True
+
+    def _write_statuses(self, now: float) -> None:
+        """Write every learner's liveness verdict to the ledger (at most every STATUS_EVERY_S)."""
+        if now - self._last_status < STATUS_EVERY_S:
+            return
+        self._last_status = now
+        with self.ctx.transaction() as s:
+            q.update_learner_statuses(s, self.ctx.run_id, to_datetime(now), self.liveness)
+
+    def _snapshot(self, now: float) -> Snapshot:
+        """Read learners, pending work and versions; fold the live median step time into the averages."""
+        run_id, now_dt = self.ctx.run_id, to_datetime(now)
+        with self.ctx.reading() as s:
+            rows = q.learners(s, run_id)
+            pending = q.pending_submissions(s, run_id)
+            latest = q.latest_versions(s, run_id)
+        snaps = q.learner_snapshots(rows)
+        live = frozenset(liveness.live_ids(liveness.learner_verdicts(snaps, now_dt, self.liveness)))
+        step_s = liveness.median_live_step_s(snaps, now_dt, self.liveness)
+        if step_s:
+            self.stats = replace(self.stats, step_s=step_s)
+        by_fragment: dict[int, list[Submission]] = defaultdict(list)
+        for sub in pending:
+            by_fragment[sub.fragment].append(sub)
+        return Snapshot(
+            regions={r.id: r.region for r in rows},
+            live=live,
+            pending=dict(sorted(by_fragment.items())),
+            latest=latest,
+            quorum=pol.quorum_size(self.quorum_policy, len(live)),
+            grace_s=pol.grace_window(self.stats, self.grace_policy),
+        )
+
+    def _pass_fragment(self, fragment: int, subs: list[Submission], snap: Snapshot, now: float, drain: bool,
+                       result: PollResult) -> None:
+        """Decide one fragment with pending work, and merge it if the policy (or ``drain``) says so."""
+        if fragment not in snap.latest:
+            why = f"fragment {fragment} does not exist (run has {len(self.layout.fragments)})"
+            self._reject([(sb.id, why) for sb in subs], now)
+            result.rejected += len(subs)
+            return
+        entries = [pol.PendingEntry(sb.learner_id, to_timestamp(sb.created_at)) for sb in subs]
+        decision = pol.decide_merge(now, entries, snap.live, snap.quorum, snap.grace_s, self.cfg.grace.enabled)
+        if not decision.merge and not drain:
+            result.waiting[fragment] = decision.reason
+            return
+        reason = decision.reason if decision.merge else f"drain: {decision.reason}"
+        try:
+            published, rejected = self._merge(fragment, subs, snap, now, decision, reason)
+        except q.VersionConflictError as err:
+            log.warning("version conflict on fragment %s: %s", fragment, err)
+            self.state.pop(fragment, None)
+            return
+        result.rejected += rejected
+        if published:
+            result.merged.append(fragment)
+
+    # --- one merge: fetch -> merge_fragment -> publish --------------------------------------------
+
+    def _merge(
+        self, fragment: int, subs: list[Submission], snap: Snapshot, now: float, decision: pol.MergeDecision, reason: str
+    ) -> tuple[bool, int]:
+        """Merge one fragment's pending submissions; returns (published, submissions rejected)."""
+        t0 = time.perf_counter()
+        current = self._fragment_state(fragment, snap.latest)
+        with span("sync.fetch"):
+            members, rejected = self._fetch(fragment, subs, current.version, snap.regions)
+        if not members:
+            self._reject(rejected, now)
+            return False, len(rejected)
+        fault_point("sync.mid_merge")
+        with span("sync.merge"):
+            outcome = merge_fragment(current, members, self.merge_policy, live_learners=len(snap.live))
+        t_q = decision.quorum_reached_at if decision.quorum_reached_at is not None else now
+        record = q.MergeRecord(
+            quorum=decision.quorum,
+            live_learners=len(snap.live),
+            grace_window_s=decision.grace_s if math.isfinite(decision.grace_s) else -1.0,
+            grace_waited_s=max(0.0, now - t_q),
+            merge_s=time.perf_counter() - t0,
+            reason=reason,
+            detail={**outcome.detail, "rejected": [{"submission": i, "reason": r} for i, r in rejected]},
+        )
+        merged = [q.MergedIn(m["submission"], m["weight"], m["norm"], m["staleness"]) for m in outcome.detail["members"]]
+        self._publish(fragment, outcome.version, outcome.params, outcome.momentum, now, merged=merged, rejected=rejected, record=record)
+        self.stats = pol.update_stats(
+            self.stats,
+            self.cfg.grace.ema,
+            # From the first pending submission to quorum, as in the simulator (not from the previous
+            # publish, which adds the fragment's send period and leaves no grace window when H > tau).
+            quorum_s=max(0.0, t_q - min(to_timestamp(sb.created_at) for sb in subs)),
+            sync_s=0.0 if self.simulated_time else time.perf_counter() - t0,
+        )
+        return True, len(rejected)
+
+    def _fragment_state(self, fragment: int, latest: dict[int, FragmentVersion]) -> GlobalFragment:
+        """The newest published state of a fragment, from memory or the store."""
+        row = latest[fragment]
+        cached = self.state.get(fragment)
+        if cached is not None and cached.version == row.version:
+            return cached
+        store = self.ctx.store()
+        st = GlobalFragment(row.version, read_version(store, row), momentum_from_blob(store.get(row.state_key, row.state_sha256)))
+        self.state[fragment] = st
+        return st
+
+    def _fetch(
+        self, fragment: int, subs: list[Submission], version: int, regions: dict[str, str]
+    ) -> tuple[list[Member], list[tuple[int, str]]]:
+        """Read, decode and check the submissions: the members to merge, and (id, reason) for the rest."""
+        shapes = self.layout.shapes(fragment)
+        with self.ctx.reading() as s:
+            recent = q.recent_merged_norms(s, self.ctx.run_id, fragment, limit=NORM_HISTORY, per_step=True)
+        # Blob reads dominate on object stores: fetch and decode them concurrently (order is kept).
+        checked = self._fetch_pool.map(lambda sb: self._validate(sb, version, shapes, recent, regions), subs)
+        members, rejected = [], []
+        for sb, got in zip(subs, checked):
+            if isinstance(got, str):
+                rejected.append((sb.id, got))
+            else:
+                members.append(got)
+        return members, rejected
+
+    def _validate(
+        self, sb: Submission, version: int, shapes: dict[str, tuple[int, ...]], recent: list[float], regions: dict[str, str]
+    ) -> str | Member:
+        """A reason to reject the submission, or the decoded member."""
+        if sb.learner_id not in regions:
+            return f"unknown learner {sb.learner_id!r}"
+        why = pol.check_counts(sb.c_steps, sb.c_tokens) or pol.check_staleness(version, sb.base_version, self.cfg.merge.max_staleness)
+        if why:
+            return why
+        try:
+            tensors, meta = self.ctx.store(regions[sb.learner_id]).get_with_metadata(sb.blob_key, sb.sha256)
+            delta = decode_delta(tensors, meta, expected=shapes)
+        except StoreError as err:
+            return f"blob: {err}"
+        except CompressionError as err:
+            return f"bad update: {err}"
+        norm = norm_of(delta)
+        # Judged per inner step: increments of one fragment cover different numbers of steps (the
+        # first send of fragment p comes after p steps, the next ones after H).
+        why = pol.check_finite(norm) or pol.check_norm(norm / max(1, sb.c_steps), recent, self.cfg.merge.norm_outlier_factor)
+        if why:
+            return why
+        return Member(sb.id, sb.learner_id, delta, norm, sb.c_steps, sb.c_tokens, sb.base_version)
 
     def _publish(
         self,
@@ -155,284 +339,64 @@ class Synchronizer:
         rejected: list[tuple[int, str]] | None = None,
         record: q.MergeRecord | None = None,
     ) -> None:
-        store = self.ctx.store()
-        # A unique key per attempt: a crashed attempt's blob never collides with the retry.
-        attempt = f"{self.token}-{uuid.uuid4().hex[:8]}"
-        blob = store.put(global_key(self.ctx.run_id, fragment, version).replace(".safetensors", f"-{attempt}.safetensors"), params)
-        state = store.put(
-            outer_state_key(self.ctx.run_id, fragment, version).replace(".safetensors", f"-{attempt}.safetensors"),
-            momentum_to_blob(momentum or {}),
-        )
-        fault_point("sync.before_commit")
-        with self.ctx.transaction() as s:
-            q.publish_version(
-                s,
-                self.ctx.run_id,
-                fragment,
-                version,
-                blob=q.BlobRef(blob.key, blob.sha256, blob.nbytes),
-                state=q.BlobRef(state.key, state.sha256, state.nbytes),
-                holder=self.holder,
-                token=self.token,
-                now=to_datetime(now),
-                merged=merged or [],
-                rejected=rejected or [],
-                record=record,
-            )
-        self.state[fragment] = FragmentState(version, params, momentum, now)
-        if record is not None:
+        """Write the version's blobs, then the one ledger transaction that commits it (fenced by the lease)."""
+        with span("sync.publish"):
+            store = self.ctx.store()
+            # A unique key per attempt: a crashed attempt's blob never collides with the retry.
+            attempt = f"-{self.token}-{uuid.uuid4().hex[:8]}.safetensors"
+            blob = store.put(global_key(self.ctx.run_id, fragment, version).replace(".safetensors", attempt), params)
+            state = store.put(outer_state_key(self.ctx.run_id, fragment, version).replace(".safetensors", attempt),
+                              momentum_to_blob(momentum or {}))
+            fault_point("sync.before_commit")
+            with self.ctx.transaction() as s:
+                q.publish_version(
+                    s,
+                    self.ctx.run_id,
+                    fragment,
+                    version,
+                    blob=q.BlobRef(blob.key, blob.sha256, blob.nbytes),
+                    state=q.BlobRef(state.key, state.sha256, state.nbytes),
+                    holder=self.holder,
+                    token=self.token,
+                    now=to_datetime(now),
+                    merged=merged or [],
+                    rejected=rejected or [],
+                    record=record,
+                )
+            self.state[fragment] = GlobalFragment(version, params, momentum)
+            if record is None:
+                return
             log.info("fragment %s -> v%s: %s (%s merged, %s rejected)", fragment, version, record.reason, len(merged or []), len(rejected or []))
+            if rejected:
+                with self.ctx.transaction() as s:
+                    for sub_id, why in rejected:
+                        q.record_event(s, self.ctx.run_id, "submission_rejected", self.holder, f"submission {sub_id}: {why}", to_datetime(now))
 
-    def _fragment_state(self, fragment: int, latest: dict[int, object]) -> FragmentState:
-        """The newest published state of a fragment, from memory or the store."""
-        row = latest[fragment]
-        cached = self.state.get(fragment)
-        if cached is not None and cached.version == row.version:
-            return cached
-        store = self.ctx.store()
-        params = read_version(store, row)
-        momentum = momentum_from_blob(store.get(row.state_key, row.state_sha256))
-        st = FragmentState(row.version, params, momentum, to_timestamp(row.created_at))
-        self.state[fragment] = st
-        return st
-
-    # --- one pass -------------------------------------------------------------------------------
-
-    def poll_once(self, now: float | None = None, *, drain: bool = False) -> PollResult:
-        """Renew the lease, then merge every fragment whose policy says so. ``drain`` merges any pending work."""
-        now = self.ctx.now() if now is None else now
-        if not self._registered:
-            register_run(self.ctx, self.layout)
-            self._registered = True
-        if not self._acquire(now):
-            return PollResult(role="standby")
-        run_id = self.ctx.run_id
-        if not self._bootstrapped:
-            with self.ctx.transaction() as s:
-                have_versions = q.latest_version_numbers(s, run_id)
-            if len(have_versions) < len(self.layout.fragments):
-                self._bootstrap(now)
-            self._bootstrapped = True
-        result = PollResult(role="active")
-        now_dt = to_datetime(now)
-        if now - self._last_status >= STATUS_EVERY_S:
-            self._last_status = now
-            with self.ctx.transaction() as s:
-                q.update_learner_statuses(s, run_id, now_dt, self.liveness)
-        with self.ctx.reading() as s:
-            rows = q.learners(s, run_id)
-            pending = q.pending_submissions(s, run_id)
-            latest = q.latest_versions(s, run_id)
-        regions = {r.id: r.region for r in rows}
-        snaps = q.learner_snapshots(rows)
-        live = liveness.live_ids(liveness.learner_verdicts(snaps, now_dt, self.liveness))
-        step_s = liveness.median_live_step_s(snaps, now_dt, self.liveness) or None
-        if step_s is not None:
-            self.stats = pol.TimingStats(step_s=step_s, quorum_s=self.stats.quorum_s, sync_s=self.stats.sync_s)
-        by_fragment: dict[int, list[Submission]] = defaultdict(list)
-        for sub in pending:
-            by_fragment[sub.fragment].append(sub)
-        k = pol.quorum_size(self.quorum_policy, len(live))
-        grace_s = pol.grace_window(self.stats, self.grace_policy)
-        for fragment, subs in sorted(by_fragment.items()):
-            if fragment not in latest:
-                self._reject(subs, f"fragment {fragment} does not exist (run has {len(self.layout.fragments)})", now)
-                result.rejected += len(subs)
-                continue
-            entries = [pol.PendingEntry(sb.learner_id, to_timestamp(sb.created_at)) for sb in subs]
-            decision = pol.decide_merge(now, entries, live, k, grace_s, self.cfg.grace.enabled)
-            if not decision.merge and not drain:
-                result.waiting[fragment] = decision.reason
-                continue
-            reason = decision.reason if decision.merge else f"drain: {decision.reason}"
-            try:
-                published, n_rejected = self._merge(fragment, subs, latest, now, decision, reason, len(live), regions)
-            except q.LeaseLostError:
-                log.warning("%s lost the lease while merging fragment %s", self.holder, fragment)
-                self.token = None
-                self.state.clear()
-                return PollResult(role="standby")
-            except q.VersionConflictError as err:
-                log.warning("version conflict on fragment %s: %s", fragment, err)
-                self.state.pop(fragment, None)
-                continue
-            result.rejected += n_rejected
-            if published:
-                result.merged.append(fragment)
-        self._maybe_evaluate(now)
-        self._maybe_collect_garbage(now)
-        return result
-
-    def _reject(self, subs: list[Submission], reason: str, now: float) -> None:
+    def _reject(self, rejected: list[tuple[int, str]], now: float) -> None:
+        """Reject submissions outside a merge, each with its reason."""
         with self.ctx.transaction() as s:
-            q.reject_submissions(
-                s, self.ctx.run_id, [(sb.id, reason) for sb in subs], holder=self.holder, token=self.token, now=to_datetime(now)
-            )
-
-    def _merge(
-        self,
-        fragment: int,
-        subs: list[Submission],
-        latest: dict,
-        now: float,
-        decision: pol.MergeDecision,
-        reason: str,
-        live: int,
-        regions: dict[str, str],
-    ) -> tuple[bool, int]:
-        t0 = time.perf_counter()
-        cur = self._fragment_state(fragment, latest)
-        names = list(self.layout.fragments[fragment].names)
-        shapes = self.layout.shapes(fragment)
-        mcfg = self.cfg.merge
-        with self.ctx.reading() as s:
-            recent = q.recent_merged_norms(s, self.ctx.run_id, fragment, limit=NORM_HISTORY, per_step=True)
-        rejected: list[tuple[int, str]] = []
-        # A learner's submissions are increments (each carries what it learned since its previous
-        # send or receipt), so several from one learner add up to that learner's outer gradient.
-        per_learner: dict[str, list[tuple[Submission, torch.Tensor, float]]] = defaultdict(list)
-        # Blob reads dominate on object stores: fetch and decode them concurrently (order is kept).
-        checked = self._fetch_pool.map(lambda sb: self._validate(sb, cur.version, names, shapes, recent, regions), subs)
-        for sb, why in zip(subs, checked):
-            if isinstance(why, str):
-                rejected.append((sb.id, why))
-            else:
-                per_learner[sb.learner_id].append((sb, why[0], why[1]))
-        if not per_learner:
-            with self.ctx.transaction() as s:
-                q.reject_submissions(s, self.ctx.run_id, rejected, holder=self.holder, token=self.token, now=to_datetime(now))
-            return False, len(rejected)
-        vectors, weights = [], []
-        learner_weight: dict[str, float] = {}
-        for lid, items in per_learner.items():
-            vectors.append(torch.stack([v for _, v, _ in items]).sum(0) if len(items) > 1 else items[0][1])
-            c_steps = sum(sb.c_steps for sb, _, _ in items)
-            c_tokens = sum(sb.c_tokens for sb, _, _ in items)
-            learner_weight[lid] = pol.token_weight(c_tokens, c_steps, mcfg.weighting)
-            weights.append(learner_weight[lid])
-        accepted = [(sb, norm, learner_weight[sb.learner_id]) for items in per_learner.values() for sb, _, norm in items]
-        fault_point("sync.mid_merge")
-        method = "mean" if fragment in self._plain_mean else mcfg.method
-        merged_vec = merge_vectors(vectors, weights, method)
-        scale = pol.participation_scale(len(vectors), live) if mcfg.participation_scaling else 1.0
-        if scale != 1.0:
-            merged_vec = merged_vec * scale
-        outer_grad = unflatten(merged_vec, cur.params, names)
-        new_params, new_momentum = outer_step(
-            cur.params, outer_grad, cur.momentum, lr=self.cfg.outer.lr, beta=self.cfg.outer.momentum, nesterov=self.cfg.outer.nesterov
-        )
-        merge_s = time.perf_counter() - t0
-        merged = [q.MergedIn(sb.id, w, norm, cur.version - sb.base_version) for sb, norm, w in accepted]
-        t_q = decision.quorum_reached_at if decision.quorum_reached_at is not None else now
-        record = q.MergeRecord(
-            quorum=decision.quorum,
-            live_learners=live,
-            grace_window_s=decision.grace_s if math.isfinite(decision.grace_s) else -1.0,
-            grace_waited_s=max(0.0, now - t_q),
-            merge_s=merge_s,
-            reason=reason,
-            detail={
-                "method": method,
-                "participation_scale": scale,
-                "base_version": cur.version,
-                "learners": len(vectors),
-                "members": [
-                    {"submission": sb.id, "learner": sb.learner_id, "weight": w, "norm": norm, "staleness": cur.version - sb.base_version}
-                    for sb, norm, w in accepted
-                ],
-                "rejected": [{"submission": i, "reason": r} for i, r in rejected],
-            },
-        )
-        self._publish(
-            fragment, cur.version + 1, new_params, new_momentum, now, merged=merged, rejected=rejected, record=record
-        )
-        if rejected:
-            with self.ctx.transaction() as s:
-                for sub_id, why in rejected:
-                    q.record_event(s, self.ctx.run_id, "submission_rejected", self.holder, f"submission {sub_id}: {why}", to_datetime(now))
-        self.stats = pol.update_stats(
-            self.stats,
-            self.cfg.grace.ema,
-            # From the first pending submission to quorum, as in the simulator (not from the previous
-            # publish, which adds the fragment's send period and leaves no grace window when H > tau).
-            quorum_s=max(0.0, t_q - min(to_timestamp(sb.created_at) for sb in subs)),
-            sync_s=0.0 if self.simulated_time else time.perf_counter() - t0,
-        )
-        return True, len(rejected)
-
-    def _validate(
-        self,
-        sb: Submission,
-        current_version: int,
-        names: list[str],
-        shapes: dict[str, tuple[int, ...]],
-        recent: list[float],
-        regions: dict[str, str],
-    ) -> str | tuple[torch.Tensor, float]:
-        """A reason to reject the submission, or its flattened outer gradient and norm."""
-        if sb.learner_id not in regions:
-            return f"unknown learner {sb.learner_id!r}"
-        why = pol.check_counts(sb.c_steps, sb.c_tokens) or pol.check_staleness(
-            current_version, sb.base_version, self.cfg.merge.max_staleness
-        )
-        if why:
-            return why
-        try:
-            tensors, meta = self.ctx.store(regions.get(sb.learner_id)).get_with_metadata(sb.blob_key, sb.sha256)
-            delta = decode_delta(tensors, meta, expected=shapes)
-        except StoreError as err:
-            return f"blob: {err}"
-        except CompressionError as err:
-            return f"bad update: {err}"
-        vector = flatten(delta, names)
-        norm = float(torch.linalg.vector_norm(vector))
-        # Judged per inner step: increments of one fragment cover different numbers of steps (the
-        # first send of fragment p comes after p steps, the next ones after H).
-        why = pol.check_finite(norm) or pol.check_norm(norm / max(1, sb.c_steps), recent, self.cfg.merge.norm_outlier_factor)
-        if why:
-            return why
-        return vector, norm
+            q.reject_submissions(s, self.ctx.run_id, rejected, holder=self.holder, token=self.token, now=to_datetime(now))
 
     # --- evaluation and retention ----------------------------------------------------------------
 
     def global_model(self) -> torch.nn.Module:
         """The global model assembled from the newest version of every fragment."""
-        with self.ctx.transaction() as s:
-            latest = q.latest_versions(s, self.ctx.run_id)
-        model = self.layout.model
-        params = dict(model.named_parameters())
-        with torch.no_grad():
-            for fragment in latest:
-                st = self._fragment_state(fragment, latest)
-                for n, t in st.params.items():
-                    params[n].copy_(t)
-        return model
+        return load_params(self.layout.model, newest_params(self.ctx, self.state))
 
-    def evaluate_now(self, now: float) -> tuple[float, float | None]:
-        if self._dataset is None:
-            self._dataset = build_dataset(self.cfg.data, self.cfg.model)
-        batches = self._dataset.val_batches(self.cfg.learners.batch_size)
-        loss, acc = evaluate(self.global_model(), batches)
-        with self.ctx.transaction() as s:
-            acct = q.token_accounting(s, self.ctx.run_id)
-            versions = sum(q.latest_version_numbers(s, self.ctx.run_id).values())
-            q.record_evaluation(
-                s, self.ctx.run_id, now=to_datetime(now), tokens=acct.merged, versions_total=versions, val_loss=loss, val_accuracy=acc
-            )
-        return loss, acc
+    def _evaluate(self, now: float) -> None:
+        self._last_eval = now
+        evaluate_and_record(self.ctx, now, cache=self.state, model=self.layout.model)
 
     def _maybe_evaluate(self, now: float) -> None:
-        if self.eval_every_s <= 0:
-            return
-        if self._last_eval is None or now - self._last_eval >= self.eval_every_s:
-            self._last_eval = now
-            self.evaluate_now(now)
+        if self.eval_every_s > 0 and (self._last_eval is None or now - self._last_eval >= self.eval_every_s):
+            self._evaluate(now)
 
-    def _maybe_collect_garbage(self, now: float, every_s: float = 5.0) -> None:
-        if now - self._last_gc < every_s:
+    def _maybe_collect_garbage(self, now: float) -> None:
+        if now - self._last_gc < GC_EVERY_S:
             return
         self._last_gc = now
-        collect_garbage(self.ctx, regions=None)
+        with span("sync.gc"):
+            collect_garbage(self.ctx)
 
     # --- process loop ----------------------------------------------------------------------------
 
@@ -487,8 +451,7 @@ class Synchronizer:
         err = retry_state.outcome.exception() if retry_state.outcome else None
         log.error("poll failed (attempt %s, retrying): %r", retry_state.attempt_number, err)
         # Whatever this pass held may be stale after the failure: start the next pass from the ledger.
-        self.token = None
-        self.state.clear()
+        self._stand_down()
 
     def _loop(self, stop: threading.Event, until: float | None) -> None:
         role = None
@@ -517,12 +480,12 @@ class Synchronizer:
                 log.info("%s is %s", self.holder, role)
             if finished:
                 self.poll_once(self.ctx.now(), drain=True)
-                self.evaluate_now(self.ctx.now())
+                self._evaluate(self.ctx.now())
                 break
             stop.wait(self.cfg.synchronizer.poll_s)
 
 
-def collect_garbage(ctx: RunContext, regions: dict[str, str] | None = None) -> tuple[int, int]:
+def collect_garbage(ctx: RunContext) -> tuple[int, int]:
     """Delete blobs the retention policy lets go; returns (versions, submissions) deleted."""
     rcfg = ctx.cfg.synchronizer.retention
     with ctx.transaction() as s:

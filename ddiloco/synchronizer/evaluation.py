@@ -1,0 +1,68 @@
+"""Evaluating the global model: plain functions of the published fragments, apart from any synchronizer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ddiloco.platform.config import RunConfig
+from ddiloco.platform.data import build_dataset
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.models import build_model, evaluate
+from ddiloco.platform.run_state import read_version
+from ddiloco.platform.runtime import RunContext, to_datetime
+from ddiloco.platform.spans import span
+from ddiloco.synchronizer.merge import GlobalFragment
+
+
+def newest_params(ctx: RunContext, cache: Mapping[int, GlobalFragment] | None = None) -> dict[str, torch.Tensor]:
+    """Every fragment's newest published parameters, taken from ``cache`` where it holds that version."""
+    with ctx.reading() as s:
+        latest = q.latest_versions(s, ctx.run_id)
+    cache = cache or {}
+    store = ctx.store()
+    params: dict[str, torch.Tensor] = {}
+    for fragment, row in latest.items():
+        cached = cache.get(fragment)
+        params.update(cached.params if cached is not None and cached.version == row.version else read_version(store, row))
+    return params
+
+
+def load_params(model: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """Copy ``params`` into the model's parameters of the same names (in place); returns the model."""
+    own = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, t in params.items():
+            own[n].copy_(t)
+    return model
+
+
+def evaluate_global(
+    cfg: RunConfig, params: Mapping[str, torch.Tensor], *, model: torch.nn.Module | None = None
+) -> tuple[float, float | None]:
+    """(validation loss, accuracy or None) of the run's model holding ``params``.
+
+    ``model`` (overwritten) saves building one; by default a fresh model of ``cfg.model``."""
+    model = load_params(build_model(cfg.model, seed=cfg.seed) if model is None else model, params)
+    batches = build_dataset(cfg.data, cfg.model).val_batches(cfg.learners.batch_size)
+    return evaluate(model, batches)
+
+
+def evaluate_and_record(
+    ctx: RunContext,
+    now: float,
+    *,
+    cache: Mapping[int, GlobalFragment] | None = None,
+    model: torch.nn.Module | None = None,
+) -> tuple[float, float | None]:
+    """Evaluate the newest global model and record the result (with the merged tokens) in the ledger."""
+    with span("sync.eval"):
+        loss, acc = evaluate_global(ctx.cfg, newest_params(ctx, cache), model=model)
+        with ctx.transaction() as s:
+            acct = q.token_accounting(s, ctx.run_id)
+            versions = sum(q.latest_version_numbers(s, ctx.run_id).values())
+            q.record_evaluation(
+                s, ctx.run_id, now=to_datetime(now), tokens=acct.merged, versions_total=versions, val_loss=loss, val_accuracy=acc
+            )
+    return loss, acc
