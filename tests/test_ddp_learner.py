@@ -401,7 +401,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
     sync = threading.Thread(target=Synchronizer(run.ctx, holder="sync-t").run, args=(stop_sync,), daemon=True)
     try:
         sync.start()
-        job = run._start("us-0", ["learner", "--learner", "us-0", "--nproc-per-node", "2"], None)
+        job = run.start("us-0", ["learner", "--learner", "us-0", "--nproc-per-node", "2"])
         jobs.append(job)
         wait_for(lambda: len(_submissions(run, "i0-")) >= 3, 120, "the 2-rank learner's first submissions")
         ranks = wait_for(lambda: len(_rank_pids(job.pid)) == 2 and _rank_pids(job.pid), 10, "two rank processes")
@@ -423,8 +423,8 @@ def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
 
         # The supervisor's move: relaunch the job (it rejoins from the newest global state and, with
         # --max-steps, ends cleanly). While it starts, check what the failed job left in the ledger.
-        relaunch = run._start(
-            "us-0-relaunch", ["learner", "--learner", "us-0", "--nproc-per-node", "2", "--max-steps", "12"], None
+        relaunch = run.start(
+            "us-0-relaunch", ["learner", "--learner", "us-0", "--nproc-per-node", "2", "--max-steps", "12"]
         )
         jobs.append(relaunch)
         store = FragmentStore(run.cfg.storage.url)
