@@ -218,7 +218,6 @@ class Suite:
             self.report.invariants_ok = False
         return sum(p.lost for p in problems)
 
-
     # --- the faults --------------------------------------------------------------------------------
 
     def fault(self, name: str, inject: Callable[[], Injection]) -> None:
