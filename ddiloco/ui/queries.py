@@ -24,6 +24,7 @@ from sqlalchemy.exc import NoSuchModuleError
 from sqlalchemy.orm import Session
 
 from ddiloco.platform import liveness
+from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.engine import make_engine
 from ddiloco.platform.ledger.models import (
     MERGED,
@@ -41,7 +42,7 @@ from ddiloco.platform.ledger.models import (
     UtcDateTime,
 )
 from ddiloco.platform.redact import redact_url
-from ddiloco.platform.summary import RunSummary, run_summary
+from ddiloco.platform.summary import RunSummary, run_summary, summarize
 from ddiloco.ui import health as h
 
 REQUIRED_TABLES = (
@@ -272,27 +273,12 @@ SUBMISSION_STATS_COLUMNS = ["learner", "status", "staleness", "submissions", "to
 
 
 def submission_stats(session: Session, run_id: str) -> pd.DataFrame:
-    """Submissions counted by (learner, fate, staleness), with their tokens, bytes and newest time: one
-    pass over the run's submissions that feeds the learner table, the staleness histogram and the
-    headline figures."""
-    stmt = (
-        select(
-            Submission.learner_id,
-            Submission.status,
-            Submission.staleness,
-            func.count(),
-            func.coalesce(func.sum(Submission.tokens_new), 0),
-            func.coalesce(func.sum(Submission.nbytes), 0),
-            func.max(Submission.created_at),
-        )
-        .where(Submission.run_id == run_id)
-        .group_by(Submission.learner_id, Submission.status, Submission.staleness)
-    )
-    if session.get_bind().dialect.name == "sqlite" and (session.scalar(select(func.count()).select_from(Run)) or 0) <= 1:
-        # Without ANALYZE statistics SQLite walks the (run_id, status, fragment) index and fetches
-        # every row by rowid, ~5x slower than reading the table once when the run is all of it.
-        stmt = stmt.with_hint(Submission, "NOT INDEXED", "sqlite")
-    return pd.DataFrame([tuple(r) for r in session.execute(stmt)], columns=SUBMISSION_STATS_COLUMNS)
+    """``ledger.queries.submission_groups`` as a frame: the learner table and the staleness histogram."""
+    return stats_frame(q.submission_groups(session, run_id))
+
+
+def stats_frame(groups: list[q.SubmissionGroup]) -> pd.DataFrame:
+    return pd.DataFrame(groups, columns=SUBMISSION_STATS_COLUMNS)
 
 
 def learner_rows(session: Session, run_id: str) -> list[Any]:
@@ -694,11 +680,13 @@ def run_page(session: Session, run_id: str, now: datetime) -> RunPage | None:
     snapshot = health_snapshot(session, run_id, now)
     if snapshot is None:
         return None
-    stats = submission_stats(session, run_id)
+    groups = q.submission_groups(session, run_id)
+    stats = stats_frame(groups)
     rows = learner_rows(session, run_id)
     evaluations = evaluations_frame(session, run_id)
     learners = learners_frame(session, run_id, now, stats, rows)
-    summary = run_summary(session, run_id, now)
+    # The page's one pass over the submissions feeds the summary too.
+    summary = summarize(q.run_aggregates(session, run_id, groups), now)
     return RunPage(
         now=now,
         snapshot=snapshot,

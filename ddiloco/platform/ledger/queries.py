@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 from sqlalchemy import and_, bindparam, case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
@@ -815,33 +815,52 @@ class RunAggregates:
     """Learner time spent training, summed over learners."""
 
 
-def run_aggregates(session: Session, run_id: str) -> RunAggregates:
-    """Everything ``summarize`` needs, read from the ledger in a handful of aggregate queries."""
+class SubmissionGroup(NamedTuple):
+    learner: str
+    status: str
+    staleness: int | None
+    submissions: int
+    tokens: int
+    bytes: int
+    last_at: datetime | None
+
+
+def submission_groups(session: Session, run_id: str) -> list[SubmissionGroup]:
+    """The run's submissions counted by (learner, fate, staleness), with their tokens, bytes and newest time.
+
+    One pass over the submissions, enough for the summary's totals and the dashboard's per-learner tables."""
+    rows = session.execute(
+        select(
+            Submission.learner_id,
+            Submission.status,
+            Submission.staleness,
+            func.count(),
+            func.coalesce(func.sum(Submission.tokens_new), 0),
+            func.coalesce(func.sum(Submission.nbytes), 0),
+            func.max(Submission.created_at),
+        )
+        .where(Submission.run_id == run_id)
+        .group_by(Submission.learner_id, Submission.status, Submission.staleness)
+    )
+    return [SubmissionGroup(lid, st, stale, int(n), int(t), int(b), last) for lid, st, stale, n, t, b, last in rows]
+
+
+def run_aggregates(session: Session, run_id: str, groups: Sequence[SubmissionGroup] | None = None) -> RunAggregates:
+    """Everything ``summarize`` needs, in a handful of aggregate queries (``groups``: the submissions, when already read)."""
     run = require_run(session, run_id)
     try:
         config = json.loads(run.config_json) if run.config_json else {}
     except ValueError:
         config = {}
+    groups = submission_groups(session, run_id) if groups is None else groups
     by_status: dict[str, int] = {}
-    reasons: dict[str | None, int] = {}
-    submissions = bytes_sent = 0
-    # One pass over the run's submissions: tokens by fate, bytes, counts and reasons together.
-    for status, reason, n, tokens, nbytes in session.execute(
-        select(
-            Submission.status,
-            Submission.reject_reason,
-            func.count(),
-            func.coalesce(func.sum(Submission.tokens_new), 0),
-            func.coalesce(func.sum(Submission.nbytes), 0),
-        )
-        .where(Submission.run_id == run_id)
-        .group_by(Submission.status, Submission.reject_reason)
-    ):
-        by_status[status] = by_status.get(status, 0) + int(tokens)
-        submissions += int(n)
-        bytes_sent += int(nbytes)
-        if status == REJECTED:
-            reasons[reason] = reasons.get(reason, 0) + int(n)
+    for g in groups:
+        by_status[g.status] = by_status.get(g.status, 0) + g.tokens
+    reasons = session.execute(
+        select(Submission.reject_reason, func.count())
+        .where(Submission.run_id == run_id, Submission.status == REJECTED)
+        .group_by(Submission.reject_reason)
+    ).all()
     rows = learners(session, run_id)
     evals = select(Evaluation.val_loss, Evaluation.val_accuracy).where(Evaluation.run_id == run_id).limit(1)
     first = session.execute(evals.order_by(Evaluation.at, Evaluation.id)).first()
@@ -860,9 +879,9 @@ def run_aggregates(session: Session, run_id: str) -> RunAggregates:
         val_loss_start=first.val_loss if first else None,
         val_loss_end=last.val_loss if last else None,
         val_accuracy_end=last.val_accuracy if last else None,
-        submissions=submissions,
-        bytes_sent=bytes_sent,
-        rejected_reasons=reasons,
+        submissions=sum(g.submissions for g in groups),
+        bytes_sent=sum(g.bytes for g in groups),
+        rejected_reasons={reason: int(n) for reason, n in reasons},
         parameters=int(session.scalar(parameters) or 0),
         learners=len(rows),
         busy_s=float(sum(r.busy_s for r in rows)),
