@@ -779,6 +779,7 @@ def account_tokens(rows: Iterable[Learner], tokens_by_status: dict[str, int]) ->
 
 
 def token_accounting(session: Session, run_id: str) -> TokenAccounting:
+    """:func:`account_tokens` of the run as the ledger holds it now."""
     by_status = session.execute(
         select(Submission.status, func.coalesce(func.sum(Submission.tokens_new), 0))
         .where(Submission.run_id == run_id)
