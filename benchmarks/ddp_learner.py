@@ -4,8 +4,8 @@ Three learners of one run train side by side, each a real learner job against a 
 OS process (quorum 1, no grace window: every submission is merged at once, so rank 0 really
 downloads, broadcasts and applies new global fragments every few steps):
 
-  * ``classic`` (us-0): the single-process Learner — what ``ddiloco learner`` runs with --nproc-per-node 1;
-  * ``ddp1`` (us-1): one rank under torchrun — the DistributedLearner code path without a peer;
+  * ``classic`` (us-0): one rank in a plain process — what ``ddiloco learner`` runs with --nproc-per-node 1;
+  * ``ddp1`` (us-1): one rank under torchrun — the same learner with the launcher around it;
   * ``ddp2`` (us-2): two gloo ranks under torchrun (``--nproc-per-node 2``), DDP, the same per-rank
     batch (weak scaling: the learner trains on twice the tokens per step).
 
@@ -94,53 +94,33 @@ def worker(args) -> None:  # noqa: ANN001
     import torch
 
     from ddiloco.learner_worker.device import resolve_device
-    from ddiloco.learner_worker.distributed import (
-        Dist,
-        DistributedLearner,
-        RankContext,
-        collective_timeout_s,
-        init_dist,
-        rank_env,
-        shutdown_dist,
-    )
-    from ddiloco.learner_worker.process import resolve_learner
-    from ddiloco.learner_worker.worker import Learner
+    from ddiloco.learner_worker.dist import Dist, collective_timeout_s, init_dist, rank_env, shutdown_dist
+    from ddiloco.learner_worker.learner import Learner
+    from ddiloco.learner_worker.link import LearnerLink
     from ddiloco.platform.config import load_config
     from ddiloco.platform.runtime import RunContext
 
     cfg = load_config(args.config)
-    index, region, _ = resolve_learner(cfg, args.learner)
+    index, region, _ = cfg.learners.resolve(args.learner)
     torch.set_num_threads(cfg.learners.torch_threads)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    times: dict[str, float] = {}
-    d = None
-    if args.classic:
-        learner = Learner(RunContext.open(cfg), args.learner, region, index=index, num_learners=cfg.learners.count)
+    # The same Learner class in every variant: "classic" is one rank in a plain process, without torchrun.
+    info = None if args.classic else rank_env()
+    device = resolve_device(cfg.learners.device, info.local_rank if info else 0)
+    d = init_dist(device, timeout_s=collective_timeout_s(), ready_timeout_s=300) if info and info.world > 1 else Dist.single(device)
+    rank = d.rank
+    link = LearnerLink(RunContext.open(cfg), args.learner, region) if rank == 0 else None
+    learner = Learner(cfg, args.learner, index=index, num_learners=cfg.learners.count, link=link, dist=d)
 
-        def timed(fn, key):  # noqa: ANN001, ANN202
-            def wrapper(*a, **kw):  # noqa: ANN002, ANN003, ANN202
-                t0 = time.perf_counter()
-                try:
-                    return fn(*a, **kw)
-                finally:
-                    times[key] = times.get(key, 0.0) + time.perf_counter() - t0
+    def figures() -> dict[str, float]:
+        t = learner.timings
+        return {
+            "train_s": t.get("learner.train_step", 0.0), "control_s": t.get("learner.agree", 0.0),
+            "apply_s": t.get("learner.apply", 0.0), "send_s": t.get("learner.send", 0.0),
+            "upload_s": link.upload_s if link else 0.0,
+        }
 
-            return wrapper
-
-        learner.train_step = timed(learner.train_step, "train_s")
-        learner.apply_received = timed(learner.apply_received, "apply_s")
-        learner.send = timed(learner.send, "send_s")
-        figures = lambda: {**times, "upload_s": learner.upload_s}  # noqa: E731
-        rank = 0
-    else:
-        info = rank_env()
-        device = resolve_device(cfg.learners.device, info.local_rank)
-        d = init_dist(device, timeout_s=collective_timeout_s(), ready_timeout_s=300) if info.world > 1 else Dist.single(device)
-        rank = d.rank
-        ctx = RunContext.open(cfg) if rank == 0 else RankContext(cfg, cfg.name)
-        learner = DistributedLearner(ctx, args.learner, region, index=index, num_learners=cfg.learners.count, dist_=d)
-        figures = learner.figures
     progress = open(args.progress, "a", buffering=1) if rank == 0 else None  # noqa: SIM115 - one line a step
     step = learner.step
     gate = Path(args.gate)
@@ -161,12 +141,12 @@ def worker(args) -> None:  # noqa: ANN001
 
     learner.step = logged_step
     try:
-        learner.wait_until_ready(300)
-        learner.run(stop)
+        learner.start(ready_timeout_s=300)
+        learner.start_background_io()
+        learner.run(stop.is_set)
     finally:
-        learner.stop(flush=True)
-        if d is not None:
-            shutdown_dist(d)
+        learner.stop()
+        shutdown_dist(d)
         if progress is not None:
             progress.close()
 

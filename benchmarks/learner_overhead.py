@@ -2,7 +2,7 @@
 
   * bare: build_model + AdamW + the same data stream (build_dataset(...).train_batches) and the same
     step (compute_loss, zero_grad, backward, clip_grad_norm_, step) — nothing else.
-  * platform: a real ``Learner`` (background_io=True) on a file:// store and a SQLite ledger in a temp
+  * platform: a real ``Learner`` with its link's background threads on a file:// store and a SQLite ledger in a temp
     dir, trading fragments with a real synchronizer running as its own OS process
     (``python -m ddiloco synchronizer``), default fragments (P = 24, one sent per step) and int8
     compression: uploads and downloads run on the learner's background threads while it trains,
@@ -55,7 +55,8 @@ from common import (
     write_results,
 )
 
-from ddiloco.learner_worker.worker import Learner
+from ddiloco.learner_worker.learner import Learner
+from ddiloco.learner_worker.link import LearnerLink
 from ddiloco.platform.config import build_config
 from ddiloco.platform.data import build_dataset
 from ddiloco.platform.ledger import queries as q
@@ -155,27 +156,29 @@ def run_window(step, seconds: float, bg_threads: list[int] | None = None) -> dic
 class Platform:
     """One real Learner for the whole benchmark, whose background I/O is paused during bare windows.
 
-    Pausing gates the learner's ``poll_versions`` and ``heartbeat`` (instance attributes patched here,
-    the learner's code is unchanged) and waits for in-flight uploads, so a bare window runs with the
-    learner's threads idle, and windows can be short and many without restarting a learner."""
+    Pausing gates the link's ``poll`` and ``heartbeat`` (instance attributes patched here, the
+    learner's code is unchanged) and waits for in-flight uploads, so a bare window runs with the
+    link's threads idle, and windows can be short and many without restarting a learner. Main-thread
+    time per phase comes from the learner's own timing spans (``Learner.timings``)."""
 
     def __init__(self, run: ProcessRun) -> None:
-        self.learner = learner = Learner(run.ctx, LEARNER, "us", index=0, num_learners=1, background_io=True)
+        _, region, _ = run.cfg.learners.resolve(LEARNER)
+        self.link = link = LearnerLink(run.ctx, LEARNER, region)
+        self.learner = learner = Learner(run.cfg, LEARNER, index=0, num_learners=1, link=link, clock=run.ctx.now)
         learner.start()
-        self.times: dict[str, float] = {}
         self.counts = {"sent": 0, "received": 0}
         self.running = threading.Event()
         self.running.set()
         self.in_flight = 0
         self._lock = threading.Lock()
-        poll, beat = learner.poll_versions, learner.heartbeat
+        poll, beat = link.poll, link.heartbeat
 
         def gated_poll() -> list[int]:
             return poll() if self.running.is_set() else []
 
-        def gated_heartbeat(now: float, force: bool = False) -> None:
+        def gated_heartbeat(now: float, stats, force: bool = False) -> None:
             if self.running.is_set() or force:
-                beat(now, force)
+                beat(now, stats, force)
 
         def counted(fn):
             def wrapper(*a, **kw):
@@ -189,30 +192,26 @@ class Platform:
 
             return wrapper
 
-        learner.poll_versions = gated_poll
-        learner.heartbeat = gated_heartbeat
-        # Whatever the upload thread calls (one upload, a batch, an optimizer-state save) counts as in flight.
-        for name in ("upload", "upload_many", "save_optimizer_state"):
-            if hasattr(learner, name):
-                setattr(learner, name, counted(getattr(learner, name)))
-        learner.train_step = wrap_timed(learner.train_step, self.times, "train_step")
-        learner.send = wrap_timed(learner.send, self.times, "send")
-        learner.apply_received = wrap_timed(learner.apply_received, self.times, "apply_received")
-        if hasattr(learner, "optimizer_state_tensors"):  # the periodic AdamW snapshot, taken on the main thread
-            learner.optimizer_state_tensors = wrap_timed(learner.optimizer_state_tensors, self.times, "optimizer_snapshot")
+        link.poll = gated_poll
+        link.heartbeat = gated_heartbeat
+        # Whatever the upload thread calls (a batch of uploads, an optimizer-state save) counts as in flight.
+        for name in ("upload", "save_optimizer_state"):
+            setattr(link, name, counted(getattr(link, name)))
+        learner.optimizer_state_tensors = wrap_timed(learner.optimizer_state_tensors, learner.timings, "optimizer_snapshot")
+        learner.start_background_io()
 
     @property
     def threads(self) -> list[int]:
-        return [t.native_id for t in self.learner._threads if t.native_id is not None]
+        return [t.native_id for t in self.link._threads if t.native_id is not None]
 
     def step(self) -> int:
         t0 = time.perf_counter()
         report = self.learner.step()
-        self.times["step"] = self.times.get("step", 0.0) + time.perf_counter() - t0
+        self.learner.timings["step"] = self.learner.timings.get("step", 0.0) + time.perf_counter() - t0
         self.counts["sent"] += len(report.submitted)
         self.counts["received"] += len(report.received)
         if report.waiting:  # overlap 0 only; not the default
-            self.learner.wait_for_awaited(1.0)
+            self.link.wait_for_awaited(1.0)
         return report.tokens
 
     def pause(self, timeout_s: float = 30.0) -> float:
@@ -220,7 +219,7 @@ class Platform:
         t0 = time.perf_counter()
         self.running.clear()
         deadline = time.monotonic() + timeout_s
-        while (not self.learner._outbox.empty() or self.in_flight) and time.monotonic() < deadline:
+        while (not self.link._outbox.empty() or self.in_flight) and time.monotonic() < deadline:
             time.sleep(0.005)
         return time.perf_counter() - t0
 
@@ -229,24 +228,24 @@ class Platform:
 
     def window(self, seconds: float) -> dict:
         self.resume()
-        self.times.clear()
+        self.learner.timings.clear()
         self.counts.update(sent=0, received=0)
-        upload_s0, bytes0 = self.learner.upload_s, self.learner.bytes_sent
+        upload_s0, bytes0 = self.link.upload_s, self.link.bytes_sent
         win = run_window(self.step, seconds, self.threads)
         drain_s = self.pause()
         return {
             **win,
-            "main_thread_s": dict(self.times),
+            "main_thread_s": dict(self.learner.timings),
             "sent": self.counts["sent"],
             "received": self.counts["received"],
-            "upload_thread_s": self.learner.upload_s - upload_s0,
-            "bytes_sent": self.learner.bytes_sent - bytes0,
+            "upload_thread_s": self.link.upload_s - upload_s0,
+            "bytes_sent": self.link.bytes_sent - bytes0,
             "drain_after_s": drain_s,
         }
 
     def stop(self) -> None:
         self.resume()
-        self.learner.stop(flush=True)
+        self.learner.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -307,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             mt = p["main_thread_s"]
             print(f"pair {i + 1}/{args.windows} ({'/'.join(order)}): bare {pair['bare_tokens_per_s']:7.0f} tok/s ({b['steps']} steps), "
                   f"platform {pair['platform_tokens_per_s']:7.0f} tok/s ({p['steps']} steps, sent {p['sent']}, received {p['received']}), "
-                  f"ratio {pair['ratio']:.3f}; send {mt.get('send', 0) * 1e3:.0f} ms, apply {mt.get('apply_received', 0) * 1e3:.0f} ms")
+                  f"ratio {pair['ratio']:.3f}; send {mt.get('learner.send', 0) * 1e3:.0f} ms, apply {mt.get('learner.apply', 0) * 1e3:.0f} ms")
 
         bare_tok = sum(p["bare"]["tokens"] for p in pairs)
         bare_s = sum(p["bare"]["elapsed_s"] for p in pairs)
@@ -320,9 +319,11 @@ def main(argv: list[str] | None = None) -> int:
             for k, v in p["platform"]["main_thread_s"].items():
                 mt_total[k] = mt_total.get(k, 0.0) + v
         step_s = mt_total.get("step", 0.0)
-        parts = ("train_step", "send", "apply_received", "optimizer_snapshot")
-        accounted = sum(mt_total.get(k, 0.0) for k in parts)
-        share = {k: mt_total.get(k, 0.0) / step_s for k in parts}
+        # The published keys, from the learner's own span names.
+        parts = {"train_step": "learner.train_step", "send": "learner.send", "apply_received": "learner.apply",
+                 "optimizer_snapshot": "optimizer_snapshot"}
+        accounted = sum(mt_total.get(span, 0.0) for span in parts.values())
+        share = {k: mt_total.get(span, 0.0) / step_s for k, span in parts.items()}
         share["other_in_step"] = (step_s - accounted) / step_s
         plat_steps = sum(p["platform"]["steps"] for p in pairs)
         sent = sum(p["platform"]["sent"] for p in pairs)
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         # Bare step time vs the platform's train_step alone: how much slower the same compute runs while the
         # background threads work (GIL and cores shared), as opposed to main-thread work the platform adds.
         bare_step_s = bare_s / sum(p["bare"]["steps"] for p in pairs)
-        train_step_s = mt_total.get("train_step", 0.0) / plat_steps
+        train_step_s = mt_total.get("learner.train_step", 0.0) / plat_steps
         def per_step_split(kind: str) -> dict:
             ws = [p[kind] for p in pairs if "main_thread" in p[kind]]
             n = sum(w["steps"] for w in ws)
@@ -395,8 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                     "bare_step": round(bare_step_s * 1e3, 2),
                     "platform_step": round(step_s / plat_steps * 1e3, 2),
                     "platform_train_step": round(train_step_s * 1e3, 2),
-                    "send": round(mt_total.get("send", 0.0) / max(sent, 1) * 1e3, 3),
-                    "apply_received_per_fragment": round(mt_total.get("apply_received", 0.0) / max(received, 1) * 1e3, 3),
+                    "send": round(mt_total.get("learner.send", 0.0) / max(sent, 1) * 1e3, 3),
+                    "apply_received_per_fragment": round(mt_total.get("learner.apply", 0.0) / max(received, 1) * 1e3, 3),
                 },
                 "train_step_slowdown_vs_bare": round(train_step_s / bare_step_s, 4),
                 "main_thread_per_step": split,

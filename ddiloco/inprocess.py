@@ -1,8 +1,10 @@
 """Deterministic in-process runs: learners and a synchronizer in one process on a simulated clock.
 
 Everything is the real code (ledger queries, store, learner, synchronizer); only time is simulated,
-so tests and quality benchmarks are reproducible and need no processes. A learner's step takes
-``step_time_s / speed`` simulated seconds; a failure schedule takes learners down and back."""
+so tests and quality benchmarks are reproducible and need no processes. The simulation's knobs live
+here, in the event loop, not in the learner: a learner's step takes ``step_time_s / speed``
+simulated seconds, its link's I/O runs on the loop's thread between steps (:func:`sim_step`)
+instead of on background threads, and a failure schedule takes learners down and back."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ import heapq
 import uuid
 from dataclasses import dataclass, field
 
-from ddiloco.learner_worker.worker import Learner
+from ddiloco.learner_worker.learner import Learner, StepReport
+from ddiloco.learner_worker.link import LearnerLink
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.ledger import open_ledger
 from ddiloco.platform.runtime import RunContext
@@ -73,6 +76,30 @@ def in_memory_config(cfg: RunConfig) -> RunConfig:
     )
 
 
+def sim_learner(ctx: RunContext, learner_id: str, *, index: int | None = None, num_learners: int | None = None) -> Learner:
+    """A learner of ``ctx``'s run driven by a simulation: its link has no threads (see :func:`sim_step`).
+
+    ``index`` and ``num_learners`` default to the learner's place in the config."""
+    ids = [lid for lid, _, _ in ctx.cfg.learners.learner_ids()]
+    _, region, _ = ctx.cfg.learners.resolve(learner_id)
+    link = LearnerLink(ctx, learner_id, region)
+    return Learner(
+        ctx.cfg, learner_id, link=link, clock=ctx.now,
+        index=ids.index(learner_id) if index is None else index,
+        num_learners=len(ids) if num_learners is None else num_learners,
+    )
+
+
+def sim_step(learner: Learner, now: float) -> StepReport:
+    """One simulated step: fetch newer versions, step, upload what was sent and heartbeat, all at ``now``."""
+    assert learner.link is not None
+    learner.link.poll()
+    report = learner.step(now)
+    learner.link.pump()
+    learner.heartbeat(now)
+    return report
+
+
 def run_inprocess(
     cfg: RunConfig,
     *,
@@ -94,15 +121,13 @@ def run_inprocess(
     M = len(ids)
     run = InProcessRun(ctx=ctx, sync=sync, learners={}, clock=clock, t0=clock.t)
     speeds = {lid: speed for lid, _, speed in ids}
-    regions = {lid: region for lid, region, _ in ids}
     index = {lid: i for i, (lid, _, _) in enumerate(ids)}
     outages = sorted(outages or [], key=lambda o: o.start_s)
     # Polling more often than a quarter step changes nothing but the cost of the simulation.
     poll_s = sync_poll_s if sync_poll_s is not None else max(cfg.synchronizer.poll_s, step_time_s / 4)
 
     def new_learner(lid: str) -> Learner:
-        learner = Learner(ctx, lid, regions[lid], index=index[lid], num_learners=M, speed=speeds[lid], background_io=False)
-        learner.simulated_step_s = step_time_s / speeds[lid]  # heartbeats report simulated, not measured, step times
+        learner = sim_learner(ctx, lid, index=index[lid], num_learners=M)
         learner.start(clock.t)
         return learner
 
@@ -141,7 +166,7 @@ def run_inprocess(
         elif kind == "up":
             if lid in down:
                 run.down_s += t - down.pop(lid)
-                run.bytes_sent += run.learners[lid].bytes_sent
+                run.bytes_sent += run.learners[lid].link.bytes_sent
                 run.learners[lid] = new_learner(lid)
                 push(t + step_time_s / speeds[lid], "step", lid)
         elif kind == "step":
@@ -150,8 +175,7 @@ def run_inprocess(
             learner = run.learners[lid]
             if max_steps_per_learner is not None and learner.step_count >= max_steps_per_learner:
                 continue
-            learner.poll_versions()
-            report = learner.step(t)
+            report = sim_step(learner, t)
             if report.waiting:
                 push(t + poll_s, "step", lid)  # overlap 0: wait for the merge
                 continue
@@ -165,7 +189,7 @@ def run_inprocess(
         run.down_s += clock.t - since
     # Let the synchronizer merge what is still pending, as a real run's end does.
     sync.poll_once(clock.t, drain=True)
-    run.bytes_sent += sum(l.bytes_sent for l in run.learners.values())
+    run.bytes_sent += sum(l.link.bytes_sent for l in run.learners.values())
     run.tokens_trained = trained
     if eval_every_tokens:
         run.evals.append(_evaluate(run, trained))

@@ -7,8 +7,7 @@ import uuid
 import torch
 from support import tiny_config
 
-from ddiloco.learner_worker.worker import Learner
-from ddiloco.inprocess import SimClock, in_memory_config
+from ddiloco.inprocess import SimClock, in_memory_config, sim_learner, sim_step
 from ddiloco.platform.compression import encode_delta
 from ddiloco.platform.ids import submission_key
 from ddiloco.platform.ledger import open_ledger
@@ -30,7 +29,7 @@ def setup_run():
     ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
     sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
     sync.poll_once(clock.t)
-    good = Learner(ctx, "us-0", "us", index=0, num_learners=2, background_io=False)
+    good = sim_learner(ctx, "us-0", index=0, num_learners=2)
     good.start(clock.t)
     return cfg, clock, ctx, sync, good
 
@@ -66,8 +65,7 @@ def test_corrupt_nan_wrong_shape_stale_and_unknown_are_rejected_while_training_c
     }
     for _ in range(3 * cfg.fragments.count):
         clock.t += 1.0
-        good.poll_versions()
-        good.step(clock.t)
+        sim_step(good, clock.t)
         sync.poll_once(clock.t)
     with ctx.transaction() as s:
         for sid, needle in bad.items():
@@ -86,8 +84,7 @@ def test_stale_submission_is_rejected_and_a_duplicate_registration_is_a_no_op():
     cfg, clock, ctx, sync, good = setup_run()
     for _ in range((cfg.merge.max_staleness + 2) * cfg.fragments.count):
         clock.t += 1.0
-        good.poll_versions()
-        good.step(clock.t)
+        sim_step(good, clock.t)
         sync.poll_once(clock.t)
     with ctx.transaction() as s:
         q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t))

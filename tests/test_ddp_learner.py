@@ -1,7 +1,7 @@
 """A learner as a data-parallel job: DDP ranks (gloo here), rank 0 the learner's only voice.
 
 - device handling (CPU paths run here; CUDA paths skip, saying why);
-- a 1-rank DistributedLearner is the single-process Learner, exactly;
+- only rank 0 has a link to the run (the ledger and the store);
 - a 2-rank gloo learner equals a 1-rank learner with twice the batch on the same data, through sends,
   merges and receipts (parameters of both ranks, submissions, published versions);
 - SIGKILL of one rank of a 2-rank ``ddiloco learner --nproc-per-node 2`` job: the job ends within a
@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from sqlalchemy import select
 from support import ProcessRun, tiny_config, wait_for
 
-from ddiloco.inprocess import SimClock, in_memory_config
+from ddiloco.inprocess import SimClock, sim_learner
 from ddiloco.learner_worker.device import (
     HostStager,
     Staged,
@@ -36,16 +36,10 @@ from ddiloco.learner_worker.device import (
     backend_for,
     resolve_device,
 )
-from ddiloco.learner_worker.distributed import (
-    Dist,
-    DistributedLearner,
-    RankContext,
-    init_dist,
-    shutdown_dist,
-    torchrun_command,
-)
-from ddiloco.learner_worker.worker import Learner
-from ddiloco.platform.compression import decode_delta
+from ddiloco.learner_worker.dist import Dist, init_dist, shutdown_dist
+from ddiloco.learner_worker.launch import torchrun_command
+from ddiloco.learner_worker.learner import Learner
+from ddiloco.learner_worker.link import LearnerLink
 from ddiloco.platform.config import ConfigError, build_config
 from ddiloco.platform.data import Batch
 from ddiloco.platform.ledger import open_ledger
@@ -120,11 +114,14 @@ def test_cuda_autocast_is_bf16():
         assert (a @ a).dtype == torch.bfloat16
 
 
-def test_other_ranks_cannot_reach_the_ledger_or_the_store():
-    ctx = RankContext(tiny_config(), "t")
-    for use in (ctx.transaction, ctx.reading, ctx.store):
-        with pytest.raises(RuntimeError, match="only rank 0"):
-            use()
+def test_only_rank_0_has_a_link_to_the_run():
+    cfg = tiny_config()
+    ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url))
+    other_rank = Dist(rank=1, world=2, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="only rank 0"):
+        Learner(cfg, "us-0", index=0, num_learners=1, link=LearnerLink(ctx, "us-0", "us"), dist=other_rank)
+    with pytest.raises(ValueError, match="rank 0 of a learner needs a link"):
+        Learner(cfg, "us-0", index=0, num_learners=1, link=None)
 
 
 def test_the_launch_is_plain_torchrun_with_no_restarts():
@@ -154,62 +151,26 @@ def test_staged_wait_is_idempotent():
     assert s.ready() and s.wait() is t and s.wait() is t
 
 
-# --- one rank is the single-process learner --------------------------------------------------------------
+# --- driving a learner on the simulated clock ----------------------------------------------------------
 
 
-def _drive(learner, sync, clock, steps: int, rank: int = 0) -> list[float]:
+def _drive(learner, sync, clock, steps: int) -> list[float]:
+    """Every rank steps; rank 0 also fetches, uploads what it sent and lets the synchronizer merge."""
     losses = []
     for _ in range(steps):
         clock.t += 1.0
-        if rank == 0:
-            learner.poll_versions()
+        if learner.link is not None:
+            learner.link.poll()
         report = learner.step(clock.t)
         losses.append(report.loss)
-        if rank == 0:
+        if learner.link is not None:
+            learner.link.pump()
             sync.poll_once(clock.t)
     return losses
 
 
 def one_learner_config(**extra):
     return tiny_config(learners={"batch_size": B, "regions": [{"name": "us", "learners": 1}]}, **extra)
-
-
-@pytest.mark.parametrize(
-    "sections",
-    [{"merge": {"on_receipt": "overwrite"}}, {"fragments": {"count": 4, "overlap": 0}}, {"merge": {"on_receipt": "blend", "blend_alpha": 0.5}}],
-    ids=["overlap2", "overlap0", "blend"],
-)
-def test_one_rank_distributed_learner_is_the_single_process_learner_exactly(sections):
-    results = []
-    for kind in ("classic", "distributed"):
-        cfg = in_memory_config(one_learner_config(synchronizer={"retention": {"keep_submission_blobs": True}}, **sections))
-        clock = SimClock()
-        ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
-        sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
-        sync.poll_once(clock.t)
-        if kind == "classic":
-            learner = Learner(ctx, "us-0", "us", index=0, num_learners=1, background_io=False)
-        else:
-            learner = DistributedLearner(
-                ctx, "us-0", "us", index=0, num_learners=1, dist_=Dist.single(torch.device("cpu")), background_io=False
-            )
-        learner.start(clock.t)
-        losses = _drive(learner, sync, clock, STEPS)
-        with ctx.transaction() as s:
-            rows = s.execute(
-                select(Submission.uid, Submission.c_tokens, Submission.blob_key, Submission.sha256).order_by(Submission.id)
-            ).all()
-        # Blob checksums differ run to run (safetensors metadata order), so compare the decoded outer gradients.
-        store = ctx.store("us")
-        subs = [(uid, c_tokens, decode_delta(*store.get_with_metadata(key, sha))) for uid, c_tokens, key, sha in rows]
-        results.append((learner, losses, subs))
-    (classic, l1, s1), (ddp, l2, s2) = results
-    assert l1 == l2 and classic.base == ddp.base and min(ddp.base) > 0
-    assert [s[:2] for s in s1] == [s[:2] for s in s2] and len(s1) == STEPS
-    for (uid, _, d1), (_, _, d2) in zip(s1, s2):
-        assert d1.keys() == d2.keys() and all(torch.equal(d1[n], d2[n]) for n in d1), uid
-    for name, p in classic.model.named_parameters():
-        assert torch.equal(p, dict(ddp.model.named_parameters())[name]), name
 
 
 # --- two gloo ranks == one rank with twice the batch ------------------------------------------------------
@@ -267,11 +228,12 @@ def rank_main(workdir: Path, rank: int, world: int) -> None:
     try:
         if rank == 0:
             cfg, clock, ctx, sync = _open_run(workdir, cfg)
+            link = LearnerLink(ctx, "us-0", "us")
         else:
-            clock, ctx, sync = SimClock(), RankContext(cfg, cfg.name), None
-        learner = DistributedLearner(ctx, "us-0", "us", index=0, num_learners=1, dist_=d, background_io=False)
+            clock, ctx, sync, link = SimClock(), None, None, None
+        learner = Learner(cfg, "us-0", index=0, num_learners=1, link=link, dist=d, clock=clock)
         learner.start(clock.t)
-        losses = _drive(learner, sync, clock, STEPS, rank)
+        losses = _drive(learner, sync, clock, STEPS)
         save_file(
             {n: p.detach().contiguous() for n, p in learner.model.named_parameters()}, str(workdir / f"params-{rank}.safetensors")
         )
@@ -312,7 +274,7 @@ def test_two_gloo_ranks_equal_one_rank_with_twice_the_batch(tmp_path):
     _, clock, ctx, sync = _open_run(
         ref_dir, cfg.model_copy(update={"learners": cfg.learners.model_copy(update={"batch_size": 2 * B})})
     )
-    ref = Learner(ctx, "us-0", "us", index=0, num_learners=1, background_io=False)
+    ref = sim_learner(ctx, "us-0", index=0, num_learners=1)
     ref.start(clock.t)
     seed = cfg.seed * 1_000_003 + ref.incarnation
     ref._batches = _concat(*(ref.dataset.train_batches(r, 2, B, seed=seed) for r in range(2)))

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from support import tiny_config
 
-from ddiloco.inprocess import SimClock, in_memory_config
-from ddiloco.learner_worker.worker import Learner
+from ddiloco.inprocess import SimClock, in_memory_config, sim_learner, sim_step
 from ddiloco.platform.ledger import open_ledger
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.runtime import RunContext
@@ -24,18 +23,17 @@ def make_run(**sections):
 
 def test_restarted_learner_resumes_its_adamw_state_and_the_newest_global_version():
     cfg, clock, ctx, sync = make_run(learners={"save_optimizer_every": 5, "regions": [{"name": "us", "learners": 1}]})
-    first = Learner(ctx, "us-0", "us", index=0, num_learners=1, background_io=False)
+    first = sim_learner(ctx, "us-0", index=0, num_learners=1)
     first.start(clock.t)
     for _ in range(10):
         clock.t += 1.0
-        first.poll_versions()
-        first.step(clock.t)
+        sim_step(first, clock.t)
         sync.poll_once(clock.t)
     saved = first.optimizer_state_tensors()
     with ctx.transaction() as s:
         newest = q.latest_version_numbers(s, ctx.run_id)
     assert max(newest.values()) > 0
-    second = Learner(ctx, "us-0", "us", index=0, num_learners=1, background_io=False)
+    second = sim_learner(ctx, "us-0", index=0, num_learners=1)
     second.start(clock.t)
     assert second.incarnation == 1
     assert second.base == [newest[p] for p in range(cfg.fragments.count)]
@@ -50,14 +48,13 @@ def test_restarted_learner_resumes_its_adamw_state_and_the_newest_global_version
 
 def test_late_joiner_starts_from_the_newest_global_state():
     cfg, clock, ctx, sync = make_run()
-    early = Learner(ctx, "us-0", "us", index=0, num_learners=2, background_io=False)
+    early = sim_learner(ctx, "us-0", index=0, num_learners=2)
     early.start(clock.t)
     for _ in range(2 * cfg.fragments.count):
         clock.t += 1.0
-        early.poll_versions()
-        early.step(clock.t)
+        sim_step(early, clock.t)
         sync.poll_once(clock.t)
-    late = Learner(ctx, "us-1", "us", index=1, num_learners=2, background_io=False)
+    late = sim_learner(ctx, "us-1", index=1, num_learners=2)
     late.start(clock.t)
     global_params = dict(sync.global_model().named_parameters())
     for name, p in late.model.named_parameters():
@@ -67,70 +64,69 @@ def test_late_joiner_starts_from_the_newest_global_state():
 
 def test_blend_on_receipt_moves_halfway():
     cfg, clock, ctx, sync = make_run(merge={"on_receipt": "blend", "blend_alpha": 0.5})
-    learner = Learner(ctx, "us-0", "us", index=0, num_learners=1, background_io=False)
+    learner = sim_learner(ctx, "us-0", index=0, num_learners=1)
     learner.start(clock.t)
     name = learner.fragments[0].names[0]
     local = learner.params[name].detach().clone()
     incoming = {n: torch.zeros_like(learner.params[n]) for n in learner.fragments[0].names}
-    with learner._lock:
-        learner._inbox[0] = (learner.base[0] + 1, incoming)
-    learner.apply_received()
+    _arrive(learner, 0, incoming)
     torch.testing.assert_close(learner.params[name].detach(), 0.5 * local)
-    assert learner.c_steps[0] == 0 and torch.equal(learner.snapshot[0][name], incoming[name])
+    assert learner.fragments[0].c_steps == 0 and torch.equal(learner.fragments[0].host_snapshot()[name], incoming[name])
 
 
 def _arrive(learner, p, tensors):
-    with learner._lock:
-        learner._inbox[p] = (learner.base[p] + 1, tensors)
-    learner.apply_received()
+    """A newer global version of fragment p arrives and the next step applies it."""
+    learner.link._inbox[p] = (learner.base[p] + 1, tensors)
+    learner._receive(learner._agree(want_stop=False))
 
 
 def test_rebase_on_receipt_carries_the_unsent_progress_onto_the_new_version():
     cfg, clock, ctx, sync = make_run(merge={"on_receipt": "rebase"})
-    learner = Learner(ctx, "us-0", "us", index=0, num_learners=1, background_io=False)
+    learner = sim_learner(ctx, "us-0", index=0, num_learners=1)
     learner.start(clock.t)
     for _ in range(cfg.fragments.period + 2):
         clock.t += 1.0
         learner.step(clock.t)
-    p = max(range(len(learner.fragments)), key=lambda i: learner.c_steps[i])
-    names = learner.fragments[p].names
-    steps, tokens = learner.c_steps[p], learner.c_tokens[p]
+    p = max(range(len(learner.fragments)), key=lambda i: learner.fragments[i].c_steps)
+    frag = learner.fragments[p]
+    names = frag.names
+    steps, tokens = frag.c_steps, frag.c_tokens
     assert steps > 0
-    unsent = {n: learner.params[n].detach() - learner.snapshot[p][n] for n in names}
+    unsent = {n: learner.params[n].detach() - frag.host_snapshot()[n] for n in names}
     assert max(float(u.abs().max()) for u in unsent.values()) > 0
     incoming = {n: torch.randn_like(learner.params[n]) for n in names}
     _arrive(learner, p, incoming)
     for n in names:
         # What the next send (snapshot - params) carries is the progress it would have carried before.
-        torch.testing.assert_close(learner.params[n].detach() - learner.snapshot[p][n], unsent[n])
+        torch.testing.assert_close(learner.params[n].detach() - frag.host_snapshot()[n], unsent[n])
         torch.testing.assert_close(learner.params[n].detach(), incoming[n] + unsent[n])
-        assert torch.equal(learner.snapshot[p][n], incoming[n])
+        assert torch.equal(frag.host_snapshot()[n], incoming[n])
     # Those steps are still unsent, so they are still counted.
-    assert (learner.c_steps[p], learner.c_tokens[p]) == (steps, tokens)
+    assert (frag.c_steps, frag.c_tokens) == (steps, tokens)
 
     # Without unsent progress (a fragment just sent) rebase is overwrite, bit for bit.
     report = learner.step(clock.t + 1.0)
     while not report.submitted:
         report = learner.step(clock.t + 1.0)
     q_ = report.submitted[0]
-    assert learner.c_steps[q_] == 0
+    assert learner.fragments[q_].c_steps == 0
     incoming = {n: torch.randn_like(learner.params[n]) for n in learner.fragments[q_].names}
     _arrive(learner, q_, incoming)
     for n, t in incoming.items():
         assert torch.equal(learner.params[n].detach(), t)
-    assert learner.c_steps[q_] == 0 and learner.c_tokens[q_] == 0
+    assert learner.fragments[q_].c_steps == 0 and learner.fragments[q_].c_tokens == 0
 
 
 def test_overwrite_on_receipt_discards_the_unsent_progress():
     cfg, clock, ctx, sync = make_run(merge={"on_receipt": "overwrite"})
-    learner = Learner(ctx, "us-0", "us", index=0, num_learners=1, background_io=False)
+    learner = sim_learner(ctx, "us-0", index=0, num_learners=1)
     learner.start(clock.t)
     for _ in range(2):
         clock.t += 1.0
         learner.step(clock.t)
-    p = max(range(len(learner.fragments)), key=lambda i: learner.c_steps[i])
+    p = max(range(len(learner.fragments)), key=lambda i: learner.fragments[i].c_steps)
     incoming = {n: torch.randn_like(learner.params[n]) for n in learner.fragments[p].names}
     _arrive(learner, p, incoming)
     for n, t in incoming.items():
         assert torch.equal(learner.params[n].detach(), t)
-    assert learner.c_steps[p] == 0 and learner.c_tokens[p] == 0
+    assert learner.fragments[p].c_steps == 0 and learner.fragments[p].c_tokens == 0

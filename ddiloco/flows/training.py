@@ -203,13 +203,13 @@ def training_run(
 @flow(name="ddiloco-learner")
 def learner_flow(config: RunConfig, learner_id: str, run_id: Optional[str] = None) -> int:
     """One learner until the run ends; returns the inner steps it ran."""
-    from ddiloco.learner_worker.process import run_learner
+    from ddiloco.learner_worker.launch import run_learner
 
-    learner = run_learner(
+    summary = run_learner(
         config, run_id or config.name, learner_id, flow_run_url=_flow_run_url(), nproc_per_node=config.learners.nproc_per_node
     )
-    # A multi-rank job returns its rank 0's summary (None if that was not written).
-    return getattr(learner, "step_count", 0) if learner is not None else 0
+    # None when stopped by a signal before rank 0 could report.
+    return summary.step_count if summary is not None else 0
 
 
 @flow(name="ddiloco-synchronizer")

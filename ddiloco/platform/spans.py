@@ -18,16 +18,20 @@ _totals: dict[str, float] | None = None
 
 
 @contextmanager
-def span(name: str) -> Iterator[None]:
+def span(name: str, into: dict[str, float] | None = None) -> Iterator[None]:
+    """Time the block under ``name``; ``into`` also keeps the seconds in a caller's own totals."""
     with torch.profiler.record_function(name):
-        if _totals is None:
+        if _totals is None and into is None:
             yield
             return
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            add(name, time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            if into is not None:
+                into[name] = into.get(name, 0.0) + seconds
+            add(name, seconds)
 
 
 def add(name: str, seconds: float, calls: int = 1) -> None:

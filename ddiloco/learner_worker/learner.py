@@ -1,0 +1,458 @@
+"""A learner: trains its own replica and trades parameter fragments with the synchronizer.
+
+One class for every world size. A learner is one process, or a data-parallel job of ``world``
+ranks under torchrun (DDP: gloo on CPUs, NCCL on GPUs); world size 1 runs the same loop with no
+process group. Rank 0 is the learner's only voice: its :class:`~ddiloco.learner_worker.link.LearnerLink`
+registers, uploads, downloads and heartbeats off the training thread; the other ranks never open
+the ledger or the store.
+
+Once per inner step every rank runs the same sequence, so all ranks apply the same fragments at the
+same step, stop at the same step and skip the same steps:
+
+1. *agree* — a small ``all_reduce`` of an int64 vector: every rank votes whether to stop; rank 0
+   alone writes which fragments to apply (id, version) and which it still waits for (overlap 0).
+2. *receive* — rank 0 broadcasts the arrived global tensors (one flat buffer); every rank folds them
+   into its parameters (``merge.on_receipt``: overwrite, blend or rebase).
+3. *train* — one (DDP) step on this rank's batch; loss and tokens are summed over ranks.
+4. *send* — for each due fragment rank 0 stages the parameters to host memory and hands the
+   increment since the previous send to the link; every rank resets the fragment's counters.
+
+It never waits for anyone, except in the overlap-0 mode (synchronous DiLoCo)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddiloco.learner_worker.device import HostStager, Staged, autocast
+from ddiloco.learner_worker.dist import Dist
+from ddiloco.learner_worker.link import Arrival, HeartbeatStats, Increment, LearnerLink, Outgoing, SavedState, Tensors
+from ddiloco.platform.config import RunConfig
+from ddiloco.platform.data import Batch, build_dataset
+from ddiloco.platform.faults import fault_point
+from ddiloco.platform.fragments import due_fragments, partition_module
+from ddiloco.platform.models import build_model, compute_loss
+from ddiloco.platform.spans import span
+
+log = logging.getLogger("ddiloco.learner")
+
+
+def rebases(mode: str, base_version: int, c_steps: int) -> bool:
+    """Whether a receipt rebases: only in rebase mode, onto a fragment already held, with unsent
+    progress (without any, rebase is exactly overwrite)."""
+    return mode == "rebase" and base_version >= 0 and c_steps > 0
+
+
+def receive_tensor(param: torch.Tensor, incoming: torch.Tensor, *, rebase: bool, first: bool, alpha: float) -> None:
+    """Fold one arrived global tensor into a local parameter (``incoming`` is G − S when rebasing)."""
+    if rebase:
+        param.add_(incoming.to(param.dtype))
+    elif first or alpha >= 1.0:
+        param.copy_(incoming)
+    else:
+        param.mul_(1 - alpha).add_(incoming.to(param.dtype), alpha=alpha)
+
+
+@dataclass
+class FragmentState:
+    """One fragment of the replica: the global version it last received and what it has not sent yet.
+
+    ``snapshot`` (rank 0 only, host memory) is the global fragment as received, or the parameters
+    as of the last send: the next send carries ``snapshot − params``, only what was learned since,
+    so a learner that sends twice before it hears back is never merged twice."""
+
+    names: tuple[str, ...]
+    base: int = -1
+    snapshot: Tensors | Staged = field(default_factory=dict)
+    c_steps: int = 0
+    c_tokens: int = 0
+
+    def host_snapshot(self) -> Tensors:
+        return self.snapshot.wait() if isinstance(self.snapshot, Staged) else self.snapshot
+
+    def take_increment(self, current: Staged) -> tuple[Increment, int, int]:
+        """The increment since the last send or receipt, with its steps and tokens; counting restarts."""
+        increment = Increment(self.snapshot, current)
+        counts = (self.c_steps, self.c_tokens)
+        self.snapshot = current
+        self.reset_counts()
+        return increment, *counts
+
+    def reset_counts(self) -> None:
+        self.c_steps = 0
+        self.c_tokens = 0
+
+    def received(self, version: int, tensors: Tensors | None, *, rebase: bool) -> None:
+        """After a receipt: the new base (and, on rank 0, snapshot). Rebase keeps the unsent counts,
+        since the next send still carries those steps; overwrite and blend discard or halve them."""
+        if tensors is not None:
+            self.snapshot = tensors
+        self.base = version
+        if not rebase:
+            self.reset_counts()
+
+
+@dataclass
+class StepReport:
+    step: int
+    loss: float | None
+    tokens: int
+    submitted: list[int] = field(default_factory=list)
+    received: list[int] = field(default_factory=list)
+    waiting: bool = False
+    stopped: bool = False
+    compute_s: float = 0.0
+
+
+@dataclass
+class Control:
+    """What all ranks agreed on for one step."""
+
+    stop: bool
+    apply: list[tuple[int, int]]
+    """(fragment, version) every rank applies before this step, in fragment order."""
+    awaiting: set[int]
+    """Fragments still awaited (overlap 0): while not empty, no rank trains."""
+    arrived: dict[int, Arrival]
+    """Rank 0 only: the downloaded tensors behind ``apply``."""
+
+
+class _LossModule(nn.Module):
+    """The model plus its loss, so DDP's forward covers models with their own ``compute_loss`` or aux losses."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        super().__init__()
+        self.model = model
+        self.device = device
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor, tokens: int) -> torch.Tensor:
+        with autocast(self.device):
+            loss, _info = compute_loss(self.model, Batch(inputs=inputs, targets=targets, tokens=tokens))
+        return loss
+
+
+class Learner:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        learner_id: str,
+        *,
+        index: int,
+        num_learners: int,
+        link: LearnerLink | None,
+        dist: Dist | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self.id = learner_id
+        self.index = index
+        self.num_learners = num_learners
+        self.dist = dist or Dist.single()
+        if (link is None) != (self.dist.rank != 0):
+            raise ValueError("rank 0 of a learner needs a link to its run, and only rank 0 may have one")
+        self.link = link
+        self.clock = clock
+        self.device = self.dist.device
+        # .to() keeps the Parameter objects, so the optimizer and self.params stay valid.
+        self.model = build_model(cfg.model, seed=cfg.seed).to(self.device)
+        self.model.train()
+        self.params = dict(self.model.named_parameters())
+        self.fragments = [FragmentState(f.names) for f in partition_module(self.model, cfg.fragments.count)]
+        if link is not None:
+            link.num_fragments = len(self.fragments)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=cfg.inner.lr,
+            betas=(cfg.inner.beta1, cfg.inner.beta2),
+            weight_decay=cfg.inner.weight_decay,
+        )
+        self.loss_module = _LossModule(self.model, self.device)
+        self.ddp = None
+        if self.dist.world > 1:
+            self.ddp = DDP(
+                self.loss_module,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                # MoE experts (and arbitrary imported models) may leave parameters unused in a step.
+                find_unused_parameters=cfg.model.kind in ("moe_gpt", "import"),
+            )
+        self.stager = HostStager(self.device)
+        self.dataset = build_dataset(cfg.data, cfg.model)
+        self.incarnation = -1
+        self.step_count = 0
+        self.tokens_total = 0
+        self._tokens_unsubmitted = 0
+        self.last_loss: float | None = None
+        self.last_step_s = 0.0
+        self.last_tokens = 0
+        self._busy_s = 0.0
+        self._last_step_at = 0.0
+        self._waiting_since: float | None = None
+        self.timings: dict[str, float] = {}
+        """Seconds of the training thread per span (agree, apply, train_step, send): the job summary's figures."""
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    @property
+    def base(self) -> list[int]:
+        return [f.base for f in self.fragments]
+
+    @property
+    def run_finished(self) -> bool:
+        return self.link is not None and self.link.run_finished
+
+    def start(self, now: float | None = None, *, ready_timeout_s: float | None = None) -> None:
+        """Join the run: rank 0 fetches the newest global version of every fragment and registers a new
+        incarnation (retrying for ``ready_timeout_s`` while version 0 is not out); every rank gets the
+        incarnation (it seeds the data) and the saved AdamW state, and applies the global fragments."""
+        saved: SavedState | None = None
+        if self.link is not None:
+            if ready_timeout_s is None:
+                saved = self.link.join(self.clock() if now is None else now)
+            else:
+                saved = self.link.join_when_ready(ready_timeout_s, self.clock)
+            self.incarnation = self.link.incarnation
+        shared = self.dist.broadcast_object(
+            {"incarnation": self.incarnation, "optimizer": saved.tensors if saved else None}
+        )
+        self.incarnation = int(shared["incarnation"])
+        if shared["optimizer"]:
+            self.load_optimizer_tensors(shared["optimizer"])
+        self._batches = self.train_stream()
+        self._receive(self._agree(want_stop=False))
+        missing = [p for p, f in enumerate(self.fragments) if f.base < 0]
+        if missing:
+            raise RuntimeError(f"rank {self.dist.rank} did not receive fragments {missing} when joining")
+        now = self.clock() if now is None else now
+        self._last_step_at = now
+        self.heartbeat(now, force=True)
+
+    def start_background_io(self) -> None:
+        """Processes: rank 0 uploads, polls and heartbeats on background threads from now on."""
+        if self.link is not None:
+            self.link.start_threads(self.heartbeat_stats)
+
+    def stop(self) -> None:
+        """Finish the queued uploads and send a last heartbeat (rank 0)."""
+        if self.link is not None:
+            self.link.stop(self.heartbeat_stats)
+
+    def train_stream(self) -> Iterator[Batch]:
+        """Shard ``index * world + rank`` of ``num_learners * world``: disjoint per rank, seeded by the incarnation."""
+        return self.dataset.train_batches(
+            self.index * self.dist.world + self.dist.rank,
+            self.num_learners * self.dist.world,
+            self.cfg.learners.batch_size,
+            seed=self.cfg.seed * 1_000_003 + self.incarnation,
+        )
+
+    def run(self, stop: Callable[[], bool], max_steps: int | None = None, after_step: Callable[[StepReport], None] | None = None) -> None:
+        """Step until any rank is stopped, rank 0 sees the run finish, or ``max_steps`` — all ranks together."""
+        while True:
+            want_stop = stop() or self.run_finished or (max_steps is not None and self.step_count >= max_steps)
+            report = self.step(want_stop=want_stop)
+            if report.stopped:
+                return
+            if report.waiting and self.link is not None:
+                self.link.wait_for_awaited(1.0)
+            if after_step is not None:
+                after_step(report)
+
+    # --- one step -------------------------------------------------------------------------------
+
+    def step(self, now: float | None = None, *, want_stop: bool = False) -> StepReport:
+        """Agree with the other ranks, apply arrived fragments, run one inner step, send the fragments that are due."""
+        now = self.clock() if now is None else now
+        control = self._agree(want_stop)
+        if control.stop:
+            if self.link is not None and control.arrived:
+                self.link.put_back(control.arrived)
+            return StepReport(self.step_count, None, 0, stopped=True)
+        received = self._receive(control)
+        if control.awaiting:
+            if self._waiting_since is None:
+                self._waiting_since = now
+            return StepReport(self.step_count, None, 0, received=received, waiting=True)
+        if self._waiting_since is not None:
+            # Time spent waiting for a merge (overlap 0) is not part of a step.
+            self._last_step_at += now - self._waiting_since
+            self._waiting_since = None
+        t0 = time.perf_counter()
+        loss, tokens = self.train_step()
+        compute_s = time.perf_counter() - t0
+        # A step lasts from its start to the next one's: slower hardware, I/O on this thread and
+        # pacing all count, which is what stragglers and goodput are judged on.
+        period = now - self._last_step_at
+        step_s = period if period > 0 else compute_s
+        self._last_step_at = now
+        self.step_count += 1
+        self.tokens_total += tokens
+        self._tokens_unsubmitted += tokens
+        self.last_tokens = tokens
+        self.last_loss = loss if self.last_loss is None else 0.9 * self.last_loss + 0.1 * loss
+        self.last_step_s = step_s if self.last_step_s == 0 else 0.8 * self.last_step_s + 0.2 * step_s
+        self._busy_s += step_s
+        for frag in self.fragments:
+            frag.c_steps += 1
+            frag.c_tokens += tokens
+        sent = [p for p in due_fragments(self.step_count, len(self.fragments), self.cfg.fragments.period)]
+        with span("learner.send", into=self.timings):
+            for p in sent:
+                self.send(p, now)
+        every = self.cfg.learners.save_optimizer_every
+        if every and self.step_count % every == 0 and self.link is not None:
+            self.link.submit_state(self.optimizer_state_tensors(), self.step_count)
+        return StepReport(self.step_count, loss, tokens, submitted=sent, received=received, compute_s=compute_s)
+
+    def train_step(self) -> tuple[float, int]:
+        """One (DDP) AdamW step on this rank's next batch: (learner loss, learner tokens), summed over ranks."""
+        with span("learner.train_step", into=self.timings):
+            batch = next(self._batches)
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.lr_at(self.step_count)
+            inputs = batch.inputs.to(self.device, non_blocking=True)
+            targets = batch.targets.to(self.device, non_blocking=True)
+            net = self.ddp if self.ddp is not None else self.loss_module
+            loss = net(inputs, targets, batch.tokens)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            fault_point("learner.mid_step")
+            # Gradients are already averaged over ranks (identical everywhere): clipping needs no communication.
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
+            self.optimizer.step()
+            stats = torch.tensor([float(loss.detach()) * batch.tokens, float(batch.tokens)], dtype=torch.float64)
+            loss_sum, tokens = self.dist.all_reduce_sum(stats).tolist()
+        return loss_sum / tokens, int(tokens)
+
+    def lr_at(self, step: int) -> float:
+        warm = self.cfg.inner.warmup_steps
+        return self.cfg.inner.lr * min(1.0, (step + 1) / warm) if warm > 0 else self.cfg.inner.lr
+
+    # --- agreeing and receiving -----------------------------------------------------------------
+
+    def _agree(self, want_stop: bool) -> Control:
+        """One small all-reduce: any rank may stop; rank 0 says what to apply and what is awaited."""
+        with span("learner.agree", into=self.timings):
+            P = len(self.fragments)
+            vec = torch.zeros(1 + 3 * P, dtype=torch.int64)
+            vec[0] = int(want_stop)
+            arrived: dict[int, Arrival] = {}
+            if self.link is not None:
+                arrived, awaiting = self.link.take_arrivals()
+                for p, (version, _tensors) in arrived.items():
+                    vec[1 + p] = 1
+                    vec[1 + P + p] = version
+                for p in awaiting:
+                    vec[1 + 2 * P + p] = 1
+            values = self.dist.all_reduce_sum(vec).tolist()
+        return Control(
+            stop=values[0] > 0,
+            apply=[(p, values[1 + P + p]) for p in range(P) if values[1 + p]],
+            awaiting={p for p in range(P) if values[1 + 2 * P + p]},
+            arrived=arrived,
+        )
+
+    def _receive(self, control: Control) -> list[int]:
+        """Fold the agreed global fragments into the parameters on every rank.
+
+        ``merge.on_receipt``: overwrite (θ ← G), blend (θ ← (1 − α)·θ + α·G) — both reset the
+        counters, the progress since the last send being discarded or halved — or rebase
+        (θ ← θ + (G − S), S ← G): the unsent progress θ − S is carried onto the new version and
+        the counters are kept, since the next send (S − θ) still carries those steps. Increments
+        whose upload failed wait in the link (as if in flight): every mode sends them with the next
+        send, none applies them locally."""
+        if not control.apply:
+            return []
+        with span("learner.apply", into=self.timings):
+            mode = self.cfg.merge.on_receipt
+            alpha = self.cfg.merge.blend_alpha if mode == "blend" else 1.0
+            # base and c_steps are the same on every rank, so they all agree on which fragments rebase.
+            rebase = {p for p, _ in control.apply if rebases(mode, self.fragments[p].base, self.fragments[p].c_steps)}
+            incoming = self._incoming(control, rebase)
+            with torch.no_grad():
+                for p, version in control.apply:
+                    frag = self.fragments[p]
+                    first = frag.base < 0
+                    for n in frag.names:
+                        receive_tensor(self.params[n], incoming[n], rebase=p in rebase, first=first, alpha=alpha)
+                    frag.received(version, control.arrived[p][1] if self.link is not None else None, rebase=p in rebase)
+        return [p for p, _ in control.apply]
+
+    def _incoming(self, control: Control, rebase: set[int]) -> Tensors:
+        """What every rank folds in: G, or G − S when rebasing; rank 0 broadcasts it as one flat buffer."""
+        names = [(p, n) for p, _ in control.apply for n in self.fragments[p].names]
+        if self.link is not None:
+            snaps = {p: self.fragments[p].host_snapshot() for p in rebase}
+            host = {
+                n: control.arrived[p][1][n] - snaps[p][n] if p in rebase else control.arrived[p][1][n] for p, n in names
+            }
+            if self.dist.world == 1:
+                return host
+            flat = torch.cat([host[n].reshape(-1).to(torch.float32) for _, n in names]).to(self.device)
+        else:
+            flat = torch.empty(sum(self.params[n].numel() for _, n in names), dtype=torch.float32, device=self.device)
+        self.dist.broadcast(flat)
+        sizes = [self.params[n].numel() for _, n in names]
+        return {n: t.view(self.params[n].shape) for (_, n), t in zip(names, flat.split(sizes))}
+
+    # --- sending --------------------------------------------------------------------------------
+
+    def send(self, p: int, now: float) -> None:
+        """Rank 0: stage fragment ``p`` to host memory and queue its increment; other ranks: reset its counters."""
+        frag = self.fragments[p]
+        if self.link is None:
+            frag.reset_counts()
+            return
+        with span("learner.stage"):
+            staged = self.stager.stage({n: self.params[n] for n in frag.names})
+            base_version = frag.base
+            increment, c_steps, c_tokens = frag.take_increment(staged)
+            out = Outgoing(
+                fragment=p, base_version=base_version, parts=[increment], c_steps=c_steps, c_tokens=c_tokens,
+                tokens_new=self._tokens_unsubmitted, tokens_total=self.tokens_total, step=self.step_count, created_at=now,
+            )
+            self._tokens_unsubmitted = 0
+            self.link.submit(out, await_merge=self.cfg.fragments.overlap == 0)
+
+    # --- optimizer state ------------------------------------------------------------------------
+
+    def optimizer_state_tensors(self) -> Tensors:
+        """AdamW's per-parameter state as named host tensors (safetensors, not pickle)."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = {}
+        for p, st in self.optimizer.state.items():
+            for key, value in st.items():
+                if torch.is_tensor(value):
+                    out[f"{names[id(p)]}::{key}"] = value.detach().to("cpu", copy=True)
+        return out
+
+    def load_optimizer_tensors(self, tensors: Tensors) -> None:
+        """Resume AdamW from saved state; moments go next to their parameter, the scalar ``step`` stays on the host."""
+        for name, p in self.model.named_parameters():
+            st = {k.split("::", 1)[1]: v for k, v in tensors.items() if k.split("::", 1)[0] == name}
+            for key, value in st.items():
+                if value.dim() > 0:
+                    st[key] = value.to(p.device)
+            if st:
+                self.optimizer.state[p] = st
+
+    # --- heartbeats and figures -----------------------------------------------------------------
+
+    def heartbeat_stats(self) -> HeartbeatStats:
+        """This learner's progress since the last heartbeat (its busy seconds are handed over once)."""
+        busy, self._busy_s = self._busy_s, 0.0
+        step_s = self.last_step_s
+        return HeartbeatStats(
+            step=self.step_count, tokens=self.tokens_total, loss=self.last_loss,
+            tokens_per_s=self.last_tokens / step_s if step_s > 0 else 0.0, step_time_s=step_s, busy_s=busy,
+        )
+
+    def heartbeat(self, now: float, force: bool = False) -> None:
+        """Rank 0: record progress (at most every ``learners.heartbeat_s`` unless forced)."""
+        if self.link is not None:
+            self.link.heartbeat(now, self.heartbeat_stats, force=force)

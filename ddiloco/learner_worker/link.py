@@ -1,0 +1,369 @@
+"""A learner's link to its run: rank 0's ledger and store I/O, off the training thread.
+
+The link registers incarnations, uploads outer gradients and registers them, downloads newer
+global versions into an inbox, saves and loads AdamW state, and heartbeats. In a process its
+upload and poll threads do that in the background (:meth:`LearnerLink.start_threads`); a
+simulation (``inprocess.py``) calls :meth:`poll`, :meth:`pump` and :meth:`heartbeat` from its
+own event loop instead. The training loop only ever reads the inbox and fills the outbox."""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ddiloco.learner_worker.device import Staged
+from ddiloco.platform.compression import encode_delta
+from ddiloco.platform.faults import fault_point
+from ddiloco.platform.ids import learner_state_key, submission_key
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger.models import Learner as LearnerRow
+from ddiloco.platform.run_state import read_version
+from ddiloco.platform.runtime import RunContext, ledger_retry, to_datetime
+from ddiloco.platform.spans import span
+from ddiloco.platform.store import StoreError
+
+log = logging.getLogger("ddiloco.learner")
+
+UPLOAD_BATCH = 32
+"""Most submissions registered in one ledger transaction by the upload thread."""
+
+Tensors = dict[str, torch.Tensor]
+Arrival = tuple[int, Tensors]
+"""(global version, the fragment's tensors as stored)."""
+
+
+class RunNotReadyError(RuntimeError):
+    """The run has no published global version yet."""
+
+
+@dataclass
+class Increment:
+    """base − current of one fragment, where either side may still be a host copy in flight."""
+
+    base: Tensors | Staged
+    current: Tensors | Staged
+
+    def resolve(self) -> Tensors:
+        base = self.base.wait() if isinstance(self.base, Staged) else self.base
+        current = self.current.wait() if isinstance(self.current, Staged) else self.current
+        with torch.no_grad():
+            return {n: base[n] - current[n] for n in current}
+
+
+@dataclass
+class Outgoing:
+    """One submission on its way: the outer-gradient increments of a fragment and their counts."""
+
+    fragment: int
+    base_version: int
+    parts: list[Increment | Tensors]
+    c_steps: int
+    c_tokens: int
+    tokens_new: int
+    tokens_total: int
+    step: int
+    created_at: float
+
+    def delta(self) -> Tensors:
+        """The sum of the parts (a send plus increments of failed uploads it carries)."""
+        total: Tensors | None = None
+        for part in self.parts:
+            d = part.resolve() if isinstance(part, Increment) else part
+            total = d if total is None else {n: total[n] + d[n] for n in total}
+        assert total is not None
+        return total
+
+    def absorb(self, older: Outgoing) -> None:
+        """Carry an older, unsent increment of the same fragment in this one."""
+        self.parts = older.parts + self.parts
+        self.c_steps += older.c_steps
+        self.c_tokens += older.c_tokens
+        self.tokens_new += older.tokens_new
+
+
+@dataclass(frozen=True)
+class HeartbeatStats:
+    step: int
+    tokens: int
+    loss: float | None
+    tokens_per_s: float
+    step_time_s: float
+    busy_s: float
+
+
+@dataclass
+class SavedState:
+    tensors: Tensors
+    step: int
+
+
+@dataclass
+class LearnerLink:
+    ctx: RunContext
+    learner_id: str
+    region: str
+    flow_run_url: str | None = None
+    incarnation: int = -1
+    run_finished: bool = False
+    bytes_sent: int = 0
+    upload_s: float = 0.0
+    awaiting: set[int] = field(default_factory=set)
+    """Overlap 0: fragments sent whose merged version has not arrived yet."""
+    num_fragments: int = 0
+    """Set by the learner: the fragments of its model."""
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Condition()
+        self._inbox: dict[int, Arrival] = {}
+        self._delivered: dict[int, int] = {}
+        """Newest version put in the inbox per fragment: what the learner holds or is about to."""
+        self._outbox: queue.Queue = queue.Queue()
+        self._carry: dict[int, Outgoing] = {}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._last_heartbeat: float | None = None
+
+    # --- joining ------------------------------------------------------------------------------
+
+    def join(self, now: float) -> SavedState | None:
+        """Fetch every fragment's newest version, then register a new incarnation; its saved AdamW state, if any."""
+        with self.ctx.reading() as s:
+            q.require_run(s, self.ctx.run_id)
+        self.poll()
+        missing = [p for p in range(self.num_fragments) if p not in self._delivered]
+        if missing:
+            raise RunNotReadyError(f"run {self.ctx.run_id!r} has no global version of fragments {missing} yet")
+        # Registered only once ready, so a learner waiting for version 0 does not pile up incarnations.
+        with self.ctx.transaction() as s:
+            self.incarnation = q.register_learner(
+                s, self.ctx.run_id, self.learner_id, self.region, to_datetime(now),
+                host=socket.gethostname(), pid=os.getpid(), flow_run_url=self.flow_run_url,
+            )
+            row = s.get(LearnerRow, (self.ctx.run_id, self.learner_id))
+            key, sha = (row.optimizer_state_key, row.optimizer_state_sha256) if row else (None, None)
+        self._last_heartbeat = None
+        if not (key and sha and self.incarnation > 0):
+            return None
+        try:
+            return SavedState(self.ctx.store(self.region).get(key, sha), step=0)
+        except StoreError as err:
+            log.warning("optimizer state %s unreadable (%s): starting AdamW afresh", key, err)
+            return None
+
+    def join_when_ready(self, timeout_s: float, now: Callable[[], float]) -> SavedState | None:
+        """:meth:`join`, retrying while the synchronizer has not yet published version 0."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self.join(now())
+            except (RunNotReadyError, q.UnknownRunError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(self.ctx.cfg.learners.poll_s)
+
+    # --- receiving ----------------------------------------------------------------------------
+
+    def poll(self) -> list[int]:
+        """Download every fragment with a newer global version than the one held; returns them."""
+        with span("learner.poll"):
+            with self.ctx.reading() as s:
+                latest = q.latest_versions(s, self.ctx.run_id)
+                run = q.get_run(s, self.ctx.run_id)
+            if run is not None and run.status != "running":
+                self.run_finished = True
+            store = self.ctx.store()
+            got = []
+            for p, row in sorted(latest.items()):
+                if p >= self.num_fragments or row.version <= self._delivered.get(p, -1):
+                    continue
+                try:
+                    tensors = read_version(store, row)
+                except StoreError as err:
+                    # A version whose blob was already collected: a newer one is published; take that next time.
+                    log.warning("could not read fragment %s v%s: %s", p, row.version, err)
+                    continue
+                fault_point("learner.after_download")
+                with self._lock:
+                    self._inbox[p] = (row.version, tensors)
+                    self._delivered[p] = row.version
+                    self._lock.notify_all()
+                got.append(p)
+            return got
+
+    def take_arrivals(self) -> tuple[dict[int, Arrival], set[int]]:
+        """The fragments that arrived since the last call, and those still awaited (overlap 0)."""
+        with self._lock:
+            arrived, self._inbox = self._inbox, {}
+            self.awaiting.difference_update(arrived)
+            return arrived, set(self.awaiting)
+
+    def put_back(self, arrived: dict[int, Arrival]) -> None:
+        """Arrivals taken but not applied (the learner stopped): keep them."""
+        with self._lock:
+            for p, item in arrived.items():
+                self._inbox.setdefault(p, item)
+
+    def wait_for_awaited(self, timeout_s: float) -> bool:
+        """Overlap 0: block until every awaited fragment has arrived (True) or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self.awaiting and not self.awaiting <= set(self._inbox) and not self._stop.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
+
+    # --- sending ------------------------------------------------------------------------------
+
+    def submit(self, out: Outgoing, *, await_merge: bool = False) -> None:
+        """Queue a fragment's increment; one whose earlier upload failed goes out with it."""
+        with self._lock:
+            carried = self._carry.pop(out.fragment, None)
+            if carried is not None:
+                out.absorb(carried)
+            if await_merge:
+                self.awaiting.add(out.fragment)
+        self._outbox.put(out)
+
+    def submit_state(self, tensors: Tensors, step: int) -> None:
+        """Queue AdamW's state for saving, in order with the uploads."""
+        self._outbox.put(SavedState(tensors, step))
+
+    def pump(self) -> None:
+        """Upload everything queued, on this thread (simulations and the final flush)."""
+        while True:
+            try:
+                items = [self._outbox.get_nowait()]
+            except queue.Empty:
+                return
+            self._handle(items)
+
+    def _handle(self, items: list[object]) -> bool:
+        """Save states and upload submissions; True when the stop marker was among them."""
+        for item in items:
+            if isinstance(item, SavedState):
+                try:
+                    self.save_optimizer_state(item)
+                except Exception:  # noqa: BLE001 - a missed save only costs a colder restart
+                    log.exception("saving the optimizer state failed")
+        outs = [item for item in items if isinstance(item, Outgoing)]
+        if outs:
+            try:
+                self.upload(outs)
+            except Exception:  # noqa: BLE001 - the increments go out with the next send
+                log.exception("upload of fragments %s failed after retries", [o.fragment for o in outs])
+                self._carry_over(outs)
+        return any(item is None for item in items)
+
+    def upload(self, outs: list[Outgoing]) -> None:
+        """Write the blobs, then register them in one transaction: a row never points to a missing blob."""
+        t0 = time.perf_counter()
+        with span("learner.upload"):
+            cfg = self.ctx.cfg.compression
+            store = self.ctx.store(self.region)
+            subs = []
+            for out in outs:
+                tensors, meta = encode_delta(out.delta(), cfg.codec, cfg.block_size)
+                uid = f"i{self.incarnation}-s{out.step}-f{out.fragment}"
+                blob = store.put(submission_key(self.ctx.run_id, out.fragment, self.learner_id, uid), tensors, meta)
+                fault_point("learner.after_blob")
+                subs.append(
+                    q.SubmissionIn(
+                        uid=uid, fragment=out.fragment, base_version=out.base_version, c_steps=out.c_steps,
+                        c_tokens=out.c_tokens, tokens_new=out.tokens_new, tokens_total=out.tokens_total,
+                        blob_key=blob.key, sha256=blob.sha256, nbytes=blob.nbytes, codec=cfg.codec,
+                    )
+                )
+            self._register(subs)
+        self.bytes_sent += sum(sub.nbytes for sub in subs)
+        self.upload_s += time.perf_counter() - t0
+
+    @ledger_retry
+    def _register(self, subs: list[q.SubmissionIn]) -> None:
+        with self.ctx.transaction() as s:
+            q.register_submissions(s, self.ctx.run_id, self.learner_id, self.incarnation, subs, to_datetime(self.ctx.now()))
+
+    def _carry_over(self, outs: list[Outgoing]) -> None:
+        """Keep the increments of failed uploads: the next send of their fragment carries them."""
+        with self._lock:
+            for out in outs:
+                prev = self._carry.pop(out.fragment, None)
+                if prev is not None:
+                    out.absorb(prev)
+                self._carry[out.fragment] = out
+                self.awaiting.discard(out.fragment)
+            self._lock.notify_all()
+
+    # --- optimizer state ----------------------------------------------------------------------
+
+    def save_optimizer_state(self, state: SavedState) -> None:
+        store = self.ctx.store(self.region)
+        key = learner_state_key(self.ctx.run_id, self.learner_id, f"optim-i{self.incarnation}-s{state.step}")
+        blob = store.put(key, state.tensors)
+        with self.ctx.transaction() as s:
+            old = q.set_optimizer_state(s, self.ctx.run_id, self.learner_id, blob.key, blob.sha256)
+        if old and old != blob.key:
+            store.delete(old)
+
+    # --- heartbeats and threads ---------------------------------------------------------------
+
+    def heartbeat(self, now: float, stats: Callable[[], HeartbeatStats], force: bool = False) -> None:
+        """Record progress at most every ``learners.heartbeat_s`` (always with ``force``)."""
+        if not force and self._last_heartbeat is not None and now - self._last_heartbeat < self.ctx.cfg.learners.heartbeat_s:
+            return
+        hb = stats()
+        with span("learner.heartbeat"), self.ctx.transaction() as s:
+            q.record_heartbeat(
+                s, self.ctx.run_id, self.learner_id, self.incarnation, now=to_datetime(now), step=hb.step,
+                tokens=hb.tokens, loss=hb.loss, tokens_per_s=hb.tokens_per_s, step_time_s=hb.step_time_s, busy_s=hb.busy_s,
+            )
+        self._last_heartbeat = now
+
+    def start_threads(self, stats: Callable[[], HeartbeatStats]) -> None:
+        """Upload and poll (with heartbeats) in the background until :meth:`stop`."""
+        for target, name in ((self._upload_loop, "upload"), (lambda: self._poll_loop(stats), "poll")):
+            t = threading.Thread(target=target, name=f"{self.learner_id}-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self, stats: Callable[[], HeartbeatStats], timeout_s: float = 30.0) -> None:
+        """Finish the queued uploads, stop the threads, and send a last heartbeat."""
+        self._outbox.put(None)
+        self._stop.set()
+        with self._lock:
+            self._lock.notify_all()
+        for t in self._threads:
+            t.join(timeout=timeout_s)
+        if not self._threads:
+            self.pump()
+        self.heartbeat(self.ctx.now(), stats, force=True)
+
+    def _upload_loop(self) -> None:
+        finished = False
+        while not finished:
+            items = [self._outbox.get()]
+            # Whatever else is already queued goes in the same ledger transaction.
+            while len(items) < UPLOAD_BATCH:
+                try:
+                    items.append(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            finished = self._handle(items)
+
+    def _poll_loop(self, stats: Callable[[], HeartbeatStats]) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll()
+                self.heartbeat(self.ctx.now(), stats)
+            except Exception:  # noqa: BLE001 - the ledger or store may be restarting; try again
+                log.exception("poll failed; retrying")
+            self._stop.wait(self.ctx.cfg.learners.poll_s)

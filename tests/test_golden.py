@@ -1,0 +1,73 @@
+"""Golden multi-round regression: a small decoupled run and a synchronous-DiLoCo run, end to end.
+
+Every part is the real code (learners with their links, the synchronizer, ledger and store) on the
+simulated clock, so the global fragments after many outer rounds are a pure function of the code.
+They are compared with a stored fixture to 1e-6: any change to the learner, the merge math, the
+outer optimizer, the compression or the policy shows up here. When a change to the math is meant,
+regenerate the fixture (``python tests/test_golden.py --regenerate``) and say why in the commit.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from support import tiny_config
+
+from ddiloco.inprocess import Outage, run_inprocess
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.run_state import read_version
+
+FIXTURE = Path(__file__).parent / "fixtures" / "golden_rounds.safetensors"
+
+
+def golden_config(kind: str):
+    """4 learners in 2 regions, one of them at half speed; int8 outer gradients, 4 fragments, overlap 2
+    (``decoupled``), or P = 1, overlap 0, overwrite, no compression (``sync``: synchronous DiLoCo)."""
+    sections = dict(
+        learners={
+            "batch_size": 4,
+            "regions": [{"name": "us", "learners": 2}, {"name": "eu", "learners": 2, "speeds": [1.0, 0.5]}],
+            "heartbeat_s": 1.0,
+            "save_optimizer_every": 7,
+        },
+        fragments={"count": 4, "overlap": 2},
+        compression={"codec": "int8"},
+    )
+    if kind == "sync":
+        sections.update(fragments={"count": 1, "overlap": 0}, compression={"codec": "none"}, merge={"on_receipt": "overwrite"})
+    return tiny_config(**sections)
+
+
+def golden_fragments() -> dict[str, torch.Tensor]:
+    """``kind/v<version>/f<fragment>/<tensor>`` of the newest global version of every fragment."""
+    out = {}
+    for kind in ("decoupled", "sync"):
+        cfg = golden_config(kind)
+        outages = [Outage("eu-0", 5.0, 12.0)] if kind == "decoupled" else []
+        run = run_inprocess(cfg, total_tokens=4 * 4 * cfg.model.seq_len * 30, outages=outages)
+        with run.ctx.reading() as s:
+            latest = q.latest_versions(s, run.ctx.run_id)
+        store = run.ctx.store()
+        for p, row in sorted(latest.items()):
+            for name, t in read_version(store, row).items():
+                out[f"{kind}/v{row.version}/f{p}/{name}"] = t.contiguous()
+    return out
+
+
+def test_global_fragments_after_many_rounds_match_the_golden_fixture():
+    want = load_file(str(FIXTURE))
+    got = golden_fragments()
+    # Keys carry the version numbers: the same number of merges happened per fragment.
+    assert sorted(got) == sorted(want)
+    assert max(int(k.split("/")[1][1:]) for k in got if k.startswith("decoupled/")) >= 8
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--regenerate"]:
+    FIXTURE.parent.mkdir(exist_ok=True)
+    save_file(golden_fragments(), str(FIXTURE))
+    print(f"wrote {FIXTURE}")
