@@ -22,7 +22,7 @@ from ddiloco.bench.quality import output as O
 from ddiloco.bench.quality import plan as P
 from ddiloco.bench.quality.run import counting_sql, profile_of
 from ddiloco.platform import spans
-from ddiloco.platform.data import tokens_per_step
+from ddiloco.platform.config import tokens_per_step
 
 ROOT = Path(__file__).resolve().parent.parent
 

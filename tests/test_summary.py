@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from ddiloco.platform.config import DataConfig, ModelConfig, build_config
-from ddiloco.platform.data import build_dataset, tokens_per_step
+from ddiloco.platform.config import tokens_per_step
+from ddiloco.platform.data import build_dataset
 from ddiloco.platform.ledger import open_ledger, session_factory
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.queries import RunAggregates, TokenAccounting

@@ -396,3 +396,10 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
     """Load a RunConfig from a YAML/TOML file (or defaults), then apply env and keyword overrides."""
     data = read_config_file(path) if path else {}
     return build_config(data, **overrides)
+
+
+def tokens_per_step(model: ModelConfig, batch_size: int, world: int = 1) -> int:
+    """Target tokens one inner step trains on across ``world`` ranks: a vision batch counts examples
+    (one per image), every other model ``seq_len`` per example. (Torch-free, for the dashboard.)"""
+    per_example = 1 if model.kind == "vision" else model.seq_len
+    return batch_size * per_example * world

@@ -45,12 +45,6 @@ class Dataset(Protocol):
         ...
 
 
-def tokens_per_step(model: ModelConfig, batch_size: int, world: int = 1) -> int:
-    """Target tokens one inner step trains on across ``world`` ranks: a vision batch counts examples."""
-    per_example = 1 if model.kind == "vision" else model.seq_len
-    return batch_size * per_example * world
-
-
 def stable_hash(text: str) -> int:
     """A 64-bit hash of ``text`` that is the same in every process (unlike ``hash``)."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")

@@ -140,7 +140,7 @@ def _run_decoupled(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
     from sqlalchemy import select
 
     from ddiloco.inprocess import run_inprocess
-    from ddiloco.platform.data import tokens_per_step
+    from ddiloco.platform.config import tokens_per_step
     from ddiloco.platform.ledger import queries as q
     from ddiloco.platform.ledger.models import Merge, Submission
 
@@ -201,7 +201,8 @@ def _run_data_parallel(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
     the same streams the DiLoCo learners read), each loss / M, one AdamW step."""
     import torch
 
-    from ddiloco.platform.data import build_dataset, tokens_per_step
+    from ddiloco.platform.config import tokens_per_step
+    from ddiloco.platform.data import build_dataset
     from ddiloco.platform.models import build_model, compute_loss, evaluate
     from ddiloco.platform.spans import span
 
