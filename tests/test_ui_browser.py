@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from ui_support import RunLedger, build_run_ledger, copy_ledger, shift_times
 from ddiloco.platform.ledger import make_engine, session_factory
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.models import Run
+from ddiloco.testing.net import free_port
 
 CHROMIUM = Path("/usr/bin/chromium")
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,12 +61,6 @@ def _require_chromium() -> None:
     pytest.skip(message)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stop(proc: subprocess.Popen) -> None:
     """Stop a process we started, by its PID: SIGTERM, then SIGKILL if it lingers."""
     if proc.poll() is None:
@@ -95,7 +89,7 @@ def _wait_http(url: str, timeout_s: float, proc: subprocess.Popen, log: Path) ->
 
 @contextmanager
 def streamlit_server(ledger_url: str, workdir: Path) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, STREAMLIT_BROWSER_GATHER_USAGE_STATS="false", DDILOCO_LEDGER_URL=ledger_url)
     log = workdir / "streamlit.log"
     from ddiloco.ui import APP_PATH
