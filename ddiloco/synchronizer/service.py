@@ -363,14 +363,11 @@ class Synchronizer:
                     rejected=rejected or [],
                     record=record,
                 )
+                for sub_id, why in rejected or []:
+                    q.record_event(s, self.ctx.run_id, "submission_rejected", self.holder, f"submission {sub_id}: {why}", to_datetime(now))
             self.state[fragment] = GlobalFragment(version, params, momentum)
-            if record is None:
-                return
-            log.info("fragment %s -> v%s: %s (%s merged, %s rejected)", fragment, version, record.reason, len(merged or []), len(rejected or []))
-            if rejected:
-                with self.ctx.transaction() as s:
-                    for sub_id, why in rejected:
-                        q.record_event(s, self.ctx.run_id, "submission_rejected", self.holder, f"submission {sub_id}: {why}", to_datetime(now))
+            if record is not None:
+                log.info("fragment %s -> v%s: %s (%s merged, %s rejected)", fragment, version, record.reason, len(merged or []), len(rejected or []))
 
     def _reject(self, rejected: list[tuple[int, str]], now: float) -> None:
         """Reject submissions outside a merge, each with its reason."""
