@@ -63,14 +63,14 @@ def radial_directional_average(vectors: Sequence[torch.Tensor], weights: Sequenc
     # float64: in float32, v/|v| - v/|v| leaves rounding the size of |v| * 1e-8, not zero.
     direction = torch.zeros(vectors[0].shape, dtype=torch.float64)
     for wi, v in zip(w.tolist(), vectors):
-        n = float(torch.linalg.vector_norm(v, dtype=torch.float64))
+        n = float(torch.linalg.vector_norm(v))
         norm += wi * n
         if n > 0:
             direction.add_(v, alpha=wi / n)
     dnorm = float(torch.linalg.vector_norm(direction))
     if dnorm <= CANCEL_TOL:
         return torch.zeros_like(vectors[0], dtype=torch.float32)
-    return direction.mul_(norm / dnorm).to(torch.float32)
+    return direction.to(torch.float32).mul_(norm / dnorm)
 
 
 def merge_vectors(vectors: Sequence[torch.Tensor], weights: Sequence[float], method: str) -> torch.Tensor:
