@@ -60,7 +60,7 @@ def radial_directional_average(vectors: Sequence[torch.Tensor], weights: Sequenc
     1/sqrt(M); RDA keeps the typical step length and only averages where to go."""
     w = _normalized_weights(weights)
     norm = 0.0
-    # float64: in float32, v/|v| - v/|v| leaves rounding the size of |v| * 1e-8, not zero.
+    # float64: summed in float32 (fused multiply-add), v/|v| + (-v)/|v| leaves rounding of about 1e-8, not zero.
     direction = torch.zeros(vectors[0].shape, dtype=torch.float64)
     for wi, v in zip(w.tolist(), vectors):
         n = float(torch.linalg.vector_norm(v))
