@@ -105,7 +105,7 @@ def test_norm_outliers_are_judged_against_the_recent_maximum_as_the_config_says(
 def _attribute_doc(cls: type, name: str) -> str:
     """The docstring written under a class attribute (pydantic keeps none at run time)."""
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    for stmt, nxt in zip(body, body[1:]):
+    for stmt, nxt in zip(body, body[1:], strict=False):
         if isinstance(stmt, ast.AnnAssign) and getattr(stmt.target, "id", None) == name:
             return nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) else ""
     raise AssertionError(f"{cls.__name__}.{name} not found")

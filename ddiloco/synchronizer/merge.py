@@ -48,7 +48,7 @@ def weighted_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> 
     """sum_m w_m * v_m / sum_m w_m."""
     w = _normalized_weights(weights).to(torch.float32)
     out = torch.zeros_like(vectors[0], dtype=torch.float32)
-    for wi, v in zip(w, vectors):
+    for wi, v in zip(w, vectors, strict=True):
         out.add_(v, alpha=float(wi))
     return out
 
@@ -62,7 +62,7 @@ def radial_directional_average(vectors: Sequence[torch.Tensor], weights: Sequenc
     norm = 0.0
     # float64: summed in float32 (fused multiply-add), v/|v| + (-v)/|v| leaves rounding of about 1e-8, not zero.
     direction = torch.zeros(vectors[0].shape, dtype=torch.float64)
-    for wi, v in zip(w.tolist(), vectors):
+    for wi, v in zip(w.tolist(), vectors, strict=True):
         n = float(torch.linalg.vector_norm(v))
         norm += wi * n
         if n > 0:

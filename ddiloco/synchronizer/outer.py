@@ -22,15 +22,15 @@ def outer_step(
     names = list(params)
     leaves = [torch.nn.Parameter(params[n].detach().to(torch.float32).clone()) for n in names]
     opt = torch.optim.SGD(leaves, lr=lr, momentum=beta, nesterov=nesterov and beta > 0)
-    for n, p in zip(names, leaves):
+    for n, p in zip(names, leaves, strict=True):
         p.grad = outer_grad[n].detach().to(torch.float32).reshape(p.shape).clone()
         if momentum is not None and beta > 0 and n in momentum:
             opt.state[p]["momentum_buffer"] = momentum[n].detach().to(torch.float32).clone()
     opt.step()
-    new_params = {n: p.detach().clone() for n, p in zip(names, leaves)}
+    new_params = {n: p.detach().clone() for n, p in zip(names, leaves, strict=True)}
     new_momentum = {}
     if beta > 0:
-        new_momentum = {n: opt.state[p]["momentum_buffer"].detach().clone() for n, p in zip(names, leaves)}
+        new_momentum = {n: opt.state[p]["momentum_buffer"].detach().clone() for n, p in zip(names, leaves, strict=True)}
     return new_params, new_momentum
 
 

@@ -296,7 +296,7 @@ class Synchronizer:
         # Blob reads dominate on object stores: fetch and decode them concurrently (order is kept).
         checked = self._fetch_pool.map(lambda sb: self._validate(sb, version, shapes, recent, regions), subs)
         members, rejected = [], []
-        for sb, got in zip(subs, checked):
+        for sb, got in zip(subs, checked, strict=True):
             if isinstance(got, str):
                 rejected.append((sb.id, got))
             else:
@@ -367,7 +367,8 @@ class Synchronizer:
                     q.record_event(s, self.ctx.run_id, "submission_rejected", self.holder, f"submission {sub_id}: {why}", to_datetime(now))
             self.state[fragment] = GlobalFragment(version, params, momentum)
             if record is not None:
-                log.info("fragment %s -> v%s: %s (%s merged, %s rejected)", fragment, version, record.reason, len(merged or []), len(rejected or []))
+                log.info("fragment %s -> v%s: %s (%s merged, %s rejected)",
+                         fragment, version, record.reason, len(merged or []), len(rejected or []))
 
     def _reject(self, rejected: list[tuple[int, str]], now: float) -> None:
         """Reject submissions outside a merge, each with its reason."""
@@ -488,7 +489,7 @@ def collect_garbage(ctx: RunContext) -> tuple[int, int]:
     with ctx.transaction() as s:
         versions = q.versions_for_gc(s, ctx.run_id, rcfg.keep_last, rcfg.checkpoint_every)
         subs = [] if rcfg.keep_submission_blobs else q.submissions_for_gc(s, ctx.run_id)
-        owner = {l.id: l.region for l in q.learners(s, ctx.run_id)}
+        owner = {row.id: row.region for row in q.learners(s, ctx.run_id)}
     store = ctx.store()
     for v in versions:
         store.delete(v.blob_key)
