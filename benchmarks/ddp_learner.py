@@ -15,7 +15,8 @@ d_model 128, seq 128, batch 16 per rank, P = 24 fragments, one sent per step, in
 The machine is small and shared, and its load swings by 2x within minutes, so the jobs are not run
 one after another: all three start and warm up together, then a gate file lets one job at a time
 step, in windows of ``--window-s`` seconds, for ``--rounds`` rounds, each round in a different
-order (all 6 permutations over 6 rounds) — load drift hits every variant alike. A gated job waits before its next step (every rank polls the gate,
+order (all 6 permutations over 6 rounds) — load drift hits every variant alike. A gated job waits before its
+next step (every rank polls the gate,
 so a 2-rank job stops at a step boundary); its background threads go on polling the ledger, as a
 learner's do. (Freezing jobs with SIGSTOP instead can stop one inside a SQLite write transaction and
 lock the ledger for everyone.) The collective timeout is raised for the benchmark, since a gated
@@ -67,8 +68,12 @@ def bench_config(quick: bool):
     from ddiloco.platform.config import build_config
 
     learners = {
-        "regions": [{"name": "us", "learners": 3}], "torch_threads": 1, "device": "cpu",
-        "dead_after_s": 1e6, "startup_grace_s": 1e6, "heartbeat_s": 2.0,
+        "regions": [{"name": "us", "learners": 3}],
+        "torch_threads": 1,
+        "device": "cpu",
+        "dead_after_s": 1e6,
+        "startup_grace_s": 1e6,
+        "heartbeat_s": 2.0,
     }
     data: dict = {
         "name": "ddpbench",
@@ -116,8 +121,10 @@ def worker(args) -> None:  # noqa: ANN001
     def figures() -> dict[str, float]:
         t = learner.timings
         return {
-            "train_s": t.get("learner.train_step", 0.0), "control_s": t.get("learner.agree", 0.0),
-            "apply_s": t.get("learner.apply", 0.0), "send_s": t.get("learner.send", 0.0),
+            "train_s": t.get("learner.train_step", 0.0),
+            "control_s": t.get("learner.agree", 0.0),
+            "apply_s": t.get("learner.apply", 0.0),
+            "send_s": t.get("learner.send", 0.0),
             "upload_s": link.upload_s if link else 0.0,
         }
 
@@ -136,7 +143,9 @@ def worker(args) -> None:  # noqa: ANN001
         report = step(*a, **kw)
         if progress is not None:
             f = figures()
-            progress.write(json.dumps([time.monotonic(), learner.step_count, learner.tokens_total, *(f.get(k, 0.0) for k in TIMERS)]) + "\n")
+            progress.write(
+                json.dumps([time.monotonic(), learner.step_count, learner.tokens_total, *(f.get(k, 0.0) for k in TIMERS)]) + "\n"
+            )
         return report
 
     learner.step = logged_step
@@ -173,14 +182,35 @@ class Job:
         self.variant = variant
         self.learner, self.nproc = VARIANTS[variant]
         self.progress = tmp / f"{variant}.progress"
-        common = ["--worker", "--config", str(config), "--learner", self.learner, "--progress", str(self.progress),
-                  "--gate", str(tmp / "gate"), "--variant", variant]
+        common = [
+            "--worker",
+            "--config",
+            str(config),
+            "--learner",
+            self.learner,
+            "--progress",
+            str(self.progress),
+            "--gate",
+            str(tmp / "gate"),
+            "--variant",
+            variant,
+        ]
         script = str(Path(__file__).resolve())
         if variant == "classic":
             cmd = [sys.executable, script, *common, "--classic"]
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(self.nproc),
-                   "--max-restarts", "0", script, *common]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(self.nproc),
+                "--max-restarts",
+                "0",
+                script,
+                *common,
+            ]
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         env.update(OMP_NUM_THREADS="1", DDILOCO_DIST_TIMEOUT_S="3600")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -196,7 +226,6 @@ class Job:
             return [json.loads(line) for line in self.progress.read_text().splitlines() if line.strip()]
         except OSError:
             return []
-
 
 
 def set_gate(path: Path, value: str) -> None:
@@ -293,11 +322,13 @@ def main(argv: list[str] | None = None) -> int:
         for v in VARIANTS:
             jobs[v] = Job(v, run.config_path, tmp, log)
         for v, job in jobs.items():
+
             def warmed(job=job) -> bool:
                 if job.proc.poll() is not None:
                     raise RuntimeError(f"{job.variant} exited {job.proc.returncode}; see {tmp / 'jobs.log'}")
                 rows = job.lines()
                 return bool(rows) and rows[-1][1] >= args.warmup_steps and len(job.ranks()) == job.nproc
+
             wait_for(warmed, 600, f"{v} to warm up", interval_s=0.5)
         set_gate(gate, "-")
         print(f"{len(jobs)} jobs warmed up ({args.warmup_steps} steps); {args.rounds} rounds of {args.window_s:.0f}s windows", flush=True)
@@ -310,9 +341,17 @@ def main(argv: list[str] | None = None) -> int:
                 windows[v].append(w)
                 order_log.append(v)
                 io = w.get("spent", {})
-                print(f"round {r + 1} {v:8s}: {w.get('tokens', 0) / max(w.get('seconds', 1e-9), 1e-9):8.0f} tokens/s over {w.get('steps', 0):3d} steps"
-                      + (f", rank 0: apply {io['apply'] / w['seconds']:.1%} send {io['send'] / w['seconds']:.1%} "
-                         f"control {io['control'] / w['seconds']:.1%}" if w.get("steps") else ""), flush=True)
+                print(
+                    f"round {r + 1} {v:8s}: {w.get('tokens', 0) / max(w.get('seconds', 1e-9), 1e-9):8.0f} tokens/s "
+                    f"over {w.get('steps', 0):3d} steps"
+                    + (
+                        f", rank 0: apply {io['apply'] / w['seconds']:.1%} send {io['send'] / w['seconds']:.1%} "
+                        f"control {io['control'] / w['seconds']:.1%}"
+                        if w.get("steps")
+                        else ""
+                    ),
+                    flush=True,
+                )
     finally:
         if jobs:
             set_gate(tmp / "gate", "*")

@@ -124,7 +124,9 @@ def lease_events(run: ProcessRun, since: float) -> list[tuple[float, str, str]]:
     with run.ro.transaction() as s:
         rows = s.execute(
             select(Event.at, Event.actor, Event.detail)
-            .where(Event.run_id == run.ro.run_id, Event.kind == "lease_acquired", Event.at >= datetime.fromtimestamp(since, tz=timezone.utc))
+            .where(
+                Event.run_id == run.ro.run_id, Event.kind == "lease_acquired", Event.at >= datetime.fromtimestamp(since, tz=timezone.utc)
+            )
             .order_by(Event.id)
         ).all()
     return [(r.at.timestamp(), r.actor, r.detail) for r in rows]
@@ -292,8 +294,11 @@ def run_variant(args, prewarm: bool) -> dict:
         wait_for(learners_stepping, 180, "both learners to step")
         ready_at = time.time()
         out["startup_s"] = round(time.monotonic() - t_start, 1)
-        print(f"[{'prewarmed' if prewarm else 'as is'}] startup {out['startup_s']:.1f}s; lease ttl {cfg.synchronizer.lease_ttl_s}s; "
-              f"{args.kills} kill(s), {args.window_s:.0f}s windows", flush=True)
+        print(
+            f"[{'prewarmed' if prewarm else 'as is'}] startup {out['startup_s']:.1f}s; lease ttl {cfg.synchronizer.lease_ttl_s}s; "
+            f"{args.kills} kill(s), {args.window_s:.0f}s windows",
+            flush=True,
+        )
         for i in range(args.kills):
             # A clean "before" window: nothing started within it.
             wait_s = ready_at + args.window_s - time.time()
@@ -304,10 +309,13 @@ def run_variant(args, prewarm: bool) -> dict:
             fs = f"{k['failover_s']:.2f}s" if k["failover_s"] is not None else "none"
             rr = f"{k['ratio_reported']:.3f}" if k["ratio_reported"] else "n/a"
             rp = f"{k['ratio_progress']:.3f}" if k["ratio_progress"] else "n/a"
-            print(f"  kill {i + 1}/{args.kills}: SIGKILL {k['killed']} (lease left {k['lease_left_s']:.2f}s"
-                  f"{', self-takeovers after: ' + str(k['self_takeovers']) if k['self_takeovers'] else ''}) -> "
-                  f"{k['new_holder']} took the lease at +{k['takeover_s']}s, first version seen at +{fs} "
-                  f"(its created_at +{k['ledger_created_s']}s); learners tok/s after/before: progress {rp}, reported {rr}", flush=True)
+            print(
+                f"  kill {i + 1}/{args.kills}: SIGKILL {k['killed']} (lease left {k['lease_left_s']:.2f}s"
+                f"{', self-takeovers after: ' + str(k['self_takeovers']) if k['self_takeovers'] else ''}) -> "
+                f"{k['new_holder']} took the lease at +{k['takeover_s']}s, first version seen at +{fs} "
+                f"(its created_at +{k['ledger_created_s']}s); learners tok/s after/before: progress {rp}, reported {rr}",
+                flush=True,
+            )
             if k["failover_s"] is None or i == args.kills - 1:
                 break
             standby = new_sync()
@@ -335,7 +343,9 @@ def run_variant(args, prewarm: bool) -> dict:
         "failover_max_s": round(max(times), 3) if times else None,
         "publish_after_takeover_mean_s": round(
             sum(k["failover_s"] - k["takeover_s"] for k in kills if k["failover_s"] and k["takeover_s"]) / len(times), 3
-        ) if times else None,
+        )
+        if times
+        else None,
         "lease_left_mean_s": round(sum(k["lease_left_s"] for k in kills) / len(kills), 3) if kills else None,
         "self_takeovers": out.get("lease_takeovers", {}).get("self"),
         "spontaneous_takeovers": out.get("lease_takeovers", {}).get("spontaneous"),
@@ -351,9 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kills", type=int, default=3)
     ap.add_argument("--window-s", type=float, default=10.0, help="tokens/s window before and after each kill")
     ap.add_argument("--timeout-s", type=float, default=60.0, help="give up on a failover after this long")
-    ap.add_argument("--variants", default=None,
-                    help="comma list of: as_is (the synchronizer as shipped), prewarmed (torch._dynamo imported at "
-                    "start-up, what a fix would do); default both, --quick as_is")
+    ap.add_argument(
+        "--variants",
+        default=None,
+        help="comma list of: as_is (the synchronizer as shipped), prewarmed (torch._dynamo imported at "
+        "start-up, what a fix would do); default both, --quick as_is",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the temp dirs (ledger, store, process logs)")
     args = ap.parse_args(argv)
     exit_on_sigterm()
@@ -393,14 +406,18 @@ def main(argv: list[str] | None = None) -> int:
     for v, r in results["variants"].items():
         sm = r["summary"]
         if sm["failover_s"]:
-            print(f"{v:10} failover: {', '.join(f'{t:.2f}' for t in sm['failover_s'])} s; mean {sm['failover_mean_s']:.2f} s, "
-                  f"max {sm['failover_max_s']:.2f} s (lease left at kill {sm['lease_left_mean_s']:.2f} s on average, "
-                  f"first publish {sm['publish_after_takeover_mean_s']:.2f} s after takeover) -> {verdict(r['goal']['failover_pass'])} "
-                  f"(goal < {GOAL_FAILOVER_S:.0f} s)")
+            print(
+                f"{v:10} failover: {', '.join(f'{t:.2f}' for t in sm['failover_s'])} s; mean {sm['failover_mean_s']:.2f} s, "
+                f"max {sm['failover_max_s']:.2f} s (lease left at kill {sm['lease_left_mean_s']:.2f} s on average, "
+                f"first publish {sm['publish_after_takeover_mean_s']:.2f} s after takeover) -> {verdict(r['goal']['failover_pass'])} "
+                f"(goal < {GOAL_FAILOVER_S:.0f} s)"
+            )
         else:
             print(f"{v:10} failover: no version published by a standby: FAIL")
-        print(f"{'':10} learners' tokens/s after/before: progress {sm['tokens_per_s_ratio_progress_mean']}, reported "
-              f"{sm['tokens_per_s_ratio_reported_mean']} -> {verdict(r['goal']['tokens_per_s_pass'])} (goal >= {GOAL_TPS_RATIO})")
+        print(
+            f"{'':10} learners' tokens/s after/before: progress {sm['tokens_per_s_ratio_progress_mean']}, reported "
+            f"{sm['tokens_per_s_ratio_reported_mean']} -> {verdict(r['goal']['tokens_per_s_pass'])} (goal >= {GOAL_TPS_RATIO})"
+        )
     print(f"goal ({variants[0]}): failover < {GOAL_FAILOVER_S:.0f} s and tokens/s kept: {verdict(results['goal']['pass'])}")
     write_results(NAME, results, args.json)
     return 0

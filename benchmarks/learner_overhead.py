@@ -277,9 +277,11 @@ def main(argv: list[str] | None = None) -> int:
                 return len(q.latest_version_numbers(s, run.ctx.run_id)) == cfg.fragments.count
 
         wait_for(v0_published, 120, "the synchronizer to publish version 0")
-        print(f"model: {sum(p.numel() for p in bare.model.parameters()) / 1e6:.2f} M params, batch {cfg.learners.batch_size} x "
-              f"seq {cfg.model.seq_len}; P = {cfg.fragments.count}, codec {cfg.compression.codec}; torch threads {torch.get_num_threads()}; "
-              f"{args.windows} pairs of {args.window_s:.1f}s windows")
+        print(
+            f"model: {sum(p.numel() for p in bare.model.parameters()) / 1e6:.2f} M params, batch {cfg.learners.batch_size} x "
+            f"seq {cfg.model.seq_len}; P = {cfg.fragments.count}, codec {cfg.compression.codec}; torch threads {torch.get_num_threads()}; "
+            f"{args.windows} pairs of {args.window_s:.1f}s windows"
+        )
 
         platform = Platform(run)
         # Untimed: the synchronizer's first merge is slow (its first torch.optim.SGD imports
@@ -304,9 +306,11 @@ def main(argv: list[str] | None = None) -> int:
             pair["order"] = list(order)
             pairs.append(pair)
             mt = p["main_thread_s"]
-            print(f"pair {i + 1}/{args.windows} ({'/'.join(order)}): bare {pair['bare_tokens_per_s']:7.0f} tok/s ({b['steps']} steps), "
-                  f"platform {pair['platform_tokens_per_s']:7.0f} tok/s ({p['steps']} steps, sent {p['sent']}, received {p['received']}), "
-                  f"ratio {pair['ratio']:.3f}; send {mt.get('learner.send', 0) * 1e3:.0f} ms, apply {mt.get('learner.apply', 0) * 1e3:.0f} ms")
+            print(
+                f"pair {i + 1}/{args.windows} ({'/'.join(order)}): bare {pair['bare_tokens_per_s']:7.0f} tok/s ({b['steps']} steps), "
+                f"platform {pair['platform_tokens_per_s']:7.0f} tok/s ({p['steps']} steps, sent {p['sent']}, received {p['received']}), "
+                f"ratio {pair['ratio']:.3f}; send {mt.get('learner.send', 0) * 1e3:.0f} ms, apply {mt.get('learner.apply', 0) * 1e3:.0f} ms"
+            )
 
         bare_tok = sum(p["bare"]["tokens"] for p in pairs)
         bare_s = sum(p["bare"]["elapsed_s"] for p in pairs)
@@ -320,8 +324,12 @@ def main(argv: list[str] | None = None) -> int:
                 mt_total[k] = mt_total.get(k, 0.0) + v
         step_s = mt_total.get("step", 0.0)
         # The published keys, from the learner's own span names.
-        parts = {"train_step": "learner.train_step", "send": "learner.send", "apply_received": "learner.apply",
-                 "optimizer_snapshot": "optimizer_snapshot"}
+        parts = {
+            "train_step": "learner.train_step",
+            "send": "learner.send",
+            "apply_received": "learner.apply",
+            "optimizer_snapshot": "optimizer_snapshot",
+        }
         accounted = sum(mt_total.get(span, 0.0) for span in parts.values())
         share = {k: mt_total.get(span, 0.0) / step_s for k, span in parts.items()}
         share["other_in_step"] = (step_s - accounted) / step_s
@@ -332,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         # background threads work (GIL and cores shared), as opposed to main-thread work the platform adds.
         bare_step_s = bare_s / sum(p["bare"]["steps"] for p in pairs)
         train_step_s = mt_total.get("learner.train_step", 0.0) / plat_steps
+
         def per_step_split(kind: str) -> dict:
             ws = [p[kind] for p in pairs if "main_thread" in p[kind]]
             n = sum(w["steps"] for w in ws)
@@ -411,22 +420,31 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         print()
-        print(f"tokens/s: bare {bare_tok / bare_s:.0f}, platform {plat_tok / plat_s:.0f}; ratio median of pairs {med:.3f}, "
-              f"pooled {pooled:.3f}")
+        print(
+            f"tokens/s: bare {bare_tok / bare_s:.0f}, platform {plat_tok / plat_s:.0f}; ratio median of pairs {med:.3f}, "
+            f"pooled {pooled:.3f}"
+        )
         if ratio_off_queue:
             print(f"ratio excluding the main thread's run-queue wait (a machine with a core to spare): {ratio_off_queue:.3f}")
-        print(f"platform main thread: train_step {share['train_step']:.1%}, send {share['send']:.2%}, "
-              f"apply_received {share['apply_received']:.2%}, optimizer snapshot {share['optimizer_snapshot']:.2%}, "
-              f"other {share['other_in_step']:.2%} of step time")
-        print(f"per step: bare {bare_step_s * 1e3:.1f} ms, platform train_step {train_step_s * 1e3:.1f} ms "
-              f"(x{train_step_s / bare_step_s:.3f}); send {results['per_step_ms']['send']:.2f} ms/fragment, "
-              f"apply {results['per_step_ms']['apply_received_per_fragment']:.2f} ms/fragment; {sent} sent, {received} received")
+        print(
+            f"platform main thread: train_step {share['train_step']:.1%}, send {share['send']:.2%}, "
+            f"apply_received {share['apply_received']:.2%}, optimizer snapshot {share['optimizer_snapshot']:.2%}, "
+            f"other {share['other_in_step']:.2%} of step time"
+        )
+        print(
+            f"per step: bare {bare_step_s * 1e3:.1f} ms, platform train_step {train_step_s * 1e3:.1f} ms "
+            f"(x{train_step_s / bare_step_s:.3f}); send {results['per_step_ms']['send']:.2f} ms/fragment, "
+            f"apply {results['per_step_ms']['apply_received_per_fragment']:.2f} ms/fragment; {sent} sent, {received} received"
+        )
         for kind in ("bare", "platform"):
             sp = split[kind]
             if sp:
-                print(f"{kind:8} main thread per step: cpu {sp['cpu_ms']:.1f} ms, run-queue wait {sp['runqueue_wait_ms']:.1f} ms, "
-                      f"blocked {sp['blocked_ms']:.1f} ms; learner bg threads {sp['background_threads_cpu_share']:.1%} of a core, "
-                      f"synchronizer {sp.get('synchronizer_cpu_share', float('nan')):.1%}; machine busy {sp.get('machine_busy_cores', float('nan')):.2f} cores")
+                print(
+                    f"{kind:8} main thread per step: cpu {sp['cpu_ms']:.1f} ms, run-queue wait {sp['runqueue_wait_ms']:.1f} ms, "
+                    f"blocked {sp['blocked_ms']:.1f} ms; learner bg threads {sp['background_threads_cpu_share']:.1%} of a core, "
+                    f"synchronizer {sp.get('synchronizer_cpu_share', float('nan')):.1%}; "
+                    f"machine busy {sp.get('machine_busy_cores', float('nan')):.2f} cores"
+                )
         print(f"goal: platform >= {GOAL_RATIO} x bare tokens/s: {verdict(ok)}")
     finally:
         if platform is not None:

@@ -156,7 +156,8 @@ def synchronizer_worker(phases: list[tuple[str, bool]], token: int, fragments: i
             elapsed = time.perf_counter() - t0
             engine.dispose()
             ro_engine.dispose()
-            out.put(("sync", phase, {"claims": claims, "publishes": publishes, "polls_ms": polls, "polls_ro_ms": polls_ro, "elapsed_s": elapsed}))
+            figures = {"claims": claims, "publishes": publishes, "polls_ms": polls, "polls_ro_ms": polls_ro, "elapsed_s": elapsed}
+            out.put(("sync", phase, figures))
     except BaseException:  # noqa: BLE001
         out.put(("error", -1, traceback.format_exc()))
 
@@ -205,8 +206,21 @@ def setup_ledger(url: str, learners: int, fragments: int) -> tuple[list[str], in
     S = session_factory(engine)
     now = _now()
     ids = [f"l{i:05d}" for i in range(learners)]
-    zero = dict(status="alive", incarnation=0, started_at=now, last_heartbeat_at=now, step=0, tokens_per_s=0.0, step_time_s=0.0,
-                tokens_trained=0, tokens_submitted=0, tokens_lost=0, inc_tokens_trained=0, inc_tokens_submitted=0, busy_s=0.0)
+    zero = dict(
+        status="alive",
+        incarnation=0,
+        started_at=now,
+        last_heartbeat_at=now,
+        step=0,
+        tokens_per_s=0.0,
+        step_time_s=0.0,
+        tokens_trained=0,
+        tokens_submitted=0,
+        tokens_lost=0,
+        inc_tokens_trained=0,
+        inc_tokens_submitted=0,
+        busy_s=0.0,
+    )
     with S.begin() as s:
         q.create_run(s, RUN, config_json="{}", code_version="bench", git_commit=None, num_fragments=fragments, token_budget=10**12, now=now)
         s.execute(insert(Learner), [dict(run_id=RUN, id=lid, region="bench", **zero) for lid in ids])
@@ -332,7 +346,8 @@ def run_all(phases: list[tuple[str, str, str, bool]], args, ids: list[str], toke
                 f"  {backend:8} {mode:10} {r['submissions_per_s']:>8.1f} subs/s ({r['transactions_per_s']:.1f} tx/s)"
                 f"  claims {r['claims_per_s']:>7.1f}/s ({r['publishes_per_s']:.1f} publishes/s)"
                 f"  poll p50 {r['poll_p50_ms']} / p99 {r['poll_p99_ms']} ms ({r['polls']} polls;"
-                f" in the merge loop p99 {r['sync_loop_poll_p99_ms']} ms, read-only engine {r['sync_loop_poll_readonly_engine_p99_ms']} ms)",
+                f" in the merge loop p99 {r['sync_loop_poll_p99_ms']} ms,"
+                f" read-only engine {r['sync_loop_poll_readonly_engine_p99_ms']} ms)",
                 flush=True,
             )
     finally:
@@ -370,7 +385,10 @@ def main(argv: list[str] | None = None) -> int:
         args.learners, args.seconds = min(args.learners, 100), 2.0
 
     results: dict = {**header("ledger", args), "backends": {}}
-    print(f"{args.learners} learners x {args.fragments} fragments, {args.workers} learner processes + 1 synchronizer + 1 poller, {args.seconds:g} s a phase")
+    print(
+        f"{args.learners} learners x {args.fragments} fragments, {args.workers} learner processes + 1 synchronizer + 1 poller, "
+        f"{args.seconds:g} s a phase"
+    )
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     for b in backends:
         if b not in ("sqlite", "postgres"):
@@ -409,15 +427,27 @@ def main(argv: list[str] | None = None) -> int:
         one, batch = pg["one_per_tx"], pg["batch"]
         worst_p99 = max(one["poll_p99_ms"], batch["poll_p99_ms"])
         goals = {
-            "submissions_per_s_one_per_tx": {"value": one["submissions_per_s"], "goal": GOAL_SUBMISSIONS_PER_S, "pass": one["submissions_per_s"] >= GOAL_SUBMISSIONS_PER_S},
-            "submissions_per_s_batch": {"value": batch["submissions_per_s"], "goal": GOAL_SUBMISSIONS_PER_S, "pass": batch["submissions_per_s"] >= GOAL_SUBMISSIONS_PER_S},
+            "submissions_per_s_one_per_tx": {
+                "value": one["submissions_per_s"],
+                "goal": GOAL_SUBMISSIONS_PER_S,
+                "pass": one["submissions_per_s"] >= GOAL_SUBMISSIONS_PER_S,
+            },
+            "submissions_per_s_batch": {
+                "value": batch["submissions_per_s"],
+                "goal": GOAL_SUBMISSIONS_PER_S,
+                "pass": batch["submissions_per_s"] >= GOAL_SUBMISSIONS_PER_S,
+            },
             "poll_p99_ms": {"value": worst_p99, "goal": GOAL_P99_POLL_MS, "pass": worst_p99 < GOAL_P99_POLL_MS},
         }
         g = goals
-        print(f"goal >= {GOAL_SUBMISSIONS_PER_S} submissions/s on PostgreSQL, one per transaction: "
-              f"{verdict(g['submissions_per_s_one_per_tx']['pass'])} ({one['submissions_per_s']:.0f}/s)")
-        print(f"goal >= {GOAL_SUBMISSIONS_PER_S} submissions/s on PostgreSQL, {args.fragments} per transaction: "
-              f"{verdict(g['submissions_per_s_batch']['pass'])} ({batch['submissions_per_s']:.0f}/s)")
+        print(
+            f"goal >= {GOAL_SUBMISSIONS_PER_S} submissions/s on PostgreSQL, one per transaction: "
+            f"{verdict(g['submissions_per_s_one_per_tx']['pass'])} ({one['submissions_per_s']:.0f}/s)"
+        )
+        print(
+            f"goal >= {GOAL_SUBMISSIONS_PER_S} submissions/s on PostgreSQL, {args.fragments} per transaction: "
+            f"{verdict(g['submissions_per_s_batch']['pass'])} ({batch['submissions_per_s']:.0f}/s)"
+        )
         print(f"goal p99 poll < {GOAL_P99_POLL_MS:g} ms on PostgreSQL: {verdict(g['poll_p99_ms']['pass'])} ({worst_p99:.1f} ms)")
     else:
         print("goals on PostgreSQL: NOT MEASURED (no PostgreSQL run)")

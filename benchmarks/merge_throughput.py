@@ -233,7 +233,7 @@ def profile_pipeline(subs, shapes, names, params, momentum, weights, recent, top
     s = io.StringIO()
     stats = pstats.Stats(prof, stream=s)
     rows = []
-    for (file, line, func), (cc, nc, tt, ct, _callers) in stats.stats.items():
+    for (file, line, func), (_cc, nc, tt, ct, _callers) in stats.stats.items():
         rows.append({"function": f"{Path(file).name}:{line}({func})", "calls": nc, "tottime_s": round(tt, 4), "cumtime_s": round(ct, 4)})
     rows.sort(key=lambda r: r["tottime_s"], reverse=True)
     return rows[:top]

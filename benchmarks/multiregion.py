@@ -314,7 +314,7 @@ class Lab:
         self.region_names = regions
         self._stack = ExitStack()
 
-    def __enter__(self) -> "Lab":
+    def __enter__(self) -> Lab:
         try:
             self._open()
         except BaseException:
@@ -558,10 +558,13 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_setting(lab, label, rate, rtt, args)
                 rows.append(row)
                 links = ", ".join(f"{k} up {v['up']:.2f} down {v['down']:.2f}" for k, v in row["link_mbit_s"].items())
-                print(f"{label:18} tokens/s/learner {row['tokens_per_s_per_learner']:6.0f} (own core "
-                      f"{row['tokens_per_s_per_learner_own_core']:6.0f}), merged {row['merged_tokens_per_s_per_learner']:6.0f} "
-                      f"(own core {row['merged_tokens_per_s_per_learner_own_core']:6.0f}), run-queue wait {row['runqueue_wait_share']:.0%}, "
-                      f"goodput {row['goodput']:.1%} (Mbit/s: {links})", flush=True)
+                print(
+                    f"{label:18} tokens/s/learner {row['tokens_per_s_per_learner']:6.0f} (own core "
+                    f"{row['tokens_per_s_per_learner_own_core']:6.0f}), merged {row['merged_tokens_per_s_per_learner']:6.0f} "
+                    f"(own core {row['merged_tokens_per_s_per_learner_own_core']:6.0f}), run-queue wait {row['runqueue_wait_share']:.0%}, "
+                    f"goodput {row['goodput']:.1%} (Mbit/s: {links})",
+                    flush=True,
+                )
     finally:
         if args.keep:
             print(f"kept {tmp}")
@@ -569,8 +572,12 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     base_rows = [r for r in rows if r["rate_mbit"] is None and r["setting"].startswith("unshaped")]
     delay_row = next((r for r in rows if r["setting"] == "delay only"), None)
-    measures = ("tokens_per_s_per_learner", "merged_tokens_per_s_per_learner",
-                "tokens_per_s_per_learner_own_core", "merged_tokens_per_s_per_learner_own_core")
+    measures = (
+        "tokens_per_s_per_learner",
+        "merged_tokens_per_s_per_learner",
+        "tokens_per_s_per_learner_own_core",
+        "merged_tokens_per_s_per_learner_own_core",
+    )
     baseline = {m: sum(r[m] for r in base_rows) / len(base_rows) for m in measures}
     for r in rows:
         r["ratio"] = {m: (r[m] / baseline[m] if baseline[m] else None) for m in measures}
@@ -591,40 +598,57 @@ def main(argv: list[str] | None = None) -> int:
     ok = bool(at_goal) and all(r["ratio"][m] is not None and r["ratio"][m] >= GOAL_RATIO for r in at_goal for m in goal_measures)
     under = {m: first_under(m) for m in measures}
     print()
-    print(f"{'setting':18} {'bandwidth':>11} {'RTT ms':>7} | {'tok/s':>6} {'ratio':>5} {'merged':>6} {'ratio':>5} | own core: "
-          f"{'tok/s':>6} {'ratio':>5} {'merged':>6} {'ratio':>5} | {'rq wait':>7} {'goodput':>7} {'up':>6} {'down':>6} Mbit/s")
+    print(
+        f"{'setting':18} {'bandwidth':>11} {'RTT ms':>7} | {'tok/s':>6} {'ratio':>5} {'merged':>6} {'ratio':>5} | own core: "
+        f"{'tok/s':>6} {'ratio':>5} {'merged':>6} {'ratio':>5} | {'rq wait':>7} {'goodput':>7} {'up':>6} {'down':>6} Mbit/s"
+    )
     for r in rows:
         up = sum(v["up"] for v in r["link_mbit_s"].values()) / len(r["link_mbit_s"])
         down = sum(v["down"] for v in r["link_mbit_s"].values()) / len(r["link_mbit_s"])
         rtt = "/".join(f"{v:g}" for v in r["rtt_ms"].values())
         ra = r["ratio"]
-        print(f"{r['setting']:18} {_fmt_rate(r['rate_mbit']):>11} {rtt:>7} | {r[measures[0]]:6.0f} {ra[measures[0]]:5.2f} "
-              f"{r[measures[1]]:6.0f} {ra[measures[1]]:5.2f} |           {r[measures[2]]:6.0f} {ra[measures[2]]:5.2f} "
-              f"{r[measures[3]]:6.0f} {ra[measures[3]]:5.2f} | {r['runqueue_wait_share']:7.1%} {r['goodput']:7.1%} {up:6.2f} {down:6.2f}")
-    print("(per learner; merged = tokens merged into a global version during the window; own core = with the main thread's "
-          "run-queue wait taken out; ratios vs the mean of the unshaped runs)")
-    names = {measures[0]: "tokens/s", measures[1]: "merged tokens/s", measures[2]: "tokens/s (own core)",
-             measures[3]: "merged tokens/s (own core)"}
-    print(f"first bandwidth under {GOAL_RATIO} x unshaped: " + "; ".join(
-        f"{names[m]} {_fmt_rate(under[m]) if under[m] else 'none in the sweep'}" for m in measures))
-    print(f"goal: at {GOAL_RATE_MBIT:g} Mbit/s, tokens/s and merged tokens/s per learner (own core) >= {GOAL_RATIO} x unshaped: {verdict(ok)}")
+        print(
+            f"{r['setting']:18} {_fmt_rate(r['rate_mbit']):>11} {rtt:>7} | {r[measures[0]]:6.0f} {ra[measures[0]]:5.2f} "
+            f"{r[measures[1]]:6.0f} {ra[measures[1]]:5.2f} |           {r[measures[2]]:6.0f} {ra[measures[2]]:5.2f} "
+            f"{r[measures[3]]:6.0f} {ra[measures[3]]:5.2f} | {r['runqueue_wait_share']:7.1%} {r['goodput']:7.1%} {up:6.2f} {down:6.2f}"
+        )
+    print(
+        "(per learner; merged = tokens merged into a global version during the window; own core = with the main thread's "
+        "run-queue wait taken out; ratios vs the mean of the unshaped runs)"
+    )
+    names = {
+        measures[0]: "tokens/s",
+        measures[1]: "merged tokens/s",
+        measures[2]: "tokens/s (own core)",
+        measures[3]: "merged tokens/s (own core)",
+    }
+    print(
+        f"first bandwidth under {GOAL_RATIO} x unshaped: "
+        + "; ".join(f"{names[m]} {_fmt_rate(under[m]) if under[m] else 'none in the sweep'}" for m in measures)
+    )
+    print(
+        f"goal: at {GOAL_RATE_MBIT:g} Mbit/s, tokens/s and merged tokens/s per learner (own core) >= {GOAL_RATIO} x unshaped: {verdict(ok)}"
+    )
     results.update(
         {
             "topology": "one network namespace per region, veth pair to the root namespace (store: moto S3 server, ledger: "
-                        "PostgreSQL, synchronizer); tbf rate limit on both ends' egress; one-way delay = RTT/2 added by a "
-                        "user-space TCP relay in each direction (no netem in this kernel)",
+            "PostgreSQL, synchronizer); tbf rate limit on both ends' egress; one-way delay = RTT/2 added by a "
+            "user-space TCP relay in each direction (no netem in this kernel)",
             "regions": dict(zip(region_names, rtts)),
             "learners_per_region": args.per_region,
             "model": bench_config("x", "x", "x", region_names, args.per_region, args.quick)["model"],
-            "config": {k: v for k, v in bench_config("x", "x", "x", region_names, args.per_region, args.quick).items()
-                       if k in ("learners", "fragments", "compression", "quorum", "grace")},
+            "config": {
+                k: v
+                for k, v in bench_config("x", "x", "x", region_names, args.per_region, args.quick).items()
+                if k in ("learners", "fragments", "compression", "quorum", "grace")
+            },
             "settings": rows,
             "baseline": {**baseline, "from": [r["setting"] for r in base_rows]},
             "first_under_goal_mbit": under,
             "goal": {"ratio_min": GOAL_RATIO, "at_mbit": GOAL_RATE_MBIT, "measures": list(goal_measures), "pass": ok},
             "measures_note": "per learner, over the measured window: tokens_per_s from heartbeats; merged_tokens_per_s = "
-                             "tokens of its submissions merged into a global version during the window; *_own_core = the same "
-                             "divided by (window - its main thread's run-queue wait), i.e. with a core to itself",
+            "tokens of its submissions merged into a global version during the window; *_own_core = the same "
+            "divided by (window - its main thread's run-queue wait), i.e. with a core to itself",
             "runtime_s": round(time.monotonic() - t0, 1),
         }
     )

@@ -20,10 +20,10 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 import yaml
@@ -142,7 +142,7 @@ class Suite:
 
     # --- set-up ----------------------------------------------------------------------------------
 
-    def __enter__(self) -> "Suite":
+    def __enter__(self) -> Suite:
         try:
             self._open()
         except BaseException:

@@ -7,15 +7,14 @@ import logging
 import sys
 import uuid
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from ddiloco.bench.command import bench_app
 from ddiloco.platform.config import ConfigError, RunConfig, load_config
 from ddiloco.platform.redact import redact_url
-from ddiloco.bench.command import bench_app
 from ddiloco.simulator.command import simulate_command
 from ddiloco.ui.command import ui_command
 
@@ -40,7 +39,7 @@ def _setup_logging(verbose: bool = False) -> None:
     )
 
 
-def _config(path: Optional[Path]) -> RunConfig:
+def _config(path: Path | None) -> RunConfig:
     try:
         return load_config(path)
     except ConfigError as err:
@@ -48,12 +47,12 @@ def _config(path: Optional[Path]) -> RunConfig:
         raise typer.Exit(2) from None
 
 
-def _ledger_url(ledger: Optional[str], config: Optional[Path]) -> str:
+def _ledger_url(ledger: str | None, config: Path | None) -> str:
     return ledger or _config(config).ledger.url
 
 
 @ledger_app.command("upgrade")
-def ledger_upgrade(ledger: Optional[str] = LedgerOpt, config: Optional[Path] = ConfigOpt) -> None:
+def ledger_upgrade(ledger: str | None = LedgerOpt, config: Path | None = ConfigOpt) -> None:
     """Create or migrate the ledger schema to the newest revision."""
     from ddiloco.platform.ledger import make_engine, upgrade
 
@@ -64,10 +63,10 @@ def ledger_upgrade(ledger: Optional[str] = LedgerOpt, config: Optional[Path] = C
 
 @ledger_app.command("check")
 def ledger_check(
-    config: Optional[Path] = ConfigOpt,
-    run: Optional[str] = typer.Option(None, "--run", help="Run id; defaults to the config's name."),
-    ledger: Optional[str] = LedgerOpt,
-    store: Optional[str] = typer.Option(None, "--store", help="Fragment store URL; defaults to the config's storage.url."),
+    config: Path | None = ConfigOpt,
+    run: str | None = typer.Option(None, "--run", help="Run id; defaults to the config's name."),
+    ledger: str | None = LedgerOpt,
+    store: str | None = typer.Option(None, "--store", help="Fragment store URL; defaults to the config's storage.url."),
 ) -> None:
     """Check a run's invariants against its store, read-only: prints "ok", or every problem and exits 1."""
     from sqlalchemy.engine import make_url
@@ -106,7 +105,7 @@ def ledger_check(
 
 
 @app.command("runs")
-def runs(ledger: Optional[str] = LedgerOpt, config: Optional[Path] = ConfigOpt) -> None:
+def runs(ledger: str | None = LedgerOpt, config: Path | None = ConfigOpt) -> None:
     """List the runs in the ledger."""
     from ddiloco.platform.ledger import open_ledger, session_factory
     from ddiloco.platform.ledger import queries as q
@@ -116,7 +115,14 @@ def runs(ledger: Optional[str] = LedgerOpt, config: Optional[Path] = ConfigOpt) 
     with session_factory(engine).begin() as s:
         for r in q.list_runs(s):
             versions = sum(q.latest_version_numbers(s, r.id).values())
-            table.add_row(r.id, r.status, r.created_at.strftime("%Y-%m-%d %H:%M:%S"), str(r.num_fragments), str(versions), str(q.token_accounting(s, r.id).trained))
+            table.add_row(
+                r.id,
+                r.status,
+                r.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+                str(r.num_fragments),
+                str(versions),
+                str(q.token_accounting(s, r.id).trained),
+            )
     console.print(table)
 
 
@@ -140,27 +146,35 @@ def store_check(url: str = typer.Argument(..., help="fsspec URL of the store roo
         immutable = True
     store.delete(key)
     gone = not store.exists(key)
-    console.print(f"store {url}: round trip {'ok' if ok else 'FAILED'}, immutable {'ok' if immutable else 'FAILED'}, delete {'ok' if gone else 'FAILED'}")
+    console.print(
+        f"store {url}: round trip {'ok' if ok else 'FAILED'}, immutable {'ok' if immutable else 'FAILED'}, "
+        f"delete {'ok' if gone else 'FAILED'}"
+    )
     if not (ok and immutable and gone):
         raise typer.Exit(1)
 
 
 @app.command("learner")
 def learner(
-    config: Optional[Path] = ConfigOpt,
-    run: Optional[str] = typer.Option(
-        None, "--run", "--run-id", help="Run id; defaults to the config's name. (Under torchrun write --run-id: torchrun reads --run as its --run-path.)"
+    config: Path | None = ConfigOpt,
+    run: str | None = typer.Option(
+        None,
+        "--run",
+        "--run-id",
+        help="Run id; defaults to the config's name. (Under torchrun write --run-id: torchrun reads --run as its --run-path.)",
     ),
     learner_id: str = typer.Option(..., "--learner", help="Learner id as listed by the config (e.g. us-0)."),
-    max_steps: Optional[int] = typer.Option(None, help="Stop after this many inner steps."),
-    nproc_per_node: Optional[int] = typer.Option(
-        None, "--nproc-per-node", min=1,
+    max_steps: int | None = typer.Option(None, help="Stop after this many inner steps."),
+    nproc_per_node: int | None = typer.Option(
+        None,
+        "--nproc-per-node",
+        min=1,
         help="Ranks of this learner on this machine, launched through torchrun: every rank trains with DDP "
         "(gloo on CPU, NCCL on GPUs); rank 0 alone talks to the ledger and the store. Defaults to the "
         "config's learners.nproc_per_node. See docs/ddp.md.",
     ),
-    summary_json: Optional[Path] = typer.Option(None, "--summary-json", hidden=True, help="Rank 0 writes its job summary here."),
-    flow_run_url: Optional[str] = typer.Option(None, "--flow-run-url", hidden=True, help="Prefect flow run of this learner."),
+    summary_json: Path | None = typer.Option(None, "--summary-json", hidden=True, help="Rank 0 writes its job summary here."),
+    flow_run_url: str | None = typer.Option(None, "--flow-run-url", hidden=True, help="Prefect flow run of this learner."),
     verbose: bool = False,
 ) -> None:
     """Run one learner until the run ends (SIGTERM finishes its uploads and stops it)."""
@@ -176,8 +190,13 @@ def learner(
 
     try:
         run_learner(
-            cfg, run or cfg.name, learner_id, max_steps=max_steps, nproc_per_node=nproc_per_node or cfg.learners.nproc_per_node,
-            summary_path=str(summary_json) if summary_json else None, flow_run_url=flow_run_url,
+            cfg,
+            run or cfg.name,
+            learner_id,
+            max_steps=max_steps,
+            nproc_per_node=nproc_per_node or cfg.learners.nproc_per_node,
+            summary_path=str(summary_json) if summary_json else None,
+            flow_run_url=flow_run_url,
         )
     except ConfigError as err:
         err_console.print(f"[red]error:[/red] {err}")
@@ -189,8 +208,8 @@ def learner(
 
 @app.command("synchronizer")
 def synchronizer(
-    config: Optional[Path] = ConfigOpt,
-    run: Optional[str] = typer.Option(None, "--run", help="Run id; defaults to the config's name."),
+    config: Path | None = ConfigOpt,
+    run: str | None = typer.Option(None, "--run", help="Run id; defaults to the config's name."),
     label: str = typer.Option("sync", "--label", "--holder", help="Label in the lease holder name (label@host:pid)."),
     verbose: bool = False,
 ) -> None:
@@ -204,16 +223,17 @@ def synchronizer(
 
 @app.command("summary")
 def summary(
-    config: Optional[Path] = ConfigOpt,
-    run: Optional[str] = typer.Option(None, "--run"),
-    ledger: Optional[str] = LedgerOpt,
+    config: Path | None = ConfigOpt,
+    run: str | None = typer.Option(None, "--run"),
+    ledger: str | None = LedgerOpt,
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     """A run's headline figures from the ledger."""
+    import time
+
     from ddiloco.platform.ledger import open_ledger, session_factory
     from ddiloco.platform.runtime import to_datetime
     from ddiloco.platform.summary import run_summary
-    import time
 
     cfg = _config(config)
     engine = open_ledger(ledger or cfg.ledger.url)
@@ -228,7 +248,7 @@ def summary(
 
 
 @app.command("config")
-def show_config(config: Optional[Path] = ConfigOpt) -> None:
+def show_config(config: Path | None = ConfigOpt) -> None:
     """Validate a config and print the effective values (file + env overrides)."""
     cfg = _config(config)
     console.print_json(json.dumps(cfg.model_dump(mode="json")))
@@ -239,9 +259,9 @@ def demo(
     learners: int = typer.Option(4, "--learners", min=1, help="Learners, split over two regions (us, eu); one runs 2x slower."),
     seconds: float = typer.Option(150.0, "--seconds", min=10, help="Training time."),
     chaos: bool = typer.Option(True, "--chaos/--no-chaos", help="Kill a learner and the active synchronizer mid-run."),
-    config: Optional[Path] = ConfigOpt,
+    config: Path | None = ConfigOpt,
     workdir: Path = typer.Option(Path("ddiloco-runs"), help="Where the ledger and the store go."),
-    summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Also write the summary as JSON."),
+    summary_json: Path | None = typer.Option(None, "--summary-json", help="Also write the summary as JSON."),
 ) -> None:
     """Train a byte-level GPT with 4 learner processes in 2 regions, a synchronizer and a standby, surviving failures."""
     from ddiloco.demo import DemoOptions, run_demo
@@ -256,8 +276,8 @@ def demo(
 
 @app.command("deploy")
 def deploy_command(
-    config: Optional[Path] = ConfigOpt,
-    cron: Optional[str] = typer.Option(None, help="Cron schedule for the training-run deployment, e.g. '0 3 * * *'."),
+    config: Path | None = ConfigOpt,
+    cron: str | None = typer.Option(None, help="Cron schedule for the training-run deployment, e.g. '0 3 * * *'."),
     pool_type: str = typer.Option("process", help="Work pool type for the region pools (process, kubernetes, ecs, cloud-run)."),
 ) -> None:
     """Create one work pool per region and the learner, synchronizer and training-run deployments (PREFECT_API_URL)."""
@@ -272,9 +292,9 @@ def deploy_command(
 @app.command("chaos-suite")
 def chaos_suite_command(
     quick: bool = typer.Option(False, "--quick", help="The short version CI runs (shorter outages, fewer faults)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write {faults: [...], invariants_ok} here."),
-    postgres_url: Optional[str] = typer.Option(None, help="Admin URL of the PostgreSQL server to create a scratch ledger on."),
-    workdir: Optional[Path] = typer.Option(None, help="Where process logs go (a temporary folder by default)."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write {faults: [...], invariants_ok} here."),
+    postgres_url: str | None = typer.Option(None, help="Admin URL of the PostgreSQL server to create a scratch ledger on."),
+    workdir: Path | None = typer.Option(None, help="Where process logs go (a temporary folder by default)."),
 ) -> None:
     """Inject faults into a live run on PostgreSQL + S3 (moto) + OS processes and check the invariants after each."""
     from ddiloco.chaos_suite import report_json, run_suite
@@ -283,7 +303,9 @@ def chaos_suite_command(
     report = run_suite(quick=quick, postgres_url=postgres_url, workdir=workdir)
     table = Table("fault", "injected", "survived", "lost", "recover s", "detail")
     for f in report.faults:
-        table.add_row(f.fault, str(f.injected), str(f.survived), str(f.lost), f"{f.recover_s:.1f}" if f.recover_s is not None else "-", f.detail[:80])
+        table.add_row(
+            f.fault, str(f.injected), str(f.survived), str(f.lost), f"{f.recover_s:.1f}" if f.recover_s is not None else "-", f.detail[:80]
+        )
     console.print(table)
     console.print(f"invariants: {'ok' if report.invariants_ok else 'BROKEN'}")
     for problem in report.problems:

@@ -155,7 +155,10 @@ def summary_table(result: RunSummary) -> Table:
     table.add_row("  merged / rejected / pending", f"{result.tokens_merged:,} / {result.tokens_rejected:,} / {result.tokens_pending:,}")
     table.add_row("  lost / in flight at stop", f"{result.tokens_lost:,} / {result.tokens_in_flight:,}")
     table.add_row("  accounting balanced", "yes" if result.accounting_balanced else "[red]NO[/red]")
-    table.add_row("global versions per fragment", f"min {min(versions.values(), default=0)}, max {max(versions.values(), default=0)}, total {sum(versions.values())}")
+    table.add_row(
+        "global versions per fragment",
+        f"min {min(versions.values(), default=0)}, max {max(versions.values(), default=0)}, total {sum(versions.values())}",
+    )
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     table.add_row("validation loss start -> end", f"{fmt(result.val_loss_start)} -> {fmt(result.val_loss_end)}")
     table.add_row("goodput", f"{result.goodput:.1%}")

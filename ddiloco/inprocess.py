@@ -185,11 +185,11 @@ def run_inprocess(
             if eval_every_tokens and trained >= next_eval:
                 next_eval += eval_every_tokens
                 run.evals.append(_evaluate(run, trained))
-    for lid, since in down.items():
+    for since in down.values():
         run.down_s += clock.t - since
     # Let the synchronizer merge what is still pending, as a real run's end does.
     sync.poll_once(clock.t, drain=True)
-    run.bytes_sent += sum(l.link.bytes_sent for l in run.learners.values())
+    run.bytes_sent += sum(learner.link.bytes_sent for learner in run.learners.values())
     run.tokens_trained = trained
     if eval_every_tokens:
         run.evals.append(_evaluate(run, trained))

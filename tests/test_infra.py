@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import yaml
-from sqlalchemy.engine import make_url
 from prefect.client.schemas.schedules import CronSchedule
+from sqlalchemy.engine import make_url
 
 INFRA = Path(__file__).resolve().parent.parent / "infra"
 

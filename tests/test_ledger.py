@@ -10,9 +10,9 @@ from sqlalchemy.exc import StatementError
 
 from ddiloco.platform import liveness
 from ddiloco.platform.ledger import open_ledger, session_factory
-from ddiloco.platform.ledger.engine import alembic_config
 from ddiloco.platform.ledger import queries as q
-from ddiloco.platform.ledger.models import MERGED, PENDING, REJECTED, Base, Event, Run, Submission
+from ddiloco.platform.ledger.engine import alembic_config
+from ddiloco.platform.ledger.models import MERGED, PENDING, REJECTED, Base, Run, Submission
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 RUN = "r1"
@@ -171,7 +171,7 @@ def test_incarnations_and_token_accounting_stay_balanced(run):
         # The old incarnation wakes up and heartbeats: refused, and it changes nothing.
         assert not q.record_heartbeat(s, RUN, "us-0", 0, now=T0, step=9, tokens=900, loss=1.0, tokens_per_s=1, step_time_s=1)
         assert q.record_heartbeat(s, RUN, "us-0", 1, now=T0, step=1, tokens=80, loss=1.0, tokens_per_s=1, step_time_s=1)
-        learner = {l.id: l for l in q.learners(s, RUN)}["us-0"]
+        learner = {row.id: row for row in q.learners(s, RUN)}["us-0"]
         assert learner.incarnation == 1 and learner.status == "recovering"
     assert acct() == q.TokenAccounting(trained=580, merged=200, rejected=150, pending=0, lost=150, in_flight=80)
 
@@ -269,7 +269,8 @@ def test_reject_submissions_records_reasons(run):
         q.register_learner(s, RUN, "us-0", "us", T0)
         ids = [q.register_submission(s, RUN, "us-0", 0, sub(f"u{i}"), T0)[0] for i in range(3)]
     with S.begin() as s:
-        q.reject_submissions(s, RUN, [(ids[0], "stale: base v0, current v9"), (ids[1], "non-finite values")], holder="sync", token=1, now=T0)
+        reasons = [(ids[0], "stale: base v0, current v9"), (ids[1], "non-finite values")]
+        q.reject_submissions(s, RUN, reasons, holder="sync", token=1, now=T0)
     with pytest.raises(q.LeaseLostError):
         with S.begin() as s:
             q.reject_submissions(s, RUN, [(ids[2], "x")], holder="other", token=1, now=T0)
@@ -367,7 +368,7 @@ def test_update_learner_statuses_dead_and_straggling(run):
         assert liveness.live_ids(verdicts) == ["a", "b", "c"]
     with S.begin() as s:
         q.update_learner_statuses(s, RUN, now, POLICY)  # a second pass declares nobody dead again
-        status = {l.id: l.status for l in q.learners(s, RUN)}
+        status = {row.id: row.status for row in q.learners(s, RUN)}
         assert status == {"a": "alive", "b": "alive", "c": "straggling", "d": "dead"}
         acct = q.token_accounting(s, RUN)
         assert acct.lost == 100 and acct.in_flight == 300 and acct.balanced
@@ -379,7 +380,7 @@ def test_update_learner_statuses_dead_and_straggling(run):
         assert liveness.live_ids(q.update_learner_statuses(s, RUN, later, POLICY)) == []
         q.record_heartbeat(s, RUN, "d", 0, now=later, step=3, tokens=150, loss=1.0, tokens_per_s=1, step_time_s=0.1)
     with S() as s:
-        status = {l.id: l.status for l in q.learners(s, RUN)}
+        status = {row.id: row.status for row in q.learners(s, RUN)}
         assert status == {"a": "dead", "b": "dead", "c": "dead", "d": "recovering"}
         assert liveness.live_ids(liveness.learner_verdicts(q.learner_snapshots(q.learners(s, RUN)), later, POLICY)) == ["d"]
         assert sorted(e.actor for e in q.events(s, RUN) if e.kind == "learner_dead") == ["a", "b", "c", "d"]

@@ -14,7 +14,6 @@ import traceback
 from datetime import datetime, timezone
 
 import pytest
-
 from sqlalchemy import select
 
 from ddiloco.platform.ledger import open_ledger, session_factory

@@ -56,7 +56,9 @@ def _send_from_namespace(topo: mr.Topology, nbytes: int) -> dict:
         srv.listen(1)
         t = threading.Thread(target=_receive_all, args=(srv, out), daemon=True)
         t.start()
-        code = f"import socket; s = socket.create_connection(('{r.host_ip}', {srv.getsockname()[1]})); s.sendall(b'x' * {nbytes}); s.close()"
+        code = (
+            f"import socket; s = socket.create_connection(('{r.host_ip}', {srv.getsockname()[1]})); s.sendall(b'x' * {nbytes}); s.close()"
+        )
         subprocess.run(["ip", "netns", "exec", r.ns, sys.executable, "-c", code], check=True, timeout=60)
         t.join(30)
     assert out.get("n") == nbytes
@@ -96,8 +98,14 @@ def test_relay_adds_the_one_way_delay_each_way():
         threading.Thread(target=serve, daemon=True).start()
         port = free_port()
         relay = subprocess.Popen(
-            [sys.executable, str(ROOT / "benchmarks" / "multiregion.py"), "relay", f"127.0.0.1:{port}=127.0.0.1:{echo.getsockname()[1]}@100"],
-            stdout=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                str(ROOT / "benchmarks" / "multiregion.py"),
+                "relay",
+                f"127.0.0.1:{port}=127.0.0.1:{echo.getsockname()[1]}@100",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         try:
             assert "relay ready" in relay.stdout.readline()
@@ -142,16 +150,20 @@ def test_learner_in_a_region_namespace_submits_through_the_shaped_link(postgres_
         cfg_path = write_config(cfg, Path(tmp) / "cfg.yaml")
         ctx = RunContext.open(cfg, run_id)
         before = lab.topo.counters()["us"]
-        cluster = ProcessCluster(cfg_path, run_id, Path(tmp),
-                                 env={k: v for k, v in os.environ.items() if not k.startswith(("DDILOCO_", "AWS_"))})
+        cluster = ProcessCluster(
+            cfg_path, run_id, Path(tmp), env={k: v for k, v in os.environ.items() if not k.startswith(("DDILOCO_", "AWS_"))}
+        )
         cluster.synchronizer("sync", env={**lab.aws_env, "AWS_ENDPOINT_URL": lab.s3_url})
         learner = cluster.learner("us-0", "--max-steps", "40", env=lab.region_env(region), wrap=mr.region_wrap(region))
         try:
             learner.wait(timeout=150)
             with ctx.reading() as s:
                 row = {r.id: r for r in q.learners(s, run_id)}.get("us-0")
-                subs = s.execute(select(Submission.blob_key, Submission.sha256, Submission.nbytes)
-                                 .where(Submission.run_id == run_id, Submission.learner_id == "us-0")).all()
+                subs = s.execute(
+                    select(Submission.blob_key, Submission.sha256, Submission.nbytes).where(
+                        Submission.run_id == run_id, Submission.learner_id == "us-0"
+                    )
+                ).all()
             after = lab.topo.counters()["us"]
             log_tail = cluster.log("us-0")[-2000:]
             assert learner.returncode == 0, log_tail

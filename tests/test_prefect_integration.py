@@ -15,8 +15,8 @@ import pytest
 from support import tiny_config, wait_for
 
 from ddiloco.platform.ledger import open_ledger, session_factory
-from ddiloco.testing.net import free_port
 from ddiloco.platform.ledger import queries as q
+from ddiloco.testing.net import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -158,4 +158,5 @@ def test_synchronizer_killed_mid_merge_standby_resumes_exactly(tmp_path):
 
 def _versions_by(run: ProcessRun, holder: str) -> list:
     with run.ctx.transaction() as s:
-        return list(s.scalars(select(FragmentVersion.version).where(FragmentVersion.run_id == run.cfg.name, FragmentVersion.synchronizer.like(f"{holder}@%"))))
+        mine = (FragmentVersion.run_id == run.cfg.name, FragmentVersion.synchronizer.like(f"{holder}@%"))
+        return list(s.scalars(select(FragmentVersion.version).where(*mine)))

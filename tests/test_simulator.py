@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import typer
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
 import ddiloco.synchronizer.policy as policy
@@ -183,7 +184,7 @@ def test_bad_settings_fail_early_with_a_reason():
         simulate_cluster(cfg, 10_000, learners=(1, 2), regimes=("decoupled",))
     with pytest.raises(ValueError, match="unknown regime"):
         simulate_cluster(SimulationConfig(days=0.1), 10_000, regimes=("ring",))  # type: ignore[arg-type]
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="restart_s"):
         SimulationConfig(restart_s=-1)
 
 

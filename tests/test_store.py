@@ -226,7 +226,7 @@ def test_file_store_concurrent_put_has_one_winner(tmp_path):
         barrier = threading.Barrier(2)
         outcome: dict[str, object] = {}
 
-        def put(name: str, data: dict[str, torch.Tensor]) -> None:
+        def put(name: str, data: dict[str, torch.Tensor], barrier=barrier, outcome=outcome, key=key) -> None:
             barrier.wait(timeout=10)
             try:
                 outcome[name] = store.put(key, data)

@@ -8,8 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ddiloco.platform.config import DataConfig, ModelConfig, build_config
-from ddiloco.platform.config import tokens_per_step
+from ddiloco.platform.config import DataConfig, ModelConfig, build_config, tokens_per_step
 from ddiloco.platform.data import build_dataset
 from ddiloco.platform.ledger import open_ledger, session_factory
 from ddiloco.platform.ledger import queries as q

@@ -36,7 +36,9 @@ def seeded_schedule(cfg: RunConfig, seconds: float) -> list[ChaosEvent]:
         at = rng.uniform(0.1, 0.8) * seconds
         action = rng.choice(["kill_learner", "pause_learner", "slow_learner"])
         events.append(
-            ChaosEvent(at_s=round(at, 2), action=action, target=rng.choice(learners), duration_s=round(rng.uniform(0.05, 0.15) * seconds, 2))
+            ChaosEvent(
+                at_s=round(at, 2), action=action, target=rng.choice(learners), duration_s=round(rng.uniform(0.05, 0.15) * seconds, 2)
+            )
         )
     return sorted(events, key=lambda e: e.at_s)
 

@@ -10,8 +10,9 @@ import io
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Literal, Optional
+from typing import Literal
 
 import yaml
 from prefect import flow, get_run_logger, task
@@ -48,7 +49,7 @@ def _flow_run_url() -> str | None:
 
 
 @task(retries=3, retry_delay_seconds=[2, 5, 15])
-def register_run_task(cfg: RunConfig, run_id: str, flow_run_url: Optional[str]) -> bool:
+def register_run_task(cfg: RunConfig, run_id: str, flow_run_url: str | None) -> bool:
     ctx = RunContext.open(cfg, run_id)
     return register_run(ctx, build_layout(ctx), flow_run_url=flow_run_url)
 
@@ -178,9 +179,9 @@ def publish_artifacts(ctx: RunContext, summary: RunSummary) -> None:
 @flow(name="ddiloco-training-run", log_prints=True)
 def training_run(
     config: RunConfig,
-    run_id: Optional[str] = None,
+    run_id: str | None = None,
     launcher: Literal["local", "work-pools"] = "local",
-    seconds: Optional[float] = None,
+    seconds: float | None = None,
     workdir: str = "ddiloco-runs",
 ) -> dict:
     """Register the run, launch synchronizer + standby + learners, supervise until the budget or time is up."""
@@ -201,7 +202,7 @@ def training_run(
 
 
 @flow(name="ddiloco-learner")
-def learner_flow(config: RunConfig, learner_id: str, run_id: Optional[str] = None) -> int:
+def learner_flow(config: RunConfig, learner_id: str, run_id: str | None = None) -> int:
     """One learner until the run ends; returns the inner steps it ran."""
     from ddiloco.learner_worker.launch import run_learner
 
@@ -213,7 +214,7 @@ def learner_flow(config: RunConfig, learner_id: str, run_id: Optional[str] = Non
 
 
 @flow(name="ddiloco-synchronizer")
-def synchronizer_flow(config: RunConfig, run_id: Optional[str] = None, label: str = "sync") -> None:
+def synchronizer_flow(config: RunConfig, run_id: str | None = None, label: str = "sync") -> None:
     """A synchronizer (active or standby) until the run ends."""
     from ddiloco.synchronizer.process import run_synchronizer
 
@@ -221,7 +222,7 @@ def synchronizer_flow(config: RunConfig, run_id: Optional[str] = None, label: st
 
 
 @flow(name="ddiloco-chaos")
-def chaos_flow(config: RunConfig, run_id: Optional[str] = None, seconds: float = 60.0) -> list[str]:
+def chaos_flow(config: RunConfig, run_id: str | None = None, seconds: float = 60.0) -> list[str]:
     """Rehearse failures on a running run: the config's chaos events, or a seeded random schedule."""
     ctx = RunContext.open(config, run_id or config.name)
     done = []
@@ -234,7 +235,7 @@ def chaos_flow(config: RunConfig, run_id: Optional[str] = None, seconds: float =
 
 
 @flow(name="ddiloco-evaluate")
-def evaluate_flow(config: RunConfig, run_id: Optional[str] = None) -> dict:
+def evaluate_flow(config: RunConfig, run_id: str | None = None) -> dict:
     """Evaluate the newest global model on the fixed validation set and record it in the ledger."""
     ctx = RunContext.open(config, run_id or config.name)
     loss, acc = evaluate_and_record(ctx, ctx.now())

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
+import tomllib
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -50,7 +50,7 @@ class ModelConfig(_Section):
     """Extra keyword arguments passed to an imported factory."""
 
     @model_validator(mode="after")
-    def _check(self) -> "ModelConfig":
+    def _check(self) -> ModelConfig:
         if self.kind == "import" and not self.import_path:
             raise ValueError("model.import_path is required when model.kind is 'import'")
         if self.import_path is not None and ":" not in self.import_path:
@@ -75,7 +75,7 @@ class DataConfig(_Section):
     """Fixed validation batches used for every evaluation."""
 
     @model_validator(mode="after")
-    def _check(self) -> "DataConfig":
+    def _check(self) -> DataConfig:
         if self.source == "glob" and not self.glob:
             raise ValueError("data.glob is required when data.source is 'glob'")
         return self
@@ -126,7 +126,7 @@ class LearnersConfig(_Section):
     """Inner steps between saves of a learner's AdamW state (a restart resumes it); 0 disables."""
 
     @model_validator(mode="after")
-    def _check(self) -> "LearnersConfig":
+    def _check(self) -> LearnersConfig:
         names = [r.name for r in self.regions]
         if len(set(names)) != len(names):
             raise ValueError(f"learners.regions names must be unique, got {names}")
@@ -201,7 +201,7 @@ class GraceConfig(_Section):
     """Smoothing of the step, quorum and sync time moving averages."""
 
     @model_validator(mode="after")
-    def _check(self) -> "GraceConfig":
+    def _check(self) -> GraceConfig:
         if self.max_s is not None and self.max_s < self.min_s:
             raise ValueError(f"grace.max_s ({self.max_s}) must be >= grace.min_s ({self.min_s})")
         return self

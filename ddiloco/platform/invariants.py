@@ -16,8 +16,8 @@ looks at the store and hands both to them. It only reads."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session

@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Iterator
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import OperationalError
@@ -83,7 +83,7 @@ class RunContext:
     _read_sessions: sessionmaker[Session] | None = field(default=None, repr=False)
 
     @classmethod
-    def open(cls, cfg: RunConfig, run_id: str | None = None, clock: Clock = time.time, engine: Engine | None = None) -> "RunContext":
+    def open(cls, cfg: RunConfig, run_id: str | None = None, clock: Clock = time.time, engine: Engine | None = None) -> RunContext:
         engine = engine or _open_ledger_retrying(cfg)
         return cls(cfg=cfg, run_id=run_id or cfg.name, engine=engine, clock=clock)
 

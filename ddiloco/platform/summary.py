@@ -11,8 +11,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
-from ddiloco.platform.config import ModelConfig
-from ddiloco.platform.config import tokens_per_step
+from ddiloco.platform.config import ModelConfig, tokens_per_step
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.queries import RunAggregates
 

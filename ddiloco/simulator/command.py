@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 from pydantic import ValidationError
@@ -55,7 +54,7 @@ def simulate_command(
     mtbi_years: float = typer.Option(_DEFAULT.mtbi_years, help="Per-chip mean time between interruptions, years."),
     days: float = typer.Option(_DEFAULT.days, help="Simulated span, days."),
     seed: int = typer.Option(_DEFAULT.seed, help="Seed of the failure trace."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write the rows as JSON here."),
+    json_path: Path | None = typer.Option(None, "--json", help="Write the rows as JSON here."),
     plot: Path = typer.Option(Path("goodput.png"), "--plot", help="Where to save the goodput-vs-chips plot."),
     regimes: str = typer.Option(",".join(REGIMES), help="Regimes to run: dp, dp_elastic, diloco_sync, decoupled."),
     slice_chips: int = typer.Option(_DEFAULT.slice_chips, help="Chips per slice (failure domain, elastic unit)."),
@@ -64,13 +63,13 @@ def simulate_command(
     downscale_s: float = typer.Option(_DEFAULT.downscale_s, help="Elastic pause to drop a slice, seconds."),
     upscale_s: float = typer.Option(_DEFAULT.upscale_s, help="Elastic pause to take a slice back, seconds."),
     checkpoint_s: float = typer.Option(_DEFAULT.checkpoint_s, help="Blocking cost of one snapshot, seconds."),
-    checkpoint_interval_s: Optional[float] = typer.Option(None, help="Compute seconds between snapshots (Young's rule)."),
+    checkpoint_interval_s: float | None = typer.Option(None, help="Compute seconds between snapshots (Young's rule)."),
     chip_speed_cv: float = typer.Option(_DEFAULT.chip_speed_cv, help="Per-step chip speed coefficient of variation."),
     step_s: float = typer.Option(_DEFAULT.step_s, help="Inner step time, seconds."),
     inner_steps: int = typer.Option(_DEFAULT.inner_steps, help="H: inner steps per outer round."),
     quorum: int = typer.Option(1, help="K: minimum learners per merge (decoupled)."),
-    quorum_fraction: Optional[float] = typer.Option(None, help="K as a fraction of live learners (overrides --quorum)."),
-    grace_max_s: Optional[float] = typer.Option(_DEFAULT.grace.max_s, help="Upper bound of the grace window, seconds."),
+    quorum_fraction: float | None = typer.Option(None, help="K as a fraction of live learners (overrides --quorum)."),
+    grace_max_s: float | None = typer.Option(_DEFAULT.grace.max_s, help="Upper bound of the grace window, seconds."),
     grace: bool = typer.Option(True, "--grace/--no-grace", help="Use the adaptive grace window."),
 ) -> None:
     """Simulate goodput, uptime and the physical bound of DP and (Decoupled) DiLoCo under chip failures."""

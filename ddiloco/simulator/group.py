@@ -60,7 +60,7 @@ class GroupTimeline:
     def advancing_s(self) -> float:
         return float((self.adv_end - self.adv_start)[self.adv_work > 0].sum())
 
-    def trajectory(self) -> "Trajectory":
+    def trajectory(self) -> Trajectory:
         return Trajectory.from_timeline(self)
 
 
@@ -72,7 +72,7 @@ class Trajectory:
         self.work = work
 
     @classmethod
-    def from_timeline(cls, tl: GroupTimeline) -> "Trajectory":
+    def from_timeline(cls, tl: GroupTimeline) -> Trajectory:
         ok = tl.adv_work > 0
         a, b, w = tl.adv_start[ok], np.maximum(tl.adv_end[ok], tl.adv_start[ok]), tl.adv_work[ok]
         cum = np.cumsum(w)

@@ -7,8 +7,8 @@ Bound: share of chip-time the chips were up (the same physical trace for every r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 

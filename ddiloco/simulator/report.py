@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from ddiloco.simulator.config import SimulationConfig
 from ddiloco.simulator.regimes import Row, simulate_dp_elastic, trace_for

@@ -6,8 +6,8 @@ so tests and the goodput simulator move time by editing numbers, never by sleepi
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 
 @dataclass(frozen=True)

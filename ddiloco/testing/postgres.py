@@ -9,10 +9,10 @@ import shutil
 import subprocess
 import tempfile
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from ddiloco.testing.net import free_port
 
@@ -96,7 +96,7 @@ class ThrowawayCluster:
     bin_dir: Path
 
     @classmethod
-    def start(cls) -> "ThrowawayCluster":
+    def start(cls) -> ThrowawayCluster:
         """Start one, or raise RuntimeError saying why it cannot be had."""
         bin_dir = _bin_dir()
         if bin_dir is None:

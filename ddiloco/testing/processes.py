@@ -8,8 +8,8 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 import yaml
 

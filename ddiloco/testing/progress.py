@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 
 def longest_gap(times: Sequence[float], excused: Sequence[tuple[float, float]] = ()) -> tuple[float, float]:

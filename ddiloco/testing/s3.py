@@ -7,9 +7,9 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Mapping
 
 try:
     from moto.server import ThreadedMotoServer
@@ -41,7 +41,7 @@ class S3Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "S3Server":
+    def start(self) -> S3Server:
         if self.own_process:
             out = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115 - the child writes to it
             self._server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
@@ -66,7 +66,7 @@ class S3Server:
         elif server is not None:
             server.stop()
 
-    def __enter__(self) -> "S3Server":
+    def __enter__(self) -> S3Server:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

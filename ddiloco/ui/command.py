@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Optional
 
 import typer
 
@@ -38,7 +37,7 @@ def streamlit_command(port: int, address: str, headless: bool) -> list[str]:
 
 
 def ui_command(
-    ledger: Optional[str] = typer.Option(
+    ledger: str | None = typer.Option(
         None,
         "--ledger",
         envvar=LEDGER_URL_ENV,

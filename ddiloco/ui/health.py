@@ -8,9 +8,9 @@ stored status goes stale exactly when it matters most — when the synchronizer 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Iterable
 
 from ddiloco.platform.liveness import (
     ALIVE,
@@ -76,7 +76,7 @@ class HealthPolicy(LivenessPolicy):
     """No new global version for this long while learners are alive: the run is stalled."""
 
     @classmethod
-    def from_config(cls, config: dict) -> "HealthPolicy":
+    def from_config(cls, config: dict) -> HealthPolicy:
         live = LivenessPolicy.from_learners_config(config.get("learners") or {})
         return cls(
             dead_after_s=live.dead_after_s,

@@ -4,9 +4,10 @@ the caller owns the transaction. ``now`` is always passed in (UTC, timezone-awar
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 from sqlalchemy import and_, bindparam, case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
