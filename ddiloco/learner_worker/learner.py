@@ -36,7 +36,7 @@ from ddiloco.learner_worker.link import Arrival, HeartbeatStats, Increment, Lear
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.data import Batch, build_dataset
 from ddiloco.platform.faults import fault_point
-from ddiloco.platform.fragments import due_fragments, partition_module
+from ddiloco.platform.fragments import due_fragments, fragment_views, partition_module
 from ddiloco.platform.models import build_model, compute_loss
 from ddiloco.platform.spans import span
 
@@ -163,7 +163,10 @@ class Learner:
         self.model = build_model(cfg.model, seed=cfg.seed).to(self.device)
         self.model.train()
         self.params = dict(self.model.named_parameters())
-        self.fragments = [FragmentState(f.names) for f in partition_module(self.model, cfg.fragments.count)]
+        parts = partition_module(self.model, cfg.fragments.count)
+        self.fragments = [FragmentState(f.names) for f in parts]
+        self.views = [fragment_views(self.params, f) for f in parts]
+        """Per fragment: its tensors' names → the live parameter tensors (views into the model)."""
         if link is not None:
             link.num_fragments = len(self.fragments)
         self.optimizer = torch.optim.AdamW(
@@ -378,14 +381,15 @@ class Learner:
                 for p, version in control.apply:
                     frag = self.fragments[p]
                     first = frag.base < 0
-                    for n in frag.names:
-                        receive_tensor(self.params[n], incoming[n], rebase=p in rebase, first=first, alpha=alpha)
+                    for n, param in self.views[p].items():
+                        receive_tensor(param, incoming[n], rebase=p in rebase, first=first, alpha=alpha)
                     frag.received(version, control.arrived[p][1] if self.link is not None else None, rebase=p in rebase)
         return [p for p, _ in control.apply]
 
     def _incoming(self, control: Control, rebase: set[int]) -> Tensors:
         """What every rank folds in: G, or G − S when rebasing; rank 0 broadcasts it as one flat buffer."""
-        names = [(p, n) for p, _ in control.apply for n in self.fragments[p].names]
+        names = [(p, n) for p, _ in control.apply for n in self.views[p]]
+        shapes = {n: self.views[p][n].shape for p, n in names}
         if self.link is not None:
             snaps = {p: self.fragments[p].host_snapshot() for p in rebase}
             host = {
@@ -395,10 +399,10 @@ class Learner:
                 return host
             flat = torch.cat([host[n].reshape(-1).to(torch.float32) for _, n in names]).to(self.device)
         else:
-            flat = torch.empty(sum(self.params[n].numel() for _, n in names), dtype=torch.float32, device=self.device)
+            flat = torch.empty(sum(shapes[n].numel() for _, n in names), dtype=torch.float32, device=self.device)
         self.dist.broadcast(flat)
-        sizes = [self.params[n].numel() for _, n in names]
-        return {n: t.view(self.params[n].shape) for (_, n), t in zip(names, flat.split(sizes))}
+        sizes = [shapes[n].numel() for _, n in names]
+        return {n: t.view(shapes[n]) for (_, n), t in zip(names, flat.split(sizes))}
 
     # --- sending --------------------------------------------------------------------------------
 
@@ -409,7 +413,7 @@ class Learner:
             frag.reset_counts()
             return
         with span("learner.stage"):
-            staged = self.stager.stage({n: self.params[n] for n in frag.names})
+            staged = self.stager.stage(self.views[p])
             base_version = frag.base
             increment, c_steps, c_tokens = frag.take_increment(staged)
             out = Outgoing(

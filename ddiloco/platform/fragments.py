@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 
@@ -63,6 +64,11 @@ def partition_module(module: nn.Module, count: int) -> list[Fragment]:
     """:func:`partition` over the module's trainable parameters."""
     named = [(n, tuple(p.shape), p.element_size()) for n, p in module.named_parameters() if p.requires_grad]
     return partition(named, count)
+
+
+def fragment_views(params: dict[str, torch.Tensor], fragment: Fragment) -> dict[str, torch.Tensor]:
+    """The fragment's tensors by name, as live views into ``params`` (a module's named parameters)."""
+    return {n: params[n] for n in fragment.names}
 
 
 def imbalance(fragments: list[Fragment]) -> float:
