@@ -29,10 +29,22 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    kind: Literal["gpt", "moe_gpt", "vision", "import"] = "gpt"
-    """Built-in architecture, or ``import`` for any ``package.module:factory``."""
+    kind: Literal["gpt", "moe_gpt", "vision", "import", "hf", "torchtitan"] = "gpt"
+    """Built-in architecture; ``import`` for any ``package.module:factory``; ``hf`` for a transformers
+    causal LM; ``torchtitan`` for torchtitan's Llama 3."""
     import_path: str | None = None
     """``package.module:factory`` returning an ``nn.Module``; required when kind is ``import``."""
+    hf_config: dict[str, Any] | None = None
+    """kind hf: keyword arguments of ``transformers.AutoConfig.for_model`` (``model_type`` included);
+    ``vocab_size`` defaults to model.vocab_size."""
+    hf_path: str | None = None
+    """kind hf: a local ``save_pretrained`` directory whose config.json gives the architecture (its
+    weights are used only through ``init_from``)."""
+    titan_args: dict[str, Any] = Field(default_factory=dict)
+    """kind torchtitan: fields of torchtitan's Llama 3 model config (dim, n_layers, n_heads, …)."""
+    init_from: str | None = None
+    """Path or fsspec URL of an export (model.safetensors) or a save_pretrained directory: version 0
+    of every fragment takes these weights instead of the seeded initialisation."""
     n_layer: int = Field(2, ge=1)
     d_model: int = Field(128, ge=8)
     n_head: int = Field(4, ge=1)
@@ -59,7 +71,25 @@ class ModelConfig(_Section):
             raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
         if self.top_k > self.n_experts:
             raise ValueError(f"model.top_k ({self.top_k}) must be <= model.n_experts ({self.n_experts})")
+        if self.kind == "hf" and (self.hf_config is None) == (self.hf_path is None):
+            raise ValueError("model.kind 'hf' needs exactly one of model.hf_config and model.hf_path")
+        if self.kind == "hf" and self.hf_config is not None:
+            if "model_type" not in self.hf_config:
+                raise ValueError("model.hf_config needs a model_type (e.g. llama)")
+            why = self.hf_mismatch(self.hf_config)
+            if why:
+                raise ValueError(why)
         return self
+
+    def hf_mismatch(self, hf: dict[str, Any]) -> str | None:
+        """Why a Hugging Face config's vocabulary or context disagrees with this one, or None."""
+        vocab = hf.get("vocab_size")
+        if vocab is not None and vocab != self.vocab_size:
+            return f"model.vocab_size ({self.vocab_size}) differs from the Hugging Face config's vocab_size ({vocab})"
+        context = hf.get("max_position_embeddings", hf.get("n_positions"))
+        if context is not None and context < self.seq_len:
+            return f"model.seq_len ({self.seq_len}) exceeds the Hugging Face config's max_position_embeddings ({context})"
+        return None
 
 
 class DataConfig(_Section):

@@ -1,7 +1,7 @@
 """Model zoo: build a model from its config, compute its training loss, evaluate it.
 
-Every model takes ``Batch.inputs`` and returns logits; a model may instead define
-``compute_loss(batch) -> (loss, info)``. A model that exposes ``aux_loss`` (a tensor set during
+Every model takes ``Batch.inputs`` and returns logits (or a ``transformers`` output holding them);
+a model may instead define ``compute_loss(batch) -> (loss, info)``. A model that exposes ``aux_loss`` (a tensor set during
 ``forward``) and ``aux_loss_coef`` gets the auxiliary term added to its training loss."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from ddiloco.platform.models.gpt import GPT
 from ddiloco.platform.models.moe import MoEGPT
 from ddiloco.platform.models.vision import SmallCNN
 
-__all__ = ["GPT", "MoEGPT", "SmallCNN", "build_model", "compute_loss", "evaluate", "load_factory"]
+__all__ = ["GPT", "MoEGPT", "SmallCNN", "build_model", "compute_loss", "evaluate", "load_factory", "logits_of"]
 
 
 def load_factory(import_path: str) -> Any:
@@ -70,7 +70,27 @@ def build_model(cfg: ModelConfig, seed: int = 0) -> nn.Module:
             return SmallCNN(cfg)
         if cfg.kind == "import":
             return _build_imported(cfg)
-    raise ValueError(f"model.kind {cfg.kind!r} is not one of gpt, moe_gpt, vision, import")
+        if cfg.kind == "hf":
+            from ddiloco.platform.models.hf import build_hf
+
+            return build_hf(cfg)
+        if cfg.kind == "torchtitan":
+            from ddiloco.platform.models.titan import build_titan
+
+            return build_titan(cfg)
+    raise ValueError(f"model.kind {cfg.kind!r} is not one of gpt, moe_gpt, vision, import, hf, torchtitan")
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits of a forward pass: a tensor, a ``transformers`` ``ModelOutput``'s ``.logits``, or a tuple's first item."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"the model returned {type(output).__name__}: expected logits, a ModelOutput with .logits, or a tuple")
 
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -85,7 +105,8 @@ def compute_loss(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str
         if isinstance(result, torch.Tensor):
             return result, {"loss": float(result.detach())}
         return result
-    logits = model(batch.inputs)
+    # Batch.targets are already the next tokens: no shift here (a transformers model given labels would shift again).
+    logits = logits_of(model(batch.inputs))
     ce = _cross_entropy(logits, batch.targets)
     info = {"loss": float(ce.detach())}
     aux = getattr(model, "aux_loss", None)
@@ -112,7 +133,7 @@ def evaluate(model: nn.Module, batches: list[Batch]) -> tuple[float, float | Non
                 ce = info.get("loss", float(loss))
                 classifier = False
             else:
-                logits = model(batch.inputs)
+                logits = logits_of(model(batch.inputs))
                 ce = float(_cross_entropy(logits, batch.targets))
                 # Classification: one label per example, (B, C) logits.
                 if logits.dim() == 2 and batch.targets.dim() == 1:
