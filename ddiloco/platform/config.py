@@ -93,21 +93,56 @@ class ModelConfig(_Section):
 
 
 class DataConfig(_Section):
-    source: Literal["stdlib", "glob", "digits"] = "stdlib"
+    source: Literal["stdlib", "glob", "digits", "tokens", "text", "hf"] = "stdlib"
     """stdlib: the running interpreter's standard-library .py files as bytes; glob: text files
-    matched by ``glob`` (local or any fsspec URL); digits: scikit-learn's bundled 8x8 digits."""
+    matched by ``glob`` (local or any fsspec URL); digits: scikit-learn's bundled 8x8 digits;
+    tokens: pre-tokenized shards (``manifest`` or ``shards``); text: jsonl / parquet / text files
+    (``shards``) and hf: a Hugging Face dataset (``hf_dataset``), both tokenized on the fly with
+    ``tokenizer`` (docs/data.md)."""
     glob: str | None = None
     val_every: int = Field(20, ge=2)
-    """One file in ``val_every`` (chosen by a hash of its name) goes to the fixed validation set."""
+    """One file in ``val_every`` (chosen by a hash of its name) goes to the fixed validation set;
+    for text and hf, the last 1/``val_every`` of the documents."""
     max_bytes: int = Field(8_000_000, ge=10_000)
-    """Cap on the corpus size read into memory."""
+    """Cap on the corpus size read into memory (stdlib and glob only; the other sources stream)."""
     val_batches: int = Field(8, ge=1)
     """Fixed validation batches used for every evaluation."""
+    manifest: str | None = None
+    """tokens: URL of the manifest.json that ``ddiloco data prepare`` wrote."""
+    shards: list[str] = Field(default_factory=list)
+    """tokens: URLs or globs of .bin / .parquet token shards (without a manifest; the last one is the
+    validation shard unless ``val_shard`` names one); text: URLs or globs of .jsonl / .parquet / text files."""
+    val_shard: str | None = None
+    """tokens without a manifest: the validation shard's URL."""
+    dtype: Literal["uint16", "uint32"] = "uint16"
+    """tokens without a manifest: the element type of .bin shards."""
+    tokenizer: str | None = None
+    """A tokenizer.json, or a directory holding one or a save_pretrained tokenizer (local or fsspec)."""
+    hf_dataset: str | None = None
+    """hf: a ``save_to_disk`` directory, or a path ``datasets.load_dataset`` reads (local or fsspec)."""
+    hf_split: str = "train"
+    text_column: str = "text"
+    """text and hf: the field holding a document's text (jsonl, parquet, datasets)."""
+    tokens_column: str = "tokens"
+    """tokens: the column of token-id lists in parquet shards without a manifest."""
+    block_tokens: int = Field(1 << 20, ge=1024)
+    """tokens: the unit of reading and of shuffling — a learner reads one block of this many tokens
+    with one ranged read and draws its windows from it in a random order."""
 
     @model_validator(mode="after")
     def _check(self) -> DataConfig:
         if self.source == "glob" and not self.glob:
             raise ValueError("data.glob is required when data.source is 'glob'")
+        if self.source == "tokens" and not (self.manifest or self.shards):
+            raise ValueError("data.source 'tokens' needs data.manifest or data.shards")
+        if self.source == "tokens" and self.manifest and self.shards:
+            raise ValueError("data.manifest and data.shards are exclusive: the manifest lists the shards")
+        if self.source == "text" and not self.shards:
+            raise ValueError("data.source 'text' needs data.shards (files or globs of .jsonl, .parquet or text)")
+        if self.source == "hf" and not self.hf_dataset:
+            raise ValueError("data.source 'hf' needs data.hf_dataset")
+        if self.source in ("text", "hf") and not self.tokenizer:
+            raise ValueError(f"data.source {self.source!r} needs data.tokenizer")
         return self
 
 

@@ -1,4 +1,4 @@
-"""Datasets: byte-level text (the interpreter's standard library, or any fsspec glob) and digits.
+"""The built-in datasets: byte-level text (the interpreter's standard library, or any fsspec glob) and digits.
 
 Every learner reads its own disjoint shard of the training data; the validation batches are fixed
 and identical for every process, so evaluations are comparable across learners and runs."""
@@ -6,59 +6,21 @@ and identical for every process, so evaluations are comparable across learners a
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
-import sysconfig
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
 
 import fsspec
+import numpy as np
 import torch
 from fsspec.core import url_to_fs
 
-from ddiloco.platform.config import DataConfig, ModelConfig
+from ddiloco.platform.data.core import Batch, batch_generator, check_stream_args, epoch_order, stable_hash
 
 BYTE_VOCAB = 256
 # Directories of the stdlib that are not the standard library proper (or are mostly test data).
 _STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 DIGITS_VAL_FRACTION = 0.2
-
-
-@dataclass(frozen=True)
-class Batch:
-    inputs: torch.Tensor
-    targets: torch.Tensor
-    tokens: int
-    """Target tokens in the batch (examples, for classification)."""
-
-
-class Dataset(Protocol):
-    kind: str
-
-    def train_batches(self, shard: int, num_shards: int, batch_size: int, seed: int) -> Iterator[Batch]:
-        """Infinite, deterministic stream of batches from shard ``shard`` of ``num_shards``."""
-        ...
-
-    def val_batches(self, batch_size: int) -> list[Batch]:
-        """The fixed validation batches, identical for every caller."""
-        ...
-
-
-def stable_hash(text: str) -> int:
-    """A 64-bit hash of ``text`` that is the same in every process (unlike ``hash``)."""
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
-
-
-def _shard_generator(seed: int, shard: int) -> torch.Generator:
-    return torch.Generator().manual_seed(stable_hash(f"{seed}:{shard}") & (2**63 - 1))
-
-
-def _check_shard(shard: int, num_shards: int, batch_size: int) -> None:
-    if num_shards < 1 or not 0 <= shard < num_shards:
-        raise ValueError(f"shard must be in [0, {num_shards}), got {shard}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
 
 
 # ---------------------------------------------------------------------------------------- bytes
@@ -170,20 +132,24 @@ class ByteDataset:
         n = self.train.numel()
         return self.train[shard * n // num_shards : (shard + 1) * n // num_shards]
 
-    def train_batches(self, shard: int, num_shards: int, batch_size: int, seed: int) -> Iterator[Batch]:
-        _check_shard(shard, num_shards, batch_size)
+    def train_batches(self, shard: int, num_shards: int, batch_size: int, seed: int, start_batch: int = 0) -> Iterator[Batch]:
+        """Random windows of shard ``shard``; batch i depends on (seed, shard, i) alone, so ``start_batch`` seeks."""
+        check_stream_args(shard, num_shards, batch_size, start_batch)
         data = self.shard_bytes(shard, num_shards)
         if data.numel() < self.seq_len + 1:
             raise ValueError(
                 f"training shard {shard} of {num_shards} holds {data.numel()} bytes, fewer than model.seq_len + 1 "
                 f"({self.seq_len + 1}); raise data.max_bytes or lower the shard count"
             )
-        return self._train_iter(data, batch_size, _shard_generator(seed, shard))
+        return self._train_iter(data, batch_size, seed, shard, start_batch)
 
-    def _train_iter(self, data: torch.Tensor, batch_size: int, gen: torch.Generator) -> Iterator[Batch]:
+    def _train_iter(self, data: torch.Tensor, batch_size: int, seed: int, shard: int, start: int) -> Iterator[Batch]:
         high = data.numel() - self.seq_len  # last valid start + 1
+        i = start
         while True:
+            gen = batch_generator(seed, shard, i)
             yield self._windows(data, torch.randint(0, high, (batch_size,), generator=gen))
+            i += 1
 
     def val_batches(self, batch_size: int) -> list[Batch]:
         if batch_size < 1:
@@ -227,21 +193,21 @@ class DigitsDataset:
         n = len(self.train_y)
         return torch.arange(shard * n // num_shards, (shard + 1) * n // num_shards)
 
-    def train_batches(self, shard: int, num_shards: int, batch_size: int, seed: int) -> Iterator[Batch]:
-        _check_shard(shard, num_shards, batch_size)
+    def train_batches(self, shard: int, num_shards: int, batch_size: int, seed: int, start_batch: int = 0) -> Iterator[Batch]:
+        """Epochs of fresh permutations of the shard (every example once per epoch); ``start_batch`` seeks."""
+        check_stream_args(shard, num_shards, batch_size, start_batch)
         idx = self.shard_indices(shard, num_shards)
         if idx.numel() == 0:
             raise ValueError(f"training shard {shard} of {num_shards} is empty: {len(self.train_y)} training examples")
-        return self._train_iter(idx, batch_size, _shard_generator(seed, shard))
+        return self._train_iter(idx, batch_size, seed, shard, start_batch)
 
-    def _train_iter(self, idx: torch.Tensor, batch_size: int, gen: torch.Generator) -> Iterator[Batch]:
-        pending = idx[:0]
+    def _train_iter(self, idx: torch.Tensor, batch_size: int, seed: int, shard: int, start: int) -> Iterator[Batch]:
+        i = start
         while True:
-            # Epochs of fresh permutations: every example once per epoch.
-            while pending.numel() < batch_size:
-                pending = torch.cat([pending, idx[torch.randperm(idx.numel(), generator=gen)]])
-            take, pending = pending[:batch_size], pending[batch_size:]
+            counter = np.arange(i * batch_size, (i + 1) * batch_size)
+            take = idx[torch.from_numpy(epoch_order(counter, idx.numel(), f"digits:{seed}:{shard}"))]
             yield Batch(inputs=self.train_x[take], targets=self.train_y[take], tokens=batch_size)
+            i += 1
 
     def val_batches(self, batch_size: int) -> list[Batch]:
         if batch_size < 1:
@@ -251,42 +217,3 @@ class DigitsDataset:
             Batch(inputs=self.val_x[i : i + batch_size], targets=self.val_y[i : i + batch_size], tokens=min(batch_size, n - i))
             for i in range(0, n, batch_size)
         ]
-
-
-# ---------------------------------------------------------------------------------------- build
-
-
-def build_dataset(data: DataConfig, model: ModelConfig) -> Dataset:
-    """The dataset ``data`` names, checked against what ``model`` consumes."""
-    if data.source == "digits":
-        if model.kind in ("gpt", "moe_gpt"):
-            raise ValueError(
-                f"data.source 'digits' yields images; model.kind {model.kind!r} needs data.source 'stdlib' or 'glob'"
-            )
-        if model.kind == "vision" and (model.image_size != 8 or model.n_classes < 10):
-            raise ValueError(
-                f"data.source 'digits' has 8x8 images and 10 classes; got model.image_size {model.image_size}, "
-                f"model.n_classes {model.n_classes}"
-            )
-        return DigitsDataset(data.val_batches)
-
-    if model.kind == "vision":
-        raise ValueError(f"data.source {data.source!r} yields byte sequences; model.kind 'vision' needs data.source 'digits'")
-    if model.kind in ("gpt", "moe_gpt") and model.vocab_size < BYTE_VOCAB:
-        raise ValueError(f"data.source {data.source!r} is byte-level: model.vocab_size must be >= 256, got {model.vocab_size}")
-    if data.source == "stdlib":
-        corpus = _load_stdlib(sysconfig.get_paths()["stdlib"], data.max_bytes, data.val_every)
-        where = "the standard library"
-    else:
-        assert data.glob is not None  # the config validator guarantees it for source "glob"
-        corpus = _load_glob(data.glob, data.max_bytes, data.val_every)
-        where = f"data.glob {data.glob!r}"
-    if corpus.files == 0:
-        raise ValueError(f"{where} holds no readable bytes: the corpus is empty")
-    need = model.seq_len + 1
-    if corpus.train.numel() < need or corpus.val.numel() < need:
-        raise ValueError(
-            f"{where} is too small: {corpus.train.numel()} training and {corpus.val.numel()} validation bytes, "
-            f"each needs at least model.seq_len + 1 = {need}"
-        )
-    return ByteDataset(corpus, model.seq_len, data.val_batches, kind=data.source)
