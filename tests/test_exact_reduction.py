@@ -1,7 +1,8 @@
 """With K = M, P = 1, plain mean, no compression and overlap 0, Decoupled DiLoCo is synchronous DiLoCo.
 
 The reference below is written from the DiLoCo paper, independently of the platform's code:
-M replicas, H AdamW steps each, outer gradient = global - local, averaged, Nesterov SGD."""
+M replicas, H AdamW steps each (weight decay on matrices only, as the platform's inner optimizer
+does: not on norms, biases or embeddings), outer gradient = global - local, averaged, Nesterov SGD."""
 
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ def reference_diloco(cfg) -> dict[str, torch.Tensor]:
     replicas = [build_model(cfg.model, seed=cfg.seed) for _ in range(M)]
     for r in replicas:
         r.load_state_dict(global_model.state_dict())
-    inner = [
-        torch.optim.AdamW(
-            r.parameters(), lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2), weight_decay=cfg.inner.weight_decay
-        )
-        for r in replicas
-    ]
+    def groups(model: torch.nn.Module) -> list[dict]:
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        matrices = [p for p in model.parameters() if p.dim() >= 2 and id(p) not in embeddings]
+        rest = [p for p in model.parameters() if p.dim() < 2 or id(p) in embeddings]
+        return [{"params": matrices, "weight_decay": cfg.inner.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+    inner = [torch.optim.AdamW(groups(r), lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2)) for r in replicas]
     outer = torch.optim.SGD(global_model.parameters(), lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=True)
     data = build_dataset(cfg.data, cfg.model)
     streams = [data.train_batches(i, M, cfg.learners.batch_size, seed=cfg.seed * 1_000_003) for i in range(M)]

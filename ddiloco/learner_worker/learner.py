@@ -21,6 +21,7 @@ It never waits for anyone, except in the overlap-0 mode (synchronous DiLoCo)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -32,7 +33,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddiloco.learner_worker.device import HostStager, Staged, autocast
 from ddiloco.learner_worker.dist import Dist
-from ddiloco.learner_worker.link import Arrival, HeartbeatStats, Increment, LearnerLink, Outgoing, SavedState, Tensors
+from ddiloco.learner_worker.link import Arrival, HeartbeatStats, Increment, LearnerLink, Outgoing, Resume, Tensors
+from ddiloco.learner_worker.schedule import lr_factor, param_groups, schedule_steps
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.data import Batch, build_dataset
 from ddiloco.platform.faults import fault_point
@@ -170,11 +172,13 @@ class Learner:
         if link is not None:
             link.num_fragments = len(self.fragments)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=cfg.inner.lr,
-            betas=(cfg.inner.beta1, cfg.inner.beta2),
-            weight_decay=cfg.inner.weight_decay,
+            param_groups(self.model, cfg.inner.weight_decay), lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2)
         )
+        self.total_steps = schedule_steps(cfg)
+        self.schedule_offset = 0
+        """Inner steps of earlier incarnations (from the resumed data position): the schedule goes on from there."""
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        """Made by :meth:`start`, once the resumed position is known."""
         self.loss_module = _LossModule(self.model, self.device)
         self.ddp = None
         if self.dist.world > 1:
@@ -184,8 +188,12 @@ class Learner:
                 # MoE experts (and arbitrary imported models) may leave parameters unused in a step.
                 find_unused_parameters=cfg.model.kind in ("moe_gpt", "import"),
             )
+        net = self.ddp if self.ddp is not None else self.loss_module
+        self.net = torch.compile(net) if cfg.learners.compile else net
         self.stager = HostStager(self.device)
         self.dataset = build_dataset(cfg.data, cfg.model)
+        self.batches_drawn = 0
+        """Micro-batches this rank has drawn from its stream, over every incarnation: its data position."""
         self.incarnation = -1
         self.step_count = 0
         self.tokens_total = 0
@@ -213,19 +221,24 @@ class Learner:
         """Join the run: rank 0 fetches the newest global version of every fragment and registers a new
         incarnation (retrying for ``ready_timeout_s`` while version 0 is not out); every rank gets the
         incarnation (it seeds the data) and the saved AdamW state, and applies the global fragments."""
-        saved: SavedState | None = None
+        resume = Resume()
         if self.link is not None:
             if ready_timeout_s is None:
-                saved = self.link.join(self.clock() if now is None else now)
+                resume = self.link.join(self.clock() if now is None else now)
             else:
-                saved = self.link.join_when_ready(ready_timeout_s, self.clock)
+                resume = self.link.join_when_ready(ready_timeout_s, self.clock)
             self.incarnation = self.link.incarnation
-        shared = self.dist.broadcast_object(
-            {"incarnation": self.incarnation, "optimizer": saved.tensors if saved else None}
+        shared = self.dist.broadcast_object((self.incarnation, resume))
+        self.incarnation, resume = int(shared[0]), shared[1]
+        if resume.optimizer:
+            self.load_optimizer_tensors(resume.optimizer)
+        self.batches_drawn = resume.data_batches
+        self.schedule_offset = resume.data_batches // self.cfg.inner.grad_accum_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step + self.schedule_offset, self.cfg.inner, self.total_steps)
         )
-        self.incarnation = int(shared["incarnation"])
-        if shared["optimizer"]:
-            self.load_optimizer_tensors(shared["optimizer"])
+        if resume.data_batches:
+            log.info("learner %s rank %s resumes its data at micro-batch %s", self.id, self.dist.rank, resume.data_batches)
         self._batches = self.train_stream()
         self._receive(self._agree(want_stop=False))
         missing = [p for p, f in enumerate(self.fragments) if f.base < 0]
@@ -246,12 +259,14 @@ class Learner:
             self.link.stop(self.heartbeat_stats)
 
     def train_stream(self) -> Iterator[Batch]:
-        """Shard ``index * world + rank`` of ``num_learners * world``: disjoint per rank, seeded by the incarnation."""
+        """Shard ``index * world + rank`` of ``num_learners * world`` (disjoint per rank), from the
+        data position: a restarted learner goes on where its last registered submission left off."""
         return self.dataset.train_batches(
             self.index * self.dist.world + self.dist.rank,
             self.num_learners * self.dist.world,
             self.cfg.learners.batch_size,
-            seed=self.cfg.seed * 1_000_003 + self.incarnation,
+            seed=self.cfg.seed * 1_000_003,
+            start_batch=self.batches_drawn,
         )
 
     def run(self, stop: Callable[[], bool], max_steps: int | None = None, after_step: Callable[[StepReport], None] | None = None) -> None:
@@ -313,28 +328,37 @@ class Learner:
         return StepReport(self.step_count, loss, tokens, submitted=sent, received=received, compute_s=compute_s)
 
     def train_step(self) -> tuple[float, int]:
-        """One (DDP) AdamW step on this rank's next batch: (learner loss, learner tokens), summed over ranks."""
+        """One (DDP) AdamW step over ``grad_accum_steps`` micro-batches of this rank's stream:
+        (learner loss, learner tokens), summed over ranks and micro-batches."""
+        accum = self.cfg.inner.grad_accum_steps
         with span("learner.train_step", into=self.timings):
-            batch = next(self._batches)
-            for group in self.optimizer.param_groups:
-                group["lr"] = self.lr_at(self.step_count)
-            inputs = batch.inputs.to(self.device, non_blocking=True)
-            targets = batch.targets.to(self.device, non_blocking=True)
-            net = self.ddp if self.ddp is not None else self.loss_module
-            loss = net(inputs, targets, batch.tokens)
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss_sum = tokens = 0.0
+            for micro in range(accum):
+                batch = next(self._batches)
+                self.batches_drawn += 1
+                inputs = batch.inputs.to(self.device, non_blocking=True)
+                targets = batch.targets.to(self.device, non_blocking=True)
+                # DDP all-reduces gradients on the last micro-batch only.
+                sync = self.ddp is None or micro == accum - 1
+                with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                    loss = self.net(inputs, targets, batch.tokens)
+                    (loss / accum if accum > 1 else loss).backward()
+                loss_sum += float(loss.detach()) * batch.tokens
+                tokens += batch.tokens
             fault_point("learner.mid_step")
             # Gradients are already averaged over ranks (identical everywhere): clipping needs no communication.
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
             self.optimizer.step()
-            stats = torch.tensor([float(loss.detach()) * batch.tokens, float(batch.tokens)], dtype=torch.float64)
+            self.scheduler.step()
+            stats = torch.tensor([loss_sum, tokens], dtype=torch.float64)
             loss_sum, tokens = self.dist.all_reduce_sum(stats).tolist()
         return loss_sum / tokens, int(tokens)
 
-    def lr_at(self, step: int) -> float:
-        warm = self.cfg.inner.warmup_steps
-        return self.cfg.inner.lr * min(1.0, (step + 1) / warm) if warm > 0 else self.cfg.inner.lr
+    @property
+    def lr(self) -> float:
+        """The inner learning rate of the next step."""
+        return self.optimizer.param_groups[0]["lr"]
 
     # --- agreeing and receiving -----------------------------------------------------------------
 
@@ -419,6 +443,7 @@ class Learner:
             out = Outgoing(
                 fragment=p, base_version=base_version, parts=[increment], c_steps=c_steps, c_tokens=c_tokens,
                 tokens_new=self._tokens_unsubmitted, tokens_total=self.tokens_total, step=self.step_count, created_at=now,
+                data_batches=self.batches_drawn,
             )
             self._tokens_unsubmitted = 0
             self.link.submit(out, await_merge=self.cfg.fragments.overlap == 0)

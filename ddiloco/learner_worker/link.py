@@ -71,6 +71,8 @@ class Outgoing:
     tokens_total: int
     step: int
     created_at: float
+    data_batches: int | None = None
+    """Micro-batches each rank had drawn when this was sent."""
 
     def delta(self) -> Tensors:
         """The sum of the parts (a send plus increments of failed uploads it carries)."""
@@ -87,6 +89,8 @@ class Outgoing:
         self.c_steps += older.c_steps
         self.c_tokens += older.c_tokens
         self.tokens_new += older.tokens_new
+        if self.data_batches is None:
+            self.data_batches = older.data_batches
 
 
 @dataclass(frozen=True)
@@ -101,8 +105,20 @@ class HeartbeatStats:
 
 @dataclass
 class SavedState:
+    """AdamW's state queued for saving, in order with the uploads."""
+
     tensors: Tensors
     step: int
+
+
+@dataclass
+class Resume:
+    """What a new incarnation takes over from the previous ones."""
+
+    optimizer: Tensors | None = None
+    """The newest saved AdamW state, if any could be read."""
+    data_batches: int = 0
+    """Micro-batches each rank had drawn at the newest registered submission: where the data goes on."""
 
 
 @dataclass
@@ -133,8 +149,8 @@ class LearnerLink:
 
     # --- joining ------------------------------------------------------------------------------
 
-    def join(self, now: float) -> SavedState | None:
-        """Fetch every fragment's newest version, then register a new incarnation; its saved AdamW state, if any."""
+    def join(self, now: float) -> Resume:
+        """Fetch every fragment's newest version, then register a new incarnation; what it resumes from."""
         with self.ctx.reading() as s:
             q.require_run(s, self.ctx.run_id)
         self.poll()
@@ -149,16 +165,17 @@ class LearnerLink:
             )
             row = s.get(LearnerRow, (self.ctx.run_id, self.learner_id))
             key, sha = (row.optimizer_state_key, row.optimizer_state_sha256) if row else (None, None)
+            position = row.data_batches if row is not None and row.data_batches is not None else 0
         self._last_heartbeat = None
-        if not (key and sha and self.incarnation > 0):
-            return None
-        try:
-            return SavedState(self.ctx.store(self.region).get(key, sha), step=0)
-        except StoreError as err:
-            log.warning("optimizer state %s unreadable (%s): starting AdamW afresh", key, err)
-            return None
+        resume = Resume(data_batches=max(0, int(position)))
+        if key and sha and self.incarnation > 0:
+            try:
+                resume.optimizer = self.ctx.store(self.region).get(key, sha)
+            except StoreError as err:
+                log.warning("optimizer state %s unreadable (%s): starting AdamW afresh", key, err)
+        return resume
 
-    def join_when_ready(self, timeout_s: float, now: Callable[[], float]) -> SavedState | None:
+    def join_when_ready(self, timeout_s: float, now: Callable[[], float]) -> Resume:
         """:meth:`join`, retrying while the synchronizer has not yet published version 0."""
         deadline = time.monotonic() + timeout_s
         while True:
@@ -281,6 +298,7 @@ class LearnerLink:
                         uid=uid, fragment=out.fragment, base_version=out.base_version, c_steps=out.c_steps,
                         c_tokens=out.c_tokens, tokens_new=out.tokens_new, tokens_total=out.tokens_total,
                         blob_key=blob.key, sha256=blob.sha256, nbytes=blob.nbytes, codec=cfg.codec,
+                        data_batches=out.data_batches,
                     )
                 )
             self._register(subs)

@@ -189,6 +189,9 @@ class LearnersConfig(_Section):
     """Ranks of each learner on its machine (torchrun + DDP; rank 0 talks to the ledger and store)."""
     save_optimizer_every: int = Field(200, ge=0)
     """Inner steps between saves of a learner's AdamW state (a restart resumes it); 0 disables."""
+    compile: bool = False
+    """torch.compile the model's forward and loss (off by default: on a CPU the compile time is
+    rarely won back on small models)."""
 
     @model_validator(mode="after")
     def _check(self) -> LearnersConfig:
@@ -227,11 +230,23 @@ class LearnersConfig(_Section):
 
 class InnerOptimizerConfig(_Section):
     lr: float = Field(3e-3, gt=0)
+    """Peak AdamW learning rate of every learner's inner loop (the outer step is not affected)."""
     weight_decay: float = Field(0.1, ge=0)
+    """Decoupled weight decay of matrices; norms, biases and embeddings are never decayed."""
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
     warmup_steps: int = Field(20, ge=0)
+    """Linear warm-up from lr/warmup_steps to lr over this many inner steps."""
+    schedule: Literal["constant", "cosine", "wsd"] = "constant"
+    """After warm-up: constant; cosine decay to min_lr_ratio·lr; or warmup-stable-decay (constant,
+    then linear decay to min_lr_ratio·lr over the last decay_fraction). The decay spans one
+    learner's share of the run: token_budget / learners tokens."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    decay_fraction: float = Field(0.2, gt=0, le=1)
+    """WSD only: the share of the schedule spent decaying."""
     grad_clip: float = Field(1.0, gt=0)
+    grad_accum_steps: int = Field(1, ge=1)
+    """Micro-batches of learners.batch_size per inner step (gradients accumulated, one AdamW step)."""
 
 
 class FragmentsConfig(_Section):

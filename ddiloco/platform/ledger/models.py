@@ -115,6 +115,9 @@ class Learner(Base):
     host: Mapped[str | None] = mapped_column(String(255), nullable=True)
     """Where the current incarnation runs (with pid): lets a supervisor or chaos tool signal it."""
     pid: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    data_batches: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    """Micro-batches each rank had drawn when the newest registered submission was sent: where a
+    restarted learner resumes its data stream (set by the current incarnation's registrations)."""
 
 
 class Heartbeat(Base):

@@ -316,6 +316,8 @@ class SubmissionIn:
     sha256: str
     nbytes: int
     codec: str
+    data_batches: int | None = None
+    """Micro-batches each rank had drawn when this was sent (the learner's data position)."""
 
 
 def register_submission(
@@ -384,14 +386,18 @@ def register_submissions(
         return out
     tokens_new = sum(sub.tokens_new for sub in new)
     tokens_total = max(sub.tokens_total for sub in new)
+    positions = [sub.data_batches for sub in new if sub.data_batches is not None]
     greatest = func.max if session.get_bind().dialect.name == "sqlite" else func.greatest
+    values = {
+        "inc_tokens_submitted": Learner.inc_tokens_submitted + tokens_new,
+        "inc_tokens_trained": greatest(Learner.inc_tokens_trained, tokens_total),
+    }
+    if positions:
+        values["data_batches"] = max(positions)
     updated = conn.execute(
         update(Learner.__table__)
         .where(Learner.run_id == run_id, Learner.id == learner_id, Learner.incarnation == incarnation)
-        .values(
-            inc_tokens_submitted=Learner.inc_tokens_submitted + tokens_new,
-            inc_tokens_trained=greatest(Learner.inc_tokens_trained, tokens_total),
-        )
+        .values(**values)
     ).rowcount
     if updated == 1:
         return out

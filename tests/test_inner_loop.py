@@ -1,0 +1,124 @@
+"""The inner loop's essentials: LR schedule, parameter groups, gradient accumulation, resumed data position."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from support import tiny_config
+
+from ddiloco.inprocess import SimClock, in_memory_config, sim_learner, sim_step
+from ddiloco.learner_worker.schedule import lr_factor, param_groups, schedule_steps
+from ddiloco.platform.config import InnerOptimizerConfig
+from ddiloco.platform.data import Batch
+from ddiloco.platform.ledger import open_ledger
+from ddiloco.platform.ledger.models import Learner as LearnerRow
+from ddiloco.platform.models import build_model
+from ddiloco.platform.runtime import RunContext
+from ddiloco.synchronizer.service import Synchronizer
+
+
+def test_warm_up_then_constant_cosine_or_wsd():
+    const = InnerOptimizerConfig(warmup_steps=4)
+    assert [lr_factor(s, const, 100) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cos = InnerOptimizerConfig(warmup_steps=4, schedule="cosine", min_lr_ratio=0.1)
+    assert lr_factor(3, cos, 104) == 1.0
+    assert lr_factor(4, cos, 104) == pytest.approx(1.0)
+    assert lr_factor(54, cos, 104) == pytest.approx(0.55)  # half way: (1 + 0.1) / 2
+    assert lr_factor(104, cos, 104) == pytest.approx(0.1) and lr_factor(10_000, cos, 104) == pytest.approx(0.1)
+    wsd = InnerOptimizerConfig(warmup_steps=0, schedule="wsd", min_lr_ratio=0.0, decay_fraction=0.25)
+    assert lr_factor(0, wsd, 100) == 1.0 and lr_factor(75, wsd, 100) == 1.0
+    assert lr_factor(87.5, wsd, 100) == pytest.approx(0.5) and lr_factor(100, wsd, 100) == pytest.approx(0.0)
+    assert all(lr_factor(s, wsd, 100) >= lr_factor(s + 1, wsd, 100) for s in range(100))
+
+
+def test_the_schedule_spans_one_learners_share_of_the_token_budget():
+    cfg = tiny_config(token_budget=1_000_000, inner={"grad_accum_steps": 2})
+    # 2 learners, batch 4 x 2 micro-batches x seq 32 = 256 tokens a step: 1e6 / (2 * 256) steps each.
+    assert schedule_steps(cfg) == 1_000_000 // (2 * 256)
+
+
+def test_norms_biases_and_embeddings_are_not_decayed():
+    model = build_model(tiny_config().model)
+    decay, keep = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    kept = {names[id(p)] for p in keep["params"]}
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert decay["weight_decay"] == 0.1 and keep["weight_decay"] == 0.0
+    assert kept.isdisjoint(decayed) and kept | decayed == set(names.values())
+    assert all(p.dim() >= 2 for p in decay["params"]) and not any("embed" in n for n in decayed)
+    assert any("embed" in n for n in kept) and any(n.endswith("bias") for n in kept)
+
+
+def make_run(**sections):
+    cfg = in_memory_config(tiny_config(**sections))
+    clock = SimClock()
+    ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
+    sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
+    sync.poll_once(clock.t)
+    return cfg, clock, ctx, sync
+
+
+def test_the_scheduler_sets_each_steps_learning_rate():
+    cfg, clock, ctx, sync = make_run(inner={"warmup_steps": 3, "schedule": "cosine"}, token_budget=20_000)
+    learner = sim_learner(ctx, "us-0")
+    learner.start(clock.t)
+    total = schedule_steps(cfg)
+    for step in range(6):
+        assert learner.lr == pytest.approx(cfg.inner.lr * lr_factor(step, cfg.inner, total))
+        clock.t += 1.0
+        sim_step(learner, clock.t)
+    assert learner.lr < cfg.inner.lr  # decaying after warm-up
+
+
+def test_accumulated_micro_batches_take_the_step_of_their_union():
+    _, clock, ctx, _ = make_run(inner={"grad_accum_steps": 2, "warmup_steps": 0}, learners={"regions": [{"name": "us", "learners": 1}]})
+    _, clock2, ctx2, _ = make_run(inner={"warmup_steps": 0}, learners={"regions": [{"name": "us", "learners": 1}]})
+    accum, whole = sim_learner(ctx, "us-0"), sim_learner(ctx2, "us-0")
+    accum.start(clock.t)
+    whole.start(clock2.t)
+    micro = [next(accum.dataset.train_batches(0, 1, 4, seed=9, start_batch=i)) for i in range(2)]
+    union = Batch(torch.cat([b.inputs for b in micro]), torch.cat([b.targets for b in micro]), sum(b.tokens for b in micro))
+    accum._batches, whole._batches = iter(micro), iter([union])
+    loss_a, tokens_a = accum.train_step()
+    loss_w, tokens_w = whole.train_step()
+    assert tokens_a == tokens_w and loss_a == pytest.approx(loss_w, rel=1e-6)
+    for name, p in accum.model.named_parameters():
+        torch.testing.assert_close(p, dict(whole.model.named_parameters())[name], rtol=1e-5, atol=1e-6)
+    assert accum.batches_drawn == 2 and whole.batches_drawn == 1
+
+
+def test_a_new_incarnation_goes_on_where_its_last_registered_submission_left_off():
+    cfg, clock, ctx, sync = make_run(inner={"grad_accum_steps": 2})
+    first = sim_learner(ctx, "us-0")
+    first.start(clock.t)
+    for _ in range(7):
+        clock.t += 1.0
+        sim_step(first, clock.t)
+        sync.poll_once(clock.t)
+    clock.t += 1.0
+    first.step(clock.t)  # trained, its send queued but never uploaded: the learner "dies" here
+    with ctx.reading() as s:
+        position = s.get(LearnerRow, (ctx.run_id, "us-0")).data_batches
+    assert position == 7 * 2 and first.batches_drawn == 8 * 2
+    second = sim_learner(ctx, "us-0")
+    second.start(clock.t)
+    assert second.incarnation == 1 and second.batches_drawn == position
+    assert second.schedule_offset == 7 and second.lr == pytest.approx(cfg.inner.lr * lr_factor(7, cfg.inner, second.total_steps))
+    # Its next batch is the one after the last registered submission's, not the stream's start.
+    expected = next(second.dataset.train_batches(0, 2, cfg.learners.batch_size, seed=cfg.seed * 1_000_003, start_batch=position))
+    assert torch.equal(next(second._batches).inputs, expected.inputs)
+    fresh = next(second.dataset.train_batches(0, 2, cfg.learners.batch_size, seed=cfg.seed * 1_000_003))
+    assert not torch.equal(expected.inputs, fresh.inputs)
+
+
+def test_compiled_learner_trains():
+    _, clock, ctx, sync = make_run(learners={"compile": True, "regions": [{"name": "us", "learners": 1}]})
+    learner = sim_learner(ctx, "us-0")
+    learner.start(clock.t)
+    losses = []
+    for _ in range(3):
+        clock.t += 1.0
+        losses.append(sim_step(learner, clock.t).loss)
+    assert all(math.isfinite(x) for x in losses)
