@@ -247,6 +247,57 @@ def summary(
         console.print(summary_table(result))
 
 
+@app.command("export")
+def export_command(
+    to: str = typer.Option(..., "--to", help="Directory or fsspec URL to write; must not exist yet or be empty."),
+    fmt: str = typer.Option("safetensors", "--format", help="hf (a save_pretrained directory; model.kind hf) or safetensors."),
+    version: str = typer.Option("latest", "--version", help="latest, or N: every fragment's newest version <= N."),
+    config: Path | None = ConfigOpt,
+    run: str | None = typer.Option(None, "--run", help="Run id; defaults to the config's name."),
+    ledger: str | None = LedgerOpt,
+    store: str | None = typer.Option(None, "--store", help="Fragment store URL; defaults to the config's storage.url."),
+) -> None:
+    """Write a run's global model (newest or version N) as safetensors or a Hugging Face directory; read-only."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from ddiloco.export import ExportError, export_run
+    from ddiloco.platform.ledger import make_engine
+    from ddiloco.platform.ledger.queries import UnknownRunError
+    from ddiloco.platform.models.weights import WeightsError
+    from ddiloco.platform.runtime import RunContext
+    from ddiloco.platform.store import StoreError
+
+    if fmt not in ("hf", "safetensors"):
+        err_console.print(f"[red]error:[/red] --format must be hf or safetensors, got {fmt!r}")
+        raise typer.Exit(2)
+    if version != "latest" and not version.isdigit():
+        err_console.print(f"[red]error:[/red] --version must be latest or a version number, got {version!r}")
+        raise typer.Exit(2)
+    cfg = _config(config)
+    if store:
+        cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"url": store})})
+    url = ledger or cfg.ledger.url
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and not (parsed.database and Path(parsed.database).is_file()):
+        err_console.print(f"[red]error:[/red] no ledger file at {redact_url(url)}")
+        raise typer.Exit(2)
+    ctx = RunContext.open(cfg, run or cfg.name, engine=make_engine(url, read_only=True))
+    try:
+        done = export_run(ctx, to=to, fmt=fmt, version=None if version == "latest" else int(version))  # type: ignore[arg-type]
+    except (ExportError, UnknownRunError, ConfigError, WeightsError, StoreError) as err:
+        err_console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+    except SQLAlchemyError as err:
+        err_console.print(f"[red]error:[/red] cannot read the ledger at {redact_url(url)}: {str(err).splitlines()[0]}")
+        raise typer.Exit(2) from None
+    finally:
+        ctx.engine.dispose()
+    versions = sorted(set(done.versions.values()))
+    console.print(f"exported run {ctx.run_id} ({len(done.versions)} fragments, versions {versions[0]}..{versions[-1]}) "
+                  f"to {redact_url(done.to)}: {', '.join(done.files)}")
+
+
 @app.command("config")
 def show_config(config: Path | None = ConfigOpt) -> None:
     """Validate a config and print the effective values (file + env overrides)."""

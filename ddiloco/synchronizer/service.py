@@ -26,6 +26,7 @@ from ddiloco.platform.faults import fault_point
 from ddiloco.platform.ids import global_key, outer_state_key
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.models import FragmentVersion, Submission
+from ddiloco.platform.models.weights import load_weights, read_weights
 from ddiloco.platform.run_state import Layout, build_layout, read_version, register_run
 from ddiloco.platform.runtime import RunContext, to_datetime, to_timestamp
 from ddiloco.platform.spans import span
@@ -170,11 +171,14 @@ class Synchronizer:
         self.state.clear()
 
     def _bootstrap(self, now: float) -> None:
-        """Publish version 0 of every fragment missing one, from the seeded initial model (once per lease)."""
+        """Publish version 0 of every fragment missing one, from the seeded initial model or model.init_from (once per lease)."""
         if self._bootstrapped:
             return
         with self.ctx.transaction() as s:
             have = q.latest_version_numbers(s, self.ctx.run_id)
+        if self.cfg.model.init_from and len(have) < len(self.layout.fragments):
+            source = f"model.init_from {self.cfg.model.init_from}"
+            load_weights(self.layout.model, read_weights(self.cfg.model.init_from, source), source)
         params = dict(self.layout.model.named_parameters())
         for frag in self.layout.fragments:
             if frag.index not in have:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import fsspec
 import torch
-from safetensors import SafetensorsError
+from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
@@ -30,35 +30,36 @@ def _read_file(fs: fsspec.AbstractFileSystem, path: str, source: str) -> dict[st
             return load_safetensors(f.read())
     except FileNotFoundError:
         raise WeightsError(f"{source}: {path} does not exist") from None
-    except (SafetensorsError, ValueError) as err:
+    except (SafetensorError, ValueError) as err:
         raise WeightsError(f"{source}: {path} is not a readable safetensors file: {err}") from None
 
 
-def read_weights(url: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors file or directory at ``url`` (a path or any fsspec URL)."""
+def read_weights(url: str, source: str | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file or directory at ``url`` (a path or any fsspec URL); errors start with ``source``."""
+    label = source or url
     fs, path = fsspec.core.url_to_fs(url)
     if not fs.exists(path):
-        raise WeightsError(f"{url}: no such file or directory")
+        raise WeightsError(f"{label}: no such file or directory")
     if not fs.isdir(path):
         if not path.endswith(".safetensors"):
-            raise WeightsError(f"{url}: not a .safetensors file (only safetensors is read, never a pickled checkpoint)")
-        return _read_file(fs, path, url)
+            raise WeightsError(f"{label}: not a .safetensors file (only safetensors is read, never a pickled checkpoint)")
+        return _read_file(fs, path, label)
     single, index = posixpath.join(path, WEIGHTS_FILE), posixpath.join(path, INDEX_FILE)
     if fs.exists(single):
-        return _read_file(fs, single, url)
+        return _read_file(fs, single, label)
     if fs.exists(index):
         try:
             weight_map = json.loads(fs.cat_file(index))["weight_map"]
             shards = sorted(set(weight_map.values()))
         except (ValueError, KeyError, TypeError) as err:
-            raise WeightsError(f"{url}: {INDEX_FILE} does not parse: {err}") from None
+            raise WeightsError(f"{label}: {INDEX_FILE} does not parse: {err}") from None
         out: dict[str, torch.Tensor] = {}
         for shard in shards:
             if posixpath.basename(shard) != shard:
-                raise WeightsError(f"{url}: {INDEX_FILE} names a shard outside the directory: {shard!r}")
-            out.update(_read_file(fs, posixpath.join(path, shard), url))
+                raise WeightsError(f"{label}: {INDEX_FILE} names a shard outside the directory: {shard!r}")
+            out.update(_read_file(fs, posixpath.join(path, shard), label))
         return out
-    raise WeightsError(f"{url}: no {WEIGHTS_FILE} or {INDEX_FILE} there (only safetensors is read, never a pickled checkpoint)")
+    raise WeightsError(f"{label}: no {WEIGHTS_FILE} or {INDEX_FILE} there (only safetensors is read, never a pickled checkpoint)")
 
 
 def load_weights(model: nn.Module, weights: Mapping[str, torch.Tensor], source: str) -> nn.Module:
