@@ -24,6 +24,8 @@ store_app = typer.Typer(help="The fragment store.", no_args_is_help=True)
 app.add_typer(ledger_app, name="ledger")
 app.add_typer(store_app, name="store")
 app.add_typer(bench_app, name="bench")
+data_app = typer.Typer(help="Training data: tokenize a corpus into shards.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
 console = Console()
 err_console = Console(stderr=True)
 
@@ -152,6 +154,45 @@ def store_check(url: str = typer.Argument(..., help="fsspec URL of the store roo
     )
     if not (ok and immutable and gone):
         raise typer.Exit(1)
+
+
+@data_app.command("prepare")
+def data_prepare(
+    out: str = typer.Option(..., "--out", help="Folder or fsspec URL for the shards and manifest.json (file://, s3://, gs://)."),
+    input_: str | None = typer.Option(None, "--input", help="Glob or URL of .txt / .jsonl / .parquet files, or 'stdlib'."),
+    hf_dataset: str | None = typer.Option(None, "--hf-dataset", help="A Hugging Face dataset (save_to_disk folder or load_dataset path)."),
+    tokenizer: str | None = typer.Option(None, "--tokenizer", help="A tokenizer.json or a tokenizer directory."),
+    train_tokenizer: int | None = typer.Option(None, "--train-tokenizer", min=260, help="Train a byte-level BPE of this vocabulary."),
+    shard_tokens: int = typer.Option(50_000_000, "--shard-tokens", min=1, help="Tokens per training shard."),
+    val_fraction: float = typer.Option(0.01, "--val-fraction", help="Share of documents in the validation shard."),
+    text_column: str = typer.Option("text", "--text-column", help="The text field of jsonl / parquet / datasets."),
+    hf_split: str = typer.Option("train", "--hf-split"),
+    fmt: str = typer.Option("bin", "--format", help="bin (flat uint16/uint32) or parquet (a token-list column)."),
+    max_bytes: int | None = typer.Option(None, "--max-bytes", help="Cap on the text read (--input stdlib only)."),
+) -> None:
+    """Tokenize a corpus into token shards and a manifest.json that data.manifest points at."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ddiloco.data_prepare import file_corpus, hf_corpus, prepare
+
+    try:
+        if (input_ is None) == (hf_dataset is None):
+            raise ConfigError("give exactly one of --input and --hf-dataset")
+        corpus = file_corpus(input_, text_column, max_bytes) if input_ else hf_corpus(hf_dataset or "", hf_split, text_column)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tokens]:,} tokens"),
+                      TimeElapsedColumn(), console=err_console) as bar:
+            task = bar.add_task("tokenizing", total=corpus.count, tokens=0)
+            manifest = prepare(
+                corpus, out, tokenizer=tokenizer, train_tokenizer=train_tokenizer, shard_tokens=shard_tokens,
+                val_fraction=val_fraction, fmt=fmt, progress=lambda docs, toks: bar.update(task, completed=docs, tokens=toks),
+            )
+    except ConfigError as err:
+        err_console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+    console.print(
+        f"{len(manifest.train)} training shard(s), {manifest.train_tokens:,} tokens; validation {manifest.val.tokens:,} tokens; "
+        f"vocabulary {manifest.vocab_size} ({manifest.dtype}); manifest {out.rstrip('/')}/manifest.json"
+    )
 
 
 @app.command("learner")
@@ -301,7 +342,14 @@ def export_command(
 @app.command("config")
 def show_config(config: Path | None = ConfigOpt) -> None:
     """Validate a config and print the effective values (file + env overrides)."""
+    from ddiloco.platform.tokenize import check_vocab
+
     cfg = _config(config)
+    try:
+        check_vocab(cfg.model, cfg.data)
+    except ConfigError as err:
+        err_console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
     console.print_json(json.dumps(cfg.model_dump(mode="json")))
 
 

@@ -22,6 +22,8 @@ from ddiloco.platform.tokenize import TextTokenizer, load_tokenizer, tokenizer_j
 STDLIB = "stdlib"
 """``--input stdlib``: the standard library's .py files, the corpus the demo trains on."""
 ENCODE_BATCH = 256
+ROW_GROUP_TOKENS = 1 << 16
+"""Parquet shards: documents are buffered into row groups of about this many tokens (the unit a reader fetches)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,8 @@ class _ShardWriter:
         self._file = None
         self._writer = None
         self._tokens = 0
+        self._rows: list[list[int]] = []
+        self._row_tokens = 0
 
     def _name(self) -> str:
         suffix = "bin" if self.fmt == "bin" else "parquet"
@@ -138,10 +142,18 @@ class _ShardWriter:
 
             self._writer = pq.ParquetWriter(self._file, pa.schema([("tokens", pa.list_(pa.uint32()))]))
 
+    def _flush_rows(self) -> None:
+        import pyarrow as pa
+
+        if self._rows:
+            self._writer.write_table(pa.table({"tokens": pa.array(self._rows, type=pa.list_(pa.uint32()))}))
+        self._rows, self._row_tokens = [], 0
+
     def close(self) -> None:
         if self._file is None:
             return
         if self._writer is not None:
+            self._flush_rows()
             self._writer.close()
             self._writer = None
         self._file.close()
@@ -155,9 +167,10 @@ class _ShardWriter:
             if self.fmt == "bin":
                 self._file.write(np.asarray(doc, dtype=self.dtype).tobytes())
             else:
-                import pyarrow as pa
-
-                self._writer.write_table(pa.table({"tokens": pa.array([doc], type=pa.list_(pa.uint32()))}))
+                self._rows.append(doc)
+                self._row_tokens += len(doc)
+                if self._row_tokens >= ROW_GROUP_TOKENS:
+                    self._flush_rows()
             self._tokens += len(doc)
             if self.shard_tokens is not None and self._tokens >= self.shard_tokens:
                 self.close()

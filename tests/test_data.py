@@ -178,3 +178,18 @@ def test_digits_split_shards_and_batches() -> None:
 def test_model_data_mismatch(data: DataConfig, model: ModelConfig, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         build_dataset(data, model)
+
+
+@pytest.mark.parametrize("source", ["stdlib", "digits"])
+def test_start_batch_is_the_stream_from_batch_n_on(source: str) -> None:
+    if source == "digits":
+        ds = build_dataset(DataConfig(source="digits"), ModelConfig(kind="vision"))
+    else:
+        ds = build_dataset(SMALL, GPT)
+    # 40 batches of 16 cross several digits epochs (about 360 examples a shard).
+    full = [b.inputs for b in islice(ds.train_batches(1, 4, 16, seed=3), 40)]
+    for n in (1, 23, 39):
+        tail = [b.inputs for b in islice(ds.train_batches(1, 4, 16, seed=3, start_batch=n), 40 - n)]
+        assert all(torch.equal(x, y) for x, y in zip(full[n:], tail, strict=True))
+    with pytest.raises(ValueError, match="start_batch"):
+        ds.train_batches(0, 1, 2, seed=0, start_batch=-1)
