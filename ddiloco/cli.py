@@ -27,7 +27,8 @@ app.add_typer(bench_app, name="bench")
 data_app = typer.Typer(help="Training data: tokenize a corpus into shards.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 console = Console()
-err_console = Console(stderr=True)
+# Errors stay one line however narrow the terminal (or log collector) is.
+err_console = Console(stderr=True, soft_wrap=True)
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="Run config (YAML or TOML); env DDILOCO_* overrides it.")
 LedgerOpt = typer.Option(None, "--ledger", help="Ledger URL; defaults to the config's ledger.url.")
@@ -47,6 +48,19 @@ def _config(path: Path | None) -> RunConfig:
     except ConfigError as err:
         err_console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
+
+
+InitFromOpt = typer.Option(
+    None, "--init-from",
+    help="Start a new run from an exported or pretrained model (a directory or a .safetensors file, local or any "
+    "fsspec URL): version 0 of every fragment takes its weights (sets model.init_from).",
+)
+
+
+def _with_init_from(cfg: RunConfig, init_from: str | None) -> RunConfig:
+    if init_from is None:
+        return cfg
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": init_from})})
 
 
 def _ledger_url(ledger: str | None, config: Path | None) -> str:
@@ -252,14 +266,19 @@ def synchronizer(
     config: Path | None = ConfigOpt,
     run: str | None = typer.Option(None, "--run", help="Run id; defaults to the config's name."),
     label: str = typer.Option("sync", "--label", "--holder", help="Label in the lease holder name (label@host:pid)."),
+    init_from: str | None = InitFromOpt,
     verbose: bool = False,
 ) -> None:
     """Run a synchronizer: active while it holds the run's lease, a hot standby otherwise."""
     from ddiloco.synchronizer.process import run_synchronizer
 
     _setup_logging(verbose)
-    cfg = _config(config)
-    run_synchronizer(cfg, run or cfg.name, label)
+    cfg = _with_init_from(_config(config), init_from)
+    try:
+        run_synchronizer(cfg, run or cfg.name, label)
+    except ConfigError as err:
+        err_console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
 
 
 @app.command("summary")
@@ -361,11 +380,12 @@ def demo(
     config: Path | None = ConfigOpt,
     workdir: Path = typer.Option(Path("ddiloco-runs"), help="Where the ledger and the store go."),
     summary_json: Path | None = typer.Option(None, "--summary-json", help="Also write the summary as JSON."),
+    init_from: str | None = InitFromOpt,
 ) -> None:
     """Train a byte-level GPT with 4 learner processes in 2 regions, a synchronizer and a standby, surviving failures."""
     from ddiloco.demo import DemoOptions, run_demo
 
-    base = _config(config) if config else None
+    base = _with_init_from(_config(config), init_from) if config or init_from else None
     result = run_demo(DemoOptions(learners=learners, seconds=seconds, chaos=chaos, workdir=workdir, base_config=base), console)
     if summary_json:
         summary_json.parent.mkdir(parents=True, exist_ok=True)

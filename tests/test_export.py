@@ -161,3 +161,22 @@ def test_init_from_refuses_bad_weights(tmp_path):
     cfg = run_config(f"sqlite:///{tmp_path}/l.db", f"file://{tmp_path}/store", init_from=str(tmp_path / "missing"))
     with pytest.raises(WeightsError, match="model.init_from"):
         Synchronizer(RunContext.open(cfg, clock=SimClock()), holder="s", evaluate_every_s=0).poll_once(0.0)
+
+
+def test_a_synchronizer_with_unreadable_init_from_stops_with_one_line(tmp_path):
+    """A config error does not get better by retrying: the process says so once and exits 2."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"name": "bad-init", "ledger": {"url": f"sqlite:///{tmp_path}/l.db"},
+                                      "storage": {"url": f"file://{tmp_path}/store"}}))
+    done = subprocess.run(
+        [sys.executable, "-m", "ddiloco", "synchronizer", "-c", str(config), "--init-from", str(tmp_path / "missing")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "error: model.init_from" in done.stdout + done.stderr and "no such file or directory" in done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr

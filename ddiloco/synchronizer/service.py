@@ -18,11 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import torch
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, wait_exponential
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, retry_if_not_exception_type, wait_exponential
 
 from ddiloco.platform import liveness
 from ddiloco.platform.compression import CompressionError, decode_delta
+from ddiloco.platform.config import ConfigError
 from ddiloco.platform.faults import fault_point
+from ddiloco.platform.fragments import fragment_views
 from ddiloco.platform.ids import global_key, outer_state_key
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.models import FragmentVersion, Submission
@@ -182,7 +184,7 @@ class Synchronizer:
         params = dict(self.layout.model.named_parameters())
         for frag in self.layout.fragments:
             if frag.index not in have:
-                self._publish(frag.index, 0, {n: params[n].detach().clone() for n in frag.names}, None, now)
+                self._publish(frag.index, 0, {k: v.detach().clone() for k, v in fragment_views(params, frag).items()}, None, now)
         self._bootstrapped = True
 
     def _write_statuses(self, now: float) -> None:
@@ -458,9 +460,10 @@ class Synchronizer:
     def _loop(self, stop: threading.Event, until: float | None) -> None:
         role = None
         # A ledger or store outage is waited out with exponential backoff; the run goes on after it.
-        # (Each ``for attempt in retrying`` starts a fresh backoff.)
+        # (Each ``for attempt in retrying`` starts a fresh backoff.) A bad config (say an init_from
+        # that cannot be read) will not get better by waiting: it stops the synchronizer at once.
         retrying = Retrying(
-            retry=retry_if_exception_type(Exception),
+            retry=retry_if_exception_type(Exception) & retry_if_not_exception_type(ConfigError),
             wait=wait_exponential(multiplier=self.cfg.synchronizer.poll_s, max=POLL_RETRY_MAX_S),
             stop=lambda _state: stop.is_set(),
             sleep=stop.wait,
@@ -474,6 +477,8 @@ class Synchronizer:
                 for attempt in retrying:
                     with attempt:
                         result, finished = self._poll_and_check()
+            except ConfigError:
+                raise
             except Exception:  # noqa: BLE001 - only reached once stopping: the last failure is logged
                 log.exception("poll failed while stopping")
                 break

@@ -16,11 +16,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from torch import nn
 
+from ddiloco.platform.config import ConfigError
+
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class WeightsError(ValueError):
+class WeightsError(ConfigError):
     """Weights that cannot be read or do not fit the run's model; the message names the problem."""
 
 
