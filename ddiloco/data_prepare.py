@@ -77,7 +77,7 @@ def file_corpus(pattern: str, column: str = "text", max_bytes: int | None = None
                 total += len(data)
                 yield data.decode("utf-8", "replace")
 
-        return Corpus(count=len(files), texts=stdlib_texts, where="the standard library")
+        return Corpus(count=len(files) if max_bytes is None else None, texts=stdlib_texts, where="the standard library")
     fs, path = url_to_fs(pattern)
     urls = [fs.unstrip_protocol(p) for p in (sorted(fs.glob(path)) if any(c in path for c in "*?[") else [path])]
     urls = [u for u in urls if not fs.isdir(url_to_fs(u)[1])]
