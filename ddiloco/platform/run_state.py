@@ -22,8 +22,8 @@ class Layout:
     fragments: list[Fragment]
 
     def shapes(self, fragment: int) -> dict[str, tuple[int, ...]]:
-        params = dict(self.model.named_parameters())
-        return {n: tuple(params[n].shape) for n in self.fragments[fragment].names}
+        """The fragment's tensor shapes by piece key (a row piece has its own row count)."""
+        return {pc.key: pc.shape for pc in self.fragments[fragment].pieces}
 
 
 def build_layout(ctx: RunContext) -> Layout:
@@ -34,7 +34,6 @@ def build_layout(ctx: RunContext) -> Layout:
 def register_run(ctx: RunContext, layout: Layout, flow_run_url: str | None = None) -> bool:
     """Record the run, its effective config, code version and fragment layout (idempotent)."""
     version, commit = code_version()
-    params = dict(layout.model.named_parameters())
     with ctx.transaction() as s:
         created = q.create_run(
             s,
@@ -51,7 +50,7 @@ def register_run(ctx: RunContext, layout: Layout, flow_run_url: str | None = Non
             s,
             ctx.run_id,
             [
-                (f.index, [[n, list(params[n].shape)] for n in f.names], f.numel, f.nbytes)
+                (f.index, [[key, list(shape)] for key, shape in layout.shapes(f.index).items()], f.numel, f.nbytes)
                 for f in layout.fragments
             ],
         )
@@ -59,5 +58,6 @@ def register_run(ctx: RunContext, layout: Layout, flow_run_url: str | None = Non
 
 
 def read_version(store: FragmentStore, row: FragmentVersion) -> dict[str, torch.Tensor]:
-    """The parameters of one published fragment version, verified against the ledger's sha256."""
+    """The tensors of one published fragment version by piece key, verified against the ledger's sha256
+    (``fragments.assemble`` makes whole parameters of several fragments' pieces)."""
     return store.get(row.blob_key, row.sha256)

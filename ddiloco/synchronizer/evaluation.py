@@ -8,6 +8,7 @@ import torch
 
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.data import build_dataset
+from ddiloco.platform.fragments import assemble
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.models import build_model, evaluate
 from ddiloco.platform.run_state import read_version
@@ -17,21 +18,30 @@ from ddiloco.synchronizer.merge import GlobalFragment
 
 
 def newest_params(ctx: RunContext, cache: Mapping[int, GlobalFragment] | None = None) -> dict[str, torch.Tensor]:
-    """Every fragment's newest published parameters, taken from ``cache`` where it holds that version."""
+    """Every fragment's newest published parameters as whole tensors by parameter name (row pieces
+    reassembled), taken from ``cache`` where it holds that version."""
     with ctx.reading() as s:
         latest = q.latest_versions(s, ctx.run_id)
     cache = cache or {}
     store = ctx.store()
-    params: dict[str, torch.Tensor] = {}
+    pieces: dict[str, torch.Tensor] = {}
     for fragment, row in latest.items():
         cached = cache.get(fragment)
-        params.update(cached.params if cached is not None and cached.version == row.version else read_version(store, row))
-    return params
+        pieces.update(cached.params if cached is not None and cached.version == row.version else read_version(store, row))
+    return assemble(pieces)
 
 
 def load_params(model: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> torch.nn.Module:
-    """Copy ``params`` into the model's parameters of the same names (in place); returns the model."""
+    """Copy whole tensors ``params`` into the model's parameters of the same names (in place); returns the model.
+
+    Every name must be a parameter of the model, with its exact shape (``copy_`` would broadcast a
+    short tensor silently)."""
     own = dict(model.named_parameters())
+    for n, t in params.items():
+        if n not in own:
+            raise ValueError(f"tensor {n!r} is not a parameter of the model")
+        if tuple(t.shape) != tuple(own[n].shape):
+            raise ValueError(f"tensor {n!r} has shape {tuple(t.shape)}, the model's parameter {tuple(own[n].shape)}")
     with torch.no_grad():
         for n, t in params.items():
             own[n].copy_(t)
