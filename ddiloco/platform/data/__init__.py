@@ -5,6 +5,7 @@ the fly (``text``). Every one streams ``train_batches(shard, num_shards, batch_s
 
 from __future__ import annotations
 
+import functools
 import sysconfig
 
 from ddiloco.platform.config import ConfigError, DataConfig, ModelConfig
@@ -30,14 +31,8 @@ def build_dataset(data: DataConfig, model: ModelConfig) -> Dataset:
     if model.kind == "vision":
         raise ConfigError(f"data.source {data.source!r} yields token sequences; model.kind 'vision' needs data.source 'digits'")
     check_vocab(model, data)
-    if data.source == "tokens":
-        from ddiloco.platform.data.tokens import TokenDataset
-
-        return TokenDataset(data, model.seq_len, model.vocab_size)
-    if data.source in ("text", "hf"):
-        from ddiloco.platform.data.text import TextDataset
-
-        return TextDataset(data, model.seq_len)
+    if data.source in ("tokens", "text", "hf"):
+        return _streaming_dataset(data.model_dump_json(), model.seq_len, model.vocab_size)
     if data.source == "stdlib":
         corpus = _load_stdlib(sysconfig.get_paths()["stdlib"], data.max_bytes, data.val_every)
         where = "the standard library"
@@ -54,3 +49,17 @@ def build_dataset(data: DataConfig, model: ModelConfig) -> Dataset:
             f"each needs at least model.seq_len + 1 = {need}"
         )
     return ByteDataset(corpus, model.seq_len, data.val_batches, kind=data.source)
+
+
+# Cached per process like the byte corpus: the synchronizer evaluates every few seconds, and opening
+# shards (sizes, footers, the sampled id check, the validation windows) is a round of ranged reads.
+@functools.lru_cache(maxsize=4)
+def _streaming_dataset(data_json: str, seq_len: int, vocab_size: int) -> Dataset:
+    data = DataConfig.model_validate_json(data_json)
+    if data.source == "tokens":
+        from ddiloco.platform.data.tokens import TokenDataset
+
+        return TokenDataset(data, seq_len, vocab_size)
+    from ddiloco.platform.data.text import TextDataset
+
+    return TextDataset(data, seq_len)

@@ -12,6 +12,7 @@ keyed random order, so a learner makes one ranged read per block and batch ``n``
 from __future__ import annotations
 
 import bisect
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -97,8 +98,13 @@ class ParquetShard:
             raise CorruptShardError(f"token shard {url!r} holds {self.tokens} tokens, the manifest says {tokens}")
         self.dtype = np.dtype(np.uint32)
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()  # one open file: a learner and an evaluation in one process take turns
 
     def _group(self, g: int) -> np.ndarray:
+        with self._lock:
+            return self._group_locked(g)
+
+    def _group_locked(self, g: int) -> np.ndarray:
         if g not in self._cache:
             col = self.file.read_row_group(g, columns=[self.column]).column(0).combine_chunks()
             values = col.flatten().to_numpy(zero_copy_only=False)
