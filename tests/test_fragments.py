@@ -317,3 +317,29 @@ def test_a_run_with_split_embeddings_trains_and_learners_agree_with_the_global_m
     for n, p in late.model.named_parameters():
         assert torch.equal(p.detach(), final[n]), n
     assert late.base == [latest[p] for p in range(len(layout.fragments))]
+
+
+def test_a_tied_hugging_face_embedding_is_split_once_and_its_views_feed_both_uses() -> None:
+    """A Llama with tied input/output embeddings lists the matrix once: it is cut into row pieces once,
+    and a receipt written through a piece's view is what the lm_head computes with."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=4096, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    frags = partition_module(model, 4)
+    split_names = {pc.name for f in frags for pc in f.pieces if pc.rows is not None}
+    assert split_names == {"model.embed_tokens.weight"} and "lm_head.weight" not in {n for f in frags for n in f.names}
+    params = dict(model.named_parameters())
+    views = {k: v for f in frags for k, v in fragment_views(params, f).items()}
+    key = next(k for k in views if k.startswith("model.embed_tokens.weight@rows:"))
+    start, end = parse_key(key)[1]
+    with torch.no_grad():
+        views[key].zero_()
+    assert torch.count_nonzero(model.lm_head.weight[start:end]) == 0
+    assert torch.count_nonzero(model.lm_head.weight) > 0
+    rebuilt = assemble({k: v.clone() for k, v in views.items()})
+    assert sorted(rebuilt) == sorted(params) and torch.equal(rebuilt["model.embed_tokens.weight"], model.lm_head.weight.detach())
