@@ -112,3 +112,20 @@ def test_training_on_prepared_shards_lowers_the_loss(ledger_url, tmp_path):
         sync.poll_once(clock.t)
     after, _ = evaluate(sync.global_model(), val)
     assert np.log(512) - 0.5 < before and after < before - 0.25
+
+
+def test_prepare_from_a_saved_hf_dataset(tmp_path):
+    import datasets
+
+    from ddiloco.data_prepare import hf_corpus
+
+    datasets.Dataset.from_dict({"body": DOCS}).save_to_disk(str(tmp_path / "hf"))
+    with pytest.raises(ConfigError, match="no column 'text'"):
+        hf_corpus(str(tmp_path / "hf"))
+    corpus = hf_corpus(str(tmp_path / "hf"), column="body")
+    assert corpus.count == len(DOCS)
+    tokenizer = prepare(file_corpus(write_docs(f"file://{tmp_path}")), str(tmp_path / "tok"), train_tokenizer=300)
+    manifest = prepare(corpus, str(tmp_path / "out"), tokenizer=str(tmp_path / "tok" / "tokenizer.json"), val_fraction=0.1, fmt="parquet")
+    assert manifest.tokenizer_sha256 == tokenizer.tokenizer_sha256
+    tok = load_tokenizer(str(tmp_path / "tok" / "tokenizer.json"))
+    assert manifest.train_tokens + manifest.val.tokens == sum(len(ids) + 1 for ids in tok.encode_batch(DOCS))
