@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from ddiloco.platform.config import ConfigError, RunConfig, build_config
+from ddiloco.platform.fragments import assemble
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.models import build_model
 from ddiloco.platform.models.hf import is_hf
@@ -28,12 +29,6 @@ from ddiloco.platform.models.weights import WEIGHTS_FILE
 from ddiloco.platform.run_state import read_version
 from ddiloco.platform.runtime import RunContext
 from ddiloco.synchronizer.evaluation import load_params, newest_params
-
-try:
-    from ddiloco.platform.fragments import assemble
-except ImportError:  # until fragments.py splits large tensors into row pieces, fragment tensors are whole parameters
-    def assemble(pieces: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return dict(pieces)
 
 Format = Literal["hf", "safetensors"]
 RUN_FILE = "ddiloco-run.json"

@@ -66,11 +66,11 @@ def test_blend_on_receipt_moves_halfway():
     cfg, clock, ctx, sync = make_run(merge={"on_receipt": "blend", "blend_alpha": 0.5})
     learner = sim_learner(ctx, "us-0", index=0, num_learners=1)
     learner.start(clock.t)
-    name = learner.fragments[0].names[0]
-    local = learner.params[name].detach().clone()
-    incoming = {n: torch.zeros_like(learner.params[n]) for n in learner.fragments[0].names}
+    name = learner.fragments[0].keys[0]
+    local = learner.views[0][name].detach().clone()
+    incoming = {n: torch.zeros_like(t) for n, t in learner.views[0].items()}
     _arrive(learner, 0, incoming)
-    torch.testing.assert_close(learner.params[name].detach(), 0.5 * local)
+    torch.testing.assert_close(learner.views[0][name].detach(), 0.5 * local)
     assert learner.fragments[0].c_steps == 0 and torch.equal(learner.fragments[0].host_snapshot()[name], incoming[name])
 
 
@@ -89,17 +89,18 @@ def test_rebase_on_receipt_carries_the_unsent_progress_onto_the_new_version():
         learner.step(clock.t)
     p = max(range(len(learner.fragments)), key=lambda i: learner.fragments[i].c_steps)
     frag = learner.fragments[p]
-    names = frag.names
+    names = frag.keys
+    views = learner.views[p]
     steps, tokens = frag.c_steps, frag.c_tokens
     assert steps > 0
-    unsent = {n: learner.params[n].detach() - frag.host_snapshot()[n] for n in names}
+    unsent = {n: views[n].detach() - frag.host_snapshot()[n] for n in names}
     assert max(float(u.abs().max()) for u in unsent.values()) > 0
-    incoming = {n: torch.randn_like(learner.params[n]) for n in names}
+    incoming = {n: torch.randn_like(views[n]) for n in names}
     _arrive(learner, p, incoming)
     for n in names:
         # What the next send (snapshot - params) carries is the progress it would have carried before.
-        torch.testing.assert_close(learner.params[n].detach() - frag.host_snapshot()[n], unsent[n])
-        torch.testing.assert_close(learner.params[n].detach(), incoming[n] + unsent[n])
+        torch.testing.assert_close(views[n].detach() - frag.host_snapshot()[n], unsent[n])
+        torch.testing.assert_close(views[n].detach(), incoming[n] + unsent[n])
         assert torch.equal(frag.host_snapshot()[n], incoming[n])
     # Those steps are still unsent, so they are still counted.
     assert (frag.c_steps, frag.c_tokens) == (steps, tokens)
@@ -110,10 +111,10 @@ def test_rebase_on_receipt_carries_the_unsent_progress_onto_the_new_version():
         report = learner.step(clock.t + 1.0)
     q_ = report.submitted[0]
     assert learner.fragments[q_].c_steps == 0
-    incoming = {n: torch.randn_like(learner.params[n]) for n in learner.fragments[q_].names}
+    incoming = {n: torch.randn_like(t) for n, t in learner.views[q_].items()}
     _arrive(learner, q_, incoming)
     for n, t in incoming.items():
-        assert torch.equal(learner.params[n].detach(), t)
+        assert torch.equal(learner.views[q_][n].detach(), t)
     assert learner.fragments[q_].c_steps == 0 and learner.fragments[q_].c_tokens == 0
 
 
@@ -125,8 +126,8 @@ def test_overwrite_on_receipt_discards_the_unsent_progress():
         clock.t += 1.0
         learner.step(clock.t)
     p = max(range(len(learner.fragments)), key=lambda i: learner.fragments[i].c_steps)
-    incoming = {n: torch.randn_like(learner.params[n]) for n in learner.fragments[p].names}
+    incoming = {n: torch.randn_like(t) for n, t in learner.views[p].items()}
     _arrive(learner, p, incoming)
     for n, t in incoming.items():
-        assert torch.equal(learner.params[n].detach(), t)
+        assert torch.equal(learner.views[p][n].detach(), t)
     assert learner.fragments[p].c_steps == 0 and learner.fragments[p].c_tokens == 0

@@ -69,7 +69,8 @@ class FragmentState:
     as of the last send: the next send carries ``snapshot − params``, only what was learned since,
     so a learner that sends twice before it hears back is never merged twice."""
 
-    names: tuple[str, ...]
+    keys: tuple[str, ...]
+    """The fragment's tensor keys: parameter names, or row-piece keys (see fragments.py)."""
     base: int = -1
     snapshot: Tensors | Staged = field(default_factory=dict)
     c_steps: int = 0
@@ -166,7 +167,7 @@ class Learner:
         self.model.train()
         self.params = dict(self.model.named_parameters())
         parts = partition_module(self.model, cfg.fragments.count)
-        self.fragments = [FragmentState(f.names) for f in parts]
+        self.fragments = [FragmentState(f.keys) for f in parts]
         self.views = [fragment_views(self.params, f) for f in parts]
         """Per fragment: its tensors' names → the live parameter tensors (views into the model)."""
         if link is not None:

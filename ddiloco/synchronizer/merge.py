@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ddiloco.platform.fragments import param_name
 from ddiloco.synchronizer.outer import outer_step
 from ddiloco.synchronizer.policy import participation_scale, token_weight
 
@@ -151,7 +152,8 @@ def plain_mean_tensors(names: Sequence[str], policy: MergePolicy) -> list[str]:
     """The tensors merged with the plain weighted mean: all of them for method mean, else those the policy names."""
     if policy.method == "mean":
         return list(names)
-    return [n for n in names if any(tag in n for tag in policy.plain_mean)]
+    # Tags match the parameter's name, so every row piece of an embedding (name@rows:a:b) matches too.
+    return [n for n in names if any(tag in param_name(n) for tag in policy.plain_mean)]
 
 
 def merge_fragment(current: GlobalFragment, members: Sequence[Member], policy: MergePolicy, *, live_learners: int) -> MergeOutcome:
