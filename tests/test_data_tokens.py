@@ -119,9 +119,22 @@ def test_one_epoch_of_an_unaligned_stream_visits_every_window_once(tmp_path):
 def test_permutations_are_bijections():
     for n in (1, 2, 3, 17, 64, 1000):
         assert sorted(permute(np.arange(n), n, "k").tolist()) == list(range(n))
+    with pytest.raises(ValueError, match="outside"):
+        permute(np.array([5]), 5, "k")  # cycle-walking from outside [0, n) may never return
     assert permute(np.arange(100), 100, "a").tolist() != permute(np.arange(100), 100, "b").tolist()
     two_epochs = epoch_order(np.arange(20), 10, "k")
     assert sorted(two_epochs[:10].tolist()) == sorted(two_epochs[10:].tolist()) == list(range(10))
+
+
+def test_window_order_is_an_epoch_for_many_shapes_and_keys():
+    """Every (windows, block) shape and key: positions of two epochs map to every window once each (block tails included)."""
+    from ddiloco.platform.data.tokens import _WindowStream
+
+    for windows, k in ((1, 1), (5, 1), (5, 8), (40, 8), (41, 8), (47, 8), (1000, 64), (1037, 64)):
+        for key in range(20):
+            ws = _WindowStream(None, 0, windows * T + 1, T, k, f"k{key}")  # type: ignore[arg-type]
+            ids = ws.window_ids(np.arange(2 * windows, dtype=np.int64))
+            assert sorted(ids[:windows].tolist()) == sorted(ids[windows:].tolist()) == list(range(windows))
 
 
 def test_uint32_shards_and_the_manifestless_last_shard_validates(tmp_path):

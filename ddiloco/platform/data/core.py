@@ -83,6 +83,9 @@ def permute(idx: np.ndarray, n: int, key: str) -> np.ndarray:
     A 4-round Feistel network on the smallest even bit width holding ``n`` is a bijection of
     ``[0, 2**bits)``; cycle-walking (apply again while the value is >= n) restricts it to ``[0, n)``."""
     idx = np.asarray(idx, dtype=np.uint64)
+    if idx.size and int(idx.max()) >= n:
+        # Cycle-walking from outside [0, n) may never come back into it.
+        raise ValueError(f"permute: index {int(idx.max())} is outside [0, {n})")
     if n <= 1:
         return np.zeros(idx.shape, dtype=np.int64)
     half = max(1, ((n - 1).bit_length() + 1) // 2)

@@ -288,12 +288,14 @@ class _WindowStream:
         for e in np.unique(epochs):
             sel = epochs == e
             qe = q[sel]
-            blocks = permute(qe // self.k, self.full_blocks, f"{self.key}:e{e}:blocks")
-            inner = (permute(qe % self.k, self.k, f"{self.key}:e{e}:inner") + rotation(blocks, self.k, f"{self.key}:e{e}")) % self.k
-            ids = blocks * self.k + inner
-            tail = qe >= full  # the windows past the last full block close every epoch, in their own order
-            if tail.any():
-                ids[tail] = full + permute(qe[tail] - full, self.windows - full, f"{self.key}:e{e}:tail")
+            ids = np.empty_like(qe)
+            head = qe < full
+            if head.any():
+                blocks = permute(qe[head] // self.k, self.full_blocks, f"{self.key}:e{e}:blocks")
+                inner = permute(qe[head] % self.k, self.k, f"{self.key}:e{e}:inner") + rotation(blocks, self.k, f"{self.key}:e{e}")
+                ids[head] = blocks * self.k + inner % self.k
+            if not head.all():  # the windows past the last full block close every epoch, in their own order
+                ids[~head] = full + permute(qe[~head] - full, self.windows - full, f"{self.key}:e{e}:tail")
             out[sel] = ids
         return out
 
