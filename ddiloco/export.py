@@ -83,6 +83,14 @@ def global_params(ctx: RunContext, version: int | None = None) -> tuple[dict[str
     return assemble(pieces), {f: row.version for f, row in rows.items()}
 
 
+TOKENIZER_FILES = frozenset({
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja",
+})
+"""What ``save_pretrained`` writes for a tokenizer: the files an export copies from a tokenizer directory
+(which may hold much else, e.g. the token shards ``data prepare`` wrote beside its tokenizer.json)."""
+
+
 def _tokenizer_files(cfg: RunConfig) -> list[tuple[str, str]]:
     """(source URL, file name) of the run's tokenizer files, when data.tokenizer names a file or directory."""
     tokenizer = getattr(cfg.data, "tokenizer", None)
@@ -93,7 +101,11 @@ def _tokenizer_files(cfg: RunConfig) -> list[tuple[str, str]]:
         raise ExportError(f"data.tokenizer {tokenizer!r} does not exist: the export would lack its tokenizer")
     if not fs.isdir(path):
         return [(fs.unstrip_protocol(path), posixpath.basename(path))]
-    return [(fs.unstrip_protocol(p), posixpath.basename(p)) for p in sorted(fs.ls(path, detail=False)) if fs.isfile(p)]
+    return [
+        (fs.unstrip_protocol(p), posixpath.basename(p))
+        for p in sorted(fs.ls(path, detail=False))
+        if posixpath.basename(p) in TOKENIZER_FILES and fs.isfile(p)
+    ]
 
 
 def _write_local(model: torch.nn.Module, cfg: RunConfig, fmt: Format, out: Path, meta: dict) -> None:

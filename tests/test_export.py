@@ -180,3 +180,19 @@ def test_a_synchronizer_with_unreadable_init_from_stops_with_one_line(tmp_path):
     assert done.returncode == 2, done.stdout + done.stderr
     assert "error: model.init_from" in done.stdout + done.stderr and "no such file or directory" in done.stdout + done.stderr
     assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_an_hf_export_copies_the_tokenizer_files_only(tmp_path):
+    """data.tokenizer may name the folder data prepare wrote: tokenizer.json beside the token shards."""
+    from ddiloco.export import ExportError, _tokenizer_files
+
+    folder = tmp_path / "prepared"
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "manifest.json", "train-00000.bin", "val.bin"):
+        (folder / name).write_text("x")
+    cfg = build_config({"data": {"tokenizer": str(folder)}})
+    assert sorted(name for _, name in _tokenizer_files(cfg)) == ["tokenizer.json", "tokenizer_config.json"]
+    single = build_config({"data": {"tokenizer": str(folder / "tokenizer.json")}})
+    assert [name for _, name in _tokenizer_files(single)] == ["tokenizer.json"]
+    with pytest.raises(ExportError, match="does not exist"):
+        _tokenizer_files(build_config({"data": {"tokenizer": str(tmp_path / "gone")}}))
