@@ -31,7 +31,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import base_parser, header, verdict, write_results
+from common import base_parser, exit_on_sigterm, header, verdict, write_results
 
 SHARD_BYTES = 64 << 20
 GOAL_RATIO = 20.0
@@ -125,6 +125,7 @@ def main() -> None:
     ap = base_parser(__doc__)
     ap.add_argument("--seconds", type=float, default=None, help="measuring time per rate (default 10, --quick 2)")
     args = ap.parse_args()
+    exit_on_sigterm()  # a timeout's SIGTERM still deletes the temporary corpora
     from ddiloco.platform.config import DataConfig, load_config
 
     cfg = load_config()
