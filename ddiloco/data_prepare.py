@@ -127,6 +127,11 @@ class _ShardWriter:
         self._rows: list[list[int]] = []
         self._row_tokens = 0
 
+    @property
+    def empty(self) -> bool:
+        """Nothing written yet (then the last document goes to validation: every corpus gets a validation shard)."""
+        return not self.entries and self._file is None
+
     def _name(self) -> str:
         suffix = "bin" if self.fmt == "bin" else "parquet"
         return f"{self.prefix}.{suffix}" if self.shard_tokens is None else f"{self.prefix}-{len(self.entries):05d}.{suffix}"
@@ -242,7 +247,7 @@ def prepare(
         flush()
     if last is None:
         raise ConfigError(f"{corpus.where} holds no documents")
-    (val if is_val(docs - 1, val_fraction) or not val.entries and val._file is None else train).write([last])
+    (val if is_val(docs - 1, val_fraction) or val.empty else train).write([last])
     train.close()
     val.close()
     if not train.entries:
