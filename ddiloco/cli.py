@@ -6,7 +6,10 @@ import json
 import logging
 import sys
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -17,6 +20,9 @@ from ddiloco.platform.config import ConfigError, RunConfig, load_config
 from ddiloco.platform.redact import redact_url
 from ddiloco.simulator.command import simulate_command
 from ddiloco.ui.command import ui_command
+
+if TYPE_CHECKING:  # the runtime stays unimported until a command needs it (bad input is refused in a second)
+    from ddiloco.platform.runtime import RunContext
 
 app = typer.Typer(help="Decoupled DiLoCo pre-training: learners, synchronizer, demo and tools.", no_args_is_help=True)
 ledger_app = typer.Typer(help="The SQL ledger.", no_args_is_help=True)
@@ -63,6 +69,41 @@ def _with_init_from(cfg: RunConfig, init_from: str | None) -> RunConfig:
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": init_from})})
 
 
+@contextmanager
+def _read_only_run(
+    config: Path | None, run: str | None, ledger: str | None, store: str | None, refused: tuple[type[Exception], ...] = ()
+) -> Iterator[RunContext]:
+    """A run's context on a read-only ledger engine (--ledger / --store override the config); it never
+    creates a ledger. An unknown run, an unreadable ledger or any of ``refused`` is one line and exit 2."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from ddiloco.platform.ledger import make_engine
+    from ddiloco.platform.ledger.queries import UnknownRunError
+    from ddiloco.platform.runtime import RunContext
+
+    cfg = _config(config)
+    if store:
+        cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"url": store})})
+    url = ledger or cfg.ledger.url
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite" and not (parsed.database and Path(parsed.database).is_file()):
+        # Connecting would create an empty file.
+        err_console.print(f"[red]error:[/red] no ledger file at {redact_url(url)}")
+        raise typer.Exit(2)
+    ctx = RunContext.open(cfg, run or cfg.name, engine=make_engine(url, read_only=True))
+    try:
+        yield ctx
+    except (UnknownRunError, *refused) as err:
+        err_console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+    except SQLAlchemyError as err:
+        err_console.print(f"[red]error:[/red] cannot read the ledger at {redact_url(url)}: {str(err).splitlines()[0]}")
+        raise typer.Exit(2) from None
+    finally:
+        ctx.engine.dispose()
+
+
 def _ledger_url(ledger: str | None, config: Path | None) -> str:
     return ledger or _config(config).ledger.url
 
@@ -85,34 +126,11 @@ def ledger_check(
     store: str | None = typer.Option(None, "--store", help="Fragment store URL; defaults to the config's storage.url."),
 ) -> None:
     """Check a run's invariants against its store, read-only: prints "ok", or every problem and exits 1."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import SQLAlchemyError
 
     from ddiloco.platform.invariants import check_run
-    from ddiloco.platform.ledger import make_engine
-    from ddiloco.platform.ledger.queries import UnknownRunError
-    from ddiloco.platform.runtime import RunContext
 
-    cfg = _config(config)
-    if store:
-        cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"url": store})})
-    url = ledger or cfg.ledger.url
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite" and not (parsed.database and Path(parsed.database).is_file()):
-        # Connecting would create an empty file; a check never creates a ledger.
-        err_console.print(f"[red]error:[/red] no ledger file at {redact_url(url)}")
-        raise typer.Exit(2)
-    ctx = RunContext.open(cfg, run or cfg.name, engine=make_engine(url, read_only=True))
-    try:
+    with _read_only_run(config, run, ledger, store) as ctx:
         problems = check_run(ctx)
-    except UnknownRunError as err:
-        err_console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from None
-    except SQLAlchemyError as err:
-        err_console.print(f"[red]error:[/red] cannot read the ledger at {redact_url(url)}: {str(err).splitlines()[0]}")
-        raise typer.Exit(2) from None
-    finally:
-        ctx.engine.dispose()
     for problem in problems:
         typer.echo(str(problem))
     if problems:
@@ -318,14 +336,9 @@ def export_command(
     store: str | None = typer.Option(None, "--store", help="Fragment store URL; defaults to the config's storage.url."),
 ) -> None:
     """Write a run's global model (newest or version N) as safetensors or a Hugging Face directory; read-only."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import SQLAlchemyError
 
     from ddiloco.export import ExportError, export_run
-    from ddiloco.platform.ledger import make_engine
-    from ddiloco.platform.ledger.queries import UnknownRunError
     from ddiloco.platform.models.weights import WeightsError
-    from ddiloco.platform.runtime import RunContext
     from ddiloco.platform.store import StoreError
 
     if fmt not in ("hf", "safetensors"):
@@ -334,25 +347,8 @@ def export_command(
     if version != "latest" and not version.isdigit():
         err_console.print(f"[red]error:[/red] --version must be latest or a version number, got {version!r}")
         raise typer.Exit(2)
-    cfg = _config(config)
-    if store:
-        cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"url": store})})
-    url = ledger or cfg.ledger.url
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite" and not (parsed.database and Path(parsed.database).is_file()):
-        err_console.print(f"[red]error:[/red] no ledger file at {redact_url(url)}")
-        raise typer.Exit(2)
-    ctx = RunContext.open(cfg, run or cfg.name, engine=make_engine(url, read_only=True))
-    try:
+    with _read_only_run(config, run, ledger, store, refused=(ExportError, ConfigError, WeightsError, StoreError)) as ctx:
         done = export_run(ctx, to=to, fmt=fmt, version=None if version == "latest" else int(version))  # type: ignore[arg-type]
-    except (ExportError, UnknownRunError, ConfigError, WeightsError, StoreError) as err:
-        err_console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from None
-    except SQLAlchemyError as err:
-        err_console.print(f"[red]error:[/red] cannot read the ledger at {redact_url(url)}: {str(err).splitlines()[0]}")
-        raise typer.Exit(2) from None
-    finally:
-        ctx.engine.dispose()
     versions = sorted(set(done.versions.values()))
     console.print(f"exported run {ctx.run_id} ({len(done.versions)} fragments, versions {versions[0]}..{versions[-1]}) "
                   f"to {redact_url(done.to)}: {', '.join(done.files)}")

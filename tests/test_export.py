@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from support import TINY_LLAMA
 from typer.testing import CliRunner
 
 from ddiloco.inprocess import SimClock, sim_learner, sim_step
@@ -21,15 +22,6 @@ from ddiloco.synchronizer.service import Synchronizer
 
 transformers = pytest.importorskip("transformers")
 
-TINY_LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": True,
-}
 
 
 def run_config(ledger_url: str, store_url: str, name: str = "hf-run", **model):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import TINY_LLAMA
 
 from ddiloco.platform.config import ConfigError, ModelConfig, build_config
 from ddiloco.platform.data import Batch
@@ -13,15 +14,6 @@ from ddiloco.synchronizer.evaluation import load_params
 
 pytest.importorskip("transformers")
 
-TINY_LLAMA = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": True,
-}
 
 
 def tiny(**over) -> ModelConfig:

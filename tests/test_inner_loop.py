@@ -6,17 +6,14 @@ import math
 
 import pytest
 import torch
-from support import tiny_config
+from support import sim_run, tiny_config
 
-from ddiloco.inprocess import SimClock, in_memory_config, sim_learner, sim_step
+from ddiloco.inprocess import sim_learner, sim_step
 from ddiloco.learner_worker.schedule import lr_factor, param_groups, schedule_steps
 from ddiloco.platform.config import InnerOptimizerConfig
 from ddiloco.platform.data import Batch
-from ddiloco.platform.ledger import open_ledger
 from ddiloco.platform.ledger.models import Learner as LearnerRow
 from ddiloco.platform.models import build_model
-from ddiloco.platform.runtime import RunContext
-from ddiloco.synchronizer.service import Synchronizer
 
 
 def test_warm_up_then_constant_cosine_or_wsd():
@@ -51,17 +48,8 @@ def test_norms_biases_and_embeddings_are_not_decayed():
     assert any("embed" in n for n in kept) and any(n.endswith("bias") for n in kept)
 
 
-def make_run(**sections):
-    cfg = in_memory_config(tiny_config(**sections))
-    clock = SimClock()
-    ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
-    sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
-    sync.poll_once(clock.t)
-    return cfg, clock, ctx, sync
-
-
 def test_the_scheduler_sets_each_steps_learning_rate():
-    cfg, clock, ctx, sync = make_run(inner={"warmup_steps": 3, "schedule": "cosine"}, token_budget=20_000)
+    cfg, clock, ctx, sync = sim_run(inner={"warmup_steps": 3, "schedule": "cosine"}, token_budget=20_000)
     learner = sim_learner(ctx, "us-0")
     learner.start(clock.t)
     total = schedule_steps(cfg)
@@ -73,8 +61,8 @@ def test_the_scheduler_sets_each_steps_learning_rate():
 
 
 def test_accumulated_micro_batches_take_the_step_of_their_union():
-    _, clock, ctx, _ = make_run(inner={"grad_accum_steps": 2, "warmup_steps": 0}, learners={"regions": [{"name": "us", "learners": 1}]})
-    _, clock2, ctx2, _ = make_run(inner={"warmup_steps": 0}, learners={"regions": [{"name": "us", "learners": 1}]})
+    _, clock, ctx, _ = sim_run(inner={"grad_accum_steps": 2, "warmup_steps": 0}, learners={"regions": [{"name": "us", "learners": 1}]})
+    _, clock2, ctx2, _ = sim_run(inner={"warmup_steps": 0}, learners={"regions": [{"name": "us", "learners": 1}]})
     accum, whole = sim_learner(ctx, "us-0"), sim_learner(ctx2, "us-0")
     accum.start(clock.t)
     whole.start(clock2.t)
@@ -90,7 +78,7 @@ def test_accumulated_micro_batches_take_the_step_of_their_union():
 
 
 def test_a_new_incarnation_goes_on_where_its_last_registered_submission_left_off():
-    cfg, clock, ctx, sync = make_run(inner={"grad_accum_steps": 2})
+    cfg, clock, ctx, sync = sim_run(inner={"grad_accum_steps": 2})
     first = sim_learner(ctx, "us-0")
     first.start(clock.t)
     for _ in range(7):
@@ -114,7 +102,7 @@ def test_a_new_incarnation_goes_on_where_its_last_registered_submission_left_off
 
 
 def test_compiled_learner_trains():
-    _, clock, ctx, sync = make_run(learners={"compile": True, "regions": [{"name": "us", "learners": 1}]})
+    _, clock, ctx, sync = sim_run(learners={"compile": True, "regions": [{"name": "us", "learners": 1}]})
     learner = sim_learner(ctx, "us-0")
     learner.start(clock.t)
     losses = []

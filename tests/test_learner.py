@@ -3,26 +3,14 @@
 from __future__ import annotations
 
 import torch
-from support import tiny_config
+from support import sim_run
 
-from ddiloco.inprocess import SimClock, in_memory_config, sim_learner, sim_step
-from ddiloco.platform.ledger import open_ledger
+from ddiloco.inprocess import sim_learner, sim_step
 from ddiloco.platform.ledger import queries as q
-from ddiloco.platform.runtime import RunContext
-from ddiloco.synchronizer.service import Synchronizer
-
-
-def make_run(**sections):
-    cfg = in_memory_config(tiny_config(**sections))
-    clock = SimClock()
-    ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
-    sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
-    sync.poll_once(clock.t)
-    return cfg, clock, ctx, sync
 
 
 def test_restarted_learner_resumes_its_adamw_state_and_the_newest_global_version():
-    cfg, clock, ctx, sync = make_run(learners={"save_optimizer_every": 5, "regions": [{"name": "us", "learners": 1}]})
+    cfg, clock, ctx, sync = sim_run(learners={"save_optimizer_every": 5, "regions": [{"name": "us", "learners": 1}]})
     first = sim_learner(ctx, "us-0", index=0, num_learners=1)
     first.start(clock.t)
     for _ in range(10):
@@ -47,7 +35,7 @@ def test_restarted_learner_resumes_its_adamw_state_and_the_newest_global_version
 
 
 def test_late_joiner_starts_from_the_newest_global_state():
-    cfg, clock, ctx, sync = make_run()
+    cfg, clock, ctx, sync = sim_run()
     early = sim_learner(ctx, "us-0", index=0, num_learners=2)
     early.start(clock.t)
     for _ in range(2 * cfg.fragments.count):
@@ -63,7 +51,7 @@ def test_late_joiner_starts_from_the_newest_global_state():
 
 
 def test_blend_on_receipt_moves_halfway():
-    cfg, clock, ctx, sync = make_run(merge={"on_receipt": "blend", "blend_alpha": 0.5})
+    cfg, clock, ctx, sync = sim_run(merge={"on_receipt": "blend", "blend_alpha": 0.5})
     learner = sim_learner(ctx, "us-0", index=0, num_learners=1)
     learner.start(clock.t)
     name = learner.fragments[0].keys[0]
@@ -81,7 +69,7 @@ def _arrive(learner, p, tensors):
 
 
 def test_rebase_on_receipt_carries_the_unsent_progress_onto_the_new_version():
-    cfg, clock, ctx, sync = make_run(merge={"on_receipt": "rebase"})
+    cfg, clock, ctx, sync = sim_run(merge={"on_receipt": "rebase"})
     learner = sim_learner(ctx, "us-0", index=0, num_learners=1)
     learner.start(clock.t)
     for _ in range(cfg.fragments.period + 2):
@@ -119,7 +107,7 @@ def test_rebase_on_receipt_carries_the_unsent_progress_onto_the_new_version():
 
 
 def test_overwrite_on_receipt_discards_the_unsent_progress():
-    cfg, clock, ctx, sync = make_run(merge={"on_receipt": "overwrite"})
+    cfg, clock, ctx, sync = sim_run(merge={"on_receipt": "overwrite"})
     learner = sim_learner(ctx, "us-0", index=0, num_learners=1)
     learner.start(clock.t)
     for _ in range(2):
