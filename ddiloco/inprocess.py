@@ -80,13 +80,11 @@ def sim_learner(ctx: RunContext, learner_id: str, *, index: int | None = None, n
     """A learner of ``ctx``'s run driven by a simulation: its link has no threads (see :func:`sim_step`).
 
     ``index`` and ``num_learners`` default to the learner's place in the config."""
-    ids = [lid for lid, _, _ in ctx.cfg.learners.learner_ids()]
-    _, region, _ = ctx.cfg.learners.resolve(learner_id)
-    link = LearnerLink(ctx, learner_id, region)
+    place, region, _ = ctx.cfg.learners.resolve(learner_id)
     return Learner(
-        ctx.cfg, learner_id, link=link, clock=ctx.now,
-        index=ids.index(learner_id) if index is None else index,
-        num_learners=len(ids) if num_learners is None else num_learners,
+        ctx.cfg, learner_id, link=LearnerLink(ctx, learner_id, region), clock=ctx.now,
+        index=place if index is None else index,
+        num_learners=ctx.cfg.learners.count if num_learners is None else num_learners,
     )
 
 

@@ -54,11 +54,11 @@ def test_blend_on_receipt_moves_halfway():
     cfg, clock, ctx, sync = sim_run(merge={"on_receipt": "blend", "blend_alpha": 0.5})
     learner = sim_learner(ctx, "us-0", index=0, num_learners=1)
     learner.start(clock.t)
-    name = learner.fragments[0].keys[0]
-    local = learner.views[0][name].detach().clone()
-    incoming = {n: torch.zeros_like(t) for n, t in learner.views[0].items()}
+    name = next(iter(learner.fragments[0].tensors))
+    local = learner.fragments[0].tensors[name].detach().clone()
+    incoming = {n: torch.zeros_like(t) for n, t in learner.fragments[0].tensors.items()}
     _arrive(learner, 0, incoming)
-    torch.testing.assert_close(learner.views[0][name].detach(), 0.5 * local)
+    torch.testing.assert_close(learner.fragments[0].tensors[name].detach(), 0.5 * local)
     assert learner.fragments[0].c_steps == 0 and torch.equal(learner.fragments[0].host_snapshot()[name], incoming[name])
 
 
@@ -77,8 +77,8 @@ def test_rebase_on_receipt_carries_the_unsent_progress_onto_the_new_version():
         learner.step(clock.t)
     p = max(range(len(learner.fragments)), key=lambda i: learner.fragments[i].c_steps)
     frag = learner.fragments[p]
-    names = frag.keys
-    views = learner.views[p]
+    views = frag.tensors
+    names = list(views)
     steps, tokens = frag.c_steps, frag.c_tokens
     assert steps > 0
     unsent = {n: views[n].detach() - frag.host_snapshot()[n] for n in names}
@@ -99,10 +99,10 @@ def test_rebase_on_receipt_carries_the_unsent_progress_onto_the_new_version():
         report = learner.step(clock.t + 1.0)
     q_ = report.submitted[0]
     assert learner.fragments[q_].c_steps == 0
-    incoming = {n: torch.randn_like(t) for n, t in learner.views[q_].items()}
+    incoming = {n: torch.randn_like(t) for n, t in learner.fragments[q_].tensors.items()}
     _arrive(learner, q_, incoming)
     for n, t in incoming.items():
-        assert torch.equal(learner.views[q_][n].detach(), t)
+        assert torch.equal(learner.fragments[q_].tensors[n].detach(), t)
     assert learner.fragments[q_].c_steps == 0 and learner.fragments[q_].c_tokens == 0
 
 
@@ -114,8 +114,8 @@ def test_overwrite_on_receipt_discards_the_unsent_progress():
         clock.t += 1.0
         learner.step(clock.t)
     p = max(range(len(learner.fragments)), key=lambda i: learner.fragments[i].c_steps)
-    incoming = {n: torch.randn_like(t) for n, t in learner.views[p].items()}
+    incoming = {n: torch.randn_like(t) for n, t in learner.fragments[p].tensors.items()}
     _arrive(learner, p, incoming)
     for n, t in incoming.items():
-        assert torch.equal(learner.views[p][n].detach(), t)
+        assert torch.equal(learner.fragments[p].tensors[n].detach(), t)
     assert learner.fragments[p].c_steps == 0 and learner.fragments[p].c_tokens == 0

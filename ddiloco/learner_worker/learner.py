@@ -69,8 +69,9 @@ class FragmentState:
     as of the last send: the next send carries ``snapshot − params``, only what was learned since,
     so a learner that sends twice before it hears back is never merged twice."""
 
-    keys: tuple[str, ...]
-    """The fragment's tensor keys: parameter names, or row-piece keys (see fragments.py)."""
+    tensors: Tensors
+    """The fragment's live parameter tensors (views into the model) by key: a parameter name, or a
+    row-piece key for part of a parameter (see fragments.py)."""
     base: int = -1
     snapshot: Tensors | Staged = field(default_factory=dict)
     c_steps: int = 0
@@ -167,9 +168,7 @@ class Learner:
         self.model.train()
         self.params = dict(self.model.named_parameters())
         parts = partition_module(self.model, cfg.fragments.count)
-        self.fragments = [FragmentState(f.keys) for f in parts]
-        self.views = [fragment_views(self.params, f) for f in parts]
-        """Per fragment: its tensors' names → the live parameter tensors (views into the model)."""
+        self.fragments = [FragmentState(fragment_views(self.params, f)) for f in parts]
         if link is not None:
             link.num_fragments = len(self.fragments)
         self.optimizer = torch.optim.AdamW(
@@ -319,7 +318,7 @@ class Learner:
         for frag in self.fragments:
             frag.c_steps += 1
             frag.c_tokens += tokens
-        sent = [p for p in due_fragments(self.step_count, len(self.fragments), self.cfg.fragments.period)]
+        sent = due_fragments(self.step_count, len(self.fragments), self.cfg.fragments.period)
         with span("learner.send", into=self.timings):
             for p in sent:
                 self.send(p, now)
@@ -406,15 +405,15 @@ class Learner:
                 for p, version in control.apply:
                     frag = self.fragments[p]
                     first = frag.base < 0
-                    for n, param in self.views[p].items():
+                    for n, param in frag.tensors.items():
                         receive_tensor(param, incoming[n], rebase=p in rebase, first=first, alpha=alpha)
                     frag.received(version, control.arrived[p][1] if self.link is not None else None, rebase=p in rebase)
         return [p for p, _ in control.apply]
 
     def _incoming(self, control: Control, rebase: set[int]) -> Tensors:
         """What every rank folds in: G, or G − S when rebasing; rank 0 broadcasts it as one flat buffer."""
-        names = [(p, n) for p, _ in control.apply for n in self.views[p]]
-        shapes = {n: self.views[p][n].shape for p, n in names}
+        names = [(p, n) for p, _ in control.apply for n in self.fragments[p].tensors]
+        shapes = {n: self.fragments[p].tensors[n].shape for p, n in names}
         if self.link is not None:
             snaps = {p: self.fragments[p].host_snapshot() for p in rebase}
             host = {
@@ -438,7 +437,7 @@ class Learner:
             frag.reset_counts()
             return
         with span("learner.stage"):
-            staged = self.stager.stage(self.views[p])
+            staged = self.stager.stage(frag.tensors)
             base_version = frag.base
             increment, c_steps, c_tokens = frag.take_increment(staged)
             out = Outgoing(
