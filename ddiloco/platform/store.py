@@ -7,15 +7,17 @@ conditional PUT on object stores."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+import numpy as np
 import torch
 from fsspec.core import url_to_fs
-from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
@@ -50,7 +52,8 @@ class BlobInfo:
 
 
 def _is_transient(err: BaseException) -> bool:
-    if isinstance(err, (StoreError, InvalidIdError, FileExistsError, FileNotFoundError, PermissionError, ValueError)):
+    permanent = (StoreError, InvalidIdError, FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
+    if isinstance(err, (*permanent, PermissionError, ValueError)):
         return False
     return isinstance(err, (OSError, ConnectionError, TimeoutError)) or type(err).__name__ in (
         "ClientError",
@@ -83,22 +86,67 @@ def encode_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | 
     return st_save(clean, metadata=metadata)
 
 
-def decode_tensors(data: bytes, key: str = "<bytes>") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Parse safetensors bytes; anything else (a pickle, a truncated file) raises BlobCorruptError."""
+# Bounds on what a blob may ask of its reader, checked before any parser runs: an honest header
+# lists a fragment's tensors (well under a megabyte) and nests three deep; a hostile one can be a
+# 100,000-deep JSON document that makes a recursive parser raise on every poll.
+MAX_HEADER_BYTES = 16 << 20
+MAX_BLOB_BYTES = 1 << 40
+MAX_JSON_DEPTH = 16
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+_BRACKET_STEP = np.zeros(256, dtype=np.int8)
+_BRACKET_STEP[[ord("{"), ord("[")]] = 1
+_BRACKET_STEP[[ord("}"), ord("]")]] = -1
+
+
+def json_depth(text: bytes) -> int:
+    """How deep the brackets of JSON ``text`` nest (brackets inside strings do not count); no recursion."""
+    bare = np.frombuffer(_JSON_STRING.sub(b"", text), dtype=np.uint8)
+    if not bare.size:
+        return 0
+    return int(np.cumsum(_BRACKET_STEP[bare], dtype=np.int32).max())
+
+
+def _parse_header(data: bytes, key: str) -> dict[str, str]:
+    """The blob's ``__metadata__``, after bounding the header's size and nesting (and that of JSON metadata values)."""
     if len(data) < 8:
         raise BlobCorruptError(f"blob {key!r} is truncated ({len(data)} bytes)")
     header_len = int.from_bytes(data[:8], "little")
+    if header_len > MAX_HEADER_BYTES:
+        raise BlobCorruptError(f"blob {key!r} has a {header_len}-byte header (at most {MAX_HEADER_BYTES} allowed)")
     if header_len <= 0 or 8 + header_len > len(data):
         raise BlobCorruptError(f"blob {key!r} is not a safetensors file (bad header length {header_len})")
+    raw = data[8 : 8 + header_len]
+    if json_depth(raw) > MAX_JSON_DEPTH:
+        raise BlobCorruptError(f"blob {key!r} has a header nested deeper than {MAX_JSON_DEPTH}")
     try:
-        import json
-
-        header = json.loads(data[8 : 8 + header_len])
-        tensors = st_load(data)
-    except (SafetensorError, ValueError, UnicodeDecodeError) as err:
-        raise BlobCorruptError(f"blob {key!r} is not a valid safetensors file: {err}") from None
+        header = json.loads(raw)
+    except ValueError as err:  # UnicodeDecodeError included
+        raise BlobCorruptError(f"blob {key!r} has a header that is not JSON: {_short(err)}") from None
+    if not isinstance(header, dict):
+        raise BlobCorruptError(f"blob {key!r} has a header that is not a JSON object")
     meta = header.get("__metadata__") or {}
-    return tensors, dict(meta)
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise BlobCorruptError(f"blob {key!r} has __metadata__ that is not a map of strings")
+    for name, value in meta.items():
+        # Metadata values are often JSON themselves (the delta codec's tensor list): bound them too.
+        if json_depth(value.encode()) > MAX_JSON_DEPTH:
+            raise BlobCorruptError(f"blob {key!r} has __metadata__ {name[:40]!r} nested deeper than {MAX_JSON_DEPTH}")
+    return dict(meta)
+
+
+def _short(err: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def decode_tensors(data: bytes, key: str = "<bytes>") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Parse safetensors bytes with bounds; anything else (a pickle, a truncated file, a hostile header) raises BlobCorruptError."""
+    meta = _parse_header(data, key)
+    try:
+        tensors = st_load(data)
+    except Exception as err:  # noqa: BLE001 - whatever the parser chokes on, it is this blob's fault
+        raise BlobCorruptError(f"blob {key!r} is not a valid safetensors file: {_short(err)}") from None
+    return tensors, meta
 
 
 def sha256_hex(data: bytes) -> str:
@@ -189,25 +237,37 @@ class FragmentStore:
     # --- reading -------------------------------------------------------------------------------
 
     @_retry
-    def _read(self, path: str) -> bytes:
-        return self.fs.cat_file(path)
+    def _read(self, path: str, limit: int | None = None) -> bytes:
+        # A ranged read of at most limit + 1 bytes: one byte more tells a longer object from an exact one.
+        return self.fs.cat_file(path) if limit is None else self.fs.cat_file(path, start=0, end=limit + 1)
 
-    def get_bytes(self, key: str, sha256: str | None = None) -> bytes:
+    def get_bytes(self, key: str, sha256: str | None = None, nbytes: int | None = None) -> bytes:
+        """The blob's bytes; with ``nbytes`` (the registered size) no more than that is ever read."""
         path = self.path(key)
+        if nbytes is not None and not 0 < nbytes <= MAX_BLOB_BYTES:
+            raise BlobCorruptError(f"blob {key!r} is registered with {nbytes} bytes (1..{MAX_BLOB_BYTES} allowed)")
         try:
-            data = self._read(path)
-        except FileNotFoundError:
-            raise BlobMissingError(f"blob {key!r} is missing from {self.url}") from None
+            data = self._read(path, nbytes)
+        except (FileNotFoundError, NotADirectoryError):
+            # The store's URL is left out on purpose: reasons are recorded in the ledger and shown.
+            raise BlobMissingError(f"blob {key!r} is missing") from None
+        except IsADirectoryError:
+            raise BlobCorruptError(f"blob {key!r} is a directory, not a blob") from None
+        if nbytes is not None and len(data) != nbytes:
+            size = "larger than" if len(data) > nbytes else f"{len(data)} bytes, not"
+            raise BlobCorruptError(f"blob {key!r} is {size} the {nbytes} bytes registered")
         if sha256 is not None and sha256_hex(data) != sha256:
             raise BlobCorruptError(f"blob {key!r} does not match its sha256 (expected {sha256[:12]}…, {len(data)} bytes read)")
         return data
 
-    def get(self, key: str, sha256: str | None = None) -> dict[str, torch.Tensor]:
-        """Read and verify a blob. Pass the registered sha256 whenever it is known."""
-        return self.get_with_metadata(key, sha256)[0]
+    def get(self, key: str, sha256: str | None = None, nbytes: int | None = None) -> dict[str, torch.Tensor]:
+        """Read and verify a blob. Pass the registered sha256 (and size) whenever they are known."""
+        return self.get_with_metadata(key, sha256, nbytes)[0]
 
-    def get_with_metadata(self, key: str, sha256: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        return decode_tensors(self.get_bytes(key, sha256), key)
+    def get_with_metadata(
+        self, key: str, sha256: str | None = None, nbytes: int | None = None
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        return decode_tensors(self.get_bytes(key, sha256, nbytes), key)
 
     def verify(self, key: str, sha256: str) -> bool:
         try:

@@ -32,7 +32,7 @@ from ddiloco.platform.models.weights import load_weights, read_weights
 from ddiloco.platform.run_state import Layout, build_layout, read_version, register_run
 from ddiloco.platform.runtime import RunContext, to_datetime, to_timestamp
 from ddiloco.platform.spans import span
-from ddiloco.platform.store import StoreError
+from ddiloco.platform.store import MAX_HEADER_BYTES, StoreError
 from ddiloco.synchronizer import policy as pol
 from ddiloco.synchronizer.evaluation import evaluate_and_record, load_params, newest_params
 from ddiloco.synchronizer.merge import GlobalFragment, Member, MergePolicy, merge_fragment, norm_of
@@ -318,8 +318,12 @@ class Synchronizer:
         why = pol.check_counts(sb.c_steps, sb.c_tokens) or pol.check_staleness(version, sb.base_version, self.cfg.merge.max_staleness)
         if why:
             return why
+        # Reads are bounded by the registered size, and that by what any encoding of the fragment takes.
+        most = 8 * sum(math.prod(shape) for shape in shapes.values()) + MAX_HEADER_BYTES
+        if sb.nbytes > most:
+            return f"blob: {sb.nbytes} bytes registered, more than the {most} any encoding of this fragment takes"
         try:
-            tensors, meta = self.ctx.store(regions[sb.learner_id]).get_with_metadata(sb.blob_key, sb.sha256)
+            tensors, meta = self.ctx.store(regions[sb.learner_id]).get_with_metadata(sb.blob_key, sb.sha256, sb.nbytes)
             delta = decode_delta(tensors, meta, expected=shapes)
         except StoreError as err:
             return f"blob: {err}"
