@@ -17,7 +17,7 @@ from rich.table import Table
 
 from ddiloco.bench.command import bench_app
 from ddiloco.platform.config import ConfigError, RunConfig, load_config
-from ddiloco.platform.redact import redact_url
+from ddiloco.platform.redact import RedactingFilter, redact_url
 from ddiloco.simulator.command import simulate_command
 from ddiloco.ui.command import ui_command
 
@@ -46,6 +46,8 @@ def _setup_logging(verbose: bool = False) -> None:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter())
 
 
 def _config(path: Path | None) -> RunConfig:
@@ -98,7 +100,7 @@ def _read_only_run(
         err_console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
     except SQLAlchemyError as err:
-        err_console.print(f"[red]error:[/red] cannot read the ledger at {redact_url(url)}: {str(err).splitlines()[0]}")
+        err_console.print(f"[red]error:[/red] {redact_url(f'cannot read the ledger at {url}: {str(err).splitlines()[0]}')}")
         raise typer.Exit(2) from None
     finally:
         ctx.engine.dispose()

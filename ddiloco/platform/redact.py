@@ -1,42 +1,103 @@
-"""Credentials never leave the process: URLs are masked before they are recorded or shown.
+"""Credentials never leave the process: URLs are masked before they are recorded, logged or shown.
 
-One rule for every URL (ledger, store, region buckets): SQLAlchemy's URL parser reads
-``scheme://user:password@host/path?query`` for any scheme, and renders it with the password hidden."""
+One rule for every shape a credential takes in a URL or a connection string (ledger, store bucket,
+region), erring on the side of masking:
+
+- the password of the userinfo, up to the *last* ``@`` that a host follows, so a password written with
+  an unencoded ``@``, ``/`` or ``?`` is hidden whole (SQLAlchemy's ``make_url`` splits such a URL at the
+  first ``@`` and would show the rest as host and database);
+- the value of every query parameter whose name ends with a sensitive word (``password``, ``secret``,
+  ``token``, ``sig``, ``key``, ``credential``, …: libpq's ``?password=``, ``s3://…?secret=``,
+  ``gs://…?token=``, pre-signed ``X-Amz-Signature``), and of any parameter whose value carries such a
+  ``name=value`` pair inside (libpq ``options``);
+- ``name=value`` pairs of a libpq keyword/value conninfo string (``host=db password=…``).
+
+Text without any of these is returned exactly as written."""
 
 from __future__ import annotations
 
+import logging
+import re
+import traceback
 from typing import Any
+from urllib.parse import unquote
 
 MASK = "***"
-SECRET_QUERY_KEYS = frozenset({"password"})
-"""Query parameters that carry a password (libpq reads ``?password=``)."""
+SENSITIVE_WORDS = ("password", "passwd", "pwd", "secret", "token", "sig", "signature", "key", "credential", "credentials", "auth")
+"""A parameter or keyword whose name ends with one of these (case, ``-`` and ``_`` ignored) is a secret:
+``sslpassword``, ``aws_secret_access_key``, ``X-Amz-Security-Token`` are; ``tokenizer`` and ``key_id`` are not."""
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]*")
+_CONNINFO_PAIR = re.compile(r"([A-Za-z][\w.\-]*)(\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&;]+)")
+
+
+def is_sensitive(name: str) -> bool:
+    """Whether a parameter called ``name`` carries a secret."""
+    flat = name.lower().replace("-", "").replace("_", "")
+    return flat.endswith(SENSITIVE_WORDS)
+
+
+def _mask_pairs(text: str) -> str:
+    """``name=value`` pairs (conninfo, libpq options) with the values of sensitive names masked."""
+    return _CONNINFO_PAIR.sub(lambda m: m.group(1) + m.group(2) + MASK if is_sensitive(m.group(1)) else m.group(0), text)
+
+
+def _mask_query(query: str) -> str:
+    parts = []
+    for part in re.split(r"([&;])", query):
+        name, eq, value = part.partition("=")
+        if eq and (is_sensitive(unquote(name)) or _mask_pairs(unquote(value)) != unquote(value)):
+            part = f"{name}={MASK}"
+        parts.append(part)
+    return "".join(parts)
+
+
+_HOST_AFTER_AT = re.compile(r"@(?=[\w.\-\[\]:%,]*(?:[/?#]|$))")
+
+
+def _mask_one_url(url: str) -> str:
+    scheme, _, rest = url.partition("://")
+    # The userinfo ends at the last '@' followed by something shaped like a host (or hosts and ports):
+    # a password may hold an unencoded '@', '/' or '?'.
+    ats = [m.start() for m in _HOST_AFTER_AT.finditer(rest)]
+    at = ats[-1] if ats else -1
+    user, colon, _password = rest[: max(at, 0)].partition(":")
+    if at > 0 and colon and not rest.startswith("/"):
+        rest = f"{user}:{MASK}"
+        remainder = url.partition("://")[2][at:]
+    else:
+        rest, remainder = "", rest
+    path, q, query = remainder.partition("?")
+    return f"{scheme}://{rest}{path}{q}{_mask_query(query)}"
 
 
 def redact_url(text: str) -> str:
-    """``text`` with the password of its URL masked (in the userinfo or the query); unchanged when it holds none."""
-    if "://" not in text:
-        return text
-    # Imported here: the CLI validates a config before it loads SQLAlchemy.
-    from sqlalchemy.engine import make_url
-
-    try:
-        url = make_url(text)
-    except Exception:  # noqa: BLE001 - unparseable: show nothing that might be a secret
-        return MASK if "@" in text or "password" in text.lower() else text
-    secret_keys = [k for k in url.query if k.lower() in SECRET_QUERY_KEYS]
-    if url.password is None and not secret_keys:
-        return text  # nothing to hide: the URL is kept exactly as written
-    if secret_keys:
-        url = url.update_query_dict({k: MASK for k in secret_keys})
-    return url.render_as_string(hide_password=True)
+    """``text`` with every credential of the URLs (or the conninfo) in it masked; unchanged when it holds none."""
+    if "://" in text:
+        return _URL.sub(lambda m: _mask_one_url(m.group(0)), text)
+    return _mask_pairs(text) if "=" in text else text
 
 
 def mask_tree(value: Any) -> Any:
-    """``redact_url`` applied to every string of a JSON-like tree."""
+    """``redact_url`` applied to every string of a JSON-like tree; string values under sensitive keys masked whole."""
     if isinstance(value, str):
         return redact_url(value)
     if isinstance(value, dict):
-        return {k: mask_tree(v) for k, v in value.items()}
+        # Credentials passed as options ({"secret": ...}) rather than inside a URL.
+        return {k: MASK if isinstance(v, str) and v and is_sensitive(str(k)) else mask_tree(v) for k, v in value.items()}
     if isinstance(value, list):
         return [mask_tree(v) for v in value]
     return value
+
+
+class RedactingFilter(logging.Filter):
+    """A handler filter that masks credentials in every record's message and traceback before it is written."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        masked = redact_url(message)
+        if masked != message:
+            record.msg, record.args = masked, None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact_url("".join(traceback.format_exception(*record.exc_info)).rstrip("\n"))
+        return True

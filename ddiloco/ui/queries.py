@@ -80,7 +80,7 @@ def read_only_engine(url: str) -> Engine:
     try:
         parsed = make_url(url)
     except Exception as err:  # noqa: BLE001 - any parse failure is a bad URL
-        raise LedgerUnavailable(f"not a ledger URL: {redact_url(url)} ({err})") from None
+        raise LedgerUnavailable(redact_url(f"not a ledger URL: {url} ({err})")) from None
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         database = parsed.database
@@ -102,7 +102,7 @@ def check_schema(engine: Engine) -> None:
             names = set(inspect(conn).get_table_names())
     except Exception as err:  # noqa: BLE001 - server down, bad credentials, corrupt file …
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise LedgerUnavailable(f"cannot connect to the ledger at {redact_url(str(engine.url))}: {first}") from None
+        raise LedgerUnavailable(redact_url(f"cannot connect to the ledger at {engine.url}: {first}")) from None
     missing = [t for t in REQUIRED_TABLES if t not in names]
     if missing:
         what = "has no ledger schema yet" if len(missing) == len(REQUIRED_TABLES) else f"lacks tables {', '.join(missing)}"
