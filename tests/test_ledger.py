@@ -26,6 +26,7 @@ EXPECTED_TABLES = {
     "heartbeats",
     "submissions",
     "fragment_versions",
+    "fragment_heads",
     "merges",
     "events",
     "evaluations",

@@ -33,7 +33,8 @@ def aggregates(**changes) -> RunAggregates:
         config={"model": GPT, "learners": {"batch_size": 4}},
         tokens=TokenAccounting(trained=6400, merged=4096, rejected=1024, pending=256, lost=512, in_flight=512),
         versions={0: 3, 1: 2},
-        merged_at=[at(20), at(30), at(70)],
+        longest_merge_gap_s=40.0,  # merged at 20, 30 and 70 s
+        last_merged_at=at(70),
         val_loss_start=5.5,
         val_loss_end=3.25,
         val_accuracy_end=None,
@@ -75,7 +76,7 @@ def test_the_longest_gap_counts_from_the_first_merge_to_now_or_the_end():
     finished = aggregates(status="finished", finished_at=at(80))
     assert summarize(finished, at(10_000)) == summarize(finished, at(80))
     assert summarize(finished, at(10_000)).wall_s == 80.0
-    assert summarize(aggregates(merged_at=[]), at(100)).longest_version_gap_s == 0.0
+    assert summarize(aggregates(longest_merge_gap_s=0.0, last_merged_at=None), at(100)).longest_version_gap_s == 0.0
 
 
 def test_the_data_parallel_baseline_sends_every_parameter_every_step():

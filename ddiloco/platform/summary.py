@@ -55,12 +55,6 @@ def reason_class(reason: str | None) -> str:
     return head if len(head) <= 48 else head[:48]
 
 
-def longest_gap_s(times: list[datetime], start: datetime, end: datetime) -> float:
-    """Longest stretch in [start, end] with no new global version."""
-    points = sorted([start, *[t for t in times if start <= t <= end], end])
-    return max(((b - a).total_seconds() for a, b in zip(points, points[1:])), default=0.0)
-
-
 def step_tokens(config: Mapping[str, Any]) -> int:
     """Tokens one learner step trains, from a run's recorded config (1 when the config does not say)."""
     try:
@@ -75,7 +69,9 @@ def summarize(agg: RunAggregates, now: datetime) -> RunSummary:
     end = agg.finished_at or now
     wall = max(1e-9, (end - agg.created_at).total_seconds())
     # Downtime is counted from the first merge: before it, learners are still starting up.
-    gap = longest_gap_s(agg.merged_at, min(agg.merged_at), end) if agg.merged_at else 0.0
+    gap = 0.0
+    if agg.last_merged_at is not None:
+        gap = max(agg.longest_merge_gap_s, (end - agg.last_merged_at).total_seconds(), 0.0)
     steps = acct.trained / max(1, step_tokens(agg.config))
     allocated = wall * max(1, agg.learners)
     merged_share = acct.merged / acct.trained if acct.trained else 0.0

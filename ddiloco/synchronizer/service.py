@@ -21,7 +21,7 @@ import torch
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, retry_if_not_exception_type, wait_exponential
 
 from ddiloco.platform import liveness
-from ddiloco.platform.compression import CompressionError, decode_delta
+from ddiloco.platform.compression import CompressionError, decode_delta_into
 from ddiloco.platform.config import ConfigError
 from ddiloco.platform.faults import fault_point
 from ddiloco.platform.fragments import fragment_views
@@ -35,7 +35,7 @@ from ddiloco.platform.spans import span
 from ddiloco.platform.store import MAX_HEADER_BYTES, StoreError
 from ddiloco.synchronizer import policy as pol
 from ddiloco.synchronizer.evaluation import evaluate_and_record, load_params, newest_params
-from ddiloco.synchronizer.merge import GlobalFragment, Member, MergePolicy, merge_fragment, norm_of
+from ddiloco.synchronizer.merge import FlatDelta, FlatLayout, GlobalFragment, Member, MergePolicy, MergeWorkspace, merge_fragment
 from ddiloco.synchronizer.outer import momentum_from_blob, momentum_to_blob
 
 log = logging.getLogger("ddiloco.synchronizer")
@@ -105,6 +105,8 @@ class Synchronizer:
         self.simulated_time = False
         """In-process runs: a merge takes no simulated time, so the sync-time average stays 0."""
         self.merge_policy = MergePolicy.from_config(self.cfg)
+        self.workspace = MergeWorkspace(self.cfg.synchronizer.merge_device)
+        """Decode rows and version buffers reused from merge to merge."""
         self.grace_policy = pol.GracePolicy(
             enabled=self.cfg.grace.enabled,
             gamma=self.cfg.grace.gamma,
@@ -258,7 +260,7 @@ class Synchronizer:
             return False, len(rejected)
         fault_point("sync.mid_merge")
         with span("sync.merge"):
-            outcome = merge_fragment(current, members, self.merge_policy, live_learners=len(snap.live))
+            outcome = merge_fragment(current, members, self.merge_policy, live_learners=len(snap.live), workspace=self.workspace)
         t_q = decision.quorum_reached_at if decision.quorum_reached_at is not None else now
         record = q.MergeRecord(
             quorum=decision.quorum,
@@ -296,11 +298,13 @@ class Synchronizer:
         self, fragment: int, subs: list[Submission], version: int, regions: dict[str, str]
     ) -> tuple[list[Member], list[tuple[int, str]]]:
         """Read, decode and check the submissions: the members to merge, and (id, reason) for the rest."""
-        shapes = self.layout.shapes(fragment)
+        layout = FlatLayout.of(self.layout.shapes(fragment))
+        rows = self.workspace.rows(layout, len(subs))
         with self.ctx.reading() as s:
             recent = q.recent_merged_norms(s, self.ctx.run_id, fragment, limit=NORM_HISTORY, per_step=True)
-        # Blob reads dominate on object stores: fetch and decode them concurrently (order is kept).
-        checked = self._fetch_pool.map(lambda sb: self._validate(sb, version, shapes, recent, regions), subs)
+        # Blob reads dominate on object stores: fetch and decode them concurrently (order is kept),
+        # each straight into its own row of the workspace.
+        checked = self._fetch_pool.map(lambda sb, row: self._validate(sb, version, layout, row, recent, regions), subs, rows)
         members, rejected = [], []
         for sb, got in zip(subs, checked, strict=True):
             if isinstance(got, str):
@@ -310,7 +314,7 @@ class Synchronizer:
         return members, rejected
 
     def _validate(
-        self, sb: Submission, version: int, shapes: dict[str, tuple[int, ...]], recent: list[float], regions: dict[str, str]
+        self, sb: Submission, version: int, layout: FlatLayout, row: torch.Tensor, recent: list[float], regions: dict[str, str]
     ) -> str | Member:
         """A reason to reject the submission, or the decoded member."""
         if sb.learner_id not in regions:
@@ -319,17 +323,17 @@ class Synchronizer:
         if why:
             return why
         # Reads are bounded by the registered size, and that by what any encoding of the fragment takes.
-        most = 8 * sum(math.prod(shape) for shape in shapes.values()) + MAX_HEADER_BYTES
+        most = 8 * layout.numel + MAX_HEADER_BYTES
         if sb.nbytes > most:
             return f"blob: {sb.nbytes} bytes registered, more than the {most} any encoding of this fragment takes"
         try:
             tensors, meta = self.ctx.store(regions[sb.learner_id]).get_with_metadata(sb.blob_key, sb.sha256, sb.nbytes)
-            delta = decode_delta(tensors, meta, expected=shapes)
+            delta = FlatDelta(layout, row, decode_delta_into(tensors, meta, layout.items(), row))
         except StoreError as err:
             return f"blob: {err}"
         except CompressionError as err:
             return f"bad update: {err}"
-        norm = norm_of(delta)
+        norm = delta.norm
         # Judged per inner step: increments of one fragment cover different numbers of steps (the
         # first send of fragment p comes after p steps, the next ones after H).
         why = pol.check_finite(norm) or pol.check_norm(norm / max(1, sb.c_steps), recent, self.cfg.merge.norm_outlier_factor)
@@ -375,7 +379,9 @@ class Synchronizer:
                 )
                 for sub_id, why in rejected or []:
                     q.record_event(s, self.ctx.run_id, "submission_rejected", self.holder, f"submission {sub_id}: {why}", to_datetime(now))
+            replaced = self.state.get(fragment)
             self.state[fragment] = GlobalFragment(version, params, momentum)
+            self.workspace.recycle(replaced)  # this holder reads a version it replaced no more
             if record is not None:
                 log.info("fragment %s -> v%s: %s (%s merged, %s rejected)",
                          fragment, version, record.reason, len(merged or []), len(rejected or []))
@@ -510,5 +516,5 @@ def collect_garbage(ctx: RunContext) -> tuple[int, int]:
     for sb in subs:
         ctx.store(owner.get(sb.learner_id)).delete(sb.blob_key)
     with ctx.transaction() as s:
-        q.mark_blobs_deleted(s, [s.merge(v) for v in versions], [s.merge(sb) for sb in subs])
+        q.mark_blobs_deleted(s, versions, subs)
     return len(versions), len(subs)

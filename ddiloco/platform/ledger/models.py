@@ -17,6 +17,8 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    false,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -54,6 +56,11 @@ class UtcDateTime(TypeDecorator[datetime]):
 PENDING = "pending"
 MERGED = "merged"
 REJECTED = "rejected"
+
+# Predicates of the partial indexes; the queries that use an index say exactly the same.
+GC_SUBMISSIONS = text("status <> 'pending' AND blob_deleted = false")
+REJECTED_ROWS = text("status = 'rejected'")
+GC_VERSIONS = text("gc_done = false")
 
 
 class Base(DeclarativeBase):
@@ -118,6 +125,14 @@ class Learner(Base):
     data_batches: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     """Micro-batches each rank had drawn when the newest registered submission was sent: where a
     restarted learner resumes its data stream (set by the current incarnation's registrations)."""
+    # Running totals of every submission the learner registered (all incarnations, whatever their fate),
+    # kept by the registration's own statement so the dashboard never aggregates the submissions.
+    submissions: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    tokens_sent: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    bytes_sent: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    last_submission_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+    loss: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """The newest training loss the learner reported."""
 
 
 class Heartbeat(Base):
@@ -145,6 +160,11 @@ class Submission(Base):
         UniqueConstraint("run_id", "learner_id", "uid", name="uq_submissions_run_learner_uid"),
         Index("ix_submissions_poll", "run_id", "status", "fragment"),
         Index("ix_submissions_fragment_version", "run_id", "fragment", "merged_version"),
+        # Partial indexes hold only the rows their query wants (decided blobs not yet collected; the
+        # rejected), so GC and the dashboard seek them instead of reading every submission ever made.
+        # Their predicates are literals: a bound parameter would not prove the index usable.
+        Index("ix_submissions_gc", "run_id", "id", sqlite_where=GC_SUBMISSIONS, postgresql_where=GC_SUBMISSIONS),
+        Index("ix_submissions_rejected", "run_id", "decided_at", sqlite_where=REJECTED_ROWS, postgresql_where=REJECTED_ROWS),
     )
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
@@ -176,6 +196,10 @@ class Submission(Base):
 
 class FragmentVersion(Base):
     __tablename__ = "fragment_versions"
+    __table_args__ = (
+        Index("ix_fragment_versions_run_created", "run_id", "created_at"),
+        Index("ix_fragment_versions_gc", "run_id", "fragment", "version", sqlite_where=GC_VERSIONS, postgresql_where=GC_VERSIONS),
+    )
 
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
     fragment: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -191,11 +215,38 @@ class FragmentVersion(Base):
     """Fencing token of the synchronizer that published this version."""
     synchronizer: Mapped[str] = mapped_column(String(128))
     blob_deleted: Mapped[bool] = mapped_column(Boolean, default=False)
+    gc_done: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    """GC has settled this version's blob: deleted it, or keeps it for good (a checkpoint)."""
+
+
+class FragmentHead(Base):
+    """The newest version of a fragment (a copy of its ``fragment_versions`` row) and the fragment's running
+    totals, rewritten by every publish in the same transaction: what every per-step read needs, in P rows."""
+
+    __tablename__ = "fragment_heads"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    fragment: Mapped[int] = mapped_column(Integer, primary_key=True)
+    version: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    blob_key: Mapped[str] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(64))
+    nbytes: Mapped[int] = mapped_column(BigInteger)
+    state_key: Mapped[str] = mapped_column(Text)
+    state_sha256: Mapped[str] = mapped_column(String(64))
+    lease_token: Mapped[int] = mapped_column(BigInteger)
+    synchronizer: Mapped[str] = mapped_column(String(128))
+    published_s: Mapped[float] = mapped_column(Float)
+    """``created_at`` as seconds since the epoch (portable arithmetic for the gap below)."""
+    tokens_merged: Mapped[int] = mapped_column(BigInteger, default=0)
+    submissions_merged: Mapped[int] = mapped_column(BigInteger, default=0)
+    longest_gap_s: Mapped[float] = mapped_column(Float, default=0.0)
+    """Longest wait, seen by this fragment's merges, since the run's previous merged version (any fragment)."""
 
 
 class Merge(Base):
     __tablename__ = "merges"
-    __table_args__ = (Index("ix_merges_run_fragment", "run_id", "fragment"),)
+    __table_args__ = (Index("ix_merges_run_fragment", "run_id", "fragment"), Index("ix_merges_run_at", "run_id", "at"))
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"))

@@ -9,17 +9,21 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
-from sqlalchemy import and_, bindparam, case, func, select, update
+from sqlalchemy import bindparam, case, exists, func, insert, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from ddiloco.platform import liveness
 from ddiloco.platform.ledger.models import (
+    GC_SUBMISSIONS,
+    GC_VERSIONS,
     MERGED,
     PENDING,
     REJECTED,
+    REJECTED_ROWS,
     Evaluation,
     Event,
+    FragmentHead,
     FragmentSpec,
     FragmentVersion,
     Heartbeat,
@@ -249,6 +253,7 @@ def record_heartbeat(
             else func.greatest(Learner.inc_tokens_trained, tokens),
             busy_s=Learner.busy_s + busy_s,
             status=case((Learner.status == "dead", "recovering"), else_=Learner.status),
+            **({} if loss is None else {"loss": loss}),
         )
     )
     return result.rowcount == 1
@@ -342,12 +347,16 @@ def _submission_insert(session: Session) -> Any:
 _SUBMISSION_INSERTS: dict[str, Any] = {}
 
 
-def register_submissions(
-    session: Session, run_id: str, learner_id: str, incarnation: int, subs: Sequence[SubmissionIn], now: datetime
-) -> list[tuple[int, bool]]:
-    """Register several submissions of one learner in one round trip; repeats are no-ops.
+def _greatest(session: Session) -> Any:
+    return func.max if session.get_bind().dialect.name == "sqlite" else func.greatest
 
-    Returns (id, created) per submission, in order."""
+
+def _insert_submissions(
+    session: Session, run_id: str, learner_id: str, subs: Sequence[SubmissionIn], now: datetime
+) -> tuple[list[tuple[int, bool]], list[SubmissionIn], dict[str, int]]:
+    """Insert the submissions (repeats are no-ops): (id, created) per submission, the new ones, their ids by uid."""
+    if not subs:
+        return [], [], {}
     rows = [
         {
             "run_id": run_id,
@@ -368,9 +377,7 @@ def register_submissions(
         }
         for sub in subs
     ]
-    conn = session.connection()
-    created = {uid: sub_id for sub_id, uid in conn.execute(_submission_insert(session), rows).all()}
-    new = [sub for sub in subs if sub.uid in created]
+    created = {uid: sub_id for sub_id, uid in session.connection().execute(_submission_insert(session), rows).all()}
     ids = dict(created)
     missing = [sub.uid for sub in subs if sub.uid not in created]
     if missing:
@@ -381,26 +388,33 @@ def register_submissions(
                 )
             ).all()
         )
-    out = [(ids[sub.uid], sub.uid in created) for sub in subs]
+    return [(ids[sub.uid], sub.uid in created) for sub in subs], [sub for sub in subs if sub.uid in created], created
+
+
+def _registration_values(session: Session, new: Sequence[SubmissionIn], now: datetime) -> dict[str, Any]:
+    """What registering ``new`` adds to its learner's row: the incarnation's counts and the learner's totals."""
     if not new:
-        return out
+        return {}
     tokens_new = sum(sub.tokens_new for sub in new)
-    tokens_total = max(sub.tokens_total for sub in new)
-    positions = [sub.data_batches for sub in new if sub.data_batches is not None]
-    greatest = func.max if session.get_bind().dialect.name == "sqlite" else func.greatest
-    values = {
+    values: dict[str, Any] = {
         "inc_tokens_submitted": Learner.inc_tokens_submitted + tokens_new,
-        "inc_tokens_trained": greatest(Learner.inc_tokens_trained, tokens_total),
+        "inc_tokens_trained": _greatest(session)(Learner.inc_tokens_trained, max(sub.tokens_total for sub in new)),
+        "submissions": Learner.submissions + len(new),
+        "tokens_sent": Learner.tokens_sent + tokens_new,
+        "bytes_sent": Learner.bytes_sent + sum(sub.nbytes for sub in new),
+        "last_submission_at": now,
     }
+    positions = [sub.data_batches for sub in new if sub.data_batches is not None]
     if positions:
         values["data_batches"] = max(positions)
-    updated = conn.execute(
-        update(Learner.__table__)
-        .where(Learner.run_id == run_id, Learner.id == learner_id, Learner.incarnation == incarnation)
-        .values(**values)
-    ).rowcount
-    if updated == 1:
-        return out
+    return values
+
+
+def _reject_superseded(
+    session: Session, run_id: str, learner_id: str, incarnation: int, new: Sequence[SubmissionIn], created: dict[str, int],
+    now: datetime,
+) -> None:
+    """Submissions of an incarnation that is not the learner's current one (or of no learner): rejected."""
     learner = session.get(Learner, (run_id, learner_id), with_for_update=True, populate_existing=True)
     for sub in new:
         sub_id = created[sub.uid]
@@ -412,10 +426,157 @@ def register_submissions(
             moved = min(learner.tokens_lost, sub.tokens_new)
             learner.tokens_lost -= moved
             learner.tokens_trained += sub.tokens_new - moved
+            learner.submissions += 1
+            learner.tokens_sent += sub.tokens_new
+            learner.bytes_sent += sub.nbytes
+            learner.last_submission_at = now
             reason = f"superseded incarnation {incarnation} (current {learner.incarnation})"
         _decide_rejected(session, [sub_id], reason, now)
         record_event(session, run_id, "submission_rejected", learner_id, f"submission {sub_id}: {reason}", now)
+
+
+def register_submissions(
+    session: Session, run_id: str, learner_id: str, incarnation: int, subs: Sequence[SubmissionIn], now: datetime
+) -> list[tuple[int, bool]]:
+    """Register several submissions of one learner in one round trip; repeats are no-ops.
+
+    Returns (id, created) per submission, in order."""
+    out, new, created = _insert_submissions(session, run_id, learner_id, subs, now)
+    if not new:
+        return out
+    updated = session.connection().execute(
+        update(Learner.__table__)
+        .where(Learner.run_id == run_id, Learner.id == learner_id, Learner.incarnation == incarnation)
+        .values(**_registration_values(session, new, now))
+    ).rowcount
+    if updated != 1:
+        _reject_superseded(session, run_id, learner_id, incarnation, new, created, now)
     return out
+
+
+# --- the learner's one round trip per step -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Beat:
+    """A learner's live figures, written to its row by every exchange (``history``: also kept as a heartbeat row)."""
+
+    step: int
+    tokens: int
+    """The incarnation's running token count."""
+    loss: float | None
+    tokens_per_s: float
+    step_time_s: float
+    busy_s: float = 0.0
+    history: bool = True
+
+
+class HeadRef(NamedTuple):
+    """What a learner needs of a fragment's newest version to fetch it."""
+
+    fragment: int
+    version: int
+    blob_key: str
+    sha256: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Exchange:
+    registered: list[tuple[int, bool]]
+    """(id, created) per submission, in order."""
+    current: bool
+    """The incarnation is still the learner's current one (False: superseded, or no such learner)."""
+    run_status: str | None
+    heads: dict[int, HeadRef]
+    """The newest version of every fragment."""
+
+
+def _heads_json(session: Session, run_id: str) -> Any:
+    """Every fragment head as one JSON array, so the learner's row update returns them in the same statement."""
+    h = FragmentHead
+    if session.get_bind().dialect.name == "sqlite":
+        agg = func.json_group_array(func.json_array(h.fragment, h.version, h.blob_key, h.sha256, h.nbytes))
+    else:
+        agg = func.json_agg(func.json_build_array(h.fragment, h.version, h.blob_key, h.sha256, h.nbytes))
+    return select(agg).where(h.run_id == run_id).scalar_subquery()
+
+
+def _parse_heads(raw: Any) -> dict[int, HeadRef]:
+    items = json.loads(raw) if isinstance(raw, str | bytes) else (raw or [])
+    return {int(f): HeadRef(int(f), int(v), str(k), str(sha), int(n)) for f, v, k, sha, n in items}
+
+
+def learner_exchange(
+    session: Session,
+    run_id: str,
+    learner_id: str,
+    incarnation: int,
+    subs: Sequence[SubmissionIn],
+    beat: Beat | None,
+    now: datetime,
+) -> Exchange:
+    """A learner step's whole conversation with the ledger: register ``subs``, record ``beat`` and read the run's
+    status and every fragment's head — two statements (three when the beat is kept as a heartbeat row)."""
+    out, new, created = _insert_submissions(session, run_id, learner_id, subs, now)
+    values = _registration_values(session, new, now)
+    if beat is not None:
+        trained = max([beat.tokens, *(sub.tokens_total for sub in new)])
+        values.update(
+            last_heartbeat_at=now,
+            step=beat.step,
+            tokens_per_s=beat.tokens_per_s,
+            step_time_s=beat.step_time_s,
+            inc_tokens_trained=_greatest(session)(Learner.inc_tokens_trained, trained),
+            busy_s=Learner.busy_s + beat.busy_s,
+            status=case((Learner.status == "dead", "recovering"), else_=Learner.status),
+        )
+        if beat.loss is not None:
+            values["loss"] = beat.loss
+    status = select(Run.status).where(Run.id == run_id).scalar_subquery()
+    stmt = update(Learner.__table__).where(
+        Learner.run_id == run_id, Learner.id == learner_id, Learner.incarnation == incarnation
+    )
+    # An update must set something: a bare poll rewrites the incarnation with itself.
+    row = session.connection().execute(
+        stmt.values(**(values or {"incarnation": Learner.incarnation})).returning(status, _heads_json(session, run_id))
+    ).first()
+    if row is None:
+        if new:
+            _reject_superseded(session, run_id, learner_id, incarnation, new, created, now)
+        run_status = session.scalar(select(Run.status).where(Run.id == run_id))
+        return Exchange(out, False, run_status, read_heads(session, run_id))
+    if beat is not None and beat.history:
+        session.connection().execute(
+            insert(Heartbeat.__table__).values(
+                run_id=run_id, learner_id=learner_id, incarnation=incarnation, at=now, step=beat.step, tokens=beat.tokens,
+                loss=beat.loss, tokens_per_s=beat.tokens_per_s, step_time_s=beat.step_time_s,
+            )
+        )
+    return Exchange(out, True, row[0], _parse_heads(row[1]))
+
+
+def read_heads(session: Session, run_id: str) -> dict[int, HeadRef]:
+    """Every fragment's newest version, for a reader that is not (yet) a registered learner."""
+    rows = session.execute(
+        select(FragmentHead.fragment, FragmentHead.version, FragmentHead.blob_key, FragmentHead.sha256, FragmentHead.nbytes)
+        .where(FragmentHead.run_id == run_id)
+    )
+    return {r.fragment: HeadRef(*r) for r in rows}
+
+
+def poll_run(session: Session, run_id: str) -> tuple[str | None, dict[int, HeadRef]]:
+    """(the run's status, every fragment's newest version) in one statement; (None, {}) for a run not in the ledger."""
+    rows = session.execute(
+        select(Run.status, FragmentHead.fragment, FragmentHead.version, FragmentHead.blob_key, FragmentHead.sha256,
+               FragmentHead.nbytes)
+        .select_from(Run)
+        .outerjoin(FragmentHead, FragmentHead.run_id == Run.id)
+        .where(Run.id == run_id)
+    ).all()
+    if not rows:
+        return None, {}
+    return rows[0][0], {r[1]: HeadRef(*r[1:]) for r in rows if r[1] is not None}
 
 
 def pending_counts(session: Session, run_id: str) -> dict[int, int]:
@@ -552,38 +713,43 @@ class MergeRecord:
     detail: dict[str, Any]
 
 
-def latest_versions(session: Session, run_id: str) -> dict[int, FragmentVersion]:
-    """The newest published version of every fragment."""
-    newest = (
-        select(FragmentVersion.fragment, func.max(FragmentVersion.version).label("v"))
-        .where(FragmentVersion.run_id == run_id)
-        .group_by(FragmentVersion.fragment)
-        .subquery()
-    )
-    rows = session.scalars(
-        select(FragmentVersion).join(
-            newest,
-            and_(
-                FragmentVersion.run_id == run_id,
-                FragmentVersion.fragment == newest.c.fragment,
-                FragmentVersion.version == newest.c.v,
-            ),
-        )
-    )
-    return {r.fragment: r for r in rows}
+def latest_versions(session: Session, run_id: str) -> dict[int, FragmentHead]:
+    """The newest published version of every fragment (its head row: the version's own columns)."""
+    return {h.fragment: h for h in session.scalars(select(FragmentHead).where(FragmentHead.run_id == run_id))}
 
 
 def latest_version_numbers(session: Session, run_id: str) -> dict[int, int]:
-    rows = session.execute(
-        select(FragmentVersion.fragment, func.max(FragmentVersion.version))
-        .where(FragmentVersion.run_id == run_id)
-        .group_by(FragmentVersion.fragment)
-    )
-    return {f: v for f, v in rows}
+    return dict(session.execute(select(FragmentHead.fragment, FragmentHead.version).where(FragmentHead.run_id == run_id)).all())
 
 
 def get_version(session: Session, run_id: str, fragment: int, version: int) -> FragmentVersion | None:
     return session.get(FragmentVersion, (run_id, fragment, version))
+
+
+def _lease_holds(session: Session, run_id: str, holder: str, token: int, now: datetime, *, lock: bool = True) -> Any:
+    """EXISTS: ``holder`` holds the run's lease with ``token`` at ``now``. With ``lock``, on PostgreSQL the lease
+    row is share-locked, so a takeover waits until this transaction has committed (the fence of a publish)."""
+    stmt = select(SynchronizerLease.run_id).where(
+        SynchronizerLease.run_id == run_id,
+        SynchronizerLease.holder == holder,
+        SynchronizerLease.token == token,
+        SynchronizerLease.expires_at > now,
+    )
+    return exists(stmt.with_for_update(read=True) if lock else stmt)
+
+
+def _refuse_publish(session: Session, run_id: str, fragment: int, version: int, holder: str, token: int, now: datetime) -> None:
+    """Why a publish wrote nothing: the lease, else the version (raises; returns when neither is the cause)."""
+    # A plain read: the publish may already share-lock the lease row, and upgrading that lock would deadlock
+    # with a concurrent publish that holds one too.
+    if not session.scalar(select(_lease_holds(session, run_id, holder, token, now, lock=False))):
+        raise LeaseLostError(f"{holder} (token {token}) does not hold the lease of run {run_id!r}")
+    current = session.scalar(
+        select(FragmentHead.version).where(FragmentHead.run_id == run_id, FragmentHead.fragment == fragment)
+    )
+    expected = 0 if current is None else current + 1
+    if version != expected:
+        raise VersionConflictError(f"fragment {fragment}: cannot publish v{version}, the next version is v{expected}")
 
 
 def publish_version(
@@ -604,50 +770,34 @@ def publish_version(
     """Publish ``version`` of a fragment and decide the fate of the submissions it used, atomically.
 
     Refused unless the caller holds the lease with ``token``, ``version`` is exactly the next one,
-    and every submission named is still pending. Returns the merge id (None for version 0)."""
-    _check_fence(session, run_id, holder, token, now)
-    current = session.scalar(
-        select(func.max(FragmentVersion.version)).where(FragmentVersion.run_id == run_id, FragmentVersion.fragment == fragment)
+    and every submission named is still pending. Returns the merge id (None without a record).
+
+    A merge is four statements: the merge row, the submissions' fates, the fenced advance of the
+    fragment's head (with its running totals) and the version row; a rejection adds its own."""
+    conn = session.connection()
+    head_values = dict(
+        version=version, created_at=now, blob_key=blob.key, sha256=blob.sha256, nbytes=blob.nbytes, state_key=state.key,
+        state_sha256=state.sha256, lease_token=token, synchronizer=holder, published_s=now.timestamp(),
     )
-    expected = 0 if current is None else current + 1
-    if version != expected:
-        raise VersionConflictError(f"fragment {fragment}: cannot publish v{version}, the next version is v{expected}")
-    session.add(
-        FragmentVersion(
-            run_id=run_id,
-            fragment=fragment,
-            version=version,
-            created_at=now,
-            blob_key=blob.key,
-            sha256=blob.sha256,
-            nbytes=blob.nbytes,
-            state_key=state.key,
-            state_sha256=state.sha256,
-            lease_token=token,
-            synchronizer=holder,
-            blob_deleted=False,
+    if version == 0:
+        _check_fence(session, run_id, holder, token, now)
+        stmt = _insert(session, FragmentHead.__table__).values(
+            run_id=run_id, fragment=fragment, tokens_merged=0, submissions_merged=0, longest_gap_s=0.0, **head_values
         )
-    )
+        if not _inserted(session, stmt.on_conflict_do_nothing(index_elements=["run_id", "fragment"]).returning(FragmentHead.version)):
+            _refuse_publish(session, run_id, fragment, version, holder, token, now)
     merge_id = None
     if record is not None:
-        merge = Merge(
-            run_id=run_id,
-            fragment=fragment,
-            version=version,
-            at=now,
-            quorum=record.quorum,
-            live_learners=record.live_learners,
-            included=len(merged),
-            rejected=len(rejected),
-            grace_window_s=record.grace_window_s,
-            grace_waited_s=record.grace_waited_s,
-            merge_s=record.merge_s,
-            reason=record.reason,
-            detail_json=json.dumps(record.detail),
-        )
-        session.add(merge)
-        session.flush()
-        merge_id = merge.id
+        merge_id = conn.execute(
+            insert(Merge.__table__)
+            .values(
+                run_id=run_id, fragment=fragment, version=version, at=now, quorum=record.quorum,
+                live_learners=record.live_learners, included=len(merged), rejected=len(rejected),
+                grace_window_s=record.grace_window_s, grace_waited_s=record.grace_waited_s, merge_s=record.merge_s,
+                reason=record.reason, detail_json=json.dumps(record.detail),
+            )
+            .returning(Merge.__table__.c.id)
+        ).scalar_one()
     if merged:
         table = Submission.__table__
         stmt = (
@@ -664,15 +814,55 @@ def publish_version(
             )
         )
         params = [{"sid": m.submission_id, "w": m.weight, "n": m.norm, "st": m.staleness} for m in merged]
-        changed = session.connection().execute(stmt, params).rowcount
+        changed = conn.execute(stmt, params).rowcount
         if changed != len(merged):
+            _refuse_publish(session, run_id, fragment, version, holder, token, now)
             raise AlreadyDecidedError(
                 f"{len(merged) - changed} of the submissions to merge are not pending: refusing to merge them twice"
             )
     for sub_id, reason in rejected:
         _decide_rejected(session, [sub_id], reason, now)
-    session.flush()
+    if version > 0:
+        _advance_head(session, run_id, fragment, version, head_values, holder, token, now)
+    conn.execute(
+        insert(FragmentVersion.__table__).values(
+            run_id=run_id, fragment=fragment, version=version, created_at=now, blob_key=blob.key, sha256=blob.sha256,
+            nbytes=blob.nbytes, state_key=state.key, state_sha256=state.sha256, lease_token=token, synchronizer=holder,
+            blob_deleted=False, gc_done=False,
+        )
+    )
     return merge_id
+
+
+def _advance_head(
+    session: Session, run_id: str, fragment: int, version: int, values: dict[str, Any], holder: str, token: int, now: datetime
+) -> None:
+    """Move the fragment's head from ``version - 1`` to ``version`` under the lease, adding what this version merged."""
+    heads = FragmentHead.__table__.alias("others")
+    merged_here = (Submission.run_id == run_id) & (Submission.fragment == fragment) & (Submission.merged_version == version) & (
+        Submission.status == MERGED
+    )
+    # The wait since the run's previous merged version, whichever fragment it was (summary: longest downtime).
+    gap = now.timestamp() - select(func.max(heads.c.published_s)).where(heads.c.run_id == run_id, heads.c.version > 0).scalar_subquery()
+    result = session.connection().execute(
+        update(FragmentHead.__table__)
+        .where(
+            FragmentHead.run_id == run_id,
+            FragmentHead.fragment == fragment,
+            FragmentHead.version == version - 1,
+            _lease_holds(session, run_id, holder, token, now),
+        )
+        .values(
+            **values,
+            tokens_merged=FragmentHead.tokens_merged
+            + select(func.coalesce(func.sum(Submission.tokens_new), 0)).where(merged_here).scalar_subquery(),
+            submissions_merged=FragmentHead.submissions_merged + select(func.count()).where(merged_here).scalar_subquery(),
+            longest_gap_s=case((gap > FragmentHead.longest_gap_s, gap), else_=FragmentHead.longest_gap_s),
+        )
+    )
+    if result.rowcount != 1:
+        _refuse_publish(session, run_id, fragment, version, holder, token, now)
+        raise LedgerError(f"fragment {fragment}: v{version} was refused")
 
 
 def reject_submissions(
@@ -685,42 +875,75 @@ def reject_submissions(
         record_event(session, run_id, "submission_rejected", holder, f"submission {sub_id}: {reason}", now)
 
 
-def versions_for_gc(session: Session, run_id: str, keep_last: int, checkpoint_every: int) -> list[FragmentVersion]:
-    """Published versions whose blobs the retention policy lets go."""
+GC_BATCH = 2_000
+"""Most versions or submissions one garbage-collection pass settles: a pass stays short whatever the backlog."""
+
+
+def versions_for_gc(
+    session: Session, run_id: str, keep_last: int, checkpoint_every: int, limit: int = GC_BATCH
+) -> list[FragmentVersion]:
+    """Published versions whose blobs the retention policy lets go.
+
+    Reads only versions GC has not settled yet (a partial index holds just those); the ones kept for good
+    (every ``checkpoint_every``-th) are marked settled here, so no later pass reads them again."""
     newest = latest_version_numbers(session, run_id)
-    out = []
     rows = session.scalars(
-        select(FragmentVersion).where(FragmentVersion.run_id == run_id, FragmentVersion.blob_deleted.is_(False))
-    )
+        select(FragmentVersion)
+        .where(FragmentVersion.run_id == run_id, GC_VERSIONS)
+        .order_by(FragmentVersion.fragment, FragmentVersion.version)
+        .limit(limit)
+    ).all()
     pending_bases = set(
         session.execute(
             select(Submission.fragment, Submission.base_version).where(Submission.run_id == run_id, Submission.status == PENDING)
         ).all()
     )
+    out, kept = [], []
     for v in rows:
-        top = newest.get(v.fragment, 0)
-        keep = v.version > top - keep_last or v.version % checkpoint_every == 0 or (v.fragment, v.version) in pending_bases
-        if not keep:
+        if v.version > newest.get(v.fragment, 0) - keep_last or (v.fragment, v.version) in pending_bases:
+            continue  # still needed: looked at again next time
+        if v.version % checkpoint_every == 0:
+            kept.append(v)
+        else:
             out.append(v)
+    _settle_versions(session, run_id, kept, deleted=False)
     return out
 
 
 def submissions_for_gc(session: Session, run_id: str, limit: int = 500) -> list[Submission]:
+    """Decided submissions whose blobs are not deleted yet, oldest first (seeks the partial index ``ix_submissions_gc``)."""
     return list(
         session.scalars(
-            select(Submission)
-            .where(Submission.run_id == run_id, Submission.status != PENDING, Submission.blob_deleted.is_(False))
-            .order_by(Submission.id)
-            .limit(limit)
+            select(Submission).where(Submission.run_id == run_id, GC_SUBMISSIONS).order_by(Submission.id).limit(limit)
         )
     )
 
 
+def _settle_versions(session: Session, run_id: str, versions: Sequence[FragmentVersion], *, deleted: bool) -> None:
+    keys = [(v.fragment, v.version) for v in versions]
+    for start in range(0, len(keys), 500):
+        values: dict[str, Any] = {"gc_done": True, **({"blob_deleted": True} if deleted else {})}
+        session.execute(
+            update(FragmentVersion)
+            .where(FragmentVersion.run_id == run_id, tuple_(FragmentVersion.fragment, FragmentVersion.version).in_(keys[start:start + 500]))
+            .values(**values)
+            .execution_options(synchronize_session=False)
+        )
+
+
 def mark_blobs_deleted(session: Session, versions: Iterable[FragmentVersion], submissions: Iterable[Submission]) -> None:
+    """Record deleted blobs: one UPDATE per table (per 500 rows), whatever session the rows were read in."""
+    by_run: dict[str, list[FragmentVersion]] = {}
     for v in versions:
-        v.blob_deleted = True
-    for s in submissions:
-        s.blob_deleted = True
+        by_run.setdefault(v.run_id, []).append(v)
+    for run_id, rows in by_run.items():
+        _settle_versions(session, run_id, rows, deleted=True)
+    ids = [sb.id for sb in submissions]
+    for start in range(0, len(ids), 500):
+        session.execute(
+            update(Submission).where(Submission.id.in_(ids[start:start + 500])).values(blob_deleted=True)
+            .execution_options(synchronize_session=False)
+        )
 
 
 # --- events and evaluations ----------------------------------------------------------------------
@@ -785,14 +1008,32 @@ def account_tokens(rows: Iterable[Learner], tokens_by_status: dict[str, int]) ->
     )
 
 
+def decided_tokens(session: Session, run_id: str) -> dict[str, int]:
+    """Tokens by fate from running totals and small sets: merged from the fragment heads, pending and rejected
+    summed over just those rows (the poll index, the partial index of rejections) — never every submission."""
+    merged = session.scalar(select(func.coalesce(func.sum(FragmentHead.tokens_merged), 0)).where(FragmentHead.run_id == run_id))
+    pending = session.scalar(
+        select(func.coalesce(func.sum(Submission.tokens_new), 0)).where(Submission.run_id == run_id, Submission.status == PENDING)
+    )
+    rejected = session.scalar(
+        select(func.coalesce(func.sum(Submission.tokens_new), 0)).where(Submission.run_id == run_id, REJECTED_ROWS)
+    )
+    return {MERGED: int(merged or 0), PENDING: int(pending or 0), REJECTED: int(rejected or 0)}
+
+
 def token_accounting(session: Session, run_id: str) -> TokenAccounting:
-    """:func:`account_tokens` of the run as the ledger holds it now."""
-    by_status = session.execute(
+    """:func:`account_tokens` of the run as the ledger holds it now (cost independent of the run's history)."""
+    return account_tokens(learners(session, run_id), decided_tokens(session, run_id))
+
+
+def scanned_tokens(session: Session, run_id: str) -> dict[str, int]:
+    """Tokens by fate summed over every submission: the full scan the running totals must equal (``ledger check``)."""
+    rows = session.execute(
         select(Submission.status, func.coalesce(func.sum(Submission.tokens_new), 0))
         .where(Submission.run_id == run_id)
         .group_by(Submission.status)
     ).all()
-    return account_tokens(learners(session, run_id), {status: int(n) for status, n in by_status})
+    return {status: int(n) for status, n in rows}
 
 
 @dataclass(frozen=True)
@@ -808,8 +1049,10 @@ class RunAggregates:
     tokens: TokenAccounting
     versions: dict[int, int]
     """Newest global version of each fragment."""
-    merged_at: list[datetime]
-    """When each merged version (version > 0) was published."""
+    longest_merge_gap_s: float
+    """Longest wait between two consecutive merged versions (version > 0, any fragments)."""
+    last_merged_at: datetime | None
+    """When the newest merged version was published (None before the first merge)."""
     val_loss_start: float | None
     val_loss_end: float | None
     val_accuracy_end: float | None
@@ -853,42 +1096,43 @@ def submission_groups(session: Session, run_id: str) -> list[SubmissionGroup]:
     return [SubmissionGroup(lid, st, stale, int(n), int(t), int(b), last) for lid, st, stale, n, t, b, last in rows]
 
 
-def run_aggregates(session: Session, run_id: str, groups: Sequence[SubmissionGroup] | None = None) -> RunAggregates:
-    """Everything ``summarize`` needs, in a handful of aggregate queries (``groups``: the submissions, when already read)."""
+def run_aggregates(session: Session, run_id: str) -> RunAggregates:
+    """Everything ``summarize`` needs, from running totals and index seeks (the same cost at any history length)."""
     run = require_run(session, run_id)
     try:
         config = json.loads(run.config_json) if run.config_json else {}
     except ValueError:
         config = {}
-    groups = submission_groups(session, run_id) if groups is None else groups
-    by_status: dict[str, int] = {}
-    for g in groups:
-        by_status[g.status] = by_status.get(g.status, 0) + g.tokens
     reasons = session.execute(
-        select(Submission.reject_reason, func.count())
-        .where(Submission.run_id == run_id, Submission.status == REJECTED)
-        .group_by(Submission.reject_reason)
+        select(Submission.reject_reason, func.count()).where(Submission.run_id == run_id, REJECTED_ROWS).group_by(Submission.reject_reason)
     ).all()
     rows = learners(session, run_id)
     evals = select(Evaluation.val_loss, Evaluation.val_accuracy).where(Evaluation.run_id == run_id).limit(1)
     first = session.execute(evals.order_by(Evaluation.at, Evaluation.id)).first()
     last = session.execute(evals.order_by(Evaluation.at.desc(), Evaluation.id.desc())).first()
-    merged_at = select(FragmentVersion.created_at).where(FragmentVersion.run_id == run_id, FragmentVersion.version > 0)
+    heads = list(session.scalars(select(FragmentHead).where(FragmentHead.run_id == run_id)))
+    merged_heads = [h for h in heads if h.version > 0]
     parameters = select(func.coalesce(func.sum(FragmentSpec.numel), 0)).where(FragmentSpec.run_id == run_id)
+    # Learners count their own submissions (unknown learners' rejected ones are the only ones they miss).
+    unowned = session.execute(
+        select(func.count(), func.coalesce(func.sum(Submission.nbytes), 0))
+        .where(Submission.run_id == run_id, REJECTED_ROWS, Submission.learner_id.not_in(select(Learner.id).where(Learner.run_id == run_id)))
+    ).one()
     return RunAggregates(
         run=run_id,
         status=run.status,
         created_at=run.created_at,
         finished_at=run.finished_at,
         config=config if isinstance(config, dict) else {},
-        tokens=account_tokens(rows, by_status),
-        versions=latest_version_numbers(session, run_id),
-        merged_at=list(session.scalars(merged_at)),
+        tokens=account_tokens(rows, decided_tokens(session, run_id)),
+        versions={h.fragment: h.version for h in heads},
+        longest_merge_gap_s=max((h.longest_gap_s for h in merged_heads), default=0.0),
+        last_merged_at=max((h.created_at for h in merged_heads), default=None),
         val_loss_start=first.val_loss if first else None,
         val_loss_end=last.val_loss if last else None,
         val_accuracy_end=last.val_accuracy if last else None,
-        submissions=sum(g.submissions for g in groups),
-        bytes_sent=sum(g.bytes for g in groups),
+        submissions=sum(r.submissions for r in rows) + int(unowned[0]),
+        bytes_sent=sum(r.bytes_sent for r in rows) + int(unowned[1]),
         rejected_reasons={reason: int(n) for reason, n in reasons},
         parameters=int(session.scalar(parameters) or 0),
         learners=len(rows),
