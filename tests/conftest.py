@@ -103,3 +103,11 @@ def pytest_collection_modifyitems(config, items):
         callspec = getattr(item, "callspec", None)
         if callspec is not None and "postgres" in callspec.id.split("-"):
             item.add_marker(pytest.mark.postgres)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # A Prefect temporary server left running would otherwise be stopped at interpreter exit and
+    # log to pytest's capture stream, closed by then: a "Logging error" traceback after the summary.
+    from ddiloco.testing.prefect import stop_ephemeral_servers
+
+    stop_ephemeral_servers()

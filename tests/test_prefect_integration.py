@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -16,47 +15,15 @@ from support import tiny_config, wait_for
 
 from ddiloco.platform.ledger import open_ledger, session_factory
 from ddiloco.platform.ledger import queries as q
-from ddiloco.testing.net import free_port
+from ddiloco.testing.prefect import prefect_server as prefect_server_at
 
 pytestmark = pytest.mark.slow
 
 
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 @pytest.fixture()
-def prefect_server(tmp_path, monkeypatch):
-    port = free_port()
-    env = dict(os.environ)
-    env.update(
-        PREFECT_HOME=str(tmp_path / "prefect"),
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        DO_NOT_TRACK="1",
-        PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
-    )
-    log = open(tmp_path / "server.log", "wb")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--analytics-off"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    procs: list[subprocess.Popen] = [server]
-    try:
-        wait_for(lambda: healthy(f"http://127.0.0.1:{port}/api/health"), 120, "the Prefect server")
-        for key in ("PREFECT_HOME", "PREFECT_API_URL", "PREFECT_SERVER_ANALYTICS_ENABLED", "DO_NOT_TRACK"):
-            monkeypatch.setenv(key, env[key])
-        yield env, procs
-    finally:
-        for p in reversed(procs):
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait(timeout=30)
+def prefect_server(tmp_path):
+    with prefect_server_at(tmp_path) as server:
+        yield server.env, server.procs
 
 
 def test_training_run_from_the_api_on_two_region_pools(prefect_server, tmp_path):
