@@ -5,6 +5,7 @@ a traceback. The dashboard's clock is set to the simulated run's own time, so ve
 from __future__ import annotations
 
 import hashlib
+import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -65,11 +66,16 @@ def metrics(at: AppTest) -> dict[str, str]:
 
 
 def texts(at: AppTest) -> str:
-    """Every message, caption, markdown and title the page shows, as one string."""
+    """Every message, caption, markdown and title the page shows, as one string (as read: escapes resolved)."""
     parts = []
     for kind in ("title", "markdown", "caption", "error", "warning", "info", "success"):
         parts += [str(e.value) for e in getattr(at, kind)]
-    return "\n".join(parts)
+    return as_read("\n".join(parts))
+
+
+def as_read(markdown: str) -> str:
+    """Markdown source as a reader sees it: backslash escapes resolved, zero-width spaces dropped."""
+    return re.sub(r"\\([!-/:-@\[-`{-~])", r"\1", markdown).replace(widgets.ZWSP, "")
 
 
 def frame_with(at: AppTest, column: str) -> pd.DataFrame:

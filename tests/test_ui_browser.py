@@ -279,3 +279,30 @@ def test_run_health_page_renders_in_chromium(served, live, tmp_path):
     if os.environ.get("DDILOCO_SAVE_SCREENSHOT") == "1":
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         SCREENSHOT.write_bytes(png)
+
+
+def test_no_live_link_to_a_host_the_operator_did_not_configure(live, tmp_path_factory):
+    """Run ids, a synchronizer label, flow-run URLs and the ``?run=`` parameter carrying links and
+    ``javascript:`` URLs: the browser shows them as text and makes no link out of them."""
+    from urllib.parse import quote, urlsplit
+
+    from ui_support import EVIL, PHISH, plant_markup
+
+    hostile = LiveLedger(live.ledger, tmp_path_factory.mktemp("hostile-browser-ledger"))
+    plant_markup(hostile.ledger)
+    workdir = tmp_path_factory.mktemp("hostile-browser")
+    ledger = hostile.ends_now()
+    with streamlit_server(ledger.url, workdir) as base, chromium(workdir) as browser:
+        pages = {
+            f"{base}/runs": ["Runs overview", "URGENT"],
+            f"{base}/health?run={ledger.run_id}": ["Learners by region", "URGENT"],
+            f"{base}/health?run={quote(PHISH)}": ["Learners by region", "URGENT"],
+            f"{base}/health?run={quote(f'[session expired, sign in again](https://{EVIL}/sso)')}": ["session expired"],
+        }
+        for url, must_show in pages.items():
+            browser.open(url, must_show=must_show)
+            hrefs = browser.eval("Array.from(document.querySelectorAll('a[href], [href]')).map(a => a.getAttribute('href'))")
+            for href in hrefs:
+                parts = urlsplit(href)
+                assert EVIL not in href and parts.scheme.lower() not in ("javascript", "data", "vbscript"), (url, href)
+                assert parts.hostname in (None, "127.0.0.1", "localhost") or parts.hostname.endswith("streamlit.io"), (url, href)

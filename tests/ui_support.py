@@ -165,3 +165,33 @@ def copy_ledger_to(src_url: str, dst_url: str) -> None:
                     )
     src.dispose()
     dst.dispose()
+
+
+EVIL = "evil.example"
+"""A host no operator configured: no page may link to it."""
+PHISH = f"[URGENT re-login](https://{EVIL}/login)"
+
+
+def plant_markup(ledger: RunLedger) -> None:
+    """Markup and hostile links planted wherever a ledger writer controls text: the run's code version,
+    commit and flow-run URL, a second run whose id is a link, learners' flow-run URLs, the
+    synchronizer's label and an event. Rows are written straight into the tables: the ledger's own
+    functions refuse such ids at registration."""
+    from sqlalchemy import update
+
+    from ddiloco.platform.ledger.models import Event, FragmentVersion, Learner, Run, SynchronizerLease
+
+    engine = make_engine(ledger.url)
+    with session_factory(engine).begin() as s:
+        run = s.get(Run, ledger.run_id)
+        run.flow_run_url = "javascript:alert(document.cookie)"
+        run.code_version = PHISH
+        run.git_commit = f"https://{EVIL}/c"
+        s.add(Run(id=PHISH, created_at=run.created_at, status="running", config_json=run.config_json, code_version=PHISH,
+                  git_commit=None, num_fragments=run.num_fragments, token_budget=run.token_budget,
+                  flow_run_url=f"javascript:fetch('https://{EVIL}')"))
+        s.execute(update(Learner).where(Learner.run_id == ledger.run_id).values(flow_run_url=f"javascript:location='https://{EVIL}'"))
+        s.execute(update(SynchronizerLease).values(holder=PHISH))
+        s.execute(update(FragmentVersion).where(FragmentVersion.run_id == ledger.run_id).values(synchronizer=PHISH))
+        s.add(Event(run_id=ledger.run_id, at=ledger.end - timedelta(seconds=5), kind="chaos", actor=PHISH, detail=PHISH))
+    engine.dispose()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import streamlit as st
 
 from ddiloco.platform.redact import redact_url
-from ddiloco.ui import LEDGER_URL_ENV, loaders
+from ddiloco.ui import LEDGER_URL_ENV, loaders, widgets
 
 st.set_page_config(page_title="ddiloco · run health", page_icon=":material/monitor_heart:", layout="wide")
 # Less blank space above the title: on-call screens are for numbers.
@@ -29,7 +29,7 @@ with st.sidebar:
         help="How often the page re-reads the ledger.",
     )
     if url:
-        st.caption(f"Ledger (read-only): `{redact_url(url)}`")
+        st.caption(f"Ledger (read-only): {widgets.md(redact_url(url))}")
 
 if not url:
     st.title("ddiloco operations dashboard")
@@ -43,7 +43,7 @@ if not url:
 problem = loaders.ledger_problem(url)
 if problem:
     st.title("ddiloco operations dashboard")
-    st.error(problem, icon=":material/database_off:")
+    st.error(widgets.md(problem), icon=":material/database_off:")
     st.stop()
 
 page.run()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+import string
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
+from urllib.parse import urlsplit
 
 import pandas as pd
 import streamlit as st
@@ -12,6 +15,7 @@ from pandas.io.formats.style import Styler
 from sqlalchemy.exc import SQLAlchemyError
 
 from ddiloco.platform import liveness
+from ddiloco.platform.redact import redact_url
 from ddiloco.ui import health as h
 from ddiloco.ui import loaders
 from ddiloco.ui.queries import LedgerUnavailable
@@ -26,6 +30,36 @@ LEVEL_ICONS = {
 }
 
 
+# Every ASCII punctuation character may be backslash-escaped in CommonMark; escaping them all leaves no
+# link, emphasis, directive (``:red[…]``), HTML or LaTeX. GFM's literal autolinks (``www.x.y``,
+# ``https://x.y``, ``a@x.y``) are found in the text after escapes are resolved, so an invisible
+# zero-width space breaks each of their openings instead.
+_MD_ESCAPES = str.maketrans({c: "\\" + c for c in string.punctuation})
+_AUTOLINK_OPENINGS = re.compile(r"(://|(?i:www)(?=\.)|@)")
+ZWSP = "\u200b"
+SHOWN_CHARS = 1000
+"""Longest piece of ledger or URL text shown in one line; the rest is cut."""
+
+
+def md(text: object) -> str:
+    """Ledger- or URL-sourced text made inert for st.markdown / caption / title / alerts: shown as written, never as markup."""
+    flat = " ".join(str(text).split())
+    if len(flat) > SHOWN_CHARS:
+        flat = flat[:SHOWN_CHARS] + "…"
+    return _AUTOLINK_OPENINGS.sub(lambda m: m.group(0)[0] + ZWSP + m.group(0)[1:], flat).translate(_MD_ESCAPES)
+
+
+def safe_link(url: object) -> str | None:
+    """``url`` when it is an absolute http(s) link, else None: a ``javascript:`` or ``data:`` URL is never rendered."""
+    if not isinstance(url, str) or any(c.isspace() or ord(c) < 32 for c in url):
+        return None
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return None
+    return url if parts.scheme.lower() in ("http", "https") and parts.hostname else None
+
+
 def refresh_interval() -> float | None:
     """Seconds between automatic refreshes as chosen in the sidebar (None: off)."""
     return loaders.REFRESH_CHOICES.get(st.session_state.get("refresh", loaders.DEFAULT_REFRESH), None)
@@ -37,10 +71,11 @@ def ledger_errors() -> Iterator[None]:
     try:
         yield
     except LedgerUnavailable as err:
-        st.error(str(err), icon=":material/database_off:")
+        st.error(md(err), icon=":material/database_off:")
     except SQLAlchemyError as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        st.error(f"Could not read the ledger: {first}. The page retries at the next refresh.", icon=":material/database_off:")
+        st.error(f"Could not read the ledger: {md(redact_url(first))}. The page retries at the next refresh.",
+                 icon=":material/database_off:")
 
 
 def badge_markup(level: str) -> str:

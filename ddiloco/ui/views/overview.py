@@ -20,8 +20,8 @@ st.title("Runs overview")
 
 def run_card(row) -> None:  # noqa: ANN001 - a pandas row
     with st.container(border=True):
-        st.markdown(f"#### {row.run} &nbsp; {widgets.badge_markup(row.health)}")
-        st.caption(row.reason or row.status)
+        st.markdown(f"#### {widgets.md(row.run)} &nbsp; {widgets.badge_markup(row.health)}")
+        st.caption(widgets.md(row.reason or row.status))
         val_loss = "—" if pd.isna(row.val_loss) else f"{row.val_loss:.3f}"
         st.markdown(
             f"**{h.format_count(row.tokens)}** tokens · **{row.versions:,}** versions · **{row.goodput:.0%}** goodput  \n"

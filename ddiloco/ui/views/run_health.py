@@ -26,7 +26,8 @@ def pick_run() -> str | None:
             return None
         wanted = st.query_params.get("run")
         if wanted is not None and wanted not in ids:
-            st.warning(f"Run {wanted!r} is not in this ledger; showing the newest run instead.")
+            # The parameter comes from whoever made the link: shown as text, never as markup.
+            st.warning(f"Run {widgets.md(repr(wanted))} is not in this ledger; showing the newest run instead.")
         index = ids.index(wanted) if wanted in ids else 0
         run_id = st.sidebar.selectbox("Run", ids, index=index, help="Runs in the ledger, newest first.")
         st.query_params["run"] = run_id
@@ -38,20 +39,23 @@ def header(page: RunPage) -> None:
     snap, s = page.snapshot, page.summary
     left, right = st.columns([4, 1], vertical_alignment="center")
     with left:
-        st.title(f"Run {snap.info.id} {widgets.badge_markup(snap.health.level)}")
+        st.title(f"Run {widgets.md(snap.info.id)} {widgets.badge_markup(snap.health.level)}")
         st.caption(
-            f"status **{snap.info.status}** · started {snap.info.created_at:%Y-%m-%d %H:%M:%S} UTC "
+            f"status **{widgets.md(snap.info.status)}** · started {snap.info.created_at:%Y-%m-%d %H:%M:%S} UTC "
             f"({liveness.format_duration((page.now - snap.info.created_at).total_seconds())} ago) · "
-            f"{snap.info.num_fragments} fragments · code {snap.info.code_version}"
-            + (f" @ {snap.info.git_commit[:10]}" if snap.info.git_commit else "")
+            f"{snap.info.num_fragments} fragments · code {widgets.md(snap.info.code_version)}"
+            + (f" @ {widgets.md(snap.info.git_commit[:10])}" if snap.info.git_commit else "")
             + f" · as of {page.now:%H:%M:%S} UTC"
         )
     with right:
-        if snap.info.flow_run_url:
-            st.link_button("Prefect flow run", snap.info.flow_run_url, icon=":material/open_in_new:", width="stretch")
+        link = widgets.safe_link(snap.info.flow_run_url)
+        if link:
+            st.link_button("Prefect flow run", link, icon=":material/open_in_new:", width="stretch")
+        elif snap.info.flow_run_url:
+            st.caption("The recorded Prefect flow run URL is not an http(s) link: not shown.")
         else:
             st.caption("No Prefect flow run recorded for this run (started outside Prefect).")
-    reasons = " · ".join(snap.health.reasons)
+    reasons = widgets.md(" · ".join(snap.health.reasons))
     if snap.health.level in (h.DOWN, h.FAILED):
         st.error(reasons, icon=":material/error:")
     elif snap.health.level == h.DEGRADED:
@@ -132,6 +136,8 @@ def learners_section(page: RunPage) -> None:
         ]
         + (["flow_run_url"] if df["flow_run_url"].notna().any() else [])
     ]
+    if "flow_run_url" in table:
+        table = table.assign(flow_run_url=table["flow_run_url"].map(widgets.safe_link))
     st.dataframe(
         widgets.styled(table).format(
             {"tokens_per_s": "{:,.0f}", "loss": "{:.3f}", "tokens_trained": "{:,}", "tokens_merged": "{:,}", "step": "{:,}"},
@@ -167,11 +173,11 @@ def synchronizer_section(page: RunPage) -> None:
         top = st.columns([1, 2], vertical_alignment="center")
         with top[0]:
             st.badge("ACTIVE" if sync.status == "active" else "NO ACTIVE SYNCHRONIZER", color=h.color_of(sync.status))
-        top[1].markdown(f"**{sync.holder}**" if sync.holder else "")
+        top[1].markdown(f"**{widgets.md(sync.holder)}**" if sync.holder else "")
         if sync.status == "active" or not page.snapshot.info.running:
-            st.caption(sync.message)
+            st.caption(widgets.md(sync.message))
         else:
-            st.error(sync.message, icon=":material/error:")
+            st.error(widgets.md(sync.message), icon=":material/error:")
         a, b = st.columns(2)
         a.metric("Last merge", widgets.ago(page.last_merge_at, page.snapshot.as_of))
         b.metric(
@@ -312,7 +318,7 @@ def run_health(run_id: str) -> None:
     with widgets.ledger_errors():
         page = loaders.run_page(URL, run_id)
         if page is None:
-            st.warning(f"Run {run_id!r} is no longer in the ledger.")
+            st.warning(f"Run {widgets.md(repr(run_id))} is no longer in the ledger.")
             return
         header(page)
         learners_section(page)
