@@ -146,6 +146,9 @@ class LearnerLink:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._last_heartbeat: float | None = None
+        self._stats: Callable[[], HeartbeatStats] | None = None
+        self._exchange_lock = threading.Lock()
+        self._last_exchange = -float("inf")
 
     # --- joining ------------------------------------------------------------------------------
 
@@ -189,16 +192,46 @@ class LearnerLink:
     # --- receiving ----------------------------------------------------------------------------
 
     def poll(self) -> list[int]:
-        """Download every fragment with a newer global version than the one held; returns them."""
+        """Download every fragment with a newer global version than the one held; returns them.
+
+        A joined learner polls through :meth:`exchange` (its heartbeat rides along); before joining it only reads."""
+        if self.incarnation >= 0:
+            return self.exchange()
         with span("learner.poll"):
             with self.ctx.reading() as s:
-                latest = q.latest_versions(s, self.ctx.run_id)
-                run = q.get_run(s, self.ctx.run_id)
-            if run is not None and run.status != "running":
-                self.run_finished = True
-            store = self.ctx.store()
-            got = []
-            for p, row in sorted(latest.items()):
+                status, heads = q.poll_run(s, self.ctx.run_id)
+            return self._receive(status, heads)
+
+    def exchange(self, subs: list[q.SubmissionIn] | None = None, *, force_history: bool = False) -> list[int]:
+        """One ledger transaction for everything a step says and asks: register ``subs``, write the live
+        figures (kept as a heartbeat row every ``learners.heartbeat_s``), read the run's status and every
+        fragment's head; then download the newer versions. Returns the fragments downloaded."""
+        with span("learner.exchange"), self._exchange_lock:
+            now = self.ctx.now()
+            beat = None
+            if self._stats is not None:
+                history = force_history or self._last_heartbeat is None or now - self._last_heartbeat >= self.ctx.cfg.learners.heartbeat_s
+                hb = self._stats()
+                beat = q.Beat(hb.step, hb.tokens, hb.loss, hb.tokens_per_s, hb.step_time_s, hb.busy_s, history=history)
+            result = self._commit_exchange(subs or [], beat, now)
+            self._last_exchange = now
+            if beat is not None and beat.history:
+                self._last_heartbeat = now
+        return self._receive(result.run_status, result.heads)
+
+    @ledger_retry
+    def _commit_exchange(self, subs: list[q.SubmissionIn], beat: q.Beat | None, now: float) -> q.Exchange:
+        with self.ctx.transaction() as s:
+            return q.learner_exchange(s, self.ctx.run_id, self.learner_id, self.incarnation, subs, beat, to_datetime(now))
+
+    def _receive(self, status: str | None, heads: dict[int, q.HeadRef]) -> list[int]:
+        """Note the run's end; download every head newer than what the learner holds into the inbox."""
+        if status is not None and status != "running":
+            self.run_finished = True
+        store = self.ctx.store()
+        got = []
+        with span("learner.poll"):
+            for p, row in sorted(heads.items()):
                 if p >= self.num_fragments or row.version <= self._delivered.get(p, -1):
                     continue
                 try:
@@ -209,11 +242,13 @@ class LearnerLink:
                     continue
                 fault_point("learner.after_download")
                 with self._lock:
+                    if row.version <= self._delivered.get(p, -1):
+                        continue  # the other thread's exchange brought it (or a newer one) meanwhile
                     self._inbox[p] = (row.version, tensors)
                     self._delivered[p] = row.version
                     self._lock.notify_all()
                 got.append(p)
-            return got
+        return got
 
     def take_arrivals(self) -> tuple[dict[int, Arrival], set[int]]:
         """The fragments that arrived since the last call, and those still awaited (overlap 0)."""
@@ -305,10 +340,9 @@ class LearnerLink:
         self.bytes_sent += sum(sub.nbytes for sub in subs)
         self.upload_s += time.perf_counter() - t0
 
-    @ledger_retry
     def _register(self, subs: list[q.SubmissionIn]) -> None:
-        with self.ctx.transaction() as s:
-            q.register_submissions(s, self.ctx.run_id, self.learner_id, self.incarnation, subs, to_datetime(self.ctx.now()))
+        """Register in the step's one exchange (which also heartbeats and polls)."""
+        self.exchange(subs)
 
     def _carry_over(self, outs: list[Outgoing]) -> None:
         """Keep the increments of failed uploads: the next send of their fragment carries them."""
@@ -335,19 +369,17 @@ class LearnerLink:
     # --- heartbeats and threads ---------------------------------------------------------------
 
     def heartbeat(self, now: float, stats: Callable[[], HeartbeatStats], force: bool = False) -> None:
-        """Record progress at most every ``learners.heartbeat_s`` (always with ``force``)."""
+        """Record progress at most every ``learners.heartbeat_s`` (always with ``force``): an exchange, so it polls too.
+
+        Between heartbeats every exchange (a registration, a poll) writes the live figures anyway."""
+        self._stats = stats
         if not force and self._last_heartbeat is not None and now - self._last_heartbeat < self.ctx.cfg.learners.heartbeat_s:
             return
-        hb = stats()
-        with span("learner.heartbeat"), self.ctx.transaction() as s:
-            q.record_heartbeat(
-                s, self.ctx.run_id, self.learner_id, self.incarnation, now=to_datetime(now), step=hb.step,
-                tokens=hb.tokens, loss=hb.loss, tokens_per_s=hb.tokens_per_s, step_time_s=hb.step_time_s, busy_s=hb.busy_s,
-            )
-        self._last_heartbeat = now
+        self.exchange(force_history=True)
 
     def start_threads(self, stats: Callable[[], HeartbeatStats]) -> None:
         """Upload and poll (with heartbeats) in the background until :meth:`stop`."""
+        self._stats = stats
         for target, name in ((self._upload_loop, "upload"), (lambda: self._poll_loop(stats), "poll")):
             t = threading.Thread(target=target, name=f"{self.learner_id}-{name}", daemon=True)
             t.start()
@@ -380,8 +412,9 @@ class LearnerLink:
     def _poll_loop(self, stats: Callable[[], HeartbeatStats]) -> None:
         while not self._stop.is_set():
             try:
-                self.poll()
-                self.heartbeat(self.ctx.now(), stats)
+                # A registration's exchange polls too: a separate poll only when none was made for poll_s.
+                if self.ctx.now() - self._last_exchange >= self.ctx.cfg.learners.poll_s:
+                    self.poll()
             except Exception:  # noqa: BLE001 - the ledger or store may be restarting; try again
                 log.exception("poll failed; retrying")
             self._stop.wait(self.ctx.cfg.learners.poll_s)

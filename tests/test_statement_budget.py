@@ -1,0 +1,159 @@
+"""SQL statements per learner step and per merge, counted on the wire (SQLite and PostgreSQL).
+
+A learner step (H = P: one fragment sent per step) is one transaction of at most 3 statements amortized:
+the registration, the heartbeat and the poll share one round trip (``LearnerLink.exchange``). A merge's
+commit (``publish_version``) is 4 statements. BEGIN/COMMIT are counted as the transaction, not as statements."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from sqlalchemy import Engine, event
+from support import tiny_config
+
+from ddiloco.inprocess import SimClock, sim_learner
+from ddiloco.platform.ledger import open_ledger, session_factory
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.runtime import RunContext
+from ddiloco.synchronizer.service import Synchronizer
+
+CONTROL = re.compile(r"^\s*(BEGIN|COMMIT|ROLLBACK|SAVEPOINT|RELEASE)\b", re.IGNORECASE)
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+@dataclass
+class Counter:
+    on: bool = False
+    statements: int = 0
+    transactions: int = 0
+    seen: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def counting():
+    """Count statements and transactions on every engine while ``counter.on``."""
+    counter = Counter()
+
+    def on_statement(conn, cursor, statement, parameters, context, executemany):  # noqa: ANN001, ARG001
+        if counter.on and not CONTROL.match(statement):
+            counter.statements += 1
+            counter.seen.append(statement.split()[0])
+
+    def on_begin(conn):  # noqa: ANN001
+        if counter.on:
+            counter.transactions += 1
+
+    event.listen(Engine, "before_cursor_execute", on_statement)
+    event.listen(Engine, "begin", on_begin)
+    try:
+        yield counter
+    finally:
+        event.remove(Engine, "before_cursor_execute", on_statement)
+        event.remove(Engine, "begin", on_begin)
+
+
+def test_a_learner_step_is_one_transaction_of_at_most_three_statements(ledger_url):
+    """Two real learners and the real synchronizer (H = P = 4): per learner step, the step's upload
+    registers, heartbeats and polls in one exchange; a heartbeat call between is free."""
+    cfg = tiny_config(
+        ledger={"url": ledger_url}, storage={"url": f"memory://budget-{uuid.uuid4().hex[:8]}"},
+        learners={"regions": [{"name": "us", "learners": 2}], "heartbeat_s": 2.0},
+    )
+    clock = SimClock()
+    ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(ledger_url), clock=clock)
+    try:
+        sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
+        sync.poll_once(clock.t)
+        learners = [sim_learner(ctx, lid) for lid in ("us-0", "us-1")]
+        for learner in learners:
+            learner.start(clock.t)
+        steps = 0
+        with counting() as counter:
+            for _ in range(4 * cfg.fragments.count):
+                clock.t += 1.0
+                for learner in learners:
+                    counter.on = True
+                    learner.step(clock.t)
+                    learner.link.pump()
+                    learner.heartbeat(clock.t)
+                    counter.on = False
+                    steps += 1
+                sync.poll_once(clock.t)
+        assert sync.state and max(st.version for st in sync.state.values()) >= 2  # merges did happen meanwhile
+        print(f"learner step: {counter.transactions / steps:.2f} transactions, {counter.statements / steps:.2f} statements")
+        assert counter.transactions <= steps, counter
+        assert counter.statements <= 3 * steps, (counter.statements / steps, counter.seen[:12])
+    finally:
+        ctx.engine.dispose()
+
+
+def test_a_merge_commits_in_four_statements(ledger_url):
+    engine = open_ledger(ledger_url)
+    S = session_factory(engine)
+    blob = q.BlobRef("b", "a" * 64, 1)
+    try:
+        with S.begin() as s:
+            q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=T0)
+            token = q.acquire_lease(s, "r", "sync", 3600, T0)
+            for i in range(8):
+                q.register_learner(s, "r", f"l{i}", "us", T0)
+            q.publish_version(s, "r", 0, 0, blob=blob, state=blob, holder="sync", token=token, now=T0)
+        merges = 3
+        with counting() as counter:
+            for version in range(1, merges + 1):
+                now = T0 + timedelta(seconds=version)
+                with S.begin() as s:
+                    ids = [q.register_submission(s, "r", f"l{i}", 0, q.SubmissionIn(
+                        f"v{version}-{i}", 0, version - 1, 4, 100, 100, 100 * version, f"k{version}-{i}", "c" * 64, 10, "int8"), now)[0]
+                        for i in range(8)]
+                with S.begin() as s:
+                    counter.on = True
+                    q.publish_version(
+                        s, "r", 0, version, blob=blob, state=blob, holder="sync", token=token, now=now,
+                        merged=[q.MergedIn(i, 1.0, 1.0, 0) for i in ids],
+                        record=q.MergeRecord(1, 8, 0.0, 0.0, 0.0, "quorum", {}),
+                    )
+                    counter.on = False
+        assert counter.statements <= 4 * merges, counter.seen
+        with S() as s:
+            assert q.token_accounting(s, "r").merged == 8 * 100 * merges  # the totals the statements kept
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("superseded", [False, True])
+def test_an_exchange_of_a_superseded_incarnation_registers_nothing_live(ledger_url, superseded):
+    """The one-round-trip exchange keeps the registration rules: a superseded incarnation's submission is
+    rejected and its row untouched, the current one's is pending with its heartbeat written."""
+    engine = open_ledger(ledger_url)
+    S = session_factory(engine)
+    blob = q.BlobRef("b", "a" * 64, 1)
+    try:
+        with S.begin() as s:
+            q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=T0)
+            token = q.acquire_lease(s, "r", "sync", 3600, T0)
+            q.publish_version(s, "r", 0, 0, blob=blob, state=blob, holder="sync", token=token, now=T0)
+            q.register_learner(s, "r", "l", "us", T0)
+            if superseded:
+                q.register_learner(s, "r", "l", "us", T0)
+        sub = q.SubmissionIn("u", 0, 0, 4, 100, 100, 100, "k", "c" * 64, 10, "int8")
+        beat = q.Beat(step=7, tokens=120, loss=2.5, tokens_per_s=10.0, step_time_s=0.1)
+        with S.begin() as s:
+            got = q.learner_exchange(s, "r", "l", 0, [sub], beat, T0 + timedelta(seconds=1))
+        assert got.current is not superseded and got.run_status == "running"
+        assert {f: h.version for f, h in got.heads.items()} == {0: 0}
+        with S() as s:
+            row = {r.id: r for r in q.learners(s, "r")}["l"]
+            pending = q.pending_submissions(s, "r")
+            assert q.token_accounting(s, "r").balanced
+        if superseded:
+            assert pending == [] and row.step == 0 and row.loss is None
+        else:
+            assert [p.uid for p in pending] == ["u"] and (row.step, row.loss, row.submissions) == (7, 2.5, 1)
+    finally:
+        engine.dispose()
