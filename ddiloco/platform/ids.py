@@ -21,6 +21,19 @@ def validate_id(value: str, what: str = "id") -> str:
     return value
 
 
+_HOLDER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@:-]{0,127}$")
+
+
+def validate_holder(value: str) -> str:
+    """Return ``value`` if it is a safe synchronizer holder name (an id, or ``label@host:pid``), else raise."""
+    if not isinstance(value, str) or not _HOLDER.fullmatch(value):
+        raise InvalidIdError(
+            f"synchronizer holder {value!r} is not valid: use 1-128 letters, digits, '_', '.', '-', '@' or ':', "
+            "starting with a letter or digit"
+        )
+    return value
+
+
 def global_key(run: str, fragment: int, version: int) -> str:
     return f"{validate_id(run, 'run')}/global/f{int(fragment)}/v{int(version)}.safetensors"
 

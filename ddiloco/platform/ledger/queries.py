@@ -14,6 +14,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from ddiloco.platform import liveness
+from ddiloco.platform.ids import validate_holder, validate_id
 from ddiloco.platform.ledger.models import (
     GC_SUBMISSIONS,
     GC_VERSIONS,
@@ -85,6 +86,7 @@ def create_run(
     flow_run_url: str | None = None,
 ) -> bool:
     """Register a run; a second call with the same id is a no-op. Returns True if it was created."""
+    validate_id(run_id, "run")  # ids are shown and become store keys: no markup, no path tricks
     stmt = (
         _insert(session, Run)
         .values(
@@ -162,6 +164,7 @@ def register_learner(
     """Start a new incarnation of a learner and return its number (0 for the first start).
 
     The previous incarnation's unsubmitted tokens are recorded as lost."""
+    validate_id(learner_id, "learner"), validate_id(region, "region")
     learner = session.get(Learner, (run_id, learner_id), with_for_update=True)
     if learner is not None:
         learner.host, learner.pid = host, pid
@@ -625,6 +628,7 @@ def recent_merged_norms(session: Session, run_id: str, fragment: int, limit: int
 
 def acquire_lease(session: Session, run_id: str, holder: str, ttl_s: float, now: datetime) -> int | None:
     """Take or renew the run's lease. Returns the fencing token, or None while another holder's lease is live."""
+    validate_holder(holder)
     lease = session.get(SynchronizerLease, run_id, with_for_update=True)
     expires = now + timedelta(seconds=ttl_s)
     if lease is None:
