@@ -221,3 +221,19 @@ def test_the_check_never_creates_or_migrates_a_ledger(ledger_url, tmp_path):
             assert inspect(engine).get_table_names() == []
         finally:
             engine.dispose()
+
+
+def test_running_totals_must_equal_the_full_scan(run):
+    """The per-step reads trust the heads and learner totals: the check recomputes them from every row."""
+    from ddiloco.platform.ledger.models import FragmentHead
+
+    with run.ctx.transaction() as s:
+        s.execute(update(FragmentHead).where(FragmentHead.fragment == 0).values(tokens_merged=FragmentHead.tokens_merged + 5))
+        s.execute(update(FragmentHead).where(FragmentHead.fragment == 1).values(version=3))
+        s.execute(update(Learner).values(submissions=Learner.submissions + 1))
+    text = [p.what for p in check_run(run.ctx)]
+    assert len(text) == 4, text
+    assert text[0].startswith("token accounting does not balance: trained 300 != merged 105")  # totals feed the balance
+    assert text[1].startswith("fragment 1: head v3") and "newest version is v0" in text[1]
+    assert text[2] == "fragment 0: running totals say 105 tokens in 1 merged submissions, the submissions say 100 in 1"
+    assert text[3].startswith("learner us-0: row counts 4 submissions") and "the submissions say 3" in text[3]

@@ -385,3 +385,71 @@ def test_update_learner_statuses_dead_and_straggling(run):
         assert status == {"a": "dead", "b": "dead", "c": "dead", "d": "recovering"}
         assert liveness.live_ids(liveness.learner_verdicts(q.learner_snapshots(q.learners(s, RUN)), later, POLICY)) == ["d"]
         assert sorted(e.actor for e in q.events(s, RUN) if e.kind == "learner_dead") == ["a", "b", "c", "d"]
+
+
+# --- upgrading a run's ledger in place -----------------------------------------------------------------
+
+
+def test_a_ledger_written_before_the_heads_upgrades_in_place(ledger_url):
+    """A run written at schema 0003 (no heads, no running totals) upgrades to head: its heads and totals are
+    derived once, equal a full scan, and the run goes on (publish, exchange) from there."""
+    from sqlalchemy import MetaData, Table
+
+    from ddiloco.platform.invariants import read_snapshot, totals_problems
+    from ddiloco.platform.ledger.engine import make_engine, upgrade
+
+    engine = make_engine(ledger_url)
+    try:
+        upgrade(engine, "0003")
+        with engine.begin() as conn:
+            t = {name: Table(name, MetaData(), autoload_with=conn) for name in ("runs", "learners", "fragment_versions",
+                                                                                  "submissions", "heartbeats", "synchronizer_leases")}
+            conn.execute(t["runs"].insert(), dict(id=RUN, created_at=T0, status="running", config_json="{}", code_version="t",
+                                                  num_fragments=2, token_budget=10**6))
+            conn.execute(t["learners"].insert(), dict(
+                run_id=RUN, id="us-0", region="us", status="alive", incarnation=0, started_at=T0, last_heartbeat_at=T0, step=9,
+                tokens_per_s=1.0, step_time_s=1.0, tokens_trained=0, tokens_submitted=0, tokens_lost=0, inc_tokens_trained=400,
+                inc_tokens_submitted=400, busy_s=9.0))
+            conn.execute(t["synchronizer_leases"].insert(), dict(run_id=RUN, holder="sync", token=1, acquired_at=T0,
+                                                                 expires_at=T0 + timedelta(hours=1)))
+            published = {(0, 0): 0, (0, 1): 10, (0, 2): 40, (0, 3): 50, (1, 0): 0, (1, 1): 20}
+            conn.execute(t["fragment_versions"].insert(), [
+                dict(run_id=RUN, fragment=f, version=v, created_at=T0 + timedelta(seconds=s), blob_key=f"g/{f}/{v}", sha256="a" * 64,
+                     nbytes=1, state_key=f"o/{f}/{v}", state_sha256="b" * 64, lease_token=1, synchronizer="sync",
+                     blob_deleted=v == 0 and f == 0)
+                for (f, v), s in published.items()
+            ])
+            fates = [(0, "merged", 1), (0, "merged", 2), (1, "merged", 1), (0, "rejected", None)]
+            conn.execute(t["submissions"].insert(), [
+                dict(run_id=RUN, learner_id="us-0", uid=f"u{i}", fragment=f, base_version=0, c_steps=1, c_tokens=100, tokens_new=100,
+                     blob_key=f"s/{i}", sha256="c" * 64, nbytes=10 + i, codec="none", created_at=T0 + timedelta(seconds=i),
+                     status=status, merged_version=v, reject_reason="stale" if status == "rejected" else None, blob_deleted=False)
+                for i, (f, status, v) in enumerate(fates)
+            ])
+            conn.execute(t["heartbeats"].insert(), [
+                dict(run_id=RUN, learner_id="us-0", incarnation=0, at=T0 + timedelta(seconds=i), step=i, tokens=100 * i, loss=3.0 - i,
+                     tokens_per_s=1.0, step_time_s=1.0) for i in range(3)
+            ])
+        upgrade(engine)
+        S = session_factory(engine)
+        with S() as s:
+            assert q.latest_version_numbers(s, RUN) == {0: 3, 1: 1}
+            assert q.latest_versions(s, RUN)[0].blob_key == "g/0/3"
+            assert q.token_accounting(s, RUN) == q.TokenAccounting(400, merged=300, rejected=100, pending=0, lost=0, in_flight=0)
+            snap = read_snapshot(s, RUN)
+            assert totals_problems(snap.stored, snap.scanned) == []
+            agg = q.run_aggregates(s, RUN)
+            assert agg.longest_merge_gap_s == 20.0 and agg.last_merged_at == T0 + timedelta(seconds=50)  # 20 -> 40
+            assert (agg.submissions, agg.bytes_sent) == (4, 10 + 11 + 12 + 13)
+            assert q.learners(s, RUN)[0].loss == 1.0
+            # Only the version GC had settled is out of its partial index.
+            assert [(v.fragment, v.version) for v in q.versions_for_gc(s, RUN, keep_last=1, checkpoint_every=100)] == [(0, 1), (0, 2)]
+        publish(S, 4, merged=[], record=q.MergeRecord(1, 1, 0, 0, 0, "after upgrade", {}))
+        with S.begin() as s:
+            got = q.learner_exchange(s, RUN, "us-0", 0, [sub("new")], q.Beat(10, 500, 0.5, 1.0, 1.0), T0 + timedelta(seconds=60))
+        assert got.current and got.heads[0].version == 4
+        with S() as s:
+            snap = read_snapshot(s, RUN)
+            assert totals_problems(snap.stored, snap.scanned) == [] and snap.accounting.balanced
+    finally:
+        engine.dispose()

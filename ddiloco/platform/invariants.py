@@ -8,7 +8,10 @@
 - every pending submission points to a blob that exists with the size its row records (the
   synchronizer hashes each one it merges; hashing every pending blob here would load the store the
   run depends on);
-- tokens trained = merged + rejected + pending + lost + in flight.
+- tokens trained = merged + rejected + pending + lost + in flight;
+- the running totals the per-step reads use equal what a full scan gives: each fragment's head is its
+  newest version with the tokens and submissions merged into it, each learner's row counts its
+  submissions, tokens and bytes (the check may scan; nothing per step does).
 
 The checks are pure functions of plain rows; :func:`check_run` reads one snapshot of the ledger,
 looks at the store and hands both to them. It only reads."""
@@ -19,11 +22,11 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ddiloco.platform.ledger import queries as q
-from ddiloco.platform.ledger.models import MERGED, PENDING, REJECTED, FragmentVersion, Learner, Submission
+from ddiloco.platform.ledger.models import MERGED, PENDING, REJECTED, FragmentHead, FragmentVersion, Learner, Submission
 from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.store import FragmentStore
 
@@ -62,10 +65,24 @@ class SubmissionRow:
 
 
 @dataclass(frozen=True)
+class Totals:
+    """Running totals as stored, or the same figures from a full scan, keyed by fragment or learner."""
+
+    heads: dict[int, tuple[int, str, str]]
+    """fragment -> (version, blob key, sha256) of its head (scan: of its newest version)."""
+    merged: dict[int, tuple[int, int]]
+    """fragment -> (tokens merged, submissions merged)."""
+    learners: dict[str, tuple[int, int, int]]
+    """learner -> (submissions, tokens sent, bytes sent)."""
+
+
+@dataclass(frozen=True)
 class Snapshot:
     versions: list[VersionRow]
     submissions: list[SubmissionRow]
     accounting: q.TokenAccounting
+    stored: Totals | None = None
+    scanned: Totals | None = None
 
 
 # --- the pure checks --------------------------------------------------------------------------------
@@ -152,6 +169,30 @@ def accounting_problems(acct: q.TokenAccounting) -> list[Problem]:
                     lost=abs(acct.trained - accounted))]
 
 
+def totals_problems(stored: Totals, scanned: Totals) -> list[Problem]:
+    """Every running total equals the full scan's figure (heads, merged totals, learner totals)."""
+    problems = []
+    for fragment in sorted(set(stored.heads) | set(scanned.heads)):
+        have, want = stored.heads.get(fragment), scanned.heads.get(fragment)
+        if have != want:
+            problems.append(Problem(f"fragment {fragment}: head {_head(have)} but the newest version is {_head(want)}"))
+    for fragment in sorted(set(stored.merged) | set(scanned.merged)):
+        have, want = stored.merged.get(fragment, (0, 0)), scanned.merged.get(fragment, (0, 0))
+        if have != want:
+            problems.append(Problem(f"fragment {fragment}: running totals say {have[0]} tokens in {have[1]} merged submissions, "
+                                    f"the submissions say {want[0]} in {want[1]}", lost=abs(have[0] - want[0])))
+    for learner in sorted(set(stored.learners) | set(scanned.learners)):
+        have, want = stored.learners.get(learner, (0, 0, 0)), scanned.learners.get(learner, (0, 0, 0))
+        if have != want:
+            problems.append(Problem(f"learner {learner}: row counts {have[0]} submissions, {have[1]} tokens, {have[2]} bytes; "
+                                    f"the submissions say {want[0]}, {want[1]}, {want[2]}"))
+    return problems
+
+
+def _head(head: tuple[int, str, str] | None) -> str:
+    return "none" if head is None else f"v{head[0]} ({head[1]})"
+
+
 def check_snapshot(snap: Snapshot, intact: Mapping[int, bool], listed_size: Mapping[int, int | None]) -> list[Problem]:
     """Every invariant over one snapshot and what the store showed of it."""
     newest = newest_versions(snap.versions)
@@ -161,6 +202,7 @@ def check_snapshot(snap: Snapshot, intact: Mapping[int, bool], listed_size: Mapp
         *fate_problems(snap.submissions, {f: v.version for f, v in newest.items()}),
         *blob_problems(newest, intact, pending, listed_size),
         *accounting_problems(snap.accounting),
+        *(totals_problems(snap.stored, snap.scanned) if snap.stored is not None and snap.scanned is not None else []),
     ]
 
 
@@ -186,7 +228,45 @@ def read_snapshot(session: Session, run_id: str) -> Snapshot:
             .where(Submission.run_id == run_id)
         )
     ]
-    return Snapshot(versions, submissions, q.token_accounting(session, run_id))
+    return Snapshot(versions, submissions, q.token_accounting(session, run_id), stored_totals(session, run_id),
+                    scanned_totals(session, run_id, versions))
+
+
+def stored_totals(session: Session, run_id: str) -> Totals:
+    heads = session.execute(
+        select(FragmentHead.fragment, FragmentHead.version, FragmentHead.blob_key, FragmentHead.sha256,
+               FragmentHead.tokens_merged, FragmentHead.submissions_merged).where(FragmentHead.run_id == run_id)
+    ).all()
+    rows = session.execute(
+        select(Learner.id, Learner.submissions, Learner.tokens_sent, Learner.bytes_sent).where(Learner.run_id == run_id)
+    ).all()
+    return Totals(
+        heads={f: (v, k, sha) for f, v, k, sha, _, _ in heads},
+        merged={f: (int(t), int(n)) for f, _, _, _, t, n in heads if t or n},
+        learners={lid: (int(n), int(t), int(b)) for lid, n, t, b in rows},
+    )
+
+
+def scanned_totals(session: Session, run_id: str, versions: list[VersionRow]) -> Totals:
+    """The same figures from every row (the scan ``ledger check`` may afford and a step may not)."""
+    merged = session.execute(
+        select(Submission.fragment, func.coalesce(func.sum(Submission.tokens_new), 0), func.count())
+        .where(Submission.run_id == run_id, Submission.status == MERGED).group_by(Submission.fragment)
+    ).all()
+    sent = dict.fromkeys(session.scalars(select(Learner.id).where(Learner.run_id == run_id)), (0, 0, 0))
+    sent.update({
+        lid: (int(n), int(t), int(b))
+        for lid, n, t, b in session.execute(
+            select(Submission.learner_id, func.count(), func.coalesce(func.sum(Submission.tokens_new), 0),
+                   func.coalesce(func.sum(Submission.nbytes), 0))
+            .where(Submission.run_id == run_id, Submission.learner_id.in_(list(sent))).group_by(Submission.learner_id)
+        )
+    })
+    return Totals(
+        heads={f: (v.version, v.blob_key, v.sha256) for f, v in newest_versions(versions).items()},
+        merged={f: (int(t), int(n)) for f, t, n in merged},
+        learners=sent,
+    )
 
 
 def _bare(path: str) -> str:
