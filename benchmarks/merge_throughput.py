@@ -1,14 +1,16 @@
-"""Synchronizer merge throughput: outer gradients decompressed + validated + merged + stepped, vs memcpy.
+"""Synchronizer merge throughput: outer gradients decoded + checked + merged + stepped, vs memcpy.
 
-The synchronizer's own functions, on one fragment of realistic size (default: 25.2 M float32
-parameters = two d_model 1024 transformer blocks, whole tensors) and M submissions of it (default 8):
+The synchronizer's own code path on one fragment of realistic size (default: 25.2 M float32
+parameters = two d_model 1024 transformer blocks, whole tensors) and M submissions of it (default 8),
+through a ``MergeWorkspace`` kept from merge to merge as the synchronizer keeps its own:
 
-    for each submission: decode_delta (codec -> float32) -> flatten -> norm -> check_finite + check_norm
-    then: merge_vectors (rda) -> unflatten -> outer_step (Nesterov SGD with momentum)
+    for each submission: decode_delta_into (codec -> its row of the [M x N] buffer, with its norm)
+                         -> check_finite + check_norm   (what Synchronizer._validate does after the read)
+    then: merge_fragment (token weights, RDA, participation scale, Nesterov outer step) -> recycle
+          the version it replaced                      (what Synchronizer._merge / _publish do)
 
-which is what ``Synchronizer._validate`` + ``_merge`` do after the blob is read (store I/O is
-``store_throughput.py``'s job; a second figure here adds the in-memory part of a read: sha256 +
-safetensors decode of the blob bytes).
+Store I/O is ``store_throughput.py``'s job; a second figure adds the in-memory part of a read
+(sha256 + safetensors parse of the blob bytes).
 
 Bytes counted:
   * float32 bytes = M x N x 4: the outer gradients the pipeline produces and consumes (the goal's figure)
@@ -16,25 +18,20 @@ Bytes counted:
 
 Baseline, same run, interleaved round by round: ``np.copyto`` of M x N x 4 bytes (M copies of an
 N-float32 array into a preallocated one). Goal: pipeline GB/s (float32 bytes) >= 0.25 x memcpy GB/s.
-torch runs on one thread, as the synchronizer process does.
+torch runs on one thread, as the synchronizer process does. With ``--device cuda`` (or auto on a
+machine with a GPU) the merge runs on the GPU, as the synchronizer's does: the blobs' codes are
+copied to it and decoded there; a device-to-device copy of the same bytes is reported beside the
+host memcpy.
 
-Also measured, for comparison only (NOT the lead's code): a ``proposed`` pipeline doing the same
-work without fresh 100 MB buffers (decode straight into a reused [M, N] buffer, one norm per
-submission, RDA as one GEMV, a flat Nesterov step without torch.optim), checked to give the same
-result; a cProfile of the current pipeline when it fails; and (full run) the whole benchmark again
-in a child process with PyTorch's THP_MEM_ALLOC_ENABLE=1 (huge pages for large CPU tensors).
-
-    python benchmarks/merge_throughput.py [--quick] [--params 25e6] [--submissions 8] [--rounds 3]
+    python benchmarks/merge_throughput.py [--quick] [--params 25e6] [--submissions 8] [--rounds 3] [--device auto]
 """
 
 from __future__ import annotations
 
-import cProfile
 import hashlib
-import io
-import os
-import pstats
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,22 +41,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import base_parser, header, median, verdict, write_results
 
-from ddiloco.platform.compression import (
-    CompressionError,
-    _parse_metadata,
-    _unpack4,
-    decode_delta,
-    encode_delta,
-    encoded_nbytes,
-)
+from ddiloco.platform.compression import decode_delta, decode_delta_into, encode_delta, encoded_nbytes
 from ddiloco.platform.store import decode_tensors, encode_tensors
 from ddiloco.synchronizer import policy as pol
-from ddiloco.synchronizer.merge import flatten, merge_vectors, unflatten
-from ddiloco.synchronizer.outer import outer_step
+from ddiloco.synchronizer.merge import (
+    FlatDelta,
+    FlatLayout,
+    GlobalFragment,
+    Member,
+    MergePolicy,
+    MergeWorkspace,
+    merge_fragment,
+)
 
 NAME = "merge_throughput"
 GOAL_RATIO = 0.25
 CODECS = ("int8", "int4", "bf16")
+POLICY = MergePolicy(method="rda", weighting="tokens", lr=0.7, momentum=0.9, nesterov=True)
 
 
 def fragment_shapes(target_params: float) -> dict[str, tuple[int, ...]]:
@@ -96,126 +94,51 @@ def make_inputs(shapes: dict[str, tuple[int, ...]], m: int, seed: int = 0):
     for i in range(m):
         gi = torch.Generator().manual_seed(seed + 1 + i)
         deltas.append({n: torch.randn(s, generator=gi) * 1e-3 * (1 + 0.1 * i) for n, s in shapes.items()})
-    # Weights as the synchronizer computes them, from varied token and step counts.
-    weights = [pol.token_weight(2048 * (20 + 3 * i), 20 + 2 * i) for i in range(m)]
-    return params, momentum, deltas, weights
+    # Token and step counts as learners report them: varied, so the weights differ.
+    counts = [(20 + 2 * i, 2048 * (20 + 3 * i)) for i in range(m)]
+    return params, momentum, deltas, counts
 
 
-def pipeline(subs, shapes, names, params, momentum, weights, recent, stages: dict[str, float] | None = None):
+def pipeline(ws: MergeWorkspace, layout: FlatLayout, subs, current: GlobalFragment, counts, recent, stages: dict[str, float]):
     """The synchronizer's path from decoded blob tensors to the new fragment version."""
-    st = stages if stages is not None else {}
-
-    def lap(key: str, t0: float) -> float:
-        t1 = time.perf_counter()
-        st[key] = st.get(key, 0.0) + t1 - t0
-        return t1
-
-    t = time.perf_counter()
-    vectors = []
-    for tensors, meta in subs:
-        delta = decode_delta(tensors, meta, expected=shapes)
-        t = lap("decode_delta", t)
-        vector = flatten(delta, names)
-        t = lap("flatten", t)
-        norm = float(torch.linalg.vector_norm(vector))
-        why = pol.check_finite(norm) or pol.check_norm(norm, recent, 10.0)
+    sync = torch.cuda.synchronize if ws.device.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    rows = ws.rows(layout, len(subs))
+    members = []
+    for i, ((tensors, meta), (c_steps, c_tokens)) in enumerate(zip(subs, counts, strict=True)):
+        delta = FlatDelta(layout, rows[i], decode_delta_into(tensors, meta, layout.items(), rows[i]))
+        norm = delta.norm
+        why = pol.check_finite(norm) or pol.check_norm(norm / c_steps, recent, 10.0)
         if why:
             raise AssertionError(f"a valid submission was rejected: {why}")
-        t = lap("norm_and_checks", t)
-        vectors.append(vector)
-        del delta
-    merged = merge_vectors(vectors, weights, "rda")
-    t = lap("merge_vectors_rda", t)
-    grad = unflatten(merged, params, names)
-    t = lap("unflatten", t)
-    new_params, new_momentum = outer_step(params, grad, momentum, lr=0.7, beta=0.9, nesterov=True)
-    lap("outer_step", t)
-    return new_params, new_momentum
+        members.append(Member(i, f"learner-{i}", delta, norm, c_steps, c_tokens, current.version))
+    sync()
+    t1 = time.perf_counter()
+    out = merge_fragment(current, members, POLICY, live_learners=len(members), workspace=ws)
+    sync()
+    t2 = time.perf_counter()
+    stages["decode_and_check"] = stages.get("decode_and_check", 0.0) + t1 - t0
+    stages["merge_fragment"] = stages.get("merge_fragment", 0.0) + t2 - t1
+    return out
 
 
-# --- a proposed pipeline (NOT the lead's code): what the same work costs without fresh buffers ---------
+def reference_params(subs, current: GlobalFragment, counts) -> dict[str, torch.Tensor]:
+    """The same merge from dict-shaped deltas on a fresh CPU workspace (the gather path)."""
+    members = [Member(i, f"learner-{i}", decode_delta(t, meta), 0.0, s, k, current.version)
+               for i, ((t, meta), (s, k)) in enumerate(zip(subs, counts, strict=True))]
+    return merge_fragment(current, members, POLICY, live_learners=len(members), workspace=MergeWorkspace("cpu")).params
 
 
-def decode_into(tensors, meta, shapes, names, out: torch.Tensor) -> None:
-    """decode_delta's checks, but writing each tensor straight into its slice of the flat ``out``."""
-    codec, block_size, got = _parse_metadata(meta)
-    if got != {n: tuple(s) for n, s in shapes.items()}:
-        raise CompressionError("delta tensors do not match the fragment")
-    off = 0
-    for name in names:
-        numel = int(np.prod(shapes[name]))
-        dst = out[off : off + numel]
-        off += numel
-        q = tensors[name + "::q"]
-        if codec in ("none", "bf16"):
-            dst.copy_(q.reshape(-1))
-            continue
-        levels = 127 if codec == "int8" else 7
-        if codec == "int4":
-            q = _unpack4(q, numel)
-        if numel and int(q.min()) < -levels:
-            raise CompressionError("codes out of range")
-        scale = tensors[name + "::scale"]
-        full = numel // block_size
-        if full:
-            dst[: full * block_size].view(full, block_size).copy_(q[: full * block_size].view(full, block_size)).mul_(scale[:full, None])
-        if numel % block_size:
-            dst[full * block_size :].copy_(q[full * block_size :]).mul_(scale[full])
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[n].cpu() - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-30)) for n in b)
 
 
-class Proposed:
-    """Preallocated [M, N] decode buffer, one norm per submission, RDA as one GEMV, a flat Nesterov step."""
-
-    def __init__(self, m: int, n: int) -> None:
-        self.buf = torch.empty(m, n)
-        self.direction = torch.empty(n)
-        self.new_p = torch.empty(n)
-        self.new_m = torch.empty(n)
-
-    def run(self, subs, shapes, names, p_flat, m_flat, weights, recent, stages: dict[str, float] | None = None):
-        st = stages if stages is not None else {}
-
-        def lap(key: str, t0: float) -> float:
-            t1 = time.perf_counter()
-            st[key] = st.get(key, 0.0) + t1 - t0
-            return t1
-
-        t = time.perf_counter()
-        norms = []
-        for i, (tensors, meta) in enumerate(subs):
-            decode_into(tensors, meta, shapes, names, self.buf[i])
-            t = lap("decode_into_buffer", t)
-            norm = float(torch.linalg.vector_norm(self.buf[i]))
-            why = pol.check_finite(norm) or pol.check_norm(norm, recent, 10.0)
-            if why:
-                raise AssertionError(why)
-            norms.append(norm)
-            t = lap("norm_and_checks", t)
-        m = len(subs)
-        w = torch.tensor(weights, dtype=torch.float64)
-        w = w / w.sum()
-        target = float(sum(float(wi) * ni for wi, ni in zip(w, norms)))
-        coeffs = torch.tensor([float(wi) / ni if ni > 1e-12 else 0.0 for wi, ni in zip(w, norms)], dtype=torch.float32)
-        torch.mv(self.buf[:m].t(), coeffs, out=self.direction)
-        dnorm = float(torch.linalg.vector_norm(self.direction))
-        g = self.direction.mul_(target / dnorm) if dnorm > 1e-12 else self.direction.zero_()
-        t = lap("rda_gemv", t)
-        lr, beta = 0.7, 0.9
-        torch.add(g, m_flat, alpha=beta, out=self.new_m)  # buf = beta * buf + g
-        g.add_(self.new_m, alpha=beta)  # nesterov: g + beta * buf
-        torch.add(p_flat, g, alpha=-lr, out=self.new_p)
-        lap("outer_step_flat", t)
-        return self.new_p, self.new_m
-
-
-def blob_part(blobs: list[bytes], shas: list[str]):
-    """The in-memory part of a store read: sha256 check + safetensors decode."""
-    out = []
-    for b, sha in zip(blobs, shas):
+def blob_part(blobs: list[bytes], shas: list[str]) -> None:
+    """The in-memory part of a store read: sha256 check + safetensors parse."""
+    for b, sha in zip(blobs, shas, strict=True):
         if hashlib.sha256(b).hexdigest() != sha:
             raise AssertionError("sha256 mismatch")
-        out.append(decode_tensors(b))
-    return out
+        decode_tensors(b)
 
 
 def memcpy(src: np.ndarray, dst: np.ndarray, m: int) -> float:
@@ -225,42 +148,42 @@ def memcpy(src: np.ndarray, dst: np.ndarray, m: int) -> float:
     return time.perf_counter() - t0
 
 
-def profile_pipeline(subs, shapes, names, params, momentum, weights, recent, top: int = 12) -> list[dict]:
-    prof = cProfile.Profile()
-    prof.enable()
-    pipeline(subs, shapes, names, params, momentum, weights, recent)
-    prof.disable()
-    s = io.StringIO()
-    stats = pstats.Stats(prof, stream=s)
-    rows = []
-    for (file, line, func), (_cc, nc, tt, ct, _callers) in stats.stats.items():
-        rows.append({"function": f"{Path(file).name}:{line}({func})", "calls": nc, "tottime_s": round(tt, 4), "cumtime_s": round(ct, 4)})
-    rows.sort(key=lambda r: r["tottime_s"], reverse=True)
-    return rows[:top]
+def device_copy(src: torch.Tensor, dst: torch.Tensor, m: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(m):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
-def check_same(cur, prop, names) -> float:
-    """Largest relative difference between the current and the proposed pipeline's new params."""
-    a = flatten(cur[0], names)
-    return float((a - prop[0]).abs().max() / a.abs().max())
+def uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        return ""
 
 
 def summarize(d: dict, f32_bytes: int, wire: int) -> dict:
     t_pipe, t_copy = median(d["pipeline_s"]), median(d["memcpy_s"])
-    ratio = median(d["ratio"])
     stage_s = {k: median(v) for k, v in d["stages"].items()}
     total = sum(stage_s.values())
-    return {
+    out = {
         "pipeline_s": round(t_pipe, 4),
         "memcpy_s": round(t_copy, 4),
         "pipeline_gb_s_float32": round(f32_bytes / t_pipe / 1e9, 3),
         "pipeline_gb_s_wire": round(wire / t_pipe / 1e9, 3),
         "memcpy_gb_s": round(f32_bytes / t_copy / 1e9, 3),
-        "ratio_vs_memcpy": round(ratio, 4),
+        "ratio_vs_memcpy": round(median(d["ratio"]), 4),
         "ratio_per_round": [round(x, 4) for x in d["ratio"]],
         "stage_s": {k: round(v, 4) for k, v in stage_s.items()},
         "stage_share": {k: round(v / total, 3) for k, v in sorted(stage_s.items(), key=lambda kv: -kv[1])},
     }
+    if d["device_copy_s"]:
+        t_dev = median(d["device_copy_s"])
+        out["device_copy_gb_s"] = round(f32_bytes / t_dev / 1e9, 3)
+        out["ratio_vs_device_copy"] = round(t_dev / t_pipe, 4)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,32 +193,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median reported)")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--codecs", default=",".join(CODECS))
-    ap.add_argument("--profile", choices=("auto", "always", "never"), default="auto", help="cProfile a pipeline run (auto: when it fails)")
-    ap.add_argument("--no-proposed", action="store_true", help="skip the proposed (buffer-reusing) pipeline")
-    ap.add_argument("--compare-thp", choices=("auto", "yes", "no"), default="auto",
-                    help="also run in a child process with THP_MEM_ALLOC_ENABLE=1 (auto: not with --quick)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="where the merge runs (auto: the GPU when torch sees one, as the synchronizer's merge_device)")
     args = ap.parse_args(argv)
     if args.quick:
         args.params, args.rounds, args.submissions = min(args.params, 1e6), min(args.rounds, 2), min(args.submissions, 4)
+        if args.json is None:
+            args.json = str(Path(tempfile.gettempdir()) / f"ddiloco-{NAME}.quick.json")  # never the published figures
     codecs = [c for c in args.codecs.split(",") if c]
     torch.set_num_threads(1)
+    ws = MergeWorkspace(args.device)
+    load_start = uptime()
 
     shapes = fragment_shapes(args.params)
-    names = list(shapes)
-    n = sum(int(np.prod(s)) for s in shapes.values())
-    m = args.submissions
+    layout = FlatLayout.of(shapes)
+    n, m = layout.numel, args.submissions
     f32_bytes = m * n * 4
-    thp = os.environ.get("THP_MEM_ALLOC_ENABLE", "")
     print(f"fragment: {len(shapes)} tensors, {n / 1e6:.2f} M float32 params; M = {m} submissions; "
-          f"float32 bytes per merge {f32_bytes / 1e6:.0f} MB; torch threads {torch.get_num_threads()}; "
-          f"THP_MEM_ALLOC_ENABLE={thp or '(unset)'}")
+          f"float32 bytes per merge {f32_bytes / 1e6:.0f} MB; device {ws.device}; torch threads {torch.get_num_threads()}")
+    print(f"load: {load_start}")
 
     t0 = time.perf_counter()
-    params, momentum, deltas, weights = make_inputs(shapes, m)
+    params, momentum, deltas, counts = make_inputs(shapes, m)
+    current = GlobalFragment(7, {k: v.to(ws.device) for k, v in params.items()}, {k: v.to(ws.device) for k, v in momentum.items()})
     encoded = {c: [encode_delta(d, c, args.block_size) for d in deltas] for c in codecs}
     del deltas
     recent = [1.0] * 8  # a norm history, so check_norm really compares
-    p_flat, m_flat = flatten(params, names), flatten(momentum, names)
     blobs = {}
     for c in codecs:
         bl = [encode_tensors(t, meta) for t, meta in encoded[c]]
@@ -305,68 +228,71 @@ def main(argv: list[str] | None = None) -> int:
     src = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
     dst = np.empty_like(src)
     memcpy(src, dst, 1)  # fault the pages in
-    proposed = None if args.no_proposed else Proposed(m, n)
+    dev_src = dev_dst = None
+    if ws.device.type == "cuda":
+        dev_src, dev_dst = torch.from_numpy(src).to(ws.device), torch.empty(n, device=ws.device)
 
     results = header(NAME, args)
     results.update(
         {
             "fragment": {"tensors": len(shapes), "params": n, "submissions": m, "block_size": args.block_size},
-            "env": {"THP_MEM_ALLOC_ENABLE": thp or None, "transparent_hugepage": _thp_mode()},
+            "device": str(ws.device),
+            "load": {"uptime_start": load_start},
             "bytes_counted": {
                 "float32_bytes": "M x N x 4: the decoded float32 outer gradients the pipeline processes (the goal's figure)",
                 "wire_bytes": "encoded payload of the M submissions (codes + per-block scales, no safetensors header)",
                 "memcpy": "np.copyto of M x N x 4 bytes (M copies of an N-float32 array into a preallocated one); "
                 "GB/s counts bytes copied once",
             },
-            "pipeline": "decode_delta -> flatten -> vector_norm + check_finite + check_norm (per submission); "
-            "merge_vectors(rda) -> unflatten -> outer_step (Nesterov, momentum)",
+            "pipeline": "decode_delta_into (into the workspace's rows, with norms) + check_finite + check_norm per submission; "
+            "merge_fragment (one matrix-vector product per chunk, Nesterov step on flat buffers) with a kept MergeWorkspace",
             "codecs": {},
         }
     )
-    variants = ["current"] + ([] if proposed is None else ["proposed"])
-    runs = {(v, c): {"pipeline_s": [], "memcpy_s": [], "ratio": [], "stages": {}} for v in variants for c in codecs}
+    runs = {c: {"pipeline_s": [], "memcpy_s": [], "device_copy_s": [], "ratio": [], "stages": {}} for c in codecs}
     blob_runs: dict[str, list[float]] = {c: [] for c in codecs}
-    # Warm-up: one untimed pass per codec and variant; checks the proposal computes the same thing.
+    # Warm-up: one untimed pass per codec (sizes the workspace, as the first merge of a run does),
+    # checked against the same merge from dict-shaped deltas.
     same = {}
     for c in codecs:
-        cur = pipeline(encoded[c], shapes, names, params, momentum, weights, recent)
-        if proposed is not None:
-            same[c] = check_same(cur, proposed.run(encoded[c], shapes, names, p_flat, m_flat, weights, recent), names)
-        del cur
+        out = pipeline(ws, layout, encoded[c], current, counts, recent, {})
+        same[c] = max_rel_diff(out.params, reference_params(encoded[c], GlobalFragment(7, params, momentum), counts))
+        ws.recycle(GlobalFragment(out.version, out.params, out.momentum))
+        del out
 
     for r in range(args.rounds):
         for c in codecs:
-            for v in variants:
-                # memcpy right before each pipeline run, so load drift hits both alike.
-                t_copy = memcpy(src, dst, m)
-                stages: dict[str, float] = {}
-                t1 = time.perf_counter()
-                if v == "current":
-                    out = pipeline(encoded[c], shapes, names, params, momentum, weights, recent, stages)
-                else:
-                    out = proposed.run(encoded[c], shapes, names, p_flat, m_flat, weights, recent, stages)
-                t_pipe = time.perf_counter() - t1
-                del out
-                d = runs[(v, c)]
-                d["pipeline_s"].append(t_pipe)
-                d["memcpy_s"].append(t_copy)
-                d["ratio"].append(t_copy / t_pipe)
-                for k, x in stages.items():
-                    d["stages"].setdefault(k, []).append(x)
-                print(f"round {r + 1}/{args.rounds} {c:5} {v:9}: pipeline {f32_bytes / t_pipe / 1e9:6.2f} GB/s, "
-                      f"memcpy {f32_bytes / t_copy / 1e9:6.2f} GB/s, ratio {t_copy / t_pipe:.3f}")
+            # memcpy right before each pipeline run, so load drift hits both alike.
+            t_copy = memcpy(src, dst, m)
+            stages: dict[str, float] = {}
+            t1 = time.perf_counter()
+            out = pipeline(ws, layout, encoded[c], current, counts, recent, stages)
+            t_pipe = time.perf_counter() - t1
+            # The synchronizer gives back the version a publish replaced; here, the one just made.
+            ws.recycle(GlobalFragment(out.version, out.params, out.momentum))
+            del out
+            d = runs[c]
+            d["pipeline_s"].append(t_pipe)
+            d["memcpy_s"].append(t_copy)
+            d["ratio"].append(t_copy / t_pipe)
+            if dev_src is not None:
+                d["device_copy_s"].append(device_copy(dev_src, dev_dst, m))
+            for k, x in stages.items():
+                d["stages"].setdefault(k, []).append(x)
+            print(f"round {r + 1}/{args.rounds} {c:5}: pipeline {f32_bytes / t_pipe / 1e9:6.2f} GB/s, "
+                  f"memcpy {f32_bytes / t_copy / 1e9:6.2f} GB/s, ratio {t_copy / t_pipe:.3f}")
             t2 = time.perf_counter()
             blob_part(*blobs[c])
             blob_runs[c].append(time.perf_counter() - t2)
 
     all_pass = True
     print()
-    print(f"{'codec':6} {'variant':9} {'f32 GB/s':>9} {'wire GB/s':>10} {'memcpy GB/s':>12} {'ratio':>7}  verdict   slowest stage")
+    print(f"{'codec':6} {'f32 GB/s':>9} {'wire GB/s':>10} {'memcpy GB/s':>12} {'ratio':>7}  verdict   stages")
     for c in codecs:
         wire = sum(encoded_nbytes(t) for t, _ in encoded[c])
-        entry = summarize(runs[("current", c)], f32_bytes, wire)
-        d = runs[("current", c)]
-        ratio_blob = median([tc / (tp + tb) for tc, tp, tb in zip(d["memcpy_s"], d["pipeline_s"], blob_runs[c])])
+        entry = summarize(runs[c], f32_bytes, wire)
+        d = runs[c]
+        ratio_blob = median([tc / (tp + tb) for tc, tp, tb in zip(d["memcpy_s"], d["pipeline_s"], blob_runs[c], strict=True)])
         ok = entry["ratio_vs_memcpy"] >= GOAL_RATIO
         all_pass &= ok
         entry = {
@@ -374,88 +300,28 @@ def main(argv: list[str] | None = None) -> int:
             "wire_bytes": wire,
             "compression_x": round(f32_bytes / wire, 2),
             **entry,
+            "max_rel_diff_vs_reference": same[c],
             "with_blob_decode": {
                 "extra_s": round(median(blob_runs[c]), 4),
-                "what": "plus sha256 + safetensors decode of the blob bytes (in memory, no disk)",
+                "what": "plus sha256 + safetensors parse of the blob bytes (in memory, no disk)",
                 "ratio_vs_memcpy": round(ratio_blob, 4),
             },
             "goal": {"ratio_min": GOAL_RATIO, "pass": ok},
         }
-        if proposed is not None:
-            entry["proposed"] = {
-                **summarize(runs[("proposed", c)], f32_bytes, wire),
-                "max_rel_diff_vs_current": same[c],
-                "pass": median(runs[("proposed", c)]["ratio"]) >= GOAL_RATIO,
-            }
         results["codecs"][c] = entry
-        for v, e in (("current", entry), ("proposed", entry.get("proposed"))):
-            if e is None:
-                continue
-            top = next(iter(e["stage_share"]))
-            print(f"{c:6} {v:9} {e['pipeline_gb_s_float32']:>9.2f} {e['pipeline_gb_s_wire']:>10.2f} {e['memcpy_gb_s']:>12.2f} "
-                  f"{e['ratio_vs_memcpy']:>7.3f}  {verdict(e['ratio_vs_memcpy'] >= GOAL_RATIO):7}   {top} ({e['stage_share'][top]:.0%})")
-    for c in codecs:
-        e = results["codecs"][c]
-        print(f"  {c} current stage shares: " + ", ".join(f"{k} {v:.0%}" for k, v in e["stage_share"].items())
-              + f"; +sha256/safetensors decode: ratio {e['with_blob_decode']['ratio_vs_memcpy']:.3f}")
-        if "proposed" in e:
-            print(f"  {c} proposed stage shares: " + ", ".join(f"{k} {v:.0%}" for k, v in e["proposed"]["stage_share"].items())
-                  + f"; max rel diff vs current {e['proposed']['max_rel_diff_vs_current']:.1e}")
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in entry["stage_share"].items())
+        print(f"{c:6} {entry['pipeline_gb_s_float32']:>9.2f} {entry['pipeline_gb_s_wire']:>10.2f} {entry['memcpy_gb_s']:>12.2f} "
+              f"{entry['ratio_vs_memcpy']:>7.3f}  {verdict(ok):7}   {shares}; +sha256/parse: ratio {ratio_blob:.3f}; "
+              f"vs reference {same[c]:.1e}")
+        if "ratio_vs_device_copy" in entry:
+            print(f"       device copy {entry['device_copy_gb_s']:.2f} GB/s: ratio vs device copy {entry['ratio_vs_device_copy']:.3f}")
 
-    if args.profile == "always" or (args.profile == "auto" and not all_pass and not args.quick):
-        results["profile"] = {}
-        for c in codecs:
-            rows = profile_pipeline(encoded[c], shapes, names, params, momentum, weights, recent)
-            results["profile"][c] = rows
-            print(f"\ncProfile, current pipeline, {c} (top by own time):")
-            for row in rows[:6]:
-                print(f"  {row['tottime_s']:8.4f}s  {row['calls']:5}  {row['function']}")
-
-    if args.compare_thp == "yes" or (args.compare_thp == "auto" and not args.quick and not thp):
-        results["with_THP_MEM_ALLOC_ENABLE"] = run_thp_child(args)
-
+    results["load"]["uptime_end"] = uptime()
     results["goal"] = {"ratio_min": GOAL_RATIO, "pass": all_pass}
-    print(f"\ngoal: current pipeline >= {GOAL_RATIO} x memcpy (float32 bytes), every codec: {verdict(all_pass)}")
+    print(f"load: {results['load']['uptime_end']}")
+    print(f"\ngoal: pipeline >= {GOAL_RATIO} x memcpy (float32 bytes), every codec: {verdict(all_pass)}")
     write_results(NAME, results, args.json)
     return 0
-
-
-def _thp_mode() -> str | None:
-    try:
-        return Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
-    except OSError:
-        return None
-
-
-def run_thp_child(args) -> dict:
-    """The same benchmark in a child process with PyTorch's THP_MEM_ALLOC_ENABLE=1 (huge pages for big tensors)."""
-    import json
-    import subprocess
-    import tempfile
-
-    print("\n--- the same, in a child process with THP_MEM_ALLOC_ENABLE=1 ---", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "thp.json"
-        cmd = [sys.executable, __file__, "--params", str(args.params), "--submissions", str(args.submissions),
-               "--rounds", str(args.rounds), "--codecs", args.codecs, "--profile", "never", "--compare-thp", "no",
-               "--json", str(out)]
-        env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1")
-        proc = subprocess.run(cmd, env=env, text=True, capture_output=True, check=False)
-        print("\n".join(line for line in proc.stdout.splitlines() if not line.startswith("round ")))
-        if proc.returncode != 0:
-            return {"error": proc.stderr[-2000:]}
-        child = json.loads(out.read_text())
-    return {
-        c: {
-            "ratio_vs_memcpy": e["ratio_vs_memcpy"],
-            "pipeline_gb_s_float32": e["pipeline_gb_s_float32"],
-            "memcpy_gb_s": e["memcpy_gb_s"],
-            "stage_share": e["stage_share"],
-            "pass": e["goal"]["pass"],
-            **({"proposed_ratio_vs_memcpy": e["proposed"]["ratio_vs_memcpy"]} if "proposed" in e else {}),
-        }
-        for c, e in child["codecs"].items()
-    }
 
 
 if __name__ == "__main__":

@@ -6,15 +6,16 @@ import pytest
 import torch
 
 from ddiloco.synchronizer.merge import (
+    FlatDelta,
+    FlatLayout,
     GlobalFragment,
     Member,
     MergePolicy,
-    flatten,
+    MergeWorkspace,
     merge_fragment,
     merge_vectors,
     norm_of,
     radial_directional_average,
-    unflatten,
     weighted_mean,
 )
 from ddiloco.synchronizer.outer import momentum_from_blob, momentum_to_blob, outer_step
@@ -55,12 +56,11 @@ def test_bad_weights_and_method_are_refused():
         merge_vectors([torch.ones(2)], [1.0], "median")
 
 
-def test_flatten_roundtrip():
-    t = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.tensor([7.0])}
-    flat = flatten(t, ["b", "a"])
-    assert flat.tolist() == [7.0, 0, 1, 2, 3, 4, 5]
-    back = unflatten(flat, t, ["b", "a"])
-    assert torch.equal(back["a"], t["a"]) and torch.equal(back["b"], t["b"])
+def test_flat_layout_puts_tensors_back_to_back():
+    layout = FlatLayout.of({"b": (1,), "a": (2, 3)})
+    assert layout.offsets == (0, 1, 7) and layout.numel == 7
+    views = layout.views(torch.tensor([7.0, 0, 1, 2, 3, 4, 5]))
+    assert views["b"].tolist() == [7.0] and views["a"].tolist() == [[0, 1, 2], [3, 4, 5]]
 
 
 def test_outer_step_is_torch_nesterov_and_resumes_exactly():
@@ -197,3 +197,151 @@ def test_merge_fragment_leaves_its_inputs_alone():
 def test_merge_fragment_needs_a_member():
     with pytest.raises(ValueError, match="at least one member"):
         merge_fragment(GlobalFragment(0, {"w": torch.zeros(1)}, None), [], MergePolicy(), live_learners=1)
+
+
+# --- the flat engine: rows in a reused workspace, against an independent float64 reference ----------
+
+
+def reference_merge(current: GlobalFragment, members: list[Member], policy: MergePolicy, live: int) -> dict[str, torch.Tensor]:
+    """The method written out in float64 from the design: sum each learner's increments, token weights,
+    RDA per group (plain-mean tensors apart), participation scale, one torch Nesterov SGD step."""
+    names = list(current.params)
+    sums: dict[str, dict[str, torch.Tensor]] = {}
+    counts: dict[str, list[int]] = {}
+    for m in members:
+        delta = m.delta if isinstance(m.delta, dict) else m.delta.layout.views(m.delta.row)
+        acc = sums.setdefault(m.learner, {n: torch.zeros(current.params[n].shape, dtype=torch.float64) for n in names})
+        for n in names:
+            acc[n] += delta[n].double()
+        c = counts.setdefault(m.learner, [0, 0])
+        c[0], c[1] = c[0] + m.c_tokens, c[1] + m.c_steps
+    w = torch.tensor([tok * tok / steps for tok, steps in counts.values()], dtype=torch.float64)
+    w = w / w.sum()
+    mean = [n for n in names if policy.method == "mean" or "embed" in n]
+    grad = {}
+    for group, rda in ((mean, False), ([n for n in names if n not in mean], True)):
+        if not group:
+            continue
+        vecs = [torch.cat([s[n].reshape(-1) for n in group]) for s in sums.values()]
+        if rda:
+            norms = [float(v.norm()) for v in vecs]
+            d = sum(wi * v / nv for wi, v, nv in zip(w, vecs, norms, strict=True))
+            merged = d / d.norm() * sum(float(wi) * nv for wi, nv in zip(w, norms, strict=True))
+        else:
+            merged = sum(wi * v for wi, v in zip(w, vecs, strict=True))
+        merged = merged * min(1.0, len(sums) / live)
+        off = 0
+        for n in group:
+            k = current.params[n].numel()
+            grad[n] = merged[off : off + k].view(current.params[n].shape)
+            off += k
+    leaves = [torch.nn.Parameter(current.params[n].double().clone()) for n in names]
+    opt = torch.optim.SGD(leaves, lr=policy.lr, momentum=policy.momentum, nesterov=True)
+    for n, p in zip(names, leaves, strict=True):
+        p.grad = grad[n].clone()
+        if current.momentum is not None:
+            opt.state[p]["momentum_buffer"] = current.momentum[n].double().clone()
+    opt.step()
+    return {n: p.detach() for n, p in zip(names, leaves, strict=True)}
+
+
+def random_fragment(seed: int = 0) -> tuple[GlobalFragment, list[Member]]:
+    """Three tensors (one a plain-mean embedding), momentum, and four learners of which one sent twice."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"tok_embed.weight": (5, 3), "mlp.weight": (4, 6), "mlp.bias": (7,)}
+    current = GlobalFragment(3, {n: torch.randn(s, generator=g) for n, s in shapes.items()},
+                             {n: torch.randn(s, generator=g) * 0.1 for n, s in shapes.items()})
+    learners = ["a", "b", "a", "c", "d"]
+    members = [member(i, lid, {n: torch.randn(s, generator=g) * (i + 1) for n, s in shapes.items()},
+                      c_steps=2 + i, c_tokens=64 * (3 + i), base_version=3) for i, lid in enumerate(learners)]
+    return current, members
+
+
+def as_rows(members: list[Member], layout: FlatLayout, rows: torch.Tensor) -> list[Member]:
+    """The members decoded into ``rows`` as the synchronizer does (FlatDelta with per-tensor squared norms)."""
+    out = []
+    for m, row in zip(members, rows, strict=True):
+        for n, view in layout.views(row).items():
+            view.copy_(m.delta[n])
+        sq = torch.tensor([float(v.double().pow(2).sum()) for v in layout.views(row).values()], dtype=torch.float64)
+        out.append(Member(m.submission, m.learner, FlatDelta(layout, row, sq), m.norm, m.c_steps, m.c_tokens, m.base_version))
+    return out
+
+
+@pytest.mark.parametrize("method", ["rda", "mean"])
+def test_flat_engine_matches_the_float64_reference(method: str) -> None:
+    current, members = random_fragment()
+    policy = MergePolicy(method=method, lr=0.7, momentum=0.9)
+    want = reference_merge(current, members, policy, live=5)
+    ws = MergeWorkspace("cpu")
+    ws.chunk = 4  # several chunks per tensor, and a chunk that ends mid-tensor
+    layout = FlatLayout.of({n: tuple(t.shape) for n, t in current.params.items()})
+    for ms in (members, as_rows(members, layout, ws.rows(layout, len(members)))):
+        out = merge_fragment(current, ms, policy, live_learners=5, workspace=ws)
+        for n in want:
+            torch.testing.assert_close(out.params[n].double(), want[n], rtol=1e-5, atol=1e-6)
+    assert [m["learner"] for m in out.detail["members"]] == ["a", "a", "b", "c", "d"]
+
+
+def test_rows_with_a_gap_are_gathered_not_misread() -> None:
+    current, members = random_fragment(1)
+    policy = MergePolicy(lr=0.7, momentum=0.9)
+    layout = FlatLayout.of({n: tuple(t.shape) for n, t in current.params.items()})
+    ws = MergeWorkspace("cpu")
+    rows = ws.rows(layout, len(members) + 1)
+    rows[1].fill_(float("nan"))  # a rejected submission's row, skipped by the members
+    flat = as_rows(members[:1], layout, rows[:1]) + as_rows(members[1:], layout, rows[2:])
+    out = merge_fragment(current, flat, policy, live_learners=5, workspace=ws)
+    want = reference_merge(current, members, policy, live=5)
+    for n in want:
+        torch.testing.assert_close(out.params[n].double(), want[n], rtol=1e-5, atol=1e-6)
+
+
+def test_a_kept_workspace_reuses_its_buffers_and_leaves_inputs_alone() -> None:
+    current, members = random_fragment(2)
+    policy = MergePolicy(lr=0.7, momentum=0.9)
+    layout = FlatLayout.of({n: tuple(t.shape) for n, t in current.params.items()})
+    ws = MergeWorkspace("cpu")
+    rows = ws.rows(layout, len(members))
+    flat = as_rows(members, layout, rows)
+    before = {n: t.clone() for n, t in current.params.items()}
+    rows_before = rows.clone()
+    first = merge_fragment(current, flat, policy, live_learners=5, workspace=ws)
+    second_current = GlobalFragment(first.version, first.params, first.momentum)
+    second = merge_fragment(second_current, flat, policy, live_learners=5, workspace=ws)
+    # Inputs untouched: the current version, the members' rows, and a version used as input.
+    assert all(torch.equal(current.params[n], before[n]) for n in before)
+    assert torch.equal(rows, rows_before)
+    assert not any(first.params[n].data_ptr() == second.params[n].data_ptr() for n in first.params)
+    # Once the owner drops the first version, the third merge writes into its buffers: no new allocation.
+    used = {first.params["mlp.weight"].untyped_storage().data_ptr(), first.momentum["mlp.weight"].untyped_storage().data_ptr()}
+    ws.recycle(second_current)
+    third = merge_fragment(GlobalFragment(second.version, second.params, second.momentum), flat, policy, live_learners=5, workspace=ws)
+    assert {third.params["mlp.weight"].untyped_storage().data_ptr(), third.momentum["mlp.weight"].untyped_storage().data_ptr()} == used
+    assert ws.rows(layout, len(members)).data_ptr() == rows.data_ptr()
+    ws.recycle(current)  # not from the workspace: left alone
+    assert torch.equal(current.params["mlp.weight"], before["mlp.weight"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+def test_merge_runs_on_cuda_and_agrees_with_the_cpu() -> None:
+    from ddiloco.platform.compression import decode_delta, decode_delta_into, encode_delta
+
+    current, members = random_fragment(3)
+    policy = MergePolicy(lr=0.7, momentum=0.9)
+    layout = FlatLayout.of({n: tuple(t.shape) for n, t in current.params.items()})
+    sent = [encode_delta(m.delta, codec, block_size=4) for m, codec in zip(members, ["int8", "int4", "bf16", "none", "int8"], strict=True)]
+    on_cpu = [member(m.submission, m.learner, decode_delta(*blob), m.c_steps, m.c_tokens, 3) for m, blob in zip(members, sent, strict=True)]
+    cpu = merge_fragment(current, on_cpu, policy, live_learners=5, workspace=MergeWorkspace("cpu"))
+    ws = MergeWorkspace("cuda")
+    assert MergeWorkspace("auto").device.type == "cuda"
+    rows = ws.rows(layout, len(members))
+    flat = []
+    for m, row, blob in zip(members, rows, sent, strict=True):
+        sq = decode_delta_into(*blob, layout.items(), row)
+        flat.append(Member(m.submission, m.learner, FlatDelta(layout, row, sq), m.norm, m.c_steps, m.c_tokens, m.base_version))
+    gpu = merge_fragment(current, flat, policy, live_learners=5, workspace=ws)
+    for n in cpu.params:
+        assert gpu.params[n].device.type == "cuda"
+        torch.testing.assert_close(gpu.params[n].cpu(), cpu.params[n], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gpu.momentum[n].cpu(), cpu.momentum[n], rtol=1e-5, atol=1e-6)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,23 +45,12 @@ def _quantize(flat: torch.Tensor, block_size: int, levels: int) -> tuple[torch.T
     return q.flatten()[:n].to(torch.int8), scale
 
 
-def _dequantize(q: torch.Tensor, scale: torch.Tensor, block_size: int, numel: int) -> torch.Tensor:
-    nb = scale.numel()
-    blocks = F.pad(q.to(torch.float32), (0, nb * block_size - numel)).view(nb, block_size)
-    return (blocks * scale.unsqueeze(1)).flatten()[:numel]
-
-
 def _pack4(q: torch.Tensor) -> torch.Tensor:
     """int8 codes in [-7, 7] -> uint8, two codes a byte (low nibble first), offset by 8."""
     u = (q.to(torch.int16) + 8).to(torch.uint8)
     if u.numel() % 2:
         u = torch.cat([u, torch.full((1,), 8, dtype=torch.uint8)])
     return u[0::2] | (u[1::2] << 4)
-
-
-def _unpack4(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    u = torch.stack([packed & 0x0F, packed >> 4], dim=1).flatten()[:numel]
-    return u.to(torch.int8) - 8
 
 
 def encode_delta(
@@ -135,45 +125,122 @@ def _take(tensors: dict[str, torch.Tensor], key: str, dtype: torch.dtype, shape:
     return t
 
 
+def _check_against(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:
+    missing = sorted(set(expected) - set(shapes))
+    extra = sorted(set(shapes) - set(expected))
+    if missing or extra:
+        raise CompressionError(f"delta tensors do not match the fragment: missing {missing}, unexpected {extra}")
+    for name, shape in expected.items():
+        if tuple(shape) != shapes[name]:
+            raise CompressionError(f"delta tensor {name!r} has shape {shapes[name]}, expected {tuple(shape)}")
+
+
 def decode_delta(
     tensors: dict[str, torch.Tensor],
     metadata: dict[str, str],
     expected: dict[str, tuple[int, ...]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Decode to float32 tensors of the original shapes, checking names and shapes against ``expected``."""
-    codec, block_size, shapes = _parse_metadata(metadata)
+    """Decode to float32 tensors of the original shapes, checking names and shapes against ``expected``.
+
+    The tensors are views of one new flat buffer (see :func:`decode_delta_into`)."""
+    _codec, _block_size, shapes = _parse_metadata(metadata)
     if expected is not None:
-        missing = sorted(set(expected) - set(shapes))
-        extra = sorted(set(shapes) - set(expected))
-        if missing or extra:
-            raise CompressionError(f"delta tensors do not match the fragment: missing {missing}, unexpected {extra}")
-        for name, shape in expected.items():
-            if tuple(shape) != shapes[name]:
-                raise CompressionError(f"delta tensor {name!r} has shape {shapes[name]}, expected {tuple(shape)}")
+        _check_against(shapes, expected)
+    layout = list(shapes.items())
+    out = torch.empty(sum(math.prod(s) for _, s in layout), dtype=torch.float32)
+    decode_delta_into(tensors, metadata, layout, out)
+    views, offset = {}, 0
+    for name, shape in layout:
+        numel = math.prod(shape)
+        views[name] = out[offset : offset + numel].view(shape)
+        offset += numel
+    return views
+
+
+DECODE_CHUNK = 1 << 17
+"""Elements decoded at a time on a CPU: a chunk stays in cache while it is converted, checked, scaled
+and its squared norm summed, so each output byte is written to memory once."""
+
+# Two int4 codes a byte (low nibble first, offset by 8) -> the two int8 codes, as the bytes of one
+# int16: a table lookup turns packed bytes into code pairs in one pass. Built through a view, so it
+# holds whatever int16 those two bytes make on this machine (no byte-order assumption).
+_INT4_PAIRS = torch.tensor([[(b & 0x0F) - 8, (b >> 4) - 8] for b in range(256)], dtype=torch.int8).view(torch.int16).reshape(256)
+
+
+def decode_delta_into(
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str],
+    layout: Sequence[tuple[str, tuple[int, ...]]],
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Decode into ``out``, the flat float32 vector holding ``layout``'s tensors back to back, in order
+    (on any device); returns each tensor's squared L2 norm (float64, in layout order).
+
+    The blob must hold exactly the layout's tensors and shapes. Nothing the size of the delta is
+    allocated: each tensor is decoded chunk by chunk straight into its slice of ``out``."""
+    codec, block_size, shapes = _parse_metadata(metadata)
+    _check_against(shapes, {name: tuple(shape) for name, shape in layout})
     keys = {f"{name}::q" for name in shapes}
     if codec in _LEVELS:
         keys |= {f"{name}::scale" for name in shapes}
     unknown = sorted(set(tensors) - keys)
     if unknown:
         raise CompressionError(f"delta holds unexpected tensors {unknown}")
-
-    out: dict[str, torch.Tensor] = {}
-    for name, shape in shapes.items():
+    total = sum(math.prod(shape) for _, shape in layout)
+    if out.dtype != torch.float32 or out.dim() != 1 or out.numel() != total or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 vector of {total} elements, got {out.dtype} {tuple(out.shape)}")
+    # On a GPU one kernel per tensor is best; on a CPU, cache-sized chunks (whole blocks, an even count).
+    step = None if out.device.type != "cpu" else block_size * max(1, DECODE_CHUNK // block_size) * (1 + block_size % 2)
+    sq = torch.empty(len(layout), dtype=torch.float64, device=out.device)
+    offset = 0
+    for i, (name, shape) in enumerate(layout):
         numel = math.prod(shape)
+        dst = out[offset : offset + numel]
+        offset += numel
         if codec == "none":
-            out[name] = _take(tensors, name + "::q", torch.float32, shape).clone()
+            q, scale = _take(tensors, name + "::q", torch.float32, tuple(shape)).reshape(-1), None
         elif codec == "bf16":
-            out[name] = _take(tensors, name + "::q", torch.bfloat16, shape).to(torch.float32)
+            q, scale = _take(tensors, name + "::q", torch.bfloat16, tuple(shape)).reshape(-1), None
         else:
-            scale = _take(tensors, name + "::scale", torch.float32, (_num_blocks(numel, block_size),))
+            scale = _take(tensors, name + "::scale", torch.float32, (_num_blocks(numel, block_size),)).to(out.device)
             if codec == "int8":
                 q = _take(tensors, name + "::q", torch.int8, (numel,))
             else:
-                q = _unpack4(_take(tensors, name + "::q", torch.uint8, (_num_blocks(numel, 2),)), numel)
-            if numel and int(q.min()) < -_LEVELS[codec]:
-                raise CompressionError(f"delta tensor {name + '::q'!r} holds codes outside [-{_LEVELS[codec]}, {_LEVELS[codec]}]")
-            out[name] = _dequantize(q, scale, block_size, numel).view(shape)
-    return out
+                q = _take(tensors, name + "::q", torch.uint8, (_num_blocks(numel, 2),))
+        sq[i] = _decode_tensor(codec, block_size, q.to(out.device), scale, dst, step or max(numel, 1), name)
+    return sq
+
+
+def _decode_tensor(
+    codec: str, block_size: int, q: torch.Tensor, scale: torch.Tensor | None, dst: torch.Tensor, step: int, name: str
+) -> torch.Tensor:
+    """Decode one tensor's codes ``q`` into ``dst`` chunk by chunk; returns its squared norm (0-d float64)."""
+    numel = dst.numel()
+    sq = torch.zeros((), dtype=torch.float64, device=dst.device)
+    levels = _LEVELS.get(codec)
+    if codec == "int4":
+        idx = torch.empty((step + 1) // 2, dtype=torch.int32, device=dst.device)
+        pairs = torch.empty((step + 1) // 2, dtype=torch.int16, device=dst.device)
+        table = _INT4_PAIRS.to(dst.device)
+    for a in range(0, numel, step):
+        b = min(numel, a + step)
+        d = dst[a:b]
+        if codec == "int4":
+            nbytes = (b - a + 1) // 2  # a is even: chunks start on a byte
+            idx[:nbytes].copy_(q[a // 2 : a // 2 + nbytes])
+            torch.index_select(table, 0, idx[:nbytes], out=pairs[:nbytes])
+            d.copy_(pairs[:nbytes].view(torch.int8)[: b - a])
+        else:
+            d.copy_(q[a:b])
+        if levels is not None and scale is not None:
+            if float(d.amin()) < -levels:
+                raise CompressionError(f"delta tensor {name + '::q'!r} holds codes outside [-{levels}, {levels}]")
+            full, first = (b - a) // block_size, a // block_size
+            d[: full * block_size].view(full, block_size).mul_(scale[first : first + full, None])
+            if full * block_size < b - a:
+                d[full * block_size :].mul_(scale[first + full])
+        sq += torch.dot(d, d)
+    return sq
 
 
 def encoded_nbytes(tensors: dict[str, torch.Tensor]) -> int:

@@ -361,7 +361,9 @@ class SynchronizerConfig(_Section):
     max_poll_s: float = Field(60.0, gt=0)
     """A poll (merges included) running longer than this counts as hung: the lease is let go."""
     eval_every_s: float = Field(10.0, gt=0)
-    """How often the active synchronizer evaluates the global model on validation data."""
+    """How often the evaluator (``ddiloco evaluate``) evaluates the newest published global model."""
+    merge_device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where merges run: auto is the GPU when torch sees one, else the CPU."""
 
 
 class ChaosEvent(_Section):

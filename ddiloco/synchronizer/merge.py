@@ -1,19 +1,28 @@
-"""Merging outer gradients: free functions over plain tensors, and one fragment's whole merge.
+"""Merging outer gradients: the rule as free functions, and one fragment's whole merge on flat buffers.
 
 :func:`merge_fragment` is the method's steps 4 and 5 as one pure function: the per-learner sum of
 increments, token weights, RDA or the plain mean (per tensor), the participation scale and the outer
-step. The synchronizer fetches and validates before it and publishes after it."""
+step. The synchronizer fetches and validates before it and publishes after it.
+
+It runs at memory speed on real fragment sizes: members arrive decoded into the rows of one
+[members x N] float32 matrix (:class:`MergeWorkspace`, reused from merge to merge) with their
+squared norms, the merged direction is one matrix-vector product, and the Nesterov step runs on flat
+buffers in place; nothing model-sized is allocated per merge. On a CPU each pass walks the fragment
+in cache-sized chunks, so a chunk of the merged gradient is still in cache when its norm is taken."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ddiloco.platform.fragments import param_name
-from ddiloco.synchronizer.outer import outer_step
+from ddiloco.synchronizer.outer import outer_step_
 from ddiloco.synchronizer.policy import participation_scale, token_weight
 
 if TYPE_CHECKING:
@@ -24,70 +33,175 @@ CANCEL_TOL = 1e-6
 relative length: the mean of unit vectors that all agree has length 1. What is left below it is
 rounding, and stretching that to the mean norm would step in an arbitrary direction."""
 
-
-def flatten(tensors: dict[str, torch.Tensor], names: Sequence[str]) -> torch.Tensor:
-    """Concatenate named tensors (in ``names`` order) into one new float32 vector."""
-    return torch.cat([tensors[n].reshape(-1).to(torch.float32) for n in names])
-
-
-def unflatten(vector: torch.Tensor, like: dict[str, torch.Tensor], names: Sequence[str]) -> dict[str, torch.Tensor]:
-    out, offset = {}, 0
-    for n in names:
-        numel = like[n].numel()
-        out[n] = vector[offset : offset + numel].view_as(like[n]).clone()
-        offset += numel
-    return out
+MERGE_CHUNK = 1 << 17
+"""Elements per pass step on a CPU (512 KB of float32): small enough to stay in cache between the
+operations applied to it (L2 or L3), large enough that per-call overhead stays small."""
 
 
-def _normalized_weights(weights: Sequence[float]) -> torch.Tensor:
+# --- the rule ------------------------------------------------------------------------------------
+
+
+def _normalized_weights(weights: Sequence[float]) -> list[float]:
     w = torch.tensor(list(weights), dtype=torch.float64)
     if len(w) == 0 or not torch.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
         raise ValueError(f"merge weights must be finite, non-negative and not all zero, got {list(weights)}")
-    return w / w.sum()
+    return (w / w.sum()).tolist()
+
+
+def merge_coefficients(sq_norms: Sequence[float], weights: Sequence[float], method: str) -> tuple[list[float], float | None]:
+    """(c, target): the merged direction is sum_i c_i v_i, stretched to norm ``target`` (None: kept as is).
+
+    mean: c = w / sum w. RDA averages norms and directions separately: c = (w / sum w) / |v_i| (a
+    zero vector has no direction) and target = sum w |v_i| / sum w. Outer gradients of different
+    learners are nearly orthogonal, so a plain mean shrinks like 1/sqrt(M); RDA keeps the typical
+    step length and only averages where to go."""
+    if method not in ("rda", "mean"):
+        raise ValueError(f"merge.method must be 'rda' or 'mean', got {method!r}")
+    w = _normalized_weights(weights)
+    if method == "mean":
+        return w, None
+    norms = [math.sqrt(max(0.0, s)) for s in sq_norms]
+    return [wi / n if n > 0 else 0.0 for wi, n in zip(w, norms, strict=True)], sum(wi * n for wi, n in zip(w, norms, strict=True))
+
+
+def stretch(direction_norm: float, target: float | None) -> float:
+    """The factor applied to the merged direction: 1 for the mean; RDA's target over the direction's
+    norm, or 0 when the unit directions cancel (see CANCEL_TOL)."""
+    if target is None:
+        return 1.0
+    return 0.0 if direction_norm <= CANCEL_TOL else target / direction_norm
+
+
+def merge_vectors(vectors: Sequence[torch.Tensor], weights: Sequence[float], method: str) -> torch.Tensor:
+    """The merge of same-shaped vectors by the rule above (a new float32 tensor)."""
+    rows = torch.stack([v.reshape(-1).to(torch.float32) for v in vectors])
+    sq = [float(torch.linalg.vector_norm(r, dtype=torch.float64)) ** 2 for r in rows]
+    coeffs, target = merge_coefficients(sq, weights, method)
+    direction = rows.t() @ torch.tensor(coeffs, dtype=torch.float32)
+    return direction.mul_(stretch(float(torch.linalg.vector_norm(direction)), target)).view(vectors[0].shape)
 
 
 def weighted_mean(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """sum_m w_m * v_m / sum_m w_m."""
-    w = _normalized_weights(weights).to(torch.float32)
-    out = torch.zeros_like(vectors[0], dtype=torch.float32)
-    for wi, v in zip(w, vectors, strict=True):
-        out.add_(v, alpha=float(wi))
-    return out
+    return merge_vectors(vectors, weights, "mean")
 
 
 def radial_directional_average(vectors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """Average norms and directions separately: norm * normalize(sum w * v/|v|).
-
-    Outer gradients of different learners are nearly orthogonal, so a plain mean shrinks like
-    1/sqrt(M); RDA keeps the typical step length and only averages where to go."""
-    w = _normalized_weights(weights)
-    norm = 0.0
-    # float64: summed in float32 (fused multiply-add), v/|v| + (-v)/|v| leaves rounding of about 1e-8, not zero.
-    direction = torch.zeros(vectors[0].shape, dtype=torch.float64)
-    for wi, v in zip(w.tolist(), vectors, strict=True):
-        n = float(torch.linalg.vector_norm(v))
-        norm += wi * n
-        if n > 0:
-            direction.add_(v, alpha=wi / n)
-    dnorm = float(torch.linalg.vector_norm(direction))
-    if dnorm <= CANCEL_TOL:
-        return torch.zeros_like(vectors[0], dtype=torch.float32)
-    return direction.to(torch.float32).mul_(norm / dnorm)
+    """Average norms and directions separately: norm * normalize(sum w * v/|v|)."""
+    return merge_vectors(vectors, weights, "rda")
 
 
-def merge_vectors(vectors: Sequence[torch.Tensor], weights: Sequence[float], method: str) -> torch.Tensor:
-    if method == "rda":
-        return radial_directional_average(vectors, weights)
-    if method == "mean":
-        return weighted_mean(vectors, weights)
-    raise ValueError(f"merge.method must be 'rda' or 'mean', got {method!r}")
-
-
-def norm_of(tensors: dict[str, torch.Tensor]) -> float:
+def norm_of(tensors: Mapping[str, torch.Tensor]) -> float:
     """The L2 norm of all tensors together, as if flattened into one vector."""
-    if not tensors:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t.to(torch.float32)) for t in tensors.values()])))
+    return math.sqrt(sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in tensors.values()))
+
+
+# --- flat buffers --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each tensor of a fragment lives in one flat float32 vector: in order, back to back."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, shapes: Mapping[str, Sequence[int]]) -> FlatLayout:
+        return cls(tuple(shapes), tuple(tuple(int(d) for d in s) for s in shapes.values()))
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """Start of each tensor, and the total at the end."""
+        out = [0]
+        for s in self.shapes:
+            out.append(out[-1] + math.prod(s))
+        return tuple(out)
+
+    @property
+    def numel(self) -> int:
+        return self.offsets[-1]
+
+    def items(self) -> list[tuple[str, tuple[int, ...]]]:
+        return list(zip(self.names, self.shapes, strict=True))
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tensors by name, as views of ``flat``."""
+        o = self.offsets
+        return {n: flat[o[i] : o[i + 1]].view(s) for i, (n, s) in enumerate(self.items())}
+
+
+@dataclass(frozen=True)
+class FlatDelta:
+    """A decoded outer gradient: one flat float32 row in ``layout`` order, with each tensor's squared norm."""
+
+    layout: FlatLayout
+    row: torch.Tensor
+    sq_norms: torch.Tensor
+    """float64, one per tensor of the layout."""
+
+    @property
+    def norm(self) -> float:
+        return math.sqrt(float(self.sq_norms.sum()))
+
+
+def default_merge_device() -> torch.device:
+    """Where merges run when the config says auto: the GPU when there is one."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class MergeWorkspace:
+    """Buffers reused from merge to merge, so a merge allocates nothing model-sized.
+
+    ``rows`` holds the members' decoded outer gradients; the merged gradient and the gathered rows
+    are scratch; the new versions' parameters and momentum come from a pool that the owner refills
+    with :meth:`recycle` when it drops a version it no longer reads. One merge at a time (decodes of
+    one merge may run in threads, each into its own row)."""
+
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        self.device = default_merge_device() if device in (None, "auto") else torch.device(device)
+        self.chunk = MERGE_CHUNK if self.device.type == "cpu" else None
+        """Elements per pass step; None: whole tensors (a GPU wants few large kernels)."""
+        self._rows = torch.empty(0, device=self.device)
+        self._gather = torch.empty(0, device=self.device)
+        self._grad = torch.empty(0, device=self.device)
+        self._spare: dict[int, list[torch.Tensor]] = {}
+        self._lent: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+    def _grown(self, attr: str, numel: int) -> torch.Tensor:
+        buf = getattr(self, attr)
+        if buf.numel() < numel:
+            buf = torch.empty(numel, device=self.device)
+            setattr(self, attr, buf)
+        return buf[:numel]
+
+    def rows(self, layout: FlatLayout, count: int) -> torch.Tensor:
+        """[count, N] float32 rows to decode members into (valid until the next call)."""
+        return self._grown("_rows", count * layout.numel).view(count, layout.numel)
+
+    def gathered(self, count: int, numel: int) -> torch.Tensor:
+        return self._grown("_gather", count * numel).view(count, numel)
+
+    def grad(self, numel: int) -> torch.Tensor:
+        return self._grown("_grad", numel)
+
+    def take(self, numel: int) -> torch.Tensor:
+        """A flat float32 buffer for a new version (from the pool when it has one of that size)."""
+        pool = self._spare.get(numel)
+        buf = pool.pop() if pool else torch.empty(numel, device=self.device)
+        self._lent[id(buf)] = buf
+        return buf
+
+    def recycle(self, fragment: GlobalFragment | None) -> None:
+        """Take back the buffers of a merged version nobody will read again (others are left alone)."""
+        if fragment is None:
+            return
+        for tensors in (fragment.params, fragment.momentum or {}):
+            base = next(iter(tensors.values()), None)
+            base = None if base is None else base._base
+            if base is not None and self._lent.get(id(base)) is base:
+                del self._lent[id(base)]
+                self._spare.setdefault(base.numel(), []).append(base)
 
 
 # --- one fragment's merge ------------------------------------------------------------------------
@@ -109,8 +223,8 @@ class Member:
 
     submission: int
     learner: str
-    delta: dict[str, torch.Tensor]
-    """Decoded outer-gradient increment, by tensor name."""
+    delta: FlatDelta | Mapping[str, torch.Tensor]
+    """Decoded outer-gradient increment: a flat row (as the synchronizer decodes it), or tensors by name."""
     norm: float
     c_steps: int
     c_tokens: int
@@ -156,38 +270,78 @@ def plain_mean_tensors(names: Sequence[str], policy: MergePolicy) -> list[str]:
     return [n for n in names if any(tag in param_name(n) for tag in policy.plain_mean)]
 
 
-def merge_fragment(current: GlobalFragment, members: Sequence[Member], policy: MergePolicy, *, live_learners: int) -> MergeOutcome:
+def merge_fragment(
+    current: GlobalFragment,
+    members: Sequence[Member],
+    policy: MergePolicy,
+    *,
+    live_learners: int,
+    workspace: MergeWorkspace | None = None,
+) -> MergeOutcome:
     """Merge the members' outer gradients into ``current`` and take one outer step (version + 1).
 
     A learner's members are increments (each carries what it learned since its previous send or
     receipt), so they add up to that learner's outer gradient; learners are then weighted and
-    merged. Inputs are not modified."""
+    merged. Inputs are not modified; the result's tensors are views of buffers from ``workspace``
+    (a fresh one when None) and share nothing with the inputs."""
     if not members:
         raise ValueError("merge_fragment needs at least one member")
-    by_learner: dict[str, list[Member]] = {}
-    for m in members:
-        by_learner.setdefault(m.learner, []).append(m)
+    ws = workspace or MergeWorkspace(_row_device(members))
+    layout = _layout_for(current, members)
+    rows, sq_norms = _member_rows(layout, [m.delta for m in members], ws)  # [M, N], [M, tensors] float64 (CPU)
+    by_learner: dict[str, list[int]] = {}
+    for i, m in enumerate(members):
+        by_learner.setdefault(m.learner, []).append(i)
     weight = {
-        lid: token_weight(sum(m.c_tokens for m in ms), sum(m.c_steps for m in ms), policy.weighting)
-        for lid, ms in by_learner.items()
+        lid: token_weight(sum(members[i].c_tokens for i in idx), sum(members[i].c_steps for i in idx), policy.weighting)
+        for lid, idx in by_learner.items()
     }
-    weights = list(weight.values())
     scale = participation_scale(len(by_learner), live_learners) if policy.participation_scaling else 1.0
-    names = list(current.params)
-    mean_names = plain_mean_tensors(names, policy)
-    rda_names = [n for n in names if n not in mean_names]
-    outer_grad: dict[str, torch.Tensor] = {}
-    for group, method in ((rda_names, "rda"), (mean_names, "mean")):
-        if not group:
-            continue
-        vectors = [_learner_sum(ms, group) for ms in by_learner.values()]
-        merged = merge_vectors(vectors, weights, method)
-        if scale != 1.0:
-            merged = merged * scale
-        outer_grad.update(unflatten(merged, current.params, group))
-    params, momentum = outer_step(
-        current.params, outer_grad, current.momentum, lr=policy.lr, beta=policy.momentum, nesterov=policy.nesterov
-    )
+    mean_names = plain_mean_tensors(layout.names, policy)
+    group_of = [1 if n in mean_names else 0 for n in layout.names]  # 0: RDA, 1: plain mean
+    coeffs, targets = [], []
+    for g, method in enumerate(("rda", "mean")):
+        tensors = [i for i, gi in enumerate(group_of) if gi == g]
+        sq = [_learner_sq_norm(rows, sq_norms, idx, tensors, layout) for idx in by_learner.values()]
+        c, target = merge_coefficients(sq, list(weight.values()), method) if tensors else ([0.0] * len(by_learner), None)
+        per_member = [0.0] * len(members)
+        for cl, idx in zip(c, by_learner.values(), strict=True):
+            for i in idx:
+                per_member[i] = cl
+        coeffs.append(torch.tensor(per_member, dtype=torch.float32, device=ws.device))
+        targets.append(target)
+
+    # Pass 1: the merged direction, one matrix-vector product per chunk, and each group's squared norm.
+    grad = ws.grad(layout.numel)
+    dir_sq = [torch.zeros((), dtype=torch.float64, device=ws.device) for _ in range(2)]
+    for i, a, b in _chunks(layout, ws.chunk):
+        g = grad[a:b]
+        torch.mv(rows[:, a:b].t(), coeffs[group_of[i]], out=g)
+        if targets[group_of[i]] is not None:
+            dir_sq[group_of[i]] += torch.dot(g, g)
+    factor = [stretch(math.sqrt(float(dir_sq[g])), targets[g]) * scale for g in range(2)]
+
+    # Pass 2: the new version = the current one, stretched gradient, one Nesterov step, chunk by chunk
+    # into buffers of the pool (so the copy of the current version is still in cache when it steps).
+    params, momentum = ws.take(layout.numel), ws.take(layout.numel)
+    src_p = [current.params[n].detach().reshape(-1) for n in layout.names]
+    src_m = [None if current.momentum is None or n not in current.momentum else current.momentum[n].detach().reshape(-1)
+             for n in layout.names]
+    offsets = layout.offsets
+    for i, a, b in _chunks(layout, ws.chunk):
+        lo, hi = a - offsets[i], b - offsets[i]
+        params[a:b].copy_(src_p[i][lo:hi])
+        if src_m[i] is None:
+            momentum[a:b].zero_()
+        else:
+            momentum[a:b].copy_(src_m[i][lo:hi])
+        if factor[group_of[i]] != 1.0:
+            grad[a:b].mul_(factor[group_of[i]])
+        outer_step_(params[a:b], grad[a:b], momentum[a:b], lr=policy.lr, beta=policy.momentum, nesterov=policy.nesterov)
+    new_params = {n: v for n, v in layout.views(params).items()}
+    new_momentum = layout.views(momentum) if policy.momentum > 0 else {}
+    if not new_momentum:
+        ws.recycle(GlobalFragment(0, layout.views(momentum), None))
     detail = {
         "method": policy.method,
         "plain_mean_tensors": mean_names if policy.method == "rda" else [],
@@ -195,17 +349,82 @@ def merge_fragment(current: GlobalFragment, members: Sequence[Member], policy: M
         "base_version": current.version,
         "learners": len(by_learner),
         "members": [
-            {"submission": m.submission, "learner": m.learner, "weight": weight[m.learner], "norm": m.norm,
-             "staleness": current.version - m.base_version}
-            for ms in by_learner.values()
-            for m in ms
+            {"submission": members[i].submission, "learner": lid, "weight": weight[lid], "norm": members[i].norm,
+             "staleness": current.version - members[i].base_version}
+            for lid, idx in by_learner.items()
+            for i in idx
         ],
     }
-    return MergeOutcome(current.version + 1, params, momentum, detail)
+    return MergeOutcome(current.version + 1, new_params, new_momentum, detail)
 
 
-def _learner_sum(members: Sequence[Member], names: Sequence[str]) -> torch.Tensor:
-    vector = flatten(members[0].delta, names)
-    for m in members[1:]:
-        vector.add_(flatten(m.delta, names))
-    return vector
+def _row_device(members: Sequence[Member]) -> torch.device:
+    d = members[0].delta
+    return d.row.device if isinstance(d, FlatDelta) else torch.device("cpu")
+
+
+def _layout_for(current: GlobalFragment, members: Sequence[Member]) -> FlatLayout:
+    """The members' layout when it is the fragment's (no copy), else the fragment's own order."""
+    shapes = {n: tuple(t.shape) for n, t in current.params.items()}
+    first = members[0].delta
+    if isinstance(first, FlatDelta) and dict(first.layout.items()) == shapes:
+        return first.layout
+    return FlatLayout.of(shapes)
+
+
+def _member_rows(
+    layout: FlatLayout, deltas: Sequence[FlatDelta | Mapping[str, torch.Tensor]], ws: MergeWorkspace
+) -> tuple[torch.Tensor, list[list[float]]]:
+    """The members as one [M, N] matrix on the workspace's device, and each member's squared norm per tensor.
+
+    Rows decoded back to back into one buffer are used where they lie; anything else is gathered."""
+    flat = [d for d in deltas if isinstance(d, FlatDelta) and d.layout == layout]
+    if len(flat) == len(deltas):
+        sq = [d.sq_norms.tolist() for d in flat]
+        rows = _as_matrix([d.row for d in flat], layout.numel, ws.device)
+        if rows is not None:
+            return rows, sq
+    rows = ws.gathered(len(deltas), layout.numel)
+    sq = []
+    for row, d in zip(rows, deltas, strict=True):
+        if isinstance(d, FlatDelta):
+            d = d.layout.views(d.row)
+        missing = sorted(set(layout.names) ^ set(d))
+        if missing:
+            raise ValueError(f"member delta does not match the fragment's tensors: {missing}")
+        for n, view in layout.views(row).items():
+            view.copy_(d[n].reshape(view.shape))
+        sq.append([float(torch.linalg.vector_norm(v, dtype=torch.float64)) ** 2 for v in layout.views(row).values()])
+    return rows, sq
+
+
+def _as_matrix(rows: Sequence[torch.Tensor], numel: int, device: torch.device) -> torch.Tensor | None:
+    """A [M, N] view of rows lying back to back in one buffer (None when they do not)."""
+    first = rows[0]
+    if first.device != device or first.dtype != torch.float32 or not first.is_contiguous():
+        return None
+    step = numel * first.element_size()
+    for i, r in enumerate(rows):
+        if r.numel() != numel or r.dtype != first.dtype or r.device != first.device or r.data_ptr() != first.data_ptr() + i * step:
+            return None
+    return first.as_strided((len(rows), numel), (numel, 1))
+
+
+def _learner_sq_norm(rows: torch.Tensor, sq_norms: list[list[float]], idx: list[int], tensors: list[int], layout: FlatLayout) -> float:
+    """|sum of the learner's increments|^2 over the given tensors: the members' own squared norms
+    plus, for a learner with several increments, their cross terms."""
+    total = sum(sq_norms[i][t] for i in idx for t in tensors)
+    o = layout.offsets
+    for j, a in enumerate(idx):
+        for b in idx[j + 1 :]:
+            total += 2 * sum(float(torch.dot(rows[a, o[t] : o[t + 1]], rows[b, o[t] : o[t + 1]])) for t in tensors)
+    return total
+
+
+def _chunks(layout: FlatLayout, chunk: int | None):  # noqa: ANN202 - a generator of (tensor index, start, end)
+    """(tensor index, start, end) in flat coordinates: each tensor in steps of ``chunk`` (whole when None)."""
+    o = layout.offsets
+    for i in range(len(layout.names)):
+        step = chunk or max(1, o[i + 1] - o[i])
+        for a in range(o[i], o[i + 1], step):
+            yield i, a, min(a + step, o[i + 1])

@@ -1,10 +1,22 @@
-"""The outer optimizer: a standard torch SGD (Nesterov) fed the merged outer gradient."""
+"""The outer optimizer: torch's own SGD (Nesterov) fed the merged outer gradient."""
 
 from __future__ import annotations
 
 import torch
+from torch.optim.sgd import sgd
 
 MOMENTUM_PREFIX = "momentum::"
+
+
+def outer_step_(
+    params: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, *, lr: float, beta: float, nesterov: bool = True
+) -> None:
+    """One outer step on flat float32 tensors, in place: ``params`` and ``momentum`` are updated.
+
+    torch.optim's functional SGD, fused (one pass, no temporaries). A momentum buffer of zeros is the
+    first step: beta * 0 + grad is torch's first-step buffer, grad, exactly."""
+    sgd([params], [grad], [momentum if beta > 0 else None], fused=True, weight_decay=0.0, momentum=beta, lr=lr,
+        dampening=0.0, nesterov=nesterov and beta > 0, maximize=False)
 
 
 def outer_step(
@@ -16,21 +28,17 @@ def outer_step(
     beta: float,
     nesterov: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """One outer step Theta <- SGD(Theta, grad = merged Delta); returns (new params, new momentum).
+    """One outer step Theta <- SGD(Theta, grad = merged Delta) on tensors by name; returns (new params, new momentum).
 
     Inputs are not modified. ``momentum`` None means the optimizer has not stepped yet."""
-    names = list(params)
-    leaves = [torch.nn.Parameter(params[n].detach().to(torch.float32).clone()) for n in names]
-    opt = torch.optim.SGD(leaves, lr=lr, momentum=beta, nesterov=nesterov and beta > 0)
-    for n, p in zip(names, leaves, strict=True):
-        p.grad = outer_grad[n].detach().to(torch.float32).reshape(p.shape).clone()
-        if momentum is not None and beta > 0 and n in momentum:
-            opt.state[p]["momentum_buffer"] = momentum[n].detach().to(torch.float32).clone()
-    opt.step()
-    new_params = {n: p.detach().clone() for n, p in zip(names, leaves, strict=True)}
-    new_momentum = {}
-    if beta > 0:
-        new_momentum = {n: opt.state[p]["momentum_buffer"].detach().clone() for n, p in zip(names, leaves, strict=True)}
+    new_params, new_momentum = {}, {}
+    for n, p in params.items():
+        new_p = p.detach().to(torch.float32, copy=True)
+        buf = torch.zeros_like(new_p) if momentum is None or n not in momentum else momentum[n].detach().to(torch.float32, copy=True)
+        outer_step_(new_p, outer_grad[n].detach().to(torch.float32).reshape(new_p.shape), buf, lr=lr, beta=beta, nesterov=nesterov)
+        new_params[n] = new_p
+        if beta > 0:
+            new_momentum[n] = buf
     return new_params, new_momentum
 
 
