@@ -6,6 +6,7 @@ server of its own (and talks to it instead). So the client is pointed with ``tem
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -80,7 +81,12 @@ def stop_ephemeral_servers() -> None:
     their log lines go to may already be closed (pytest closes its capture files first)."""
     if "prefect.server.api.server" not in sys.modules:
         return
-    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.server.api.server import SubprocessASGIServer, subprocess_server_logger
 
-    for server in list(SubprocessASGIServer._instances.values()):
-        server.stop()
+    level = subprocess_server_logger.level
+    subprocess_server_logger.setLevel(logging.WARNING)  # its "Stopping temporary server" line would follow the summary
+    try:
+        for server in list(SubprocessASGIServer._instances.values()):
+            server.stop()
+    finally:
+        subprocess_server_logger.setLevel(level)
