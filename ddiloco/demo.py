@@ -78,7 +78,13 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> RunSummary:
     console = console or Console()
     for key, value in PREFECT_DEFAULTS.items():
         os.environ.setdefault(key, value)
-    from ddiloco.flows.training import training_run
+    try:
+        from ddiloco.flows.training import training_run
+    except ModuleNotFoundError as err:
+        if err.name != "prefect":
+            raise
+        console.print("Prefect is not installed (extra 'flows'): the same supervisor runs without it")
+        from ddiloco.flows.runner import train_locally as training_run
 
     run_id = time.strftime("demo-%Y%m%d-%H%M%S")
     cfg = demo_config(opts, run_id)

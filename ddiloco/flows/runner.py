@@ -1,0 +1,154 @@
+"""A training run without Prefect: start the synchronizers and learners through a Launcher, keep
+them alive, apply the chaos schedule, and end with a final merge and an evaluation.
+
+The ``training-run`` flow calls these functions; ``ddiloco demo`` calls them directly when the
+``flows`` extra (Prefect) is not installed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from ddiloco.flows.chaos import apply_event, seeded_schedule
+from ddiloco.flows.launchers import Handle, Launcher, SubprocessLauncher
+from ddiloco.flows.supervise import LearnerView, budget_reached, relaunch_decisions
+from ddiloco.platform.config import RunConfig
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.run_state import build_layout, register_run
+from ddiloco.platform.runtime import RunContext, to_timestamp
+from ddiloco.platform.summary import RunSummary, run_summary
+from ddiloco.synchronizer.evaluation import evaluate_and_record
+from ddiloco.synchronizer.service import Synchronizer, holder_name
+
+SUPERVISE_EVERY_S = 1.0
+STOP_TIMEOUT_S = 60.0
+"""How long processes get to finish their uploads when the run ends."""
+STANDBYS = 1
+
+log = logging.getLogger("ddiloco.flows")
+
+Progress = Callable[[float, dict], None]
+
+
+def register(cfg: RunConfig, run_id: str, flow_run_url: str | None = None) -> bool:
+    """Record the run, its layout and its version 0 in the ledger (idempotent)."""
+    ctx = RunContext.open(cfg, run_id)
+    return register_run(ctx, build_layout(ctx), flow_run_url=flow_run_url)
+
+
+def local_launcher(cfg: RunConfig, run_id: str, workdir: str | Path) -> SubprocessLauncher:
+    """Processes on this machine; the config they read is saved under ``workdir/run_id``."""
+    rundir = Path(workdir).resolve() / run_id
+    rundir.mkdir(parents=True, exist_ok=True)
+    config_path = rundir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return SubprocessLauncher(config_path, run_id, rundir / "logs")
+
+
+def _versions_ready(ctx: RunContext) -> bool:
+    with ctx.transaction() as s:
+        return len(q.latest_version_numbers(s, ctx.run_id)) == ctx.cfg.fragments.count
+
+
+def _wait(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(0.2)
+
+
+def supervise(
+    cfg: RunConfig,
+    run_id: str,
+    launcher: Launcher,
+    *,
+    seconds: float | None = None,
+    progress: Progress | None = None,
+) -> RunSummary:
+    """Start the synchronizers and learners, keep them alive, run the chaos schedule, end the run."""
+    ctx = RunContext.open(cfg, run_id)
+    syncs: list[Handle] = [launcher.start_synchronizer("sync-a")]
+    _wait(lambda: _versions_ready(ctx), 300, "the synchronizer to publish version 0")
+    labels = iter(f"sync-{c}" for c in "bcdefghijklmnopqrstuvwxyz")
+    syncs.append(launcher.start_synchronizer(next(labels)))
+    learners: dict[str, Handle] = {}
+    regions = {lid: region for lid, region, _ in cfg.learners.learner_ids()}
+    for lid, region in regions.items():
+        learners[lid] = launcher.start_learner(lid, region)
+    schedule = seeded_schedule(cfg, seconds or 0.0)
+    held: dict[str, float] = {}  # learners a chaos kill keeps down until this elapsed time
+    t0: float | None = None  # time counts from the first trained token, not from process start-up
+    lcfg = cfg.learners
+    while True:
+        elapsed = 0.0 if t0 is None else time.monotonic() - t0
+        while t0 is not None and schedule and schedule[0].at_s <= elapsed:
+            event = schedule[0]
+            result = apply_event(ctx, event)
+            if result.retry:
+                break  # its target is still starting: try again on the next pass
+            schedule.pop(0)
+            if result.applied and event.action == "kill_learner" and event.target and event.duration_s > 0:
+                held[event.target] = elapsed + event.duration_s
+        now = time.time()
+        with ctx.transaction() as s:
+            rows = {r.id: r for r in q.learners(s, run_id)}
+            acct = q.token_accounting(s, run_id)
+        if t0 is None and acct.trained > 0:
+            t0 = time.monotonic()
+        views = []
+        for lid, h in learners.items():
+            row = rows.get(lid)
+            hb = to_timestamp(row.last_heartbeat_at) if row and row.last_heartbeat_at else None
+            if hb is not None and row.started_at and to_timestamp(row.started_at) < h.started_at - 1.0:
+                hb = None  # that heartbeat belongs to the incarnation before the relaunch
+            views.append(LearnerView(lid, launcher.is_running(h), h.started_at, hb))
+        decisions = relaunch_decisions(now, views, dead_after_s=lcfg.dead_after_s, startup_grace_s=lcfg.startup_grace_s)
+        for lid, reason in decisions.items():
+            if held.get(lid, 0.0) > elapsed:
+                continue
+            launcher.stop(learners[lid], kill=True)
+            learners[lid] = launcher.start_learner(lid, regions[lid])
+            with ctx.transaction() as s:
+                q.record_event(s, run_id, "learner_relaunched", "supervisor", f"{lid}: {reason}", ctx.now_dt())
+            log.info("relaunched learner %s: %s", lid, reason)
+        live_syncs = [h for h in syncs if launcher.is_running(h)]
+        while len(live_syncs) < 1 + STANDBYS:
+            h = launcher.start_synchronizer(next(labels))
+            syncs.append(h)
+            live_syncs.append(h)
+            with ctx.transaction() as s:
+                q.record_event(s, run_id, "synchronizer_launched", "supervisor", h.name, ctx.now_dt())
+        if progress:
+            progress(elapsed, {"tokens": acct.trained})
+        if budget_reached(acct.trained, cfg.token_budget) or (seconds is not None and t0 is not None and elapsed >= seconds):
+            break
+        time.sleep(SUPERVISE_EVERY_S)
+    with ctx.transaction() as s:
+        q.set_run_status(s, run_id, "finished", ctx.now_dt())
+    launcher.close(STOP_TIMEOUT_S)
+    return finish_run(ctx)
+
+
+def finish_run(ctx: RunContext) -> RunSummary:
+    """Merge what is still pending, evaluate the final global model, and summarise."""
+    final = Synchronizer(ctx, holder=holder_name("final"))
+    _wait(lambda: final.poll_once(drain=True).role == "active", ctx.cfg.synchronizer.lease_ttl_s * 4 + 10, "the lease for the final merge")
+    evaluate_and_record(ctx, ctx.now(), cache=final.state)
+    with ctx.transaction() as s:
+        q.release_lease(s, ctx.run_id, final.holder, final.token, ctx.now_dt())
+        return run_summary(s, ctx.run_id, ctx.now_dt())
+
+
+def train_locally(config: RunConfig, run_id: str, launcher: str = "local", seconds: float | None = None,
+                  workdir: str = "ddiloco-runs") -> dict:
+    """The ``training-run`` flow's work with local processes, without Prefect (same arguments, same result)."""
+    if launcher != "local":
+        raise ValueError(f"launcher {launcher!r} needs Prefect (the 'flows' extra); without it only 'local' runs")
+    register(config, run_id)
+    return json.loads(supervise(config, run_id, local_launcher(config, run_id, workdir), seconds=seconds).to_json())
