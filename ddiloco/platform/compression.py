@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -157,14 +158,15 @@ def decode_delta(
     return views
 
 
-DECODE_CHUNK = 1 << 17
-"""Elements decoded at a time on a CPU: a chunk stays in cache while it is converted, checked, scaled
-and its squared norm summed, so each output byte is written to memory once."""
+DECODE_CHUNK = 1 << 19
+"""Elements decoded at a time on a CPU (2 MB of float32): a chunk stays in cache (L2/L3) while it is
+converted, checked, scaled and its squared norm summed, so each output byte goes to memory once;
+measured best among 128 K, 512 K and 2 M on a 2-core EPYC (1 MB L2 per core, 32 MB L3)."""
 
-# Two int4 codes a byte (low nibble first, offset by 8) -> the two int8 codes, as the bytes of one
-# int16: a table lookup turns packed bytes into code pairs in one pass. Built through a view, so it
-# holds whatever int16 those two bytes make on this machine (no byte-order assumption).
-_INT4_PAIRS = torch.tensor([[(b & 0x0F) - 8, (b >> 4) - 8] for b in range(256)], dtype=torch.int8).view(torch.int16).reshape(256)
+_LITTLE_ENDIAN = sys.byteorder == "little"
+# Big-endian fallback for int4: a table from a packed byte to its two int8 codes times 16, as the
+# bytes of one int16 (built through a view, so it holds whatever int16 those bytes make here).
+_INT4_PAIRS = torch.tensor([[((b & 0x0F) - 8) * 16, ((b >> 4) - 8) * 16] for b in range(256)], dtype=torch.int8).view(torch.int16)
 
 
 def decode_delta_into(
@@ -189,8 +191,10 @@ def decode_delta_into(
     total = sum(math.prod(shape) for _, shape in layout)
     if out.dtype != torch.float32 or out.dim() != 1 or out.numel() != total or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous float32 vector of {total} elements, got {out.dtype} {tuple(out.shape)}")
-    # On a GPU one kernel per tensor is best; on a CPU, cache-sized chunks (whole blocks, an even count).
-    step = None if out.device.type != "cpu" else block_size * max(1, DECODE_CHUNK // block_size) * (1 + block_size % 2)
+    # On a GPU one kernel per tensor is best; on a CPU, cache-sized chunks of whole blocks (and whole bytes of int4).
+    unit = math.lcm(block_size, 2)
+    step = max(math.prod(shape) for _, shape in layout) if out.device.type != "cpu" else -(-DECODE_CHUNK // unit) * unit
+    scratch = _Scratch(max(1, step), out.device) if codec == "int4" else None
     sq = torch.empty(len(layout), dtype=torch.float64, device=out.device)
     offset = 0
     for i, (name, shape) in enumerate(layout):
@@ -207,38 +211,71 @@ def decode_delta_into(
                 q = _take(tensors, name + "::q", torch.int8, (numel,))
             else:
                 q = _take(tensors, name + "::q", torch.uint8, (_num_blocks(numel, 2),))
-        sq[i] = _decode_tensor(codec, block_size, q.to(out.device), scale, dst, step or max(numel, 1), name)
+                # Codes come out times 16 (see _unpack4); a power of two, so (16 c) (s / 16) == c s exactly.
+                scale = scale / 16
+        sq[i] = _decode_tensor(codec, block_size, q.to(out.device), scale, dst, max(1, step), name, scratch)
     return sq
 
 
+class _Scratch:
+    """int4 unpacking's chunk-sized temporaries, shared by a blob's tensors."""
+
+    def __init__(self, step: int, device: torch.device) -> None:
+        half = (step + 1) // 2
+        self.x = torch.empty(half, dtype=torch.uint8, device=device)
+        self.y = torch.empty(half, dtype=torch.uint8, device=device)
+        self.lo = torch.empty(half, dtype=torch.int16, device=device)
+        self.hi = torch.empty(half, dtype=torch.int16, device=device)
+        self.idx = torch.empty(0 if _LITTLE_ENDIAN else half, dtype=torch.int32, device=device)
+
+
+def _unpack4(packed: torch.Tensor, s: _Scratch) -> torch.Tensor:
+    """Packed int4 (two codes a byte, low nibble first, offset by 8) -> int8 codes times 16, two per byte.
+
+    nibble ^ 8 is the code's 4-bit two's complement; shifted into the high half of a byte it reads as
+    the int8 code * 16. Each byte's two codes are assembled as one int16 [low, high] (little-endian)."""
+    n = packed.numel()
+    lo, hi = s.lo[:n], s.hi[:n]
+    if not _LITTLE_ENDIAN:
+        s.idx[:n].copy_(packed)
+        torch.index_select(_INT4_PAIRS.to(packed.device), 0, s.idx[:n], out=lo)
+        return lo.view(torch.int8)
+    x, y = s.x[:n], s.y[:n]
+    torch.bitwise_xor(packed, 0x88, out=x)
+    torch.bitwise_left_shift(x, 4, out=y)  # the low code into the high half (uint8 drops the rest)
+    lo.copy_(y)
+    hi.copy_(x.bitwise_and_(0xF0))
+    hi.bitwise_left_shift_(8)  # the high code into the int16's high byte (wraps, as intended)
+    return lo.bitwise_or_(hi).view(torch.int8)
+
+
 def _decode_tensor(
-    codec: str, block_size: int, q: torch.Tensor, scale: torch.Tensor | None, dst: torch.Tensor, step: int, name: str
+    codec: str, block_size: int, q: torch.Tensor, scale: torch.Tensor | None, dst: torch.Tensor, step: int, name: str,
+    scratch: _Scratch | None,
 ) -> torch.Tensor:
     """Decode one tensor's codes ``q`` into ``dst`` chunk by chunk; returns its squared norm (0-d float64)."""
     numel = dst.numel()
     sq = torch.zeros((), dtype=torch.float64, device=dst.device)
     levels = _LEVELS.get(codec)
-    if codec == "int4":
-        idx = torch.empty((step + 1) // 2, dtype=torch.int32, device=dst.device)
-        pairs = torch.empty((step + 1) // 2, dtype=torch.int16, device=dst.device)
-        table = _INT4_PAIRS.to(dst.device)
+    # The smallest valid code, as it is read below (int4 codes come out times 16).
+    lowest = None if levels is None else -levels * (16 if codec == "int4" else 1)
     for a in range(0, numel, step):
         b = min(numel, a + step)
         d = dst[a:b]
-        if codec == "int4":
-            nbytes = (b - a + 1) // 2  # a is even: chunks start on a byte
-            idx[:nbytes].copy_(q[a // 2 : a // 2 + nbytes])
-            torch.index_select(table, 0, idx[:nbytes], out=pairs[:nbytes])
-            d.copy_(pairs[:nbytes].view(torch.int8)[: b - a])
+        if codec == "int4" and scratch is not None:
+            codes = _unpack4(q[a // 2 : (b + 1) // 2], scratch)[: b - a]  # a is even: chunks start on a byte
         else:
-            d.copy_(q[a:b])
-        if levels is not None and scale is not None:
-            if float(d.amin()) < -levels:
+            codes = q[a:b]
+        if lowest is not None and scale is not None:
+            if int(codes.amin()) < lowest:
                 raise CompressionError(f"delta tensor {name + '::q'!r} holds codes outside [-{levels}, {levels}]")
+            d.copy_(codes)
             full, first = (b - a) // block_size, a // block_size
             d[: full * block_size].view(full, block_size).mul_(scale[first : first + full, None])
             if full * block_size < b - a:
                 d[full * block_size :].mul_(scale[first + full])
+        else:
+            d.copy_(codes)
         sq += torch.dot(d, d)
     return sq
 
