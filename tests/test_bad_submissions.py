@@ -57,7 +57,7 @@ def test_corrupt_nan_wrong_shape_stale_and_unknown_are_rejected_while_training_c
         q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t))
     zeros = {n: torch.full(shape, 0.01) for n, shape in shapes_of(sync, 0).items()}
     bad = {
-        submit_raw(ctx, clock, 0, zeros, corrupt_after=True): "does not match its sha256",
+        submit_raw(ctx, clock, 0, zeros, corrupt_after=True): "bytes, not the",  # a size mismatch: refused before reading
         submit_raw(ctx, clock, 1, {n: torch.full(s_, float("nan")) for n, s_ in shapes_of(sync, 1).items()}): "non-finite",
         submit_raw(ctx, clock, 2, {n: torch.zeros(3) for n in shapes_of(sync, 2)}): "bad update",
         submit_raw(ctx, clock, 3, {n: torch.zeros(s_) for n, s_ in shapes_of(sync, 3).items()}, c_steps=0): "empty update",

@@ -6,15 +6,18 @@ Env overrides use the prefix ``DDILOCO_`` and ``__`` between levels, e.g.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import tomllib
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
-import tomllib
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings.exceptions import SettingsError
 
 from ddiloco.platform.ids import validate_id
 from ddiloco.platform.redact import mask_tree
@@ -24,8 +27,25 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message names every bad field."""
 
 
+LONGEST_S = 1e7
+"""Upper bound of every duration in seconds (~115 days): finite, and far from datetime's overflow."""
+MAX_SEED = 2**63 - 1
+
+
+def _refuse_bool_numbers(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+    """YAML's ``true`` is no number: pydantic would read it as 1."""
+    if isinstance(value, bool) and info.field_name is not None:
+        annotation = cls.model_fields[info.field_name].annotation
+        if annotation is not bool and bool not in typing.get_args(annotation):
+            raise ValueError("expected a number, got a boolean")
+    return value
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    # No inf or NaN anywhere: every float field is finite.
+    model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
+
+    no_bool_numbers = field_validator("*", mode="before")(classmethod(_refuse_bool_numbers))
 
 
 class ModelConfig(_Section):
@@ -45,19 +65,19 @@ class ModelConfig(_Section):
     init_from: str | None = None
     """Path or fsspec URL of an export (model.safetensors) or a save_pretrained directory: version 0
     of every fragment takes these weights instead of the seeded initialisation."""
-    n_layer: int = Field(2, ge=1)
-    d_model: int = Field(128, ge=8)
-    n_head: int = Field(4, ge=1)
-    seq_len: int = Field(128, ge=8)
-    vocab_size: int = Field(256, ge=2)
+    n_layer: int = Field(2, ge=1, le=4096)
+    d_model: int = Field(128, ge=8, le=1 << 20)
+    n_head: int = Field(4, ge=1, le=1 << 16)
+    seq_len: int = Field(128, ge=8, le=1 << 24)
+    vocab_size: int = Field(256, ge=2, le=1 << 26)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    n_experts: int = Field(4, ge=2)
+    n_experts: int = Field(4, ge=2, le=1 << 16)
     """Experts per mixture-of-experts MLP (moe_gpt only)."""
-    top_k: int = Field(2, ge=1)
-    aux_loss_coef: float = Field(0.01, ge=0.0)
+    top_k: int = Field(2, ge=1, le=1 << 16)
+    aux_loss_coef: float = Field(0.01, ge=0.0, le=1e3)
     """Weight of the router's load-balancing loss (moe_gpt only)."""
-    image_size: int = Field(8, ge=4)
-    n_classes: int = Field(10, ge=2)
+    image_size: int = Field(8, ge=4, le=1 << 16)
+    n_classes: int = Field(10, ge=2, le=1 << 26)
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments passed to an imported factory."""
 
@@ -100,12 +120,12 @@ class DataConfig(_Section):
     (``shards``) and hf: a Hugging Face dataset (``hf_dataset``), both tokenized on the fly with
     ``tokenizer`` (docs/data.md)."""
     glob: str | None = None
-    val_every: int = Field(20, ge=2)
+    val_every: int = Field(20, ge=2, le=1 << 30)
     """One file in ``val_every`` (chosen by a hash of its name) goes to the fixed validation set;
     for text and hf, the last 1/``val_every`` of the documents."""
-    max_bytes: int = Field(8_000_000, ge=10_000)
+    max_bytes: int = Field(8_000_000, ge=10_000, le=1 << 50)
     """Cap on the corpus size read into memory (stdlib and glob only; the other sources stream)."""
-    val_batches: int = Field(8, ge=1)
+    val_batches: int = Field(8, ge=1, le=1 << 30)
     """Fixed validation batches used for every evaluation."""
     manifest: str | None = None
     """tokens: URL of the manifest.json that ``ddiloco data prepare`` wrote."""
@@ -125,7 +145,7 @@ class DataConfig(_Section):
     """text and hf: the field holding a document's text (jsonl, parquet, datasets)."""
     tokens_column: str = "tokens"
     """tokens: the column of token-id lists in parquet shards without a manifest."""
-    block_tokens: int = Field(1 << 20, ge=1024)
+    block_tokens: int = Field(1 << 20, ge=1024, le=1 << 40)
     """tokens: the unit of reading and of shuffling — a learner reads one block of this many tokens
     with one ranged read and draws its windows from it in a random order."""
 
@@ -148,7 +168,7 @@ class DataConfig(_Section):
 
 class RegionConfig(_Section):
     name: str
-    learners: int = Field(1, ge=0)
+    learners: int = Field(1, ge=0, le=1 << 16)
     speeds: list[float] = Field(default_factory=list)
     """Relative speed of each learner in this region (1.0 = full speed, 0.5 = 2x slower); missing
     entries are 1.0. Used to emulate mixed hardware."""
@@ -173,21 +193,21 @@ class LearnersConfig(_Section):
     regions: list[RegionConfig] = Field(
         default_factory=lambda: [RegionConfig(name="us", learners=2), RegionConfig(name="eu", learners=2, speeds=[1.0, 0.5])]
     )
-    batch_size: int = Field(16, ge=1)
-    heartbeat_s: float = Field(2.0, gt=0)
-    poll_s: float = Field(0.5, gt=0)
+    batch_size: int = Field(16, ge=1, le=1 << 24)
+    heartbeat_s: float = Field(2.0, gt=0, le=LONGEST_S)
+    poll_s: float = Field(0.5, gt=0, le=LONGEST_S)
     """How often a learner looks in the ledger for newer global versions."""
-    dead_after_s: float = Field(10.0, gt=0)
+    dead_after_s: float = Field(10.0, gt=0, le=LONGEST_S)
     """A learner with no heartbeat for this long is declared dead."""
-    startup_grace_s: float = Field(120.0, gt=0)
+    startup_grace_s: float = Field(120.0, gt=0, le=LONGEST_S)
     """A supervisor gives a (re)started learner this long to send its first heartbeat."""
-    straggler_factor: float = Field(2.0, gt=1)
+    straggler_factor: float = Field(2.0, gt=1, le=1e6)
     """A live learner whose step time exceeds this multiple of the median straggles."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    torch_threads: int = Field(1, ge=1)
-    nproc_per_node: int = Field(1, ge=1)
+    torch_threads: int = Field(1, ge=1, le=1 << 16)
+    nproc_per_node: int = Field(1, ge=1, le=1 << 16)
     """Ranks of each learner on its machine (torchrun + DDP; rank 0 talks to the ledger and store)."""
-    save_optimizer_every: int = Field(200, ge=0)
+    save_optimizer_every: int = Field(200, ge=0, le=1 << 40)
     """Inner steps between saves of a learner's AdamW state (a restart resumes it); 0 disables."""
     compile: bool = False
     """torch.compile the model's forward and loss (off by default: on a CPU the compile time is
@@ -229,13 +249,13 @@ class LearnersConfig(_Section):
 
 
 class InnerOptimizerConfig(_Section):
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(3e-3, gt=0, le=10)
     """Peak AdamW learning rate of every learner's inner loop (the outer step is not affected)."""
-    weight_decay: float = Field(0.1, ge=0)
+    weight_decay: float = Field(0.1, ge=0, le=1e3)
     """Decoupled weight decay of matrices; norms, biases and embeddings are never decayed."""
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.95, ge=0, lt=1)
-    warmup_steps: int = Field(20, ge=0)
+    warmup_steps: int = Field(20, ge=0, le=1 << 40)
     """Linear warm-up from lr/warmup_steps to lr over this many inner steps."""
     schedule: Literal["constant", "cosine", "wsd"] = "constant"
     """After warm-up: constant; cosine decay to min_lr_ratio·lr; or warmup-stable-decay (constant,
@@ -244,17 +264,17 @@ class InnerOptimizerConfig(_Section):
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     decay_fraction: float = Field(0.2, gt=0, le=1)
     """WSD only: the share of the schedule spent decaying."""
-    grad_clip: float = Field(1.0, gt=0)
-    grad_accum_steps: int = Field(1, ge=1)
+    grad_clip: float = Field(1.0, gt=0, le=1e9)
+    grad_accum_steps: int = Field(1, ge=1, le=1 << 20)
     """Micro-batches of learners.batch_size per inner step (gradients accumulated, one AdamW step)."""
 
 
 class FragmentsConfig(_Section):
-    count: int = Field(24, ge=1)
+    count: int = Field(24, ge=1, le=1 << 20)
     """P: the number of fragments the parameters are split into (balanced by bytes)."""
-    every: int | None = Field(None, ge=1)
+    every: int | None = Field(None, ge=1, le=1 << 30)
     """H: inner steps between two sends of the same fragment; defaults to ``count``."""
-    overlap: int = Field(2, ge=0)
+    overlap: int = Field(2, ge=0, le=1 << 30)
     """tau: inner steps a learner may run past a send before the merged fragment is expected;
     0 makes a learner wait for the merge (the synchronous DiLoCo mode)."""
 
@@ -264,7 +284,7 @@ class FragmentsConfig(_Section):
 
 
 class QuorumConfig(_Section):
-    min_count: int | None = Field(1, ge=1)
+    min_count: int | None = Field(1, ge=1, le=1 << 20)
     """K as a count of submissions."""
     min_fraction: float | None = Field(None, gt=0, le=1)
     """K as a fraction of live learners (rounded up); used instead of min_count when set."""
@@ -274,8 +294,8 @@ class GraceConfig(_Section):
     enabled: bool = True
     gamma: float = Field(0.8, gt=0, lt=1)
     """Safety margin on the grace window."""
-    min_s: float = Field(0.0, ge=0)
-    max_s: float | None = Field(5.0, ge=0)
+    min_s: float = Field(0.0, ge=0, le=LONGEST_S)
+    max_s: float | None = Field(5.0, ge=0, le=LONGEST_S)
     """Upper bound on the wait; null means unbounded (wait for every live learner)."""
     ema: float = Field(0.2, gt=0, le=1)
     """Smoothing of the step, quorum and sync time moving averages."""
@@ -307,9 +327,9 @@ class MergeConfig(_Section):
     participation_scaling: bool = True
     """Scale each merge's outer gradient by included/live learners, so K < M takes about one full
     outer step per round instead of one per merge."""
-    max_staleness: int = Field(4, ge=0)
+    max_staleness: int = Field(4, ge=0, le=1 << 30)
     """Submissions based on a version more than this many versions old are rejected."""
-    norm_outlier_factor: float = Field(10.0, gt=1)
+    norm_outlier_factor: float = Field(10.0, gt=1, le=1e6)
     """A submission whose norm per inner step exceeds this multiple of the largest one among the
     fragment's recent merges is rejected (why the maximum: ``synchronizer.policy.check_norm``)."""
     plain_mean_fragments: list[str] = Field(default_factory=lambda: ["embed"])
@@ -318,7 +338,7 @@ class MergeConfig(_Section):
 
 
 class OuterOptimizerConfig(_Section):
-    lr: float = Field(0.5, gt=0)
+    lr: float = Field(0.5, gt=0, le=10)
     """0.5, not DiLoCo's 0.7: RDA's step is as long as the average learner's outer gradient, longer
     than the plain mean's, and the sweep in docs/quality.md favours 0.5 under asynchrony.
     Synchronous DiLoCo at the paper's settings uses 0.7."""
@@ -328,7 +348,7 @@ class OuterOptimizerConfig(_Section):
 
 class CompressionConfig(_Section):
     codec: Literal["none", "bf16", "int8", "int4"] = "int8"
-    block_size: int = Field(64, ge=8)
+    block_size: int = Field(64, ge=8, le=1 << 24)
 
 
 class StorageConfig(_Section):
@@ -339,60 +359,62 @@ class StorageConfig(_Section):
 class LedgerConfig(_Section):
     url: str = "sqlite:///./ddiloco-runs/ledger.db"
     """SQLAlchemy URL: sqlite:///… (embedded) or postgresql+psycopg://… (multi-region)."""
-    idle_in_transaction_timeout_s: float | None = Field(5.0, gt=0)
+    idle_in_transaction_timeout_s: float | None = Field(5.0, gt=0, le=LONGEST_S)
     """PostgreSQL ends a session idle inside a transaction this long, so a frozen process's row
     locks cannot stall the run (null: never). Keep it under learners.dead_after_s."""
 
 
 class RetentionConfig(_Section):
-    keep_last: int = Field(3, ge=1)
+    keep_last: int = Field(3, ge=1, le=1 << 30)
     """Newest global versions kept per fragment."""
-    checkpoint_every: int = Field(50, ge=1)
+    checkpoint_every: int = Field(50, ge=1, le=1 << 30)
     """Every k-th version is kept as a checkpoint."""
     keep_submission_blobs: bool = False
     """Keep the blobs of decided submissions (for audits); by default they are deleted."""
 
 
 class SynchronizerConfig(_Section):
-    poll_s: float = Field(0.2, gt=0)
-    lease_ttl_s: float = Field(3.0, gt=0)
+    poll_s: float = Field(0.2, gt=0, le=LONGEST_S)
+    lease_ttl_s: float = Field(3.0, gt=0, le=LONGEST_S)
     """A lease not renewed for this long can be taken over by a standby."""
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
-    max_poll_s: float = Field(60.0, gt=0)
+    max_poll_s: float = Field(60.0, gt=0, le=LONGEST_S)
     """A poll (merges included) running longer than this counts as hung: the lease is let go."""
-    eval_every_s: float = Field(10.0, gt=0)
+    eval_every_s: float = Field(10.0, gt=0, le=LONGEST_S)
     """How often the evaluator (``ddiloco evaluate``) evaluates the newest published global model."""
     merge_device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where merges run: auto is the GPU when torch sees one, else the CPU."""
 
 
 class ChaosEvent(_Section):
-    at_s: float = Field(ge=0)
+    at_s: float = Field(ge=0, le=LONGEST_S)
     """Seconds after the run starts."""
     action: Literal["kill_learner", "restart_learner", "pause_learner", "resume_learner", "slow_learner", "kill_synchronizer"]
     target: str | None = None
     """Learner id for learner actions; the active synchronizer when unset."""
-    duration_s: float = Field(0.0, ge=0)
+    duration_s: float = Field(0.0, ge=0, le=LONGEST_S)
     """pause_learner / slow_learner: how long; 0 means until a resume_learner event."""
-    slowdown: float = Field(2.0, gt=1)
+    slowdown: float = Field(2.0, gt=1, le=1e6)
     """slow_learner: the learner runs this many times slower (SIGSTOP/SIGCONT duty cycle)."""
 
 
 class ChaosConfig(_Section):
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     events: list[ChaosEvent] = Field(default_factory=list)
-    random_events: int = Field(0, ge=0)
+    random_events: int = Field(0, ge=0, le=1 << 20)
     """When no events are listed, draw this many kill / pause / slow events from ``seed``."""
 
 
 class RunConfig(BaseSettings):
     """Everything that defines a run. Saved in the ledger with every run."""
 
-    model_config = SettingsConfigDict(env_prefix="DDILOCO_", env_nested_delimiter="__", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix="DDILOCO_", env_nested_delimiter="__", extra="forbid", allow_inf_nan=False)
+
+    no_bool_numbers = field_validator("*", mode="before")(classmethod(_refuse_bool_numbers))
 
     name: str = "demo"
-    seed: int = 0
-    token_budget: int = Field(2_000_000, ge=1)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
+    token_budget: int = Field(2_000_000, ge=1, le=1 << 62)
     """The run ends when the learners together have trained on this many tokens."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -426,6 +448,36 @@ class RunConfig(BaseSettings):
         # Env beats the file: an operator overrides one field without editing the config.
         return (env_settings, init_settings)
 
+    @model_validator(mode="after")
+    def _cross_check(self) -> RunConfig:
+        """Fields that are fine alone but make a run that cannot work together."""
+        learners = self.learners.count
+        if learners < 1:
+            raise ValueError("learners.regions must hold at least one learner in all")
+        if self.quorum.min_fraction is None and (self.quorum.min_count or 1) > learners:
+            raise ValueError(f"quorum.min_count ({self.quorum.min_count}) exceeds the {learners} learners: nothing would ever merge")
+        if self.learners.dead_after_s <= self.learners.heartbeat_s:
+            raise ValueError(
+                f"learners.dead_after_s ({self.learners.dead_after_s}) must exceed learners.heartbeat_s "
+                f"({self.learners.heartbeat_s}): every learner would always look dead"
+            )
+        if self.synchronizer.lease_ttl_s <= self.synchronizer.poll_s:
+            raise ValueError(
+                f"synchronizer.lease_ttl_s ({self.synchronizer.lease_ttl_s}) must exceed synchronizer.poll_s "
+                f"({self.synchronizer.poll_s}): the lease would lapse between two renewals"
+            )
+        for where, url in [("storage.url", self.storage.url)] + [
+            (f"learners.regions.{r.name}.storage_url", r.storage_url) for r in self.learners.regions if r.storage_url
+        ]:
+            why = store_url_problem(url)
+            if why:
+                raise ValueError(f"{where}: {why}")
+        ledger = self.ledger.url
+        why = ledger_url_problem(ledger.get_secret_value() if hasattr(ledger, "get_secret_value") else ledger)
+        if why:
+            raise ValueError(f"ledger.url: {why}")
+        return self
+
     def storage_url_for(self, region: str | None) -> str:
         for r in self.learners.regions:
             if r.name == region and r.storage_url:
@@ -440,38 +492,188 @@ class RunConfig(BaseSettings):
 def format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "(root)"
-        lines.append(f"{field}: {e['msg']}")
+        field = ".".join(str(p) for p in e["loc"])
+        message = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{field}: {message}" if field else message)
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+# DDILOCO_* variables that are not config overrides (the dashboard's ledger, infra templates, faults, tests).
+OTHER_ENV = frozenset({
+    "DDILOCO_LEDGER_URL", "DDILOCO_STORAGE_URL", "DDILOCO_WORKDIR", "DDILOCO_FAULTS", "DDILOCO_FAULT_DIR",
+    "DDILOCO_DIST_TIMEOUT_S", "DDILOCO_TEST_POSTGRES_URL", "DDILOCO_REQUIRE_POSTGRES", "DDILOCO_REQUIRE_BROWSER",
+    "DDILOCO_SAVE_SCREENSHOT",
+})
+
+
+def unknown_env(environ: typing.Mapping[str, str] | None = None) -> list[str]:
+    """One line per ``DDILOCO_*`` variable that overrides no config field (a typo would be ignored silently)."""
+    problems = []
+    for name in sorted(os.environ if environ is None else environ):
+        upper = name.upper()
+        if not upper.startswith("DDILOCO_") or upper in OTHER_ENV:
+            continue
+        model: Any = RunConfig
+        for part in upper.removeprefix("DDILOCO_").lower().split("__"):
+            field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+            if field is None:
+                break
+            sections = [a for a in (field.annotation, *typing.get_args(field.annotation)) if isinstance(a, type)]
+            model = next((a for a in sections if issubclass(a, BaseModel)), field.annotation)
+        else:
+            continue
+        hint = "" if "__" in upper else " (levels are joined by '__', as in DDILOCO_OUTER__LR)"
+        problems.append(f"environment variable {name} overrides no config field{hint}")
+    return problems
 
 
 def build_config(data: dict[str, Any] | None = None, **overrides: Any) -> RunConfig:
     """Validate a dict (plus env overrides) into a RunConfig, or raise ConfigError naming the fields."""
     merged = dict(data or {})
     merged.update(overrides)
+    problems = unknown_env()
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
     try:
         return RunConfig(**merged)
     except ValidationError as err:
         raise ConfigError(format_validation_error(err)) from None
+    except SettingsError as err:
+        # A DDILOCO_* override that does not parse (broken JSON for a list or a section).
+        cause = f": {err.__cause__}" if err.__cause__ else ""
+        raise ConfigError(f"invalid configuration: {err}{cause}".splitlines()[0]) from None
+
+
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_DEPTH = 32
+MAX_CONFIG_NODES = 100_000
+"""A config file is at most this big, nested this deep, and this many values once its aliases are expanded
+(a 535-byte YAML alias bomb expands to billions)."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML with string keys only and no key twice in a mapping."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            where = f"line {key_node.start_mark.line + 1}"
+            if not isinstance(key, str):
+                raise ConfigError(f"{where}: key {key!r} is not a string")
+            if key in seen:
+                raise ConfigError(f"{where}: key {key!r} appears twice in the same mapping")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int], open_: set[int]) -> int:
+    """Values in ``node`` once every alias is expanded (memoised: linear in the document, not in the expansion)."""
+    if id(node) in memo:
+        return memo[id(node)]
+    if id(node) in open_:
+        raise ConfigError(f"line {node.start_mark.line + 1}: an alias refers to itself")
+    open_.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(child, memo, open_) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size = 1 + sum(_expanded_size(k, memo, open_) + _expanded_size(v, memo, open_) for k, v in node.value)
+    else:
+        size = 1
+    open_.discard(id(node))
+    if size > MAX_CONFIG_NODES:
+        raise ConfigError(f"line {node.start_mark.line + 1}: more than {MAX_CONFIG_NODES} values once its aliases are expanded")
+    memo[id(node)] = size
+    return size
+
+
+def _load_yaml(text: str) -> Any:
+    depth = 0
+    # The event stream is produced without recursion: bound the nesting before anything is built.
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_CONFIG_DEPTH:
+                raise ConfigError(f"line {event.start_mark.line + 1}: nested deeper than {MAX_CONFIG_DEPTH} levels")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+    loader = _StrictLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return {}
+        _expanded_size(node, {}, set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The file's mapping; anything else is one ConfigError line naming the file (and the line or key)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
-    text = p.read_text()
+    if p.suffix not in (".toml", ".yaml", ".yml", ".json"):
+        raise ConfigError(f"config file {p} must end in .yaml, .yml, .toml or .json")
+    if p.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {p} is larger than {MAX_CONFIG_BYTES} bytes")
     try:
-        if p.suffix in (".toml",):
-            data = tomllib.loads(text)
-        elif p.suffix in (".yaml", ".yml", ".json"):
-            data = yaml.safe_load(text) or {}
-        else:
-            raise ConfigError(f"config file {p} must end in .yaml, .yml, .toml or .json")
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {p} is not UTF-8 text (byte {err.start})") from None
+    try:
+        data = tomllib.loads(text) if p.suffix == ".toml" else _load_yaml(text)
+    except ConfigError as err:
+        raise ConfigError(f"config file {p}: {err}") from None
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as err:
-        raise ConfigError(f"config file {p} does not parse: {err}") from None
+        raise ConfigError(f"config file {p} does not parse: {' '.join(str(err).split())}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {p} is nested too deep") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a mapping at the top level")
     return data
+
+
+def ledger_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a ledger here (not a database URL, an unsupported backend, a driver not
+    installed, a SQLite path that is a directory), or None. Cheap: nothing is imported or connected."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return f"{url!r} is not a database URL: use sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
+    backend, _, driver = scheme.lower().partition("+")
+    modules = {"sqlite": {"": "sqlite3", "pysqlite": "sqlite3"},
+               "postgresql": {"": "psycopg2", "psycopg": "psycopg", "psycopg2": "psycopg2", "pg8000": "pg8000"}}
+    if backend not in modules:
+        return f"unsupported ledger backend {scheme!r}: use sqlite:/// or postgresql+psycopg://"
+    module = modules[backend].get(driver)
+    if module is None:
+        return f"unsupported driver {driver!r} for {backend}: use {', '.join(sorted(d or backend for d in modules[backend]))}"
+    if importlib.util.find_spec(module) is None:
+        return f"the {backend} driver {module!r} is not installed (try postgresql+psycopg://)"
+    if backend == "sqlite":
+        path = rest[1:].split("?", 1)[0] if rest.startswith("/") else ""
+        if path and Path(path).is_dir():
+            return f"the SQLite path {path} is a directory"
+    return None
+
+
+def store_url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be a fragment store here (an unknown protocol, its fsspec package not installed), or None."""
+    from fsspec.registry import known_implementations, registry
+
+    for part in url.split("::"):  # chained URLs: simplecache::s3://…
+        protocol = part.split("://", 1)[0].lower() if "://" in part else "file"
+        if protocol in registry:
+            continue
+        known = known_implementations.get(protocol)
+        if known is None:
+            return f"unknown store protocol {protocol!r} (file://, memory://, s3://, gs://, …)"
+        module = known["class"].split(".", 1)[0]
+        if importlib.util.find_spec(module) is None:
+            return f"the {protocol}:// store needs the {module!r} package, which is not installed"
+    return None
 
 
 def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) -> RunConfig:
