@@ -64,15 +64,13 @@ def test_learners_frame_matches_the_ledger(ro, run_ledger):
         last_sub = dict(
             s.execute(select(Submission.learner_id, func.max(Submission.created_at)).group_by(Submission.learner_id)).all()
         )
-        latest_loss = {
-            lid: s.scalar(
-                select(Heartbeat.loss)
-                .where(Heartbeat.learner_id == lid, Heartbeat.loss.is_not(None))
-                .order_by(Heartbeat.at.desc())
-                .limit(1)
-            )
-            for lid in learners
-        }
+        merged_tokens = dict(
+            s.execute(
+                select(Submission.learner_id, func.sum(Submission.tokens_new)).where(Submission.status == "merged")
+                .group_by(Submission.learner_id)
+            ).all()
+        )
+        newest_history_at = dict(s.execute(select(Heartbeat.learner_id, func.max(Heartbeat.at)).group_by(Heartbeat.learner_id)).all())
     assert sorted(df.index) == sorted(learners) == ["eu-0", "eu-1", "us-0", "us-1"]
     for lid, lrow in learners.items():
         row = df.loc[lid]
@@ -84,7 +82,9 @@ def test_learners_frame_matches_the_ledger(ro, run_ledger):
         assert row["pending"] == fates.get((lid, "pending"), 0)
         assert row["tokens_trained"] == lrow.tokens_trained + lrow.inc_tokens_trained
         assert row["last_submission_at"] == last_sub[lid]
-        assert row["loss"] == pytest.approx(latest_loss[lid])
+        assert row["tokens_merged"] == merged_tokens.get(lid, 0)  # from running totals, equal to the scan
+        # The newest loss reported: every exchange writes it to the row, a heartbeat row keeps it every heartbeat_s.
+        assert row["loss"] == pytest.approx(lrow.loss) and lrow.last_heartbeat_at >= newest_history_at[lid]
         assert row["incarnation"] == lrow.incarnation
     # eu-1 was taken down for good; eu-0 runs at 0.4x the speed of the others.
     assert df.loc["eu-1", "status"] == liveness.DEAD and "no heartbeat for" in df.loc["eu-1", "reason"]

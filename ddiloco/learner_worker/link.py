@@ -215,7 +215,8 @@ class LearnerLink:
                 beat = q.Beat(hb.step, hb.tokens, hb.loss, hb.tokens_per_s, hb.step_time_s, hb.busy_s, history=history)
             result = self._commit_exchange(subs or [], beat, now)
             self._last_exchange = now
-            if beat is not None and beat.history:
+            if beat is not None and beat.history and beat.loss is not None:
+                # Until the first loss exists a heartbeat row is not yet the one charts need: the next exchange writes one.
                 self._last_heartbeat = now
         return self._receive(result.run_status, result.heads)
 

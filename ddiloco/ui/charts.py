@@ -11,6 +11,7 @@ import pandas as pd
 
 from ddiloco.platform import liveness
 from ddiloco.ui import health as h
+from ddiloco.ui.queries import STALENESS_VERSIONS
 
 LEARNER_STATUS_SCALE = alt.Scale(domain=list(liveness.LEARNER_STATUSES), range=[h.hex_of(s) for s in liveness.LEARNER_STATUSES])
 CATEGORY_ORDER = ["failure", "restart", "chaos", "rejection", "synchronizer", "learner", "run", "other"]
@@ -166,7 +167,7 @@ def staleness_histogram(staleness: pd.DataFrame) -> alt.Chart:
         .mark_bar(color=h.HEX["blue"], cornerRadiusEnd=3, size=40)
         .encode(
             x=alt.X("staleness:O", title="versions behind when merged", axis=alt.Axis(labelAngle=0)),
-            y=alt.Y("submissions:Q", title="merged submissions"),
+            y=alt.Y("submissions:Q", title=f"merged submissions (newest {STALENESS_VERSIONS} versions per fragment)"),
             tooltip=[alt.Tooltip("staleness:O"), alt.Tooltip("submissions:Q", format=",")],
         )
         .properties(height=200, autosize=FIT_WIDTH)

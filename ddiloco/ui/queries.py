@@ -1,24 +1,23 @@
 """Every read the dashboard makes, as plain functions of a Session: no Streamlit here.
 
-They return pandas DataFrames or frozen dataclasses, and let the database do the work so a page
-stays fast on a large ledger (100 learners x 10,000 heartbeats each): the heartbeats are never
-scanned — a learner's latest loss is one backwards index seek, the training-loss curves are sampled
-on a time grid by index seeks — submissions are aggregated in one pass, and long version histories
-are thinned before they leave the database. Nothing here writes; the dashboard's engine is
-read-only as well (:func:`read_only_engine`). Works on SQLite and PostgreSQL."""
+They return pandas DataFrames or frozen dataclasses, and cost the same at any length of history:
+nothing here scans the heartbeats, versions or submissions. Totals come from the running totals the
+ledger keeps (fragment heads, learner rows), pending and rejected work is summed over just those rows,
+the training-loss and validation curves are sampled on a time grid by index seeks, the version
+timeline by primary-key seeks, and lists (merges, events, rejections) are the newest few by index.
+Nothing here writes; the dashboard's engine is read-only as well (:func:`read_only_engine`). Works on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
 import json
 import math
-from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Engine, and_, func, inspect, literal, literal_column, or_, select, true, union_all
+from sqlalchemy import Engine, func, inspect, literal, select, true, tuple_, union_all
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import NoSuchModuleError
 from sqlalchemy.orm import Session
@@ -29,9 +28,10 @@ from ddiloco.platform.ledger.engine import make_engine
 from ddiloco.platform.ledger.models import (
     MERGED,
     PENDING,
-    REJECTED,
+    REJECTED_ROWS,
     Evaluation,
     Event,
+    FragmentHead,
     FragmentVersion,
     Heartbeat,
     Learner,
@@ -62,6 +62,11 @@ LOSS_POINTS_PER_LEARNER = 200
 MAX_GRID_POINTS = 400
 """SQLite allows 500 terms in a compound SELECT; the sampling grid stays below."""
 VERSION_POINTS = 4_000
+EVALUATION_POINTS = 400
+STALENESS_VERSIONS = 100
+"""The staleness histogram counts the submissions merged into each fragment's newest this-many versions."""
+HOLDER_TOKENS = 20
+"""The lease-holder table shows the newest this-many fencing tokens."""
 MERGES_SHOWN = 2_000
 EVENTS_SHOWN = 500
 
@@ -191,7 +196,7 @@ def lease_snapshot(session: Session, run_id: str) -> h.LeaseSnapshot | None:
 
 def last_version_at(session: Session, run_id: str) -> datetime | None:
     """When the newest global version of any fragment was published (version 0 counts)."""
-    return session.scalar(select(func.max(FragmentVersion.created_at)).where(FragmentVersion.run_id == run_id))
+    return session.scalar(select(func.max(FragmentHead.created_at)).where(FragmentHead.run_id == run_id))
 
 
 @dataclass(frozen=True)
@@ -282,16 +287,7 @@ def stats_frame(groups: list[q.SubmissionGroup]) -> pd.DataFrame:
 
 
 def learner_rows(session: Session, run_id: str) -> list[Any]:
-    """The run's learners, region by region, with the newest loss each reported (one backwards index
-    seek per learner, never a scan of the heartbeats)."""
-    latest_loss = (
-        select(Heartbeat.loss)
-        .where(Heartbeat.run_id == Learner.run_id, Heartbeat.learner_id == Learner.id, Heartbeat.loss.is_not(None))
-        .order_by(Heartbeat.at.desc())
-        .limit(1)
-        .correlate(Learner)
-        .scalar_subquery()
-    )
+    """The run's learners, region by region, with the newest loss each reported and its submission totals."""
     # Named columns, not the entity: a ledger one migration behind the code still renders.
     return list(
         session.execute(
@@ -311,7 +307,10 @@ def learner_rows(session: Session, run_id: str) -> list[Any]:
                 Learner.inc_tokens_submitted,
                 Learner.busy_s,
                 Learner.flow_run_url,
-                latest_loss.label("loss"),
+                Learner.loss,
+                Learner.submissions,
+                Learner.tokens_sent,
+                Learner.last_submission_at,
             )
             .where(Learner.run_id == run_id)
             .order_by(Learner.region, Learner.id)
@@ -344,30 +343,54 @@ LEARNER_COLUMNS = [
 ]
 
 
-def learners_frame(
-    session: Session,
-    run_id: str,
-    now: datetime,
-    stats: pd.DataFrame | None = None,
-    learners: list[Any] | None = None,
-) -> pd.DataFrame:
+@dataclass(frozen=True)
+class Fates:
+    """What became of one learner's submissions, and the tokens merged."""
+
+    merged: int = 0
+    rejected: int = 0
+    pending: int = 0
+    tokens_merged: int = 0
+
+
+def learner_fates(session: Session, run_id: str, learners: list[Any]) -> dict[str, Fates]:
+    """Per learner: pending and rejected summed over just those rows (the poll index, the partial index of
+    rejections); merged is the rest of what the learner's row says it registered — no scan of the merged."""
+    pending = {
+        lid: (int(n), int(t))
+        for lid, n, t in session.execute(
+            select(Submission.learner_id, func.count(), func.coalesce(func.sum(Submission.tokens_new), 0))
+            .where(Submission.run_id == run_id, Submission.status == PENDING)
+            .group_by(Submission.learner_id)
+        )
+    }
+    rejected = {
+        lid: (int(n), int(t))
+        for lid, n, t in session.execute(
+            select(Submission.learner_id, func.count(), func.coalesce(func.sum(Submission.tokens_new), 0))
+            .where(Submission.run_id == run_id, REJECTED_ROWS)
+            .group_by(Submission.learner_id)
+        )
+    }
+    out = {}
+    for row in learners:
+        p, r = pending.get(row.id, (0, 0)), rejected.get(row.id, (0, 0))
+        out[row.id] = Fates(
+            merged=int(row.submissions) - p[0] - r[0], rejected=r[0], pending=p[0],
+            tokens_merged=int(row.tokens_sent) - p[1] - r[1],
+        )
+    return out
+
+
+def learners_frame(session: Session, run_id: str, now: datetime, learners: list[Any] | None = None) -> pd.DataFrame:
     """A row per learner with its heartbeat-derived status (judged at ``now``) and submission fates
-    (from :func:`submission_stats` and :func:`learner_rows`, read here unless given)."""
+    (from :func:`learner_rows`, read here unless given, and :func:`learner_fates`)."""
     info = run_info(session, run_id)
     if info is None:
         return pd.DataFrame(columns=LEARNER_COLUMNS)
     as_of = info.as_of(now)
     learners = learner_rows(session, run_id) if learners is None else learners
-    stats = submission_stats(session, run_id) if stats is None else stats
-    fates: dict[str, Counter] = {}
-    merged_tokens: Counter = Counter()
-    last_sub: dict[str, datetime] = {}
-    for learner_id, status, _staleness, n, tokens, _bytes, last in stats.itertuples(index=False):
-        fates.setdefault(learner_id, Counter())[status] += int(n)
-        if status == MERGED:
-            merged_tokens[learner_id] += int(tokens)
-        if last is not None and not pd.isna(last) and (learner_id not in last_sub or last > last_sub[learner_id]):
-            last_sub[learner_id] = last
+    fates = learner_fates(session, run_id, learners)
     snaps = [
         liveness.LearnerSnapshot(row.id, row.last_heartbeat_at, row.started_at, int(row.step), float(row.step_time_s or 0.0), row.status)
         for row in learners
@@ -376,7 +399,7 @@ def learners_frame(
     rows = []
     for row, snap in zip(learners, snaps):
         loss = row.loss
-        fate = fates.get(row.id, Counter())
+        fate = fates[row.id]
         unsubmitted_dead = max(0, row.inc_tokens_trained - row.inc_tokens_submitted) if verdicts[row.id].status == liveness.DEAD else 0
         rows.append(
             {
@@ -389,12 +412,12 @@ def learners_frame(
                 "step_time_s": float(row.step_time_s or 0.0),
                 "last_heartbeat_at": row.last_heartbeat_at,
                 "silent_s": liveness.silent_s(snap, as_of),
-                "last_submission_at": last_sub.get(row.id),
-                "merged": fate[MERGED],
-                "rejected": fate[REJECTED],
-                "pending": fate[PENDING],
+                "last_submission_at": row.last_submission_at,
+                "merged": fate.merged,
+                "rejected": fate.rejected,
+                "pending": fate.pending,
                 "tokens_trained": int(row.tokens_trained + row.inc_tokens_trained),
-                "tokens_merged": merged_tokens.get(row.id, 0),
+                "tokens_merged": fate.tokens_merged,
                 "tokens_lost": int(row.tokens_lost + unsubmitted_dead),
                 "loss": float(loss) if loss is not None else math.nan,
                 "incarnation": int(row.incarnation),
@@ -447,24 +470,46 @@ def regions_frame(learners: pd.DataFrame) -> pd.DataFrame:
 # --- synchronizer ---------------------------------------------------------------------------------------
 
 
-def synchronizer_holders(session: Session, run_id: str) -> pd.DataFrame:
-    """Every synchronizer that published for this run: fencing token, versions, first and last publish."""
-    rows = session.execute(
-        select(
-            FragmentVersion.synchronizer,
-            FragmentVersion.lease_token,
-            func.count(),
-            func.min(FragmentVersion.created_at),
-            func.max(FragmentVersion.created_at),
+def synchronizer_holders(session: Session, run_id: str, tokens: int = HOLDER_TOKENS) -> pd.DataFrame:
+    """The synchronizers that published for this run (the newest ``tokens`` fencing tokens): token, versions,
+    first and last publish. Per token and fragment the versions are one contiguous range (tokens never go
+    back), so a few index seeks per fragment find it — never a count over the versions."""
+    columns = ["holder", "token", "versions", "first_publish", "last_publish"]
+    newest = session.scalar(select(SynchronizerLease.token).where(SynchronizerLease.run_id == run_id))
+    if newest is None:
+        return pd.DataFrame(columns=columns)
+    rows = []
+    for token in range(int(newest), max(0, int(newest) - tokens), -1):
+        ranges = [r for r in session.execute(_token_ranges(run_id, token)).all() if r[0] is not None]
+        if ranges:
+            rows.append({
+                "holder": ranges[0][4],
+                "token": token,
+                "versions": sum(last - first + 1 for first, last, *_ in ranges),
+                "first_publish": min(r[2] for r in ranges),
+                "last_publish": max(r[3] for r in ranges),
+            })
+    return pd.DataFrame(sorted(rows, key=lambda r: r["token"]), columns=columns)
+
+
+def _token_ranges(run_id: str, token: int) -> Any:
+    """Per fragment: (first version, last version, first publish, last publish, holder) under ``token``."""
+    fv = FragmentVersion
+
+    def seek(column: Any, newest: bool) -> Any:
+        return (
+            select(column)
+            .where(fv.run_id == run_id, fv.lease_token == token, fv.fragment == FragmentHead.fragment)
+            .order_by(fv.version.desc() if newest else fv.version)
+            .limit(1)
+            .correlate(FragmentHead)
+            .scalar_subquery()
         )
-        .where(FragmentVersion.run_id == run_id)
-        .group_by(FragmentVersion.synchronizer, FragmentVersion.lease_token)
-        .order_by(FragmentVersion.lease_token)
-    ).all()
-    return pd.DataFrame(
-        [{"holder": a, "token": int(t), "versions": int(n), "first_publish": f, "last_publish": z} for a, t, n, f, z in rows],
-        columns=["holder", "token", "versions", "first_publish", "last_publish"],
-    )
+
+    return select(
+        seek(fv.version, False), seek(fv.version, True), seek(fv.created_at, False), seek(fv.created_at, True),
+        seek(fv.synchronizer, False),
+    ).where(FragmentHead.run_id == run_id)
 
 
 def last_merge_at(session: Session, run_id: str) -> datetime | None:
@@ -476,24 +521,19 @@ def last_merge_at(session: Session, run_id: str) -> datetime | None:
 
 def versions_frame(session: Session, run_id: str, max_points: int = VERSION_POINTS) -> pd.DataFrame:
     """(fragment, version, at) for the version timeline; thinned to every k-th version when there are
-    more than ``max_points`` (the newest version of each fragment is always kept)."""
-    total = session.scalar(select(func.count()).select_from(FragmentVersion).where(FragmentVersion.run_id == run_id)) or 0
+    more than ``max_points`` (the newest version of each fragment is always kept), read by key."""
+    heads = dict(session.execute(select(FragmentHead.fragment, FragmentHead.version).where(FragmentHead.run_id == run_id)).all())
+    total = sum(v + 1 for v in heads.values())
     k = max(1, math.ceil(total / max_points))
-    stmt = select(FragmentVersion.fragment, FragmentVersion.version, FragmentVersion.created_at).where(
-        FragmentVersion.run_id == run_id
-    )
-    if k > 1:
-        newest = (
-            select(FragmentVersion.fragment.label("f"), func.max(FragmentVersion.version).label("v"))
-            .where(FragmentVersion.run_id == run_id)
-            .group_by(FragmentVersion.fragment)
-            .subquery()
-        )
-        is_newest = (
-            select(newest.c.f).where(and_(newest.c.f == FragmentVersion.fragment, newest.c.v == FragmentVersion.version)).exists()
-        )
-        stmt = stmt.where(or_(FragmentVersion.version % literal_column(str(int(k))) == 0, is_newest))
-    rows = session.execute(stmt.order_by(FragmentVersion.fragment, FragmentVersion.version)).all()
+    keys = sorted({(f, v) for f, top in heads.items() for v in [*range(0, top + 1, k), top]})
+    rows = []
+    for start in range(0, len(keys), 500):
+        rows += session.execute(
+            select(FragmentVersion.fragment, FragmentVersion.version, FragmentVersion.created_at).where(
+                FragmentVersion.run_id == run_id, tuple_(FragmentVersion.fragment, FragmentVersion.version).in_(keys[start:start + 500])
+            )
+        ).all()
+    rows.sort()
     return pd.DataFrame([tuple(r) for r in rows], columns=["fragment", "version", "at"])
 
 
@@ -539,27 +579,56 @@ def merges_frame(session: Session, run_id: str, limit: int = MERGES_SHOWN) -> pd
     return df
 
 
-def staleness_frame(session: Session, run_id: str, stats: pd.DataFrame | None = None) -> pd.DataFrame:
-    """How many versions behind merged submissions were (their base vs the version they joined)."""
-    stats = submission_stats(session, run_id) if stats is None else stats
-    merged = stats[(stats["status"] == MERGED) & stats["staleness"].notna()]
-    counts = merged.groupby("staleness")["submissions"].sum().sort_index()
-    return pd.DataFrame(
-        {"staleness": counts.index.astype(int), "submissions": counts.to_numpy().astype(int)},
-        columns=["staleness", "submissions"],
-    )
+def staleness_frame(session: Session, run_id: str, versions: int = STALENESS_VERSIONS) -> pd.DataFrame:
+    """How many versions behind merged submissions were (their base vs the version they joined), over each
+    fragment's newest ``versions`` versions: an index range per fragment, whatever the history."""
+    rows = session.execute(
+        select(Submission.staleness, func.count())
+        .select_from(FragmentHead)
+        .join(
+            Submission,
+            (Submission.run_id == FragmentHead.run_id)
+            & (Submission.fragment == FragmentHead.fragment)
+            & (Submission.merged_version > FragmentHead.version - versions),
+        )
+        .where(FragmentHead.run_id == run_id, Submission.status == MERGED, Submission.staleness.is_not(None))
+        .group_by(Submission.staleness)
+        .order_by(Submission.staleness)
+    ).all()
+    return pd.DataFrame([(int(st), int(n)) for st, n in rows], columns=["staleness", "submissions"])
 
 
 # --- losses --------------------------------------------------------------------------------------------
 
 
-def evaluations_frame(session: Session, run_id: str) -> pd.DataFrame:
-    rows = session.execute(
-        select(Evaluation.at, Evaluation.tokens, Evaluation.versions_total, Evaluation.val_loss, Evaluation.val_accuracy)
-        .where(Evaluation.run_id == run_id)
-        .order_by(Evaluation.at, Evaluation.id)
-    ).all()
-    return pd.DataFrame([tuple(r) for r in rows], columns=["at", "tokens", "versions_total", "val_loss", "val_accuracy"])
+def evaluations_frame(session: Session, run_id: str, points: int = EVALUATION_POINTS) -> pd.DataFrame:
+    """Validation loss over the run: the newest evaluation at or before each time of a grid (index seeks),
+    plus the first and the last, so a long run's curve costs ``points`` rows, not one per evaluation."""
+    columns = ["at", "tokens", "versions_total", "val_loss", "val_accuracy"]
+    cols = (Evaluation.at, Evaluation.tokens, Evaluation.versions_total, Evaluation.val_loss, Evaluation.val_accuracy)
+    points = max(2, min(points, MAX_GRID_POINTS))
+    base = select(Evaluation.id, *cols).where(Evaluation.run_id == run_id)
+    few = session.execute(base.order_by(Evaluation.at, Evaluation.id).limit(points + 1)).all()
+    if len(few) <= points:  # every evaluation fits: all of them
+        return pd.DataFrame([tuple(r[1:]) for r in few], columns=columns)
+    first = few[0]
+    last = session.execute(base.order_by(Evaluation.at.desc(), Evaluation.id.desc()).limit(1)).one()
+    span = max(0.0, (last.at - first.at).total_seconds())
+    grid_times = sorted({first.at + timedelta(seconds=span * i / (points - 1)) for i in range(points)})
+    grid = union_all(*[select(literal(t, UtcDateTime()).label("t")) for t in grid_times]).cte("grid")
+    newest = (
+        select(Evaluation.id)
+        .where(Evaluation.run_id == run_id, Evaluation.at <= grid.c.t)
+        .order_by(Evaluation.at.desc(), Evaluation.id.desc())
+        .limit(1)
+        .correlate(grid)
+        .scalar_subquery()
+    )
+    picks = select(newest.label("id")).select_from(grid).subquery()
+    rows = session.execute(select(Evaluation.id, *cols).join(picks, picks.c.id == Evaluation.id)).all()
+    # By id: one row per evaluation, in the order they were recorded.
+    unique = {r[0]: tuple(r[1:]) for r in [*rows, first, last]}
+    return pd.DataFrame([unique[i] for i in sorted(unique)], columns=columns)
 
 
 def training_loss_frame(
@@ -634,7 +703,7 @@ def rejections_frame(session: Session, run_id: str, limit: int = 200) -> pd.Data
             Submission.id,
             Submission.reject_reason,
         )
-        .where(Submission.run_id == run_id, Submission.status == REJECTED)
+        .where(Submission.run_id == run_id, REJECTED_ROWS)
         .order_by(Submission.decided_at.desc(), Submission.id.desc())
         .limit(limit)
     ).all()
@@ -680,13 +749,9 @@ def run_page(session: Session, run_id: str, now: datetime) -> RunPage | None:
     snapshot = health_snapshot(session, run_id, now)
     if snapshot is None:
         return None
-    groups = q.submission_groups(session, run_id)
-    stats = stats_frame(groups)
-    rows = learner_rows(session, run_id)
+    learners = learners_frame(session, run_id, now, learner_rows(session, run_id))
     evaluations = evaluations_frame(session, run_id)
-    learners = learners_frame(session, run_id, now, stats, rows)
-    # The page's one pass over the submissions feeds the summary too.
-    summary = summarize(q.run_aggregates(session, run_id, groups), now)
+    summary = summarize(q.run_aggregates(session, run_id), now)
     return RunPage(
         now=now,
         snapshot=snapshot,
@@ -697,7 +762,7 @@ def run_page(session: Session, run_id: str, now: datetime) -> RunPage | None:
         last_merge_at=last_merge_at(session, run_id),
         versions=versions_frame(session, run_id),
         merges=merges_frame(session, run_id),
-        staleness=staleness_frame(session, run_id, stats),
+        staleness=staleness_frame(session, run_id),
         evaluations=evaluations,
         training_loss=training_loss_frame(session, run_id),
         events=events_frame(session, run_id),

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from pydantic import SecretStr
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
@@ -15,7 +16,7 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 MIGRATION_LOCK_ID = 0x0DD1_10C0
 
 
-def make_engine(url: str, *, read_only: bool = False, idle_in_transaction_timeout_s: float | None = None) -> Engine:
+def make_engine(url: str | SecretStr, *, read_only: bool = False, idle_in_transaction_timeout_s: float | None = None) -> Engine:
     """An engine for ``url``; SQLite gets WAL, a busy timeout, foreign keys and write-locking transactions.
 
     ``read_only`` engines cannot write (SQLite ``query_only``, PostgreSQL read-only transactions) and
@@ -23,6 +24,8 @@ def make_engine(url: str, *, read_only: bool = False, idle_in_transaction_timeou
     On PostgreSQL, ``idle_in_transaction_timeout_s`` makes the server end a session that sits in an
     open transaction that long: a process frozen mid-transaction (SIGSTOP, a VM pause) then
     releases its row locks instead of stalling every writer behind it."""
+    if isinstance(url, SecretStr):  # the config's ledger URL
+        url = url.get_secret_value()
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         database = parsed.database
@@ -103,7 +106,7 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
 
 
 def open_ledger(
-    url: str, *, migrate: bool = True, read_only: bool = False, idle_in_transaction_timeout_s: float | None = None
+    url: str | SecretStr, *, migrate: bool = True, read_only: bool = False, idle_in_transaction_timeout_s: float | None = None
 ) -> Engine:
     engine = make_engine(url, read_only=read_only, idle_in_transaction_timeout_s=idle_in_transaction_timeout_s)
     if migrate and not read_only:

@@ -198,6 +198,7 @@ class FragmentVersion(Base):
     __tablename__ = "fragment_versions"
     __table_args__ = (
         Index("ix_fragment_versions_run_created", "run_id", "created_at"),
+        Index("ix_fragment_versions_token", "run_id", "lease_token", "fragment", "version"),
         Index("ix_fragment_versions_gc", "run_id", "fragment", "version", sqlite_where=GC_VERSIONS, postgresql_where=GC_VERSIONS),
     )
 

@@ -616,8 +616,12 @@ def recent_merged_norms(session: Session, run_id: str, fragment: int, limit: int
     """Norms of the fragment's latest merged submissions (``per_step``: each divided by its c_steps)."""
     rows = session.scalars(
         select(Submission.norm / Submission.c_steps if per_step else Submission.norm)
-        .where(Submission.run_id == run_id, Submission.fragment == fragment, Submission.status == MERGED, Submission.norm.is_not(None))
-        .order_by(Submission.id.desc())
+        .where(
+            Submission.run_id == run_id, Submission.fragment == fragment, Submission.merged_version.is_not(None),
+            Submission.status == MERGED, Submission.norm.is_not(None),
+        )
+        # Newest first along ix_submissions_fragment_version: a backwards seek, not a sort of every merge.
+        .order_by(Submission.merged_version.desc(), Submission.id.desc())
         .limit(limit)
     )
     return [float(n) for n in rows]

@@ -52,6 +52,7 @@ def upgrade() -> None:
     _backfill()
     with op.batch_alter_table("fragment_versions") as batch:
         batch.create_index("ix_fragment_versions_run_created", ["run_id", "created_at"], unique=False)
+        batch.create_index("ix_fragment_versions_token", ["run_id", "lease_token", "fragment", "version"], unique=False)
         batch.create_index("ix_fragment_versions_gc", ["run_id", "fragment", "version"], unique=False,
                            sqlite_where=GC_VERSIONS, postgresql_where=GC_VERSIONS)
     with op.batch_alter_table("submissions") as batch:
@@ -67,17 +68,18 @@ def _backfill() -> None:
     """Derive the heads and totals of runs already in the ledger (the one full scan, here and not per step)."""
     conn = op.get_bind()
     conn.execute(sa.text("UPDATE fragment_versions SET gc_done = blob_deleted"))
+    sent = conn.execute(sa.text(
+        "SELECT run_id, learner_id, count(*), coalesce(sum(tokens_new), 0), coalesce(sum(nbytes), 0), max(created_at) "
+        "FROM submissions GROUP BY run_id, learner_id"
+    )).all()
+    conn.execute(
+        sa.text("UPDATE learners SET submissions = :n, tokens_sent = :t, bytes_sent = :b, last_submission_at = :at "
+                "WHERE run_id = :r AND id = :l"),
+        [{"r": r, "l": lid, "n": n, "t": t, "b": b, "at": at} for r, lid, n, t, b, at in sent],
+    ) if sent else None
     conn.execute(sa.text(
-        "UPDATE learners SET "
-        "submissions = (SELECT count(*) FROM submissions s WHERE s.run_id = learners.run_id AND s.learner_id = learners.id), "
-        "tokens_sent = (SELECT coalesce(sum(s.tokens_new), 0) FROM submissions s "
-        "WHERE s.run_id = learners.run_id AND s.learner_id = learners.id), "
-        "bytes_sent = (SELECT coalesce(sum(s.nbytes), 0) FROM submissions s "
-        "WHERE s.run_id = learners.run_id AND s.learner_id = learners.id), "
-        "last_submission_at = (SELECT max(s.created_at) FROM submissions s "
-        "WHERE s.run_id = learners.run_id AND s.learner_id = learners.id), "
-        "loss = (SELECT h.loss FROM heartbeats h WHERE h.run_id = learners.run_id AND h.learner_id = learners.id "
-        "AND h.loss IS NOT NULL ORDER BY h.at DESC, h.id DESC LIMIT 1)"
+        "UPDATE learners SET loss = (SELECT h.loss FROM heartbeats h WHERE h.run_id = learners.run_id "
+        "AND h.learner_id = learners.id AND h.loss IS NOT NULL ORDER BY h.at DESC LIMIT 1)"
     ))
     merged = {
         (r, f): (int(t), int(n))
@@ -91,7 +93,7 @@ def _backfill() -> None:
     previous: dict[str, float] = {}
     rows = conn.execute(sa.text(
         "SELECT run_id, fragment, created_at FROM fragment_versions WHERE version > 0 ORDER BY run_id, created_at"
-    ))
+    ).execution_options(stream_results=True, yield_per=10_000))
     for run_id, fragment, at in rows:
         t = _seconds(at)
         if run_id in previous:
@@ -141,6 +143,7 @@ def downgrade() -> None:
         batch.drop_index("ix_submissions_gc")
     with op.batch_alter_table("fragment_versions") as batch:
         batch.drop_index("ix_fragment_versions_gc")
+        batch.drop_index("ix_fragment_versions_token")
         batch.drop_index("ix_fragment_versions_run_created")
         batch.drop_column("gc_done")
     with op.batch_alter_table("learners") as batch:
