@@ -87,7 +87,7 @@ def _read_only_run(
     cfg = _config(config)
     if store:
         cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"url": store})})
-    url = ledger or cfg.ledger.url
+    url = ledger or cfg.ledger.url.get_secret_value()
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite" and not (parsed.database and Path(parsed.database).is_file()):
         # Connecting would create an empty file.
@@ -107,7 +107,7 @@ def _read_only_run(
 
 
 def _ledger_url(ledger: str | None, config: Path | None) -> str:
-    return ledger or _config(config).ledger.url
+    return ledger or _config(config).ledger.url.get_secret_value()
 
 
 @ledger_app.command("upgrade")
@@ -396,11 +396,18 @@ def deploy_command(
     config: Path | None = ConfigOpt,
     cron: str | None = typer.Option(None, help="Cron schedule for the training-run deployment, e.g. '0 3 * * *'."),
     pool_type: str = typer.Option("process", help="Work pool type for the region pools (process, kubernetes, ecs, cloud-run)."),
+    secret_block: list[str] = typer.Option([], "--secret-block", help="ENV_VAR=block-name: flow runs read ENV_VAR from that "
+                                           "Prefect Secret block (e.g. DDILOCO_LEDGER__URL=ddiloco-ledger-url); repeatable."),
 ) -> None:
     """Create one work pool per region and the learner, synchronizer and training-run deployments (PREFECT_API_URL)."""
-    from ddiloco.flows.deploy import deploy
+    from ddiloco.flows.deploy import deploy, parse_secret_blocks
 
-    plan = deploy(_config(config), cron=cron, pool_type=pool_type)
+    cfg = _config(config)
+    try:
+        plan = deploy(cfg, cron=cron, pool_type=pool_type, secret_blocks=parse_secret_blocks(secret_block))
+    except ValueError as err:
+        err_console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
     console.print(f"work pools: {', '.join(plan.pools)}")
     console.print(f"deployments: {', '.join(plan.deployments)}")
     console.print("start one worker per region: prefect worker start --pool region-<name>")

@@ -37,13 +37,13 @@ def test_every_example_validates(path):
 def test_tiny_example_is_tiny_and_local():
     cfg = load_config(ROOT / "examples" / "tiny.yaml")
     assert (cfg.model.n_layer, cfg.model.d_model, cfg.fragments.count) == (1, 32, 4)
-    assert cfg.ledger.url.startswith("sqlite:///") and cfg.storage.url.startswith("file://")
+    assert cfg.ledger.url.get_secret_value().startswith("sqlite:///") and cfg.storage.url.startswith("file://")
 
 
 def test_multi_region_example():
     cfg = load_config(ROOT / "examples" / "multi-region.yaml")
     assert [r.name for r in cfg.learners.regions] == ["us", "eu", "asia"]
-    assert cfg.ledger.url == "postgresql+psycopg://postgres@127.0.0.1:5432/ddiloco"
+    assert cfg.ledger.url.get_secret_value() == "postgresql+psycopg://postgres@127.0.0.1:5432/ddiloco"
     assert cfg.compression.codec == "int4"
     assert cfg.storage.url.startswith("s3://ddiloco-runs")
     own = [r for r in cfg.learners.regions if r.storage_url]

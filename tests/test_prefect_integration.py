@@ -49,7 +49,9 @@ def test_training_run_from_the_api_on_two_region_pools(prefect_server, tmp_path)
         log = open(tmp_path / f"worker-{pool}.log", "wb")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path,
+            # The ledger URL is a secret: it stays with the worker, whose flow runs inherit it.
+            env={**env, "DDILOCO_LEDGER__URL": cfg.ledger.url.get_secret_value()},
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path,
         ))
     parameters = {
         "config": cfg.model_dump(mode="json", exclude={"ledger", "storage"}),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from dataclasses import dataclass
 
 from prefect.client.orchestration import get_client
@@ -11,6 +13,7 @@ from prefect.exceptions import ObjectAlreadyExists
 
 from ddiloco.flows.training import learner_flow, synchronizer_flow, training_run
 from ddiloco.platform.config import RunConfig
+from ddiloco.platform.redact import redact_url
 
 POOL_PREFIX = "region-"
 
@@ -25,11 +28,38 @@ def pool_name(region: str) -> str:
     return f"{POOL_PREFIX}{region}"
 
 
-def region_env(cfg: RunConfig, region: str) -> dict[str, str]:
-    """What a region's worker passes to its flow runs: where its ledger and bucket are.
+ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+BLOCK_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+LOGGING_ENV = {"PREFECT_LOGGING_EXTRA_LOGGERS": "ddiloco"}
+"""Flow-run processes send the ``ddiloco.*`` loggers' records to the Prefect UI, not only the flow's own."""
 
-    Credentials are not here: they come from the worker's own environment or Prefect blocks."""
-    return {"DDILOCO_LEDGER__URL": cfg.ledger.url, "DDILOCO_STORAGE__URL": cfg.storage.url}
+
+def parse_secret_blocks(items: list[str]) -> dict[str, str]:
+    """``ENV_VAR=block-name`` pairs: each flow run's ``ENV_VAR`` is the value of that Prefect Secret
+    block, read by the worker when it starts the run; refuses anything else with a one-line error."""
+    out = {}
+    for item in items:
+        var, sep, block = item.partition("=")
+        if not sep or not ENV_NAME.match(var) or not BLOCK_NAME.match(block):
+            raise ValueError(f"--secret-block {item!r}: expected ENV_VAR=block-name, e.g. DDILOCO_LEDGER__URL=ddiloco-ledger-url")
+        out[var] = block
+    return out
+
+
+def region_env(cfg: RunConfig, region: str, secret_blocks: dict[str, str] | None = None) -> dict[str, str]:
+    """What a region's worker passes to its flow runs: where its bucket is, and the *names* of the
+    Secret blocks that hold credentials (the ledger URL among them), never their values.
+
+    A secret without a block comes from the worker's own environment (``DDILOCO_LEDGER__URL``,
+    ``AWS_SECRET_ACCESS_KEY``, …), which process workers pass on to their flow runs."""
+    if redact_url(cfg.storage.url) != cfg.storage.url:
+        raise ValueError("storage.url carries a password: put store credentials in storage.secrets, set from the environment")
+    env = {"DDILOCO_STORAGE__URL": cfg.storage.url, **LOGGING_ENV}
+    if cfg.storage.storage_options:
+        env["DDILOCO_STORAGE__STORAGE_OPTIONS"] = json.dumps(cfg.storage.storage_options, sort_keys=True)
+    for var, block in (secret_blocks or {}).items():
+        env[var] = "{{ prefect.blocks.secret." + block + " }}"
+    return env
 
 
 def ensure_pool(name: str, pool_type: str = "process") -> bool:
@@ -42,7 +72,9 @@ def ensure_pool(name: str, pool_type: str = "process") -> bool:
     return True
 
 
-def deploy(cfg: RunConfig, *, cron: str | None = None, pool_type: str = "process") -> DeploymentPlan:
+def deploy(
+    cfg: RunConfig, *, cron: str | None = None, pool_type: str = "process", secret_blocks: dict[str, str] | None = None
+) -> DeploymentPlan:
     """One pool per region; a learner deployment per region; synchronizer and training-run in the first region."""
     regions = [r.name for r in cfg.learners.regions]
     pools = [pool_name(r) for r in regions]
@@ -54,7 +86,7 @@ def deploy(cfg: RunConfig, *, cron: str | None = None, pool_type: str = "process
             name=f"learner-{region}",
             work_pool_name=pool_name(region),
             entrypoint_type=EntrypointType.MODULE_PATH,
-            job_variables={"env": region_env(cfg, region)},
+            job_variables={"env": region_env(cfg, region, secret_blocks)},
             tags=["ddiloco", f"region:{region}"],
         )
         dep.apply()
@@ -64,7 +96,7 @@ def deploy(cfg: RunConfig, *, cron: str | None = None, pool_type: str = "process
         name="synchronizer",
         work_pool_name=pool_name(home),
         entrypoint_type=EntrypointType.MODULE_PATH,
-        job_variables={"env": region_env(cfg, home)},
+        job_variables={"env": region_env(cfg, home, secret_blocks)},
         tags=["ddiloco"],
     ).apply()
     names.append("ddiloco-synchronizer/synchronizer")
@@ -72,7 +104,7 @@ def deploy(cfg: RunConfig, *, cron: str | None = None, pool_type: str = "process
         name="training-run",
         work_pool_name=pool_name(home),
         entrypoint_type=EntrypointType.MODULE_PATH,
-        job_variables={"env": region_env(cfg, home)},
+        job_variables={"env": region_env(cfg, home, secret_blocks)},
         parameters={"config": cfg.model_dump(mode="json", exclude={"ledger", "storage"}), "launcher": "work-pools"},
         cron=cron,
         tags=["ddiloco"],

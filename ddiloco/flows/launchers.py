@@ -3,6 +3,7 @@ deployment runs in each region's work pool. The supervisor only sees this narrow
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -17,6 +18,15 @@ from ddiloco.platform.config import RunConfig
 LEARNER_DEPLOYMENT = "ddiloco-learner/learner-{region}"
 SYNCHRONIZER_DEPLOYMENT = "ddiloco-synchronizer/synchronizer"
 FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED", "CANCELLING"}
+
+
+def secret_env(cfg: RunConfig) -> dict[str, str]:
+    """The config's secrets as the environment variables that override it: how they reach a child
+    process, since a saved config holds them masked."""
+    env = {"DDILOCO_LEDGER__URL": cfg.ledger.url.get_secret_value()}
+    for key, value in cfg.storage.secrets.items():
+        env[f"DDILOCO_STORAGE__SECRETS__{key.upper()}"] = value.get_secret_value()
+    return env
 
 
 @dataclass
@@ -42,12 +52,13 @@ class Launcher(Protocol):
 class SubprocessLauncher:
     """Every process on this machine: the embedded default and ``ddiloco demo``."""
 
-    def __init__(self, config_path: Path, run_id: str, logdir: Path) -> None:
+    def __init__(self, config_path: Path, run_id: str, logdir: Path, secrets: Mapping[str, str] | None = None) -> None:
         self.config_path = config_path
         self.run_id = run_id
         self.logdir = logdir
         logdir.mkdir(parents=True, exist_ok=True)
         self.handles: list[Handle] = []
+        self.env = {**os.environ, **secrets} if secrets else None
 
     def spawn(self, name: str, args: list[str], *, env: Mapping[str, str] | None = None, wrap: Sequence[str] = ()) -> Handle:
         """``ddiloco <args>`` for this run, logging to ``<logdir>/<name>.log``; ``wrap`` prefixes the
@@ -58,7 +69,7 @@ class SubprocessLauncher:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=env,
+            env=env if env is not None else self.env,
         )
         handle = Handle(name=name, started_at=time.time(), process=proc)
         self.handles.append(handle)

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from ddiloco.flows.chaos import apply_event, seeded_schedule
-from ddiloco.flows.launchers import Handle, Launcher, SubprocessLauncher
+from ddiloco.flows.launchers import Handle, Launcher, SubprocessLauncher, secret_env
 from ddiloco.flows.supervise import LearnerView, budget_reached, relaunch_decisions
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.ledger import queries as q
@@ -42,12 +42,13 @@ def register(cfg: RunConfig, run_id: str, flow_run_url: str | None = None) -> bo
 
 
 def local_launcher(cfg: RunConfig, run_id: str, workdir: str | Path) -> SubprocessLauncher:
-    """Processes on this machine; the config they read is saved under ``workdir/run_id``."""
+    """Processes on this machine; the config they read is saved under ``workdir/run_id`` (secrets
+    masked: they reach the processes through their environment)."""
     rundir = Path(workdir).resolve() / run_id
     rundir.mkdir(parents=True, exist_ok=True)
     config_path = rundir / "config.yaml"
     config_path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    return SubprocessLauncher(config_path, run_id, rundir / "logs")
+    return SubprocessLauncher(config_path, run_id, rundir / "logs", secrets=secret_env(cfg))
 
 
 def _versions_ready(ctx: RunContext) -> bool:

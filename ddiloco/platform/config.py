@@ -15,12 +15,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 from pydantic_settings.exceptions import SettingsError
 
 from ddiloco.platform.ids import validate_id
-from ddiloco.platform.redact import mask_tree
+from ddiloco.platform.redact import mask_tree, redact_url
 
 
 class ConfigError(ValueError):
@@ -354,11 +364,25 @@ class CompressionConfig(_Section):
 class StorageConfig(_Section):
     url: str = "file://./ddiloco-runs/store"
     """Root of the fragment store: file://, memory://, s3://, gs:// (any fsspec URL)."""
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+    """fsspec options of every store of the run, e.g. ``{"client_kwargs": {"endpoint_url": …}}`` for s3://."""
+    secrets: dict[str, SecretStr] = Field(default_factory=dict)
+    """Credentials added to storage_options (s3fs: key, secret, token); masked wherever the config is
+    shown or recorded. Set them through the environment (``DDILOCO_STORAGE__SECRETS__SECRET=…``)."""
+
+    def fsspec_options(self) -> dict[str, Any]:
+        """storage_options with the secrets' values, for opening the store."""
+        return {**self.storage_options, **{k: v.get_secret_value() for k, v in self.secrets.items()}}
 
 
 class LedgerConfig(_Section):
-    url: str = "sqlite:///./ddiloco-runs/ledger.db"
-    """SQLAlchemy URL: sqlite:///… (embedded) or postgresql+psycopg://… (multi-region)."""
+    url: SecretStr = SecretStr("sqlite:///./ddiloco-runs/ledger.db")
+    """SQLAlchemy URL: sqlite:///… (embedded) or postgresql+psycopg://… (multi-region). A secret: shown
+    and saved with its password masked (pass the real one through ``DDILOCO_LEDGER__URL``)."""
+
+    @field_serializer("url", when_used="json")
+    def _masked_url(self, url: SecretStr) -> str:
+        return redact_url(url.get_secret_value())
     idle_in_transaction_timeout_s: float | None = Field(5.0, gt=0, le=LONGEST_S)
     """PostgreSQL ends a session idle inside a transaction this long, so a frozen process's row
     locks cannot stall the run (null: never). Keep it under learners.dead_after_s."""
@@ -515,6 +539,8 @@ def unknown_env(environ: typing.Mapping[str, str] | None = None) -> list[str]:
             continue
         model: Any = RunConfig
         for part in upper.removeprefix("DDILOCO_").lower().split("__"):
+            if typing.get_origin(model) is dict:
+                continue  # a mapping's keys are its own: DDILOCO_STORAGE__SECRETS__SECRET
             field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
             if field is None:
                 break

@@ -117,4 +117,4 @@ class RunContext:
         return to_datetime(self.clock())
 
     def store(self, region: str | None = None) -> FragmentStore:
-        return open_store(self.cfg.storage_url_for(region))
+        return open_store(self.cfg.storage_url_for(region), self.cfg.storage.fsspec_options())

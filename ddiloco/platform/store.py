@@ -310,8 +310,9 @@ def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
 _stores: dict[str, FragmentStore] = {}
 
 
-def open_store(url: str) -> FragmentStore:
-    """One FragmentStore per URL per process (fsspec filesystems are reusable and thread-safe enough)."""
-    if url not in _stores:
-        _stores[url] = FragmentStore(url)
-    return _stores[url]
+def open_store(url: str, storage_options: dict[str, Any] | None = None) -> FragmentStore:
+    """One FragmentStore per URL and options per process (fsspec filesystems are reusable and thread-safe enough)."""
+    key = url + "\0" + json.dumps(storage_options or {}, sort_keys=True, default=str)
+    if key not in _stores:
+        _stores[key] = FragmentStore(url, storage_options)
+    return _stores[key]

@@ -1,0 +1,84 @@
+"""Planted secrets (a ledger password, store credentials) never leave the process that holds them:
+not in `ddiloco config`, not in a saved config, not in any ledger row, not in any process log of a run,
+and they still reach the ledger and the store. (Job variables of deployments: test_prefect_integration.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from sqlalchemy import MetaData, select
+from sqlalchemy.engine import make_url
+from support import tiny_config
+
+from ddiloco.flows.runner import train_locally
+from ddiloco.platform.ledger import make_engine
+from ddiloco.platform.runtime import RunContext
+
+PASSWORD = "pw-planted-7f3a9c"
+STORE_KEY = "AKIAPLANTED0000KEY"
+STORE_SECRET = "store-secret-planted-91d2"
+PLANTED = (PASSWORD, STORE_KEY, STORE_SECRET)
+
+
+def leaks(text: str) -> list[str]:
+    return [p for p in PLANTED if p in text]
+
+
+def with_password(url: str) -> str:
+    # The local server trusts every connection: the password is carried, ignored, and must not leak.
+    return make_url(url).set(password=PASSWORD).render_as_string(hide_password=False)
+
+
+def test_config_command_masks_the_ledger_password_and_store_secrets(tmp_path):
+    env = {"DDILOCO_LEDGER__URL": f"postgresql+psycopg://ddiloco:{PASSWORD}@db.internal:5432/ddiloco",
+           "DDILOCO_STORAGE__SECRETS__KEY": STORE_KEY, "DDILOCO_STORAGE__SECRETS__SECRET": STORE_SECRET}
+    out = subprocess.run([sys.executable, "-m", "ddiloco", "config"], env={**os.environ, **env}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    shown = json.loads(out.stdout)
+    assert not leaks(out.stdout + out.stderr)
+    assert shown["ledger"]["url"] == "postgresql+psycopg://ddiloco:***@db.internal:5432/ddiloco"
+    assert set(shown["storage"]["secrets"]) == {"key", "secret"}
+
+
+@pytest.mark.postgres
+def test_a_short_run_keeps_planted_secrets_out_of_rows_logs_and_files(fresh_postgres_database, s3_endpoint, tmp_path, capfd):
+    cfg = tiny_config(
+        name="secrets",
+        token_budget=3 * 4 * 32 * 8,
+        learners={"regions": [{"name": "us", "learners": 1}], "heartbeat_s": 0.5, "poll_s": 0.2},
+        synchronizer={"poll_s": 0.1, "lease_ttl_s": 1.5, "eval_every_s": 1.0},
+        ledger={"url": with_password(fresh_postgres_database)},
+        storage={"url": "s3://ddiloco-secrets/run", "storage_options": {"client_kwargs": {"endpoint_url": s3_endpoint}},
+                 "secrets": {"key": STORE_KEY, "secret": STORE_SECRET}},
+    )
+    import s3fs
+
+    s3fs.S3FileSystem(skip_instance_cache=True).mkdir("ddiloco-secrets")
+    # The store is opened with the configured credentials (moto accepts any).
+    fs = RunContext.open(cfg, "secrets").store().fs
+    assert (fs.key, fs.secret) == (STORE_KEY, STORE_SECRET)
+
+    summary = train_locally(cfg, "secrets", workdir=str(tmp_path / "runs"))
+    assert summary["tokens"] >= cfg.token_budget and sum(summary["versions"].values()) > 0
+
+    engine = make_engine(fresh_postgres_database)
+    meta = MetaData()
+    meta.reflect(engine)
+    rows = 0
+    with engine.connect() as conn:
+        for table in meta.sorted_tables:
+            for row in conn.execute(select(table)):
+                rows += 1
+                assert not leaks(repr(tuple(row))), f"a {table.name} row holds a planted secret"
+    assert rows > 10
+    files = [p for p in Path(tmp_path / "runs").rglob("*") if p.is_file()]
+    assert any(p.suffix == ".log" for p in files) and any(p.name == "config.yaml" for p in files)
+    for path in files:
+        assert not leaks(path.read_text(errors="replace")), f"{path.name} holds a planted secret"
+    captured = capfd.readouterr()
+    assert not leaks(captured.out + captured.err)
