@@ -54,7 +54,7 @@ def ui_command(
     from ddiloco.platform.config import LedgerConfig
     from ddiloco.platform.redact import redact_url
 
-    url = ledger or LedgerConfig().url
+    url = ledger or LedgerConfig().url.get_secret_value()
     try:
         make_url(url)
     except Exception:  # noqa: BLE001 - any parse failure is a bad URL
