@@ -24,7 +24,11 @@ and the CPU used by the learner's background threads and the synchronizer proces
 
 Goal: platform tokens/s >= 0.95 x bare tokens/s (median of the per-pair ratios).
 
-    python benchmarks/learner_overhead.py [--quick] [--windows 6] [--window-s 8]
+``--device cuda`` runs both on the GPU (the learner's bf16 autocast, batches copied to the device in
+the step, as the learner does) and writes learner_overhead_cuda.json: on a GPU a step takes
+milliseconds, so whatever the platform adds on the main thread weighs far more than on a CPU.
+
+    python benchmarks/learner_overhead.py [--quick] [--windows 6] [--window-s 8] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -55,10 +59,11 @@ from common import (
     write_results,
 )
 
+from ddiloco.learner_worker.device import autocast, resolve_device
 from ddiloco.learner_worker.learner import Learner
 from ddiloco.learner_worker.link import LearnerLink
 from ddiloco.platform.config import build_config
-from ddiloco.platform.data import build_dataset
+from ddiloco.platform.data import Batch, build_dataset
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.models import build_model, compute_loss
 from ddiloco.testing.net import wait_for
@@ -69,10 +74,10 @@ GOAL_RATIO = 0.95
 LEARNER = "us-0"
 
 
-def bench_config(name: str, quick: bool = False):
+def bench_config(name: str, quick: bool = False, device: str = "cpu"):
     data: dict = {
         "name": name,
-        "learners": {"regions": [{"name": "us", "learners": 1}]},
+        "learners": {"regions": [{"name": "us", "learners": 1}], "device": device},
         "synchronizer": {"eval_every_s": 1e9},
     }
     if quick:
@@ -80,7 +85,7 @@ def bench_config(name: str, quick: bool = False):
         data.update(
             model={"n_layer": 1, "d_model": 64, "n_head": 2, "seq_len": 64},
             data={"max_bytes": 400_000, "val_batches": 2},
-            learners={"regions": [{"name": "us", "learners": 1}], "batch_size": 8},
+            learners={"regions": [{"name": "us", "learners": 1}], "batch_size": 8, "device": device},
             fragments={"count": 4},
         )
     return build_config(data)
@@ -91,7 +96,8 @@ class Bare:
 
     def __init__(self, cfg) -> None:
         self.cfg = cfg
-        self.model = build_model(cfg.model, seed=cfg.seed)
+        self.device = resolve_device(cfg.learners.device)
+        self.model = build_model(cfg.model, seed=cfg.seed).to(self.device)
         self.model.train()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2), weight_decay=cfg.inner.weight_decay
@@ -104,7 +110,11 @@ class Bare:
         warm = self.cfg.inner.warmup_steps
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.inner.lr * min(1.0, (self.steps + 1) / warm) if warm > 0 else self.cfg.inner.lr
-        loss, _ = compute_loss(self.model, batch)
+        if self.device.type != "cpu":
+            inputs = batch.inputs.to(self.device, non_blocking=True)
+            batch = Batch(inputs=inputs, targets=batch.targets.to(self.device, non_blocking=True), tokens=batch.tokens)
+        with autocast(self.device):
+            loss, _ = compute_loss(self.model, batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
@@ -254,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-s", type=float, default=3.0, help="length of one window in seconds")
     ap.add_argument("--warmup-s", type=float, default=10.0, help="untimed platform window before the pairs")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (ledger, store, synchronizer log)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the learner and the bare loop train")
     args = ap.parse_args(argv)
     exit_on_sigterm()
     if args.quick:
@@ -261,9 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     tmp = Path(tempfile.mkdtemp(prefix="learner-overhead-"))
-    run = ProcessRun(tmp, bench_config("overhead", args.quick))
+    run = ProcessRun(tmp, bench_config("overhead", args.quick, args.device))
     cfg = run.cfg
-    results = header(NAME, args)
+    name = NAME if args.device == "cpu" else f"{NAME}_{args.device}"
+    results = header(name, args)
     platform = None
     try:
         global SYNC_PID
@@ -454,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kept {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    write_results(NAME, results, args.json)
+    write_results(name, results, args.json)
     return 0
 
 

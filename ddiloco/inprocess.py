@@ -12,6 +12,7 @@ import heapq
 import uuid
 from dataclasses import dataclass, field
 
+from ddiloco.learner_worker.dist import Dist
 from ddiloco.learner_worker.learner import Learner, StepReport
 from ddiloco.learner_worker.link import LearnerLink
 from ddiloco.platform.config import RunConfig
@@ -83,6 +84,8 @@ def sim_learner(ctx: RunContext, learner_id: str, *, index: int | None = None, n
     place, region, _ = ctx.cfg.learners.resolve(learner_id)
     return Learner(
         ctx.cfg, learner_id, link=LearnerLink(ctx, learner_id, region), clock=ctx.now,
+        # A simulation trains on the CPU whatever learners.device says: its figures are the same on every machine.
+        dist=Dist.single(),
         index=place if index is None else index,
         num_learners=ctx.cfg.learners.count if num_learners is None else num_learners,
     )

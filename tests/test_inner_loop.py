@@ -110,3 +110,34 @@ def test_compiled_learner_trains():
         clock.t += 1.0
         losses.append(sim_step(learner, clock.t).loss)
     assert all(math.isfinite(x) for x in losses)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False here)")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_inner_loop_trains_on_a_gpu_and_its_fragments_merge(compiled):
+    from ddiloco.learner_worker.learner import Learner
+    from ddiloco.learner_worker.link import LearnerLink
+    from ddiloco.platform.ledger import queries as q
+
+    _, clock, ctx, sync = sim_run(
+        learners={"device": "cuda", "compile": compiled, "regions": [{"name": "us", "learners": 1}]},
+        inner={"grad_accum_steps": 2, "schedule": "cosine", "warmup_steps": 1},
+    )
+    # Built as a learner process builds it (no process group): on the device the config names.
+    learner = Learner(ctx.cfg, "us-0", index=0, num_learners=1, link=LearnerLink(ctx, "us-0", "us"), clock=ctx.now)
+    assert learner.device.type == "cuda" and all(p.is_cuda for p in learner.model.parameters())
+    learner.start(clock.t)
+    losses, lrs, received = [], [], 0
+    for _ in range(2 * ctx.cfg.fragments.count):
+        clock.t += 1.0
+        report = sim_step(learner, clock.t)
+        losses.append(report.loss)
+        received += len(report.received)
+        lrs.append(learner.lr)
+        sync.poll_once(clock.t)
+    assert all(math.isfinite(x) for x in losses)
+    assert lrs[-1] < lrs[1]  # the cosine decays after its warm-up step
+    with ctx.transaction() as s:
+        versions = q.latest_version_numbers(s, ctx.run_id)
+    assert max(versions.values()) >= 1, versions  # the GPU learner's outer gradients were merged
+    assert received >= 1  # and the merged versions came back onto the GPU

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddiloco.learner_worker.device import HostStager, Staged, autocast
+from ddiloco.learner_worker.device import HostStager, Staged, autocast, resolve_device
 from ddiloco.learner_worker.dist import Dist
 from ddiloco.learner_worker.link import Arrival, HeartbeatStats, Increment, LearnerLink, Outgoing, Resume, Tensors
 from ddiloco.learner_worker.schedule import lr_factor, param_groups, schedule_steps
@@ -157,7 +157,8 @@ class Learner:
         self.id = learner_id
         self.index = index
         self.num_learners = num_learners
-        self.dist = dist or Dist.single()
+        # Without a process group, one rank on the device the config names (auto: a GPU when there is one).
+        self.dist = dist or Dist.single(resolve_device(cfg.learners.device))
         if (link is None) != (self.dist.rank != 0):
             raise ValueError("rank 0 of a learner needs a link to its run, and only rank 0 may have one")
         self.link = link
@@ -420,7 +421,8 @@ class Learner:
                 n: control.arrived[p][1][n] - snaps[p][n] if p in rebase else control.arrived[p][1][n] for p, n in names
             }
             if self.dist.world == 1:
-                return host
+                # Arrivals are decoded in host memory; a GPU learner folds them in on its device.
+                return host if self.device.type == "cpu" else {n: t.to(self.device, non_blocking=True) for n, t in host.items()}
             flat = torch.cat([host[n].reshape(-1).to(torch.float32) for _, n in names]).to(self.device)
         else:
             flat = torch.empty(sum(shapes[n].numel() for _, n in names), dtype=torch.float32, device=self.device)
