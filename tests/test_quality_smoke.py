@@ -87,8 +87,12 @@ def test_rows_have_the_issue_shape(quick):
             assert 0.0 <= r["val_accuracy"] <= 1.0
         else:
             assert r["val_accuracy"] is None
-            # Every text row learned something: below the loss of a uniform guess over 256 bytes.
-            assert r["val_loss"] < math.log(256), (r["model"], r["regime"], r["val_loss"])
+            # Every text row learned something: below the loss of a uniform guess over its vocabulary.
+            vocab = P.LLAMA_VOCAB if r["model"] == "llama" else 256
+            assert r["val_loss"] < math.log(vocab), (r["model"], r["regime"], r["val_loss"])
+            # nats per byte: per token over the text bytes a token spells (1 for the byte-level models).
+            assert r["bytes_per_val_token"] == 1.0 if vocab == 256 else 2.0 < r["bytes_per_val_token"] < 8.0
+            assert r["nats_per_byte"] == pytest.approx(r["val_loss"] / r["bytes_per_val_token"])
     assert any(r["regime"].startswith("ablation_") for r in rows)
     assert any(r["regime"].startswith("sweep_") for r in rows)
 

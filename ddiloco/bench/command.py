@@ -30,7 +30,8 @@ def quality_command(
         "and every model)."
     ),
     repo: Path | None = typer.Option(None, "--repo", help="The checkout --publish writes to (default: the current directory)."),
-    models: str = typer.Option("dense,moe,vision", "--models", help="Comma-separated models: dense, moe, vision."),
+    models: str = typer.Option("dense,moe,vision,llama", "--models",
+                               help="Comma-separated models: dense, moe, vision, llama (a Hugging Face Llama on BPE shards)."),
     jobs: int = typer.Option(1, "--jobs", min=1, help="Worker processes (runs are independent and seeded: same results)."),
     ablations: bool = typer.Option(True, "--ablations/--no-ablations", help="Run the ablation rows (on the dense model)."),
     sweep: bool = typer.Option(True, "--sweep/--no-sweep", help="Run the outer-lr / gamma sweep rows (on the dense model)."),
@@ -81,6 +82,8 @@ def _run_benchmark(specs: list[RunSpec], scale: Scale, quick: bool, jobs: int, d
 
     print(f"quality benchmark ({scale.name}): {len(specs)} runs, {scale.learners} learners x {scale.steps} steps, jobs={jobs}", flush=True)
     t0 = time.perf_counter()
+    if any(s.model == "llama" for s in specs):
+        print(f"llama rows read BPE shards at {run.prepare_bench_data(quick)}", flush=True)
     rows = run.run_all(specs, scale, quick, jobs)
     result = report.results(
         rows, scale=scale, jobs=jobs, date=datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -15,7 +15,9 @@ if TYPE_CHECKING:
     from ddiloco.inprocess import Outage
     from ddiloco.platform.config import RunConfig
 
-MODELS = ("dense", "moe", "vision")
+MODELS = ("dense", "moe", "vision", "llama")
+LLAMA_VOCAB = 2048
+"""The byte-level BPE the llama rows train on the dense rows' corpus (``ddiloco data prepare``'s code)."""
 REGIMES = ("data_parallel", "diloco", "streaming_diloco", "decoupled", "decoupled_stragglers", "decoupled_failures")
 STRAGGLER_SPEEDS = (1.0, 0.5, 0.667, 1.0)
 """One learner 2x slower, one 1.5x slower (RegionConfig wants speeds in (0, 1])."""
@@ -25,6 +27,8 @@ OUTAGE_SEED = 1234
 
 GOALS_VS_DILOCO = (("decoupled", 0.02), ("decoupled_stragglers", 0.03), ("decoupled_failures", 0.03))
 """(row, largest relative gap in validation loss to synchronous DiLoCo's) per model."""
+GOAL_PREFIXES = (("", "diloco"), ("m8_", "m8_diloco"))
+"""The goal lines hold at M = 4 (the rows above against ``diloco``) and at M = 8 (``m8_`` rows against ``m8_diloco``)."""
 GOAL_COMM_RATIO = 200.0
 """Data-parallel's bytes per token over an int4 row's, at least."""
 
@@ -48,6 +52,18 @@ QUICK_EXTRA = ("diloco_stragglers", "ablation_overwrite", "ablation_int4", "abla
 """The extra rows --quick runs: enough to exercise every part of the report."""
 
 
+LLAMA_DATA_ROOT = "ddiloco-runs/bench-data"
+
+
+def llama_corpus_bytes(quick: bool) -> int:
+    return 400_000 if quick else 2_000_000
+
+
+def llama_data_dir(quick: bool) -> str:
+    """Where the llama rows' shards live (relative to the working directory; prepared once, then reused)."""
+    return f"{LLAMA_DATA_ROOT}/stdlib-bpe{LLAMA_VOCAB}-{llama_corpus_bytes(quick)}"
+
+
 def model_sections(model: str, quick: bool) -> dict[str, Any]:
     """The config sections of a model at a scale: model, data, batch, inner optimizer, fragments P and period H."""
     if model in ("dense", "moe"):
@@ -60,6 +76,16 @@ def model_sections(model: str, quick: bool) -> dict[str, Any]:
             batch, P, H, data = 8, 24, 24, {"source": "stdlib", "max_bytes": 2_000_000, "val_batches": 16}
         if model == "moe":
             m.update({"n_experts": 4, "top_k": 2})
+    elif model == "llama":
+        # A Hugging Face Llama (GQA, RoPE, SwiGLU, RMSNorm, tied embeddings) on BPE token shards of the
+        # same standard-library text the byte-level rows read; the shards are prepared before the rows run.
+        d, seq = (32, 32) if quick else (64, 64)
+        m = {"kind": "hf", "vocab_size": LLAMA_VOCAB, "seq_len": seq, "hf_config": {
+            "model_type": "llama", "hidden_size": d, "intermediate_size": 8 * d // 3 // 4 * 4, "num_hidden_layers": 1 if quick else 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": seq, "tie_word_embeddings": True}}
+        data = {"source": "tokens", "manifest": f"{llama_data_dir(quick)}/manifest.json", "val_batches": 2 if quick else 16,
+                "block_tokens": 16_384}
+        batch, P, H = (4, 4, 4) if quick else (8, 24, 24)
     elif model == "vision":
         m = {"kind": "vision", "image_size": 8, "n_classes": 10}
         # 23 batches of 16 = every one of the 359 held-out digits.
@@ -231,6 +257,23 @@ def many_learner_specs(model: str, scale: Scale) -> list[RunSpec]:
         RunSpec(model, "m8_lr0.7", "sweep", lr7, base="m8_decoupled", knob=f"outer.lr=0.7 (vs 0.5), M = {M}", learners=M),
         RunSpec(model, "m8_lr0.7_overwrite", "sweep", OLD_DEFAULTS, base="m8_lr0.7",
                 knob=f"overwrite (vs blend 0.5) at outer.lr=0.7, M = {M}", learners=M),
+        # The goal lines at M = 8 with the defaults: stragglers (the M = 4 speeds twice) and outages.
+        RunSpec(model, "m8_decoupled_stragglers", "ablation", speeds=(STRAGGLER_SPEEDS * 2)[:M], base="m8_decoupled",
+                knob=f"stragglers, M = {M}", learners=M),
+        RunSpec(model, "m8_decoupled_failures", "ablation", failures=FAILURE_FRACTION, base="m8_decoupled",
+                knob=f"outages, M = {M}", learners=M),
+    ]
+
+
+def schedule_specs(model: str, scale: Scale) -> list[RunSpec]:
+    """Warm-up then cosine decay of the inner lr over the run's tokens, against warm-up then constant,
+    for data-parallel, synchronous DiLoCo and decoupled (the outer step is unchanged)."""
+    cos = {"inner": {"schedule": "cosine"}}
+    knob = "inner lr cosine to 10% (vs constant after warm-up)"
+    return [
+        RunSpec(model, "data_parallel_cosine", "ablation", cos, base="data_parallel", knob=knob),
+        RunSpec(model, "diloco_cosine", "ablation", deep_merge(regime_specs(model, scale)[1].overrides, cos), base="diloco", knob=knob),
+        RunSpec(model, "decoupled_cosine", "ablation", cos, base="decoupled", knob=knob),
     ]
 
 
@@ -280,13 +323,18 @@ def plan(models: Sequence[str], scale: Scale, quick: bool, ablations: bool = Tru
         specs += ablation_specs(extra, scale)
         if not quick:
             specs += noise_specs(extra, scale)
+            if "llama" in models and extra != "llama":
+                specs += noise_specs("llama", scale)
     if sweep:
         specs += sweep_specs(extra, scale, quick)
         if not quick:
             for model in models:
                 if model != extra:
                     specs += other_model_sweep(model, scale)
-            specs += many_learner_specs(extra, scale)
+            # The defaults at M = 8 and the inner schedule, on both language-model families.
+            for model in dict.fromkeys(m for m in (extra, "llama") if m in models):
+                specs += many_learner_specs(model, scale)
+                specs += schedule_specs(model, scale)
             for model in models:
                 specs += receipt_specs(model, scale)
     if quick:
@@ -303,7 +351,7 @@ def deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_run_config(spec: RunSpec, scale: Scale, quick: bool) -> RunConfig:
-    from ddiloco.platform.config import build_config
+    from ddiloco.platform.config import build_config, tokens_per_step
 
     sections = model_sections(spec.model, quick)
     region: dict[str, Any] = {"name": "dc", "learners": scale.learners}
@@ -312,7 +360,10 @@ def build_run_config(spec: RunSpec, scale: Scale, quick: bool) -> RunConfig:
     data = deep_merge(sections, {"learners": {"regions": [region]}})
     data = deep_merge(data, spec.overrides)
     name = f"q-{spec.model}-{spec.regime}"[:64]
-    return build_config({"name": name, "seed": spec.seed, **data})
+    cfg = build_config({"name": name, "seed": spec.seed, **data})
+    # The inner schedule runs over the row's tokens: the run's budget is what the benchmark trains.
+    budget = scale.learners * scale.steps * tokens_per_step(cfg.model, cfg.learners.batch_size)
+    return build_config({"name": name, "seed": spec.seed, "token_budget": budget, **data})
 
 
 # --- failure schedule ----------------------------------------------------------------------------

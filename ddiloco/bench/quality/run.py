@@ -49,6 +49,13 @@ class Row:
     """[tokens, simulated seconds, val loss, val accuracy] per evaluation."""
     profile: dict[str, float] = field(default_factory=dict)
     """Real seconds and calls per profile key (:data:`PROFILE_KEYS`)."""
+    bytes_per_val_token: float | None = None
+    """UTF-8 bytes of text per validation target token (1 for byte-level models, None for images):
+    ``val_loss / bytes_per_val_token`` is nats per byte, comparable across tokenizers."""
+
+    @property
+    def nats_per_byte(self) -> float | None:
+        return None if not self.bytes_per_val_token else self.val_loss / self.bytes_per_val_token
 
 
 PROFILE_KEYS = {
@@ -108,10 +115,58 @@ def run_spec(spec: RunSpec, scale: Scale, quick: bool) -> Row:
     scale = spec_scale(spec, scale)
     cfg = build_run_config(spec, scale, quick)
     with spans.collecting() as totals, counting_sql():
-        row = _run_data_parallel(spec, cfg, scale) if spec.regime == "data_parallel" else _run_decoupled(spec, cfg, scale)
+        dp = spec.regime.startswith("data_parallel")
+        row = _run_data_parallel(spec, cfg, scale) if dp else _run_decoupled(spec, cfg, scale)
     row.real_s = round(time.perf_counter() - t0, 2)
     row.profile = profile_of(totals)
+    row.bytes_per_val_token = bytes_per_val_token(cfg)
     return row
+
+
+def bytes_per_val_token(cfg: RunConfig) -> float | None:
+    """Text bytes per target token of the validation batches every evaluation reads.
+
+    Byte-level sources: 1. Token shards of a byte-level BPE: each vocabulary entry is spelled in
+    ByteLevel's alphabet, one character per byte, so a token's length is its byte count (special
+    tokens, the document separator, count 0)."""
+    src = cfg.data.source
+    if src == "digits":
+        return None
+    if src in ("stdlib", "glob"):
+        return 1.0
+    import numpy as np
+
+    from ddiloco.platform.data import build_dataset
+    from ddiloco.platform.manifest import read_manifest, resolve
+
+    if cfg.data.manifest is None:
+        return None
+    manifest = read_manifest(cfg.data.manifest)
+    if manifest.tokenizer is None:
+        return None
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(resolve(cfg.data.manifest, manifest.tokenizer))
+    special = {t.content for t in tok.get_added_tokens_decoder().values()}
+    nbytes = np.array([0 if (t := tok.id_to_token(i)) is None or t in special else len(t) for i in range(tok.get_vocab_size())])
+    val = build_dataset(cfg.data, cfg.model).val_batches(cfg.learners.batch_size)
+    total = sum(int(nbytes[b.targets.numpy()].sum()) for b in val)
+    tokens = sum(int(b.targets.numel()) for b in val)
+    return total / tokens if tokens else None
+
+
+def prepare_bench_data(quick: bool) -> str:
+    """The llama rows' BPE shards (trained on the byte-level rows' corpus), prepared once and reused."""
+    from pathlib import Path
+
+    from ddiloco.bench.quality.plan import LLAMA_VOCAB, llama_corpus_bytes, llama_data_dir
+    from ddiloco.data_prepare import file_corpus, prepare
+
+    out = llama_data_dir(quick)
+    if not (Path(out) / "manifest.json").exists():
+        prepare(file_corpus("stdlib", max_bytes=llama_corpus_bytes(quick)), out, train_tokenizer=LLAMA_VOCAB,
+                shard_tokens=10**9, val_fraction=0.05)
+    return out
 
 
 def _knobs(cfg: RunConfig, spec: RunSpec, scale: Scale) -> dict[str, Any]:
@@ -201,6 +256,7 @@ def _run_data_parallel(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
     the same streams the DiLoCo learners read), each loss / M, one AdamW step."""
     import torch
 
+    from ddiloco.learner_worker.schedule import lr_factor, param_groups
     from ddiloco.platform.config import tokens_per_step
     from ddiloco.platform.data import build_dataset
     from ddiloco.platform.models import build_model, compute_loss, evaluate
@@ -209,7 +265,8 @@ def _run_data_parallel(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
     M, icfg = scale.learners, cfg.inner
     model = build_model(cfg.model, seed=cfg.seed)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=icfg.lr, betas=(icfg.beta1, icfg.beta2), weight_decay=icfg.weight_decay)
+    # The learners' own parameter groups and schedule: the rows differ in how replicas meet, nothing else.
+    opt = torch.optim.AdamW(param_groups(model, icfg.weight_decay), lr=icfg.lr, betas=(icfg.beta1, icfg.beta2))
     data = build_dataset(cfg.data, cfg.model)
     streams = [data.train_batches(m, M, cfg.learners.batch_size, seed=cfg.seed * 1_000_003) for m in range(M)]
     val = data.val_batches(cfg.learners.batch_size)
@@ -229,7 +286,7 @@ def _run_data_parallel(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
     trained, next_eval = 0, every
     for step in range(scale.steps):
         with span("learner.train_step"):
-            lr = icfg.lr * min(1.0, (step + 1) / icfg.warmup_steps) if icfg.warmup_steps > 0 else icfg.lr
+            lr = icfg.lr * lr_factor(step, icfg, scale.steps)
             for g in opt.param_groups:
                 g["lr"] = lr
             opt.zero_grad(set_to_none=True)
@@ -280,8 +337,8 @@ def run_all(specs: Sequence[RunSpec], scale: Scale, quick: bool, jobs: int = 1) 
 
 
 def _cost(spec: RunSpec) -> float:
-    c = {"dense": 1.0, "moe": 2.0, "vision": 0.4}.get(spec.model, 1.0)
-    return c * (0.3 if spec.regime == "data_parallel" else 1.0)
+    c = {"dense": 1.0, "moe": 2.0, "vision": 0.4, "llama": 1.5}.get(spec.model, 1.0) * (spec.learners or 4) / 4
+    return c * (0.3 if spec.regime.startswith("data_parallel") else 1.0)
 
 
 def cpu_seconds() -> float:
