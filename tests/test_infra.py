@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -20,12 +21,43 @@ ROOT = Path(__file__).resolve().parent.parent
 INFRA = ROOT / "infra"
 
 
-def test_compose_stack_has_the_services_and_parses():
-    compose = yaml.safe_load((INFRA / "compose.yaml").read_text())
+def dotenv(path: Path) -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if line.strip() and not line.startswith("#"))
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
+def render_compose(env_file: Path = INFRA / ".env.example") -> dict:
+    """compose.yaml with ${VAR} and ${VAR:?message} filled from an .env file, as docker compose does."""
+    values = dotenv(env_file)
+    text = re.sub(r"\$\{(\w+)(?::\?[^}]*)?\}", lambda m: values[m.group(1)], (INFRA / "compose.yaml").read_text())
+    return yaml.safe_load(text)
+
+
+PLANTED_ENV = {"POSTGRES_PASSWORD": "pg-planted-4c1e", "S3_ACCESS_KEY": "s3-key-planted-77", "S3_SECRET_KEY": "s3-secret-planted-9b"}
+
+
+def test_compose_takes_credentials_from_env_and_gives_prefect_and_the_ledger_their_own_databases(tmp_path):
+    assert set(dotenv(INFRA / ".env.example")) == set(PLANTED_ENV)
+    env_file = tmp_path / ".env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in PLANTED_ENV.items()))
+    compose = render_compose(env_file)
     services = compose["services"]
-    assert {"postgres", "s3", "prefect-server", "worker-us", "worker-eu", "dashboard"} <= set(services)
+    assert {"postgres", "s3", "prefect-server", "worker-us", "worker-eu", "dashboard", "ledger-upgrade"} <= set(services)
     assert "--pool region-us" in services["worker-us"]["command"]
-    assert services["worker-eu"]["environment"]["DDILOCO_LEDGER_URL"].startswith("postgresql+psycopg://")
+    prefect_db = make_url(services["prefect-server"]["environment"]["PREFECT_API_DATABASE_CONNECTION_URL"])
+    ledger_db = make_url(services["worker-eu"]["environment"]["DDILOCO_LEDGER__URL"])
+    assert (prefect_db.host, prefect_db.port) == (ledger_db.host, ledger_db.port) and prefect_db.database != ledger_db.database
+    assert f"CREATE DATABASE {prefect_db.database}" in (INFRA / "postgres-init.sql").read_text()
+    secrets = set(PLANTED_ENV.values())
+    assert prefect_db.password == ledger_db.password == PLANTED_ENV["POSTGRES_PASSWORD"]
+    for name, service in services.items():
+        command = " ".join(service.get("command") or []) if isinstance(service.get("command"), list) else service.get("command") or ""
+        command += " ".join(service.get("entrypoint") or [])
+        assert not [v for v in secrets if v in command], f"{name} has a credential on its command line"
+    dashboard = services["dashboard"]
+    assert "--address 0.0.0.0" in dashboard["command"]
+    port = dashboard["command"].split("--port ")[1].split()[0]
+    assert dashboard["ports"] == [f"{port}:{port}"]
 
 
 def test_prefect_yaml_deployments_resolve_to_flows_and_the_cron_is_valid():
@@ -45,12 +77,29 @@ def test_prefect_yaml_deployments_resolve_to_flows_and_the_cron_is_valid():
     build_config(nightly["parameters"]["config"])  # the scheduled run's parameters validate
 
 
-def test_work_pool_variable_files_parse_and_carry_no_credentials():
-    for path in sorted((INFRA / "work-pools").glob("*.json")):
-        data = json.loads(path.read_text())
-        env = data["job_variables"]["env"]
-        assert set(env) == {"DDILOCO_LEDGER__URL", "DDILOCO_STORAGE__URL"}
-        assert make_url(env["DDILOCO_LEDGER__URL"]).password is None, f"{path.name} carries a password"
+def test_work_pool_templates_name_their_credentials_and_learner_pods_request_gpus():
+    templates = {p.stem: json.loads(p.read_text()) for p in sorted((INFRA / "work-pools").glob("*.json"))}
+    assert set(templates) == {"kubernetes", "ecs", "cloud-run-v2"}
+    k8s = templates["kubernetes"]
+    container = k8s["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpus }}" and k8s["variables"]["properties"]["gpus"]["default"] >= 1
+    assert container["envFrom"] == [{"secretRef": {"name": "{{ credentials_secret }}"}}]
+    for name, template in templates.items():
+        defaults = {k: v.get("default") for k, v in template["variables"]["properties"].items()}
+        assert defaults["env"] == {"PREFECT_LOGGING_EXTRA_LOGGERS": "ddiloco"}, name
+        assert "DDILOCO_LEDGER__URL" not in json.dumps(defaults), f"{name} carries a ledger URL"
+
+
+def test_dockerfile_has_a_cpu_and_a_cuda_target_and_prefect_yaml_builds_and_pushes_both():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    froms = [line.split() for line in dockerfile.splitlines() if line.startswith("FROM ")]
+    assert [f[-1] for f in froms] == ["cpu", "cuda"]
+    assert "ARG CUDA_BASE=pytorch/pytorch:" in dockerfile and "-runtime" in dockerfile
+    spec = yaml.safe_load((INFRA / "prefect.yaml").read_text())
+    built = {step["prefect_docker.deployments.steps.build_docker_image"]["target"] for step in spec["build"]}
+    pushed = {step["prefect_docker.deployments.steps.push_docker_image"]["tag"] for step in spec["push"]}
+    assert built == {"cpu", "cuda"} and pushed == {"{{ build-cpu.tag }}", "{{ build-cuda.tag }}"}
+    assert "prefect.blocks" not in json.dumps(spec["deployments"]), "prefect deploy would resolve a block's value into the deployment"
 
 
 def _other_interpreter(version: str) -> str | None:
