@@ -301,6 +301,21 @@ def synchronizer(
         raise typer.Exit(2) from None
 
 
+@app.command("evaluate")
+def evaluate_command(
+    config: Path | None = ConfigOpt,
+    run: str | None = typer.Option(None, "--run", help="Run id; defaults to the config's name."),
+    verbose: bool = False,
+) -> None:
+    """Run the evaluator: evaluate newly published global versions every synchronizer.eval_every_s, record them, stop when the run ends."""
+    from ddiloco.platform.runtime import RunContext
+    from ddiloco.synchronizer.evaluator import run_evaluator
+
+    _setup_logging(verbose)
+    cfg = _config(config)
+    run_evaluator(RunContext.open(cfg, run or cfg.name))
+
+
 @app.command("summary")
 def summary(
     config: Path | None = ConfigOpt,

@@ -1,4 +1,4 @@
-"""The synchronizer's pass as a whole: its timing spans and the global model's evaluation."""
+"""The synchronizer's pass as a whole: its timing spans; and the global model's evaluation (tests/test_evaluator.py: off the pass)."""
 
 from __future__ import annotations
 
@@ -57,12 +57,3 @@ def test_evaluation_is_a_plain_function_of_the_published_fragments():
     zeros = {n: torch.zeros_like(p) for n, p in build_model(cfg.model).named_parameters()}
     zero_loss, _ = evaluate_global(cfg, zeros)
     assert zero_loss == pytest.approx(math.log(cfg.model.vocab_size), rel=1e-5)
-
-
-def test_the_synchronizer_evaluates_on_its_cadence():
-    ctx, clock = fresh_run("cadence")
-    sync = Synchronizer(ctx, holder="s", evaluate_every_s=10.0)
-    for dt in (0.0, 4.0, 9.0, 10.0, 15.0, 20.5):
-        sync.poll_once(clock.t + dt)
-    with ctx.reading() as s:
-        assert len(q.evaluations(s, "cadence")) == 3  # at 0, 10 and 20.5

@@ -17,6 +17,7 @@ from ddiloco.platform.config import RunConfig
 
 LEARNER_DEPLOYMENT = "ddiloco-learner/learner-{region}"
 SYNCHRONIZER_DEPLOYMENT = "ddiloco-synchronizer/synchronizer"
+EVALUATOR_DEPLOYMENT = "ddiloco-evaluate/evaluate"
 FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED", "CANCELLING"}
 
 
@@ -41,6 +42,8 @@ class Launcher(Protocol):
     def start_learner(self, learner_id: str, region: str) -> Handle: ...
 
     def start_synchronizer(self, label: str) -> Handle: ...
+
+    def start_evaluator(self) -> Handle: ...
 
     def is_running(self, handle: Handle) -> bool: ...
 
@@ -80,6 +83,9 @@ class SubprocessLauncher:
 
     def start_synchronizer(self, label: str) -> Handle:
         return self.spawn(label, ["synchronizer", "--label", label])
+
+    def start_evaluator(self) -> Handle:
+        return self.spawn("evaluator", ["evaluate"])
 
     def is_running(self, handle: Handle) -> bool:
         return handle.process is not None and handle.process.poll() is None
@@ -132,6 +138,9 @@ class DeploymentLauncher:
 
     def start_synchronizer(self, label: str) -> Handle:
         return self._run(SYNCHRONIZER_DEPLOYMENT, label, {"config": self._config_parameter(), "run_id": self.run_id, "label": label})
+
+    def start_evaluator(self) -> Handle:
+        return self._run(EVALUATOR_DEPLOYMENT, "evaluator", {"config": self._config_parameter(), "run_id": self.run_id, "follow": True})
 
     def state(self, handle: Handle) -> str | None:
         from prefect.client.orchestration import get_client

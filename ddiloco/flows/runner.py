@@ -78,6 +78,7 @@ def supervise(
     _wait(lambda: _versions_ready(ctx), 300, "the synchronizer to publish version 0")
     labels = iter(f"sync-{c}" for c in "bcdefghijklmnopqrstuvwxyz")
     syncs.append(launcher.start_synchronizer(next(labels)))
+    evaluator = launcher.start_evaluator()  # evaluation runs in its own process, never in a merge pass
     learners: dict[str, Handle] = {}
     regions = {lid: region for lid, region, _ in cfg.learners.learner_ids()}
     for lid, region in regions.items():
@@ -125,6 +126,8 @@ def supervise(
             live_syncs.append(h)
             with ctx.transaction() as s:
                 q.record_event(s, run_id, "synchronizer_launched", "supervisor", h.name, ctx.now_dt())
+        if not launcher.is_running(evaluator):
+            evaluator = launcher.start_evaluator()
         if progress:
             progress(elapsed, {"tokens": acct.trained})
         if budget_reached(acct.trained, cfg.token_budget) or (seconds is not None and t0 is not None and elapsed >= seconds):

@@ -117,8 +117,13 @@ def chaos_flow(config: RunConfig, run_id: str | None = None, seconds: float = 60
 
 
 @flow(name="ddiloco-evaluate")
-def evaluate_flow(config: RunConfig, run_id: str | None = None) -> dict:
-    """Evaluate the newest global model on the fixed validation set and record it in the ledger."""
+def evaluate_flow(config: RunConfig, run_id: str | None = None, follow: bool = False) -> dict:
+    """Evaluate the newest global model on the fixed validation set and record it in the ledger;
+    ``follow``: be the run's evaluator (evaluate new versions on its cadence until the run ends)."""
     ctx = RunContext.open(config, run_id or config.name)
+    if follow:
+        from ddiloco.synchronizer.evaluator import run_evaluator
+
+        return {"evaluations": run_evaluator(ctx)}
     loss, acc = evaluate_and_record(ctx, ctx.now())
     return {"val_loss": loss, "val_accuracy": acc}

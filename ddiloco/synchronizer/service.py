@@ -34,7 +34,7 @@ from ddiloco.platform.runtime import RunContext, to_datetime, to_timestamp
 from ddiloco.platform.spans import span
 from ddiloco.platform.store import MAX_HEADER_BYTES, StoreError
 from ddiloco.synchronizer import policy as pol
-from ddiloco.synchronizer.evaluation import evaluate_and_record, load_params, newest_params
+from ddiloco.synchronizer.evaluation import load_params, newest_params
 from ddiloco.synchronizer.merge import FlatDelta, FlatLayout, GlobalFragment, Member, MergePolicy, MergeWorkspace, merge_fragment
 from ddiloco.synchronizer.outer import momentum_from_blob, momentum_to_blob
 
@@ -101,7 +101,7 @@ class Synchronizer:
         self.state: dict[int, GlobalFragment] = {}
         """Newest published version of each fragment, as far as this holder knows (a cache of the store)."""
         self.stats = pol.TimingStats()
-        self.eval_every_s = self.cfg.synchronizer.eval_every_s if evaluate_every_s is None else evaluate_every_s
+        # evaluate_every_s is accepted and ignored: evaluation runs in the evaluator (synchronizer/evaluator.py), never here.
         self.simulated_time = False
         """In-process runs: a merge takes no simulated time, so the sync-time average stays 0."""
         self.merge_policy = MergePolicy.from_config(self.cfg)
@@ -119,7 +119,6 @@ class Synchronizer:
         self._registered = False
         self._bootstrapped = False
         self._last_status = -math.inf
-        self._last_eval: float | None = None
         self._last_gc = -math.inf
         self._poll_started: float | None = None
         self._fetch_pool = ThreadPoolExecutor(max_workers=FETCH_WORKERS, thread_name_prefix="fetch")
@@ -144,7 +143,6 @@ class Synchronizer:
                 log.warning("%s lost the lease while merging", self.holder)
                 self._stand_down()
                 return PollResult(role="standby")
-            self._maybe_evaluate(now)
             self._maybe_collect_garbage(now)
             return result
 
@@ -391,19 +389,11 @@ class Synchronizer:
         with self.ctx.transaction() as s:
             q.reject_submissions(s, self.ctx.run_id, rejected, holder=self.holder, token=self.token, now=to_datetime(now))
 
-    # --- evaluation and retention ----------------------------------------------------------------
+    # --- the global model and retention ---------------------------------------------------------
 
     def global_model(self) -> torch.nn.Module:
         """The global model assembled from the newest version of every fragment."""
         return load_params(self.layout.model, newest_params(self.ctx, self.state))
-
-    def _evaluate(self, now: float) -> None:
-        self._last_eval = now
-        evaluate_and_record(self.ctx, now, cache=self.state, model=self.layout.model)
-
-    def _maybe_evaluate(self, now: float) -> None:
-        if self.eval_every_s > 0 and (self._last_eval is None or now - self._last_eval >= self.eval_every_s):
-            self._evaluate(now)
 
     def _maybe_collect_garbage(self, now: float) -> None:
         if now - self._last_gc < GC_EVERY_S:
@@ -497,7 +487,6 @@ class Synchronizer:
                 log.info("%s is %s", self.holder, role)
             if finished:
                 self.poll_once(self.ctx.now(), drain=True)
-                self._evaluate(self.ctx.now())
                 break
             stop.wait(self.cfg.synchronizer.poll_s)
 

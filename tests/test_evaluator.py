@@ -1,0 +1,90 @@
+"""Evaluation off the merge path: the synchronizer's pass never evaluates; the evaluator records
+evaluations of published versions on its own cadence, in its own OS process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from support import tiny_config
+
+from ddiloco.inprocess import SimClock, in_memory_config, sim_learner, sim_step
+from ddiloco.platform import spans
+from ddiloco.platform.ledger import open_ledger
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.runtime import RunContext, to_datetime
+from ddiloco.synchronizer.evaluation import evaluate_global, newest_params
+from ddiloco.synchronizer.evaluator import Evaluator
+from ddiloco.synchronizer.service import Synchronizer
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = dict(
+    learners={"regions": [{"name": "us", "learners": 1}], "heartbeat_s": 1.0},
+    quorum={"min_count": 1},
+    grace={"enabled": False},
+    synchronizer={"eval_every_s": 2.0},
+)
+
+
+def test_the_synchronizer_pass_never_evaluates_and_the_evaluator_records_published_versions() -> None:
+    cfg = in_memory_config(tiny_config(name="evaluator", **SECTIONS))
+    clock = SimClock()
+    ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
+    sync = Synchronizer(ctx, holder="sync")  # the config's cadence, which used to make it evaluate
+    learner = sim_learner(ctx, "us-0")
+    with spans.collecting() as totals:
+        sync.poll_once(clock.t)
+        learner.start(clock.t)
+        for _ in range(3 * cfg.fragments.count):  # several times eval_every_s, with merges
+            clock.t += 1.0
+            sim_step(learner, clock.t)
+            sync.poll_once(clock.t)
+    evaluator = Evaluator(ctx)
+    with ctx.reading() as s:
+        assert q.evaluations(s, ctx.run_id) == []
+        published = q.latest_version_numbers(s, ctx.run_id)
+    assert totals.get("sync.eval.calls", 0) == 0 and totals["sync.merge.calls"] > 0
+    assert sum(published.values()) > 0
+
+    loss, _ = evaluator.evaluate_once(clock.t)
+    assert evaluator.evaluate_once(clock.t + 5) is None  # nothing published since: nothing to evaluate
+    for _ in range(cfg.fragments.count):
+        clock.t += 1.0
+        sim_step(learner, clock.t)
+        sync.poll_once(clock.t)
+    later, _ = evaluator.evaluate_once(clock.t)
+    with ctx.reading() as s:
+        evals = q.evaluations(s, ctx.run_id)
+        now_published = q.latest_version_numbers(s, ctx.run_id)
+    assert [e.val_loss for e in evals] == [loss, later]
+    assert [e.versions_total for e in evals] == [sum(published.values()), sum(now_published.values())]
+    assert evals[1].versions_total > evals[0].versions_total and evals[1].tokens > evals[0].tokens
+    # What it recorded is the newest published model's loss.
+    assert later == pytest.approx(evaluate_global(cfg, newest_params(ctx))[0], rel=1e-6)
+
+
+def test_the_evaluator_refuses_a_cadence_that_is_not_positive() -> None:
+    cfg = in_memory_config(tiny_config(name="cadence0"))
+    ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=SimClock())
+    with pytest.raises(ValueError, match="cadence must be > 0"):
+        Evaluator(ctx, every_s=0)
+
+
+def test_ddiloco_evaluate_is_its_own_process_and_stops_when_the_run_has_ended(tmp_path: Path) -> None:
+    cfg = tiny_config(name="evalproc", ledger={"url": f"sqlite:///{tmp_path / 'ledger.db'}"},
+                      storage={"url": f"file://{tmp_path / 'store'}"}, **SECTIONS)
+    ctx = RunContext.open(cfg, cfg.name)
+    Synchronizer(ctx, holder="sync").poll_once()  # registers the run and publishes version 0
+    with ctx.transaction() as s:
+        q.set_run_status(s, ctx.run_id, "finished", to_datetime(ctx.now()))
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    proc = subprocess.run([sys.executable, "-m", "ddiloco", "evaluate", "--config", str(config), "--run", cfg.name],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with ctx.reading() as s:
+        evals = q.evaluations(s, ctx.run_id)
+    assert len(evals) == 1 and evals[0].versions_total == 0  # version 0 of every fragment, evaluated once
