@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
+from urllib.parse import quote
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ddiloco.bench.command import bench_app
@@ -22,6 +26,8 @@ from ddiloco.simulator.command import simulate_command
 from ddiloco.ui.command import ui_command
 
 if TYPE_CHECKING:  # the runtime stays unimported until a command needs it (bad input is refused in a second)
+    from sqlalchemy import Engine
+
     from ddiloco.platform.runtime import RunContext
 
 app = typer.Typer(help="Decoupled DiLoCo pre-training: learners, synchronizer, demo and tools.", no_args_is_help=True)
@@ -110,6 +116,149 @@ def _ledger_url(ledger: str | None, config: Path | None) -> str:
     return ledger or _config(config).ledger.url.get_secret_value()
 
 
+def _refuse(message: str) -> NoReturn:
+    # Escaped: the message quotes what the user typed, and "[x](…)" is not Rich markup either.
+    err_console.print(f"[red]error:[/red] {escape(message)}")
+    raise typer.Exit(2)
+
+
+def _plain(url: Any) -> str:
+    """A URL from the config, whether kept as a plain string or a pydantic SecretStr."""
+    return url.get_secret_value() if hasattr(url, "get_secret_value") else url
+
+
+def _checked_id(value: str, what: str) -> str:
+    from ddiloco.platform.ids import InvalidIdError, validate_id
+
+    try:
+        return validate_id(value, what)
+    except InvalidIdError as err:
+        _refuse(str(err))
+
+
+def _existing_ledger(url: str) -> Engine:
+    """A read-only engine on a ledger that exists at the newest schema: a read command never creates,
+    overwrites or migrates one (``ddiloco ledger upgrade`` does)."""
+    from alembic.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+    from sqlalchemy import create_engine
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+    from sqlalchemy.pool import NullPool
+
+    from ddiloco.platform.ledger import make_engine
+    from ddiloco.platform.ledger.engine import alembic_config
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        _refuse(f"not a ledger URL: {redact_url(url)}")
+    if parsed.get_backend_name() == "sqlite":
+        if not (parsed.database and Path(parsed.database).is_file()):
+            _refuse(f"no ledger file at {redact_url(url)}")
+        with open(parsed.database, "rb") as f:
+            # Even a read-only connection would turn an empty file into a database (WAL mode is persistent).
+            if f.read(16) != b"SQLite format 3\x00":
+                _refuse(f"{parsed.database} is not a ledger (not a SQLite database)")
+        # Opened read-only by SQLite itself: the platform's engine would switch a foreign database to WAL.
+        probe = create_engine(f"sqlite:///file:{quote(parsed.database)}?mode=ro&uri=true", poolclass=NullPool)
+    else:
+        probe = make_engine(url, read_only=True)
+    try:
+        with probe.connect() as conn:
+            current = MigrationContext.configure(conn).get_current_revision()
+    except SQLAlchemyError as err:
+        _refuse(redact_url(f"cannot read the ledger at {url}: {str(err).splitlines()[0]}"))
+    finally:
+        probe.dispose()
+    engine = make_engine(url, read_only=True)
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    if current != head:
+        engine.dispose()
+        what = "holds no ledger" if current is None else f"is at schema revision {current}, this code reads {head}"
+        _refuse(f"the database at {redact_url(url)} {what}: `ddiloco ledger upgrade --ledger URL` creates or migrates it")
+    return engine
+
+
+WAIT_S = 30.0
+"""How long a process waits for its ledger and store before it gives up (bounded retries, one line each)."""
+WaitOpt = typer.Option(WAIT_S, "--wait-s", min=0.0, help="Give up when the ledger or the store cannot be reached for this long.")
+
+
+def _probe_within(probe: Callable[[], object], timeout_s: float) -> None:
+    """Run ``probe`` in a daemon thread; raise TimeoutError when it has not answered in time (clients may retry for minutes)."""
+    outcome: list[BaseException | None] = []
+
+    def target() -> None:
+        try:
+            probe()
+            outcome.append(None)
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            outcome.append(err)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        raise TimeoutError(f"no answer within {timeout_s:.0f}s")
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+def _probe_ledger(url: str) -> Callable[[], object]:
+    def probe() -> None:
+        from sqlalchemy import create_engine, text
+        from sqlalchemy.pool import NullPool
+
+        engine = create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": 5})
+        try:
+            with engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+        finally:
+            engine.dispose()
+
+    return probe
+
+
+def _probe_store(url: str) -> Callable[[], object]:
+    def probe() -> None:
+        from fsspec.core import url_to_fs
+
+        fs, root = url_to_fs(url)
+        fs.exists(root)
+
+    return probe
+
+
+def _wait_until_reachable(cfg: RunConfig, regions: list[str | None], wait_s: float) -> None:
+    """The ledger (PostgreSQL) and the stores answer, or exit 2 after ``wait_s``: bounded retries, a
+    visible "waiting for …" line per failed attempt, never a silent hang."""
+    from tenacity import Retrying, stop_after_delay, wait_exponential
+
+    targets = []
+    ledger = _plain(cfg.ledger.url)
+    if ledger.startswith("postgresql"):
+        targets.append(("ledger", ledger, _probe_ledger(ledger)))
+    for url in dict.fromkeys(cfg.storage_url_for(r) for r in regions):
+        targets.append(("store", url, _probe_store(url)))
+    for what, url, probe in targets:
+        shown = redact_url(url)
+
+        def waiting(state: Any, what: str = what, shown: str = shown) -> None:
+            err = state.outcome.exception()
+            reason = redact_url(" ".join(str(err).split())[:200]) or type(err).__name__
+            err_console.print(escape(f"waiting for the {what} at {shown} (attempt {state.attempt_number}): {reason}"))
+
+        try:
+            for attempt in Retrying(stop=stop_after_delay(wait_s), wait=wait_exponential(multiplier=0.5, max=5),
+                                    before_sleep=waiting, reraise=True):
+                with attempt:
+                    _probe_within(probe, max(1.0, min(10.0, wait_s)))
+        except Exception as err:  # noqa: BLE001 - whatever the client raised, it is one line
+            reason = redact_url(" ".join(str(err).split())[:200]) or type(err).__name__
+            _refuse(f"cannot reach the {what} at {shown} within {wait_s:g}s: {reason}")
+
+
 @ledger_app.command("upgrade")
 def ledger_upgrade(ledger: str | None = LedgerOpt, config: Path | None = ConfigOpt) -> None:
     """Create or migrate the ledger schema to the newest revision."""
@@ -142,11 +291,11 @@ def ledger_check(
 
 @app.command("runs")
 def runs(ledger: str | None = LedgerOpt, config: Path | None = ConfigOpt) -> None:
-    """List the runs in the ledger."""
-    from ddiloco.platform.ledger import open_ledger, session_factory
+    """List the runs in the ledger (read-only: a missing or outdated ledger is refused, never created or migrated)."""
     from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import session_factory
 
-    engine = open_ledger(_ledger_url(ledger, config))
+    engine = _existing_ledger(_plain(_ledger_url(ledger, config)))
     table = Table("run", "status", "created", "fragments", "versions", "tokens")
     with session_factory(engine).begin() as s:
         for r in q.list_runs(s):
@@ -250,17 +399,20 @@ def learner(
     ),
     summary_json: Path | None = typer.Option(None, "--summary-json", hidden=True, help="Rank 0 writes its job summary here."),
     flow_run_url: str | None = typer.Option(None, "--flow-run-url", hidden=True, help="Prefect flow run of this learner."),
+    wait_s: float = WaitOpt,
     verbose: bool = False,
 ) -> None:
     """Run one learner until the run ends (SIGTERM finishes its uploads and stops it)."""
     _setup_logging(verbose)
     cfg = _config(config)
+    run = _checked_id(run or cfg.name, "run")
     try:
         # Bad input is refused before torch is imported: in a second, not in several.
-        cfg.learners.resolve(learner_id)
+        _, region, _ = cfg.learners.resolve(learner_id)
     except ConfigError as err:
         err_console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
+    _wait_until_reachable(cfg, [region], wait_s)
     from ddiloco.learner_worker.launch import LearnerJobFailed, run_learner
 
     try:
@@ -287,13 +439,17 @@ def synchronizer(
     run: str | None = typer.Option(None, "--run", help="Run id; defaults to the config's name."),
     label: str = typer.Option("sync", "--label", "--holder", help="Label in the lease holder name (label@host:pid)."),
     init_from: str | None = InitFromOpt,
+    wait_s: float = WaitOpt,
     verbose: bool = False,
 ) -> None:
     """Run a synchronizer: active while it holds the run's lease, a hot standby otherwise."""
-    from ddiloco.synchronizer.process import run_synchronizer
-
     _setup_logging(verbose)
     cfg = _with_init_from(_config(config), init_from)
+    run = _checked_id(run or cfg.name, "run")
+    _checked_id(label, "synchronizer label")
+    _wait_until_reachable(cfg, [None, *(r.name for r in cfg.learners.regions)], wait_s)
+    from ddiloco.synchronizer.process import run_synchronizer
+
     try:
         run_synchronizer(cfg, run or cfg.name, label)
     except ConfigError as err:
@@ -326,12 +482,13 @@ def summary(
     """A run's headline figures from the ledger."""
     import time
 
-    from ddiloco.platform.ledger import open_ledger, session_factory
+    from ddiloco.platform.ledger import session_factory
     from ddiloco.platform.runtime import to_datetime
     from ddiloco.platform.summary import run_summary
 
     cfg = _config(config)
-    engine = open_ledger(ledger or cfg.ledger.url)
+    run = _checked_id(run or cfg.name, "run")
+    engine = _existing_ledger(ledger or _plain(cfg.ledger.url))
     with session_factory(engine).begin() as s:
         result = run_summary(s, run or cfg.name, to_datetime(time.time()))
     if as_json:
@@ -385,6 +542,34 @@ def show_config(config: Path | None = ConfigOpt) -> None:
     console.print_json(json.dumps(cfg.model_dump(mode="json")))
 
 
+ENV_STORAGE = ("DDILOCO_LEDGER__URL", "DDILOCO_STORAGE__URL")
+EnvStorageOpt = typer.Option(
+    False, "--env-storage",
+    help="Use DDILOCO_LEDGER__URL / DDILOCO_STORAGE__URL from the environment instead of a scratch ledger and store.",
+)
+
+
+def _scratch_storage_only(use_env: bool, what: str) -> None:
+    """Drop exported ledger and store URLs (for this process and its children) unless told to use them:
+    a scratch run must never write to, restart or kill what an exported URL points at."""
+    if use_env:
+        return
+    for key in [k for k in os.environ if k.upper() in ENV_STORAGE]:
+        del os.environ[key]
+        err_console.print(f"{what} ignores {key} from the environment (its own scratch storage; --env-storage uses it)")
+
+
+def _check_writable(path: Path, option: str) -> None:
+    """Refuse an output path that cannot be written, before any work starts."""
+    if path.is_dir():
+        _refuse(f"{option} {path} is a directory, not a file")
+    parent = next((p for p in (path.parent, *path.parent.parents) if p.exists()), Path("."))
+    if not parent.is_dir():
+        _refuse(f"{option} {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK):
+        _refuse(f"{option} {path}: {parent} is not writable")
+
+
 @app.command("demo")
 def demo(
     learners: int = typer.Option(4, "--learners", min=1, help="Learners, split over two regions (us, eu); one runs 2x slower."),
@@ -394,9 +579,14 @@ def demo(
     workdir: Path = typer.Option(Path("ddiloco-runs"), help="Where the ledger and the store go."),
     summary_json: Path | None = typer.Option(None, "--summary-json", help="Also write the summary as JSON."),
     init_from: str | None = InitFromOpt,
+    env_storage: bool = EnvStorageOpt,
 ) -> None:
     """Train a byte-level GPT with 4 learner processes in 2 regions, a synchronizer and a standby, surviving failures."""
     from ddiloco.demo import DemoOptions, run_demo
+
+    if summary_json is not None:
+        _check_writable(summary_json, "--summary-json")
+    _scratch_storage_only(env_storage, "the demo")
 
     base = _with_init_from(_config(config), init_from) if config or init_from else None
     result = run_demo(DemoOptions(learners=learners, seconds=seconds, chaos=chaos, workdir=workdir, base_config=base), console)
@@ -415,6 +605,11 @@ def deploy_command(
                                            "Prefect Secret block (e.g. DDILOCO_LEDGER__URL=ddiloco-ledger-url); repeatable."),
 ) -> None:
     """Create one work pool per region and the learner, synchronizer and training-run deployments (PREFECT_API_URL)."""
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        # Otherwise Prefect starts a temporary server that vanishes, deployments and all, when this command exits.
+        _refuse("no Prefect API configured: set PREFECT_API_URL (e.g. http://127.0.0.1:4200/api) or log in to Prefect Cloud")
     from ddiloco.flows.deploy import deploy, parse_secret_blocks
 
     cfg = _config(config)
@@ -434,10 +629,15 @@ def chaos_suite_command(
     json_path: Path | None = typer.Option(None, "--json", help="Write {faults: [...], invariants_ok} here."),
     postgres_url: str | None = typer.Option(None, help="Admin URL of the PostgreSQL server to create a scratch ledger on."),
     workdir: Path | None = typer.Option(None, help="Where process logs go (a temporary folder by default)."),
+    env_storage: bool = EnvStorageOpt,
 ) -> None:
     """Inject faults into a live run on PostgreSQL + S3 (moto) + OS processes and check the invariants after each."""
     from ddiloco.chaos_suite import report_json, run_suite
 
+    if json_path is not None:
+        _check_writable(json_path, "--json")
+    # The suite restarts database servers and kills processes: never against an exported production URL.
+    _scratch_storage_only(env_storage, "the chaos suite")
     _setup_logging()
     report = run_suite(quick=quick, postgres_url=postgres_url, workdir=workdir)
     table = Table("fault", "injected", "survived", "lost", "recover s", "detail")

@@ -1,0 +1,136 @@
+"""Commands that do what they say: read commands never write a ledger, bad arguments are refused before any
+work starts, an unreachable ledger is reported within seconds, scratch runs never take production URLs."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+from alembic.migration import MigrationContext
+from typer.testing import CliRunner
+
+from ddiloco.cli import ENV_STORAGE, _scratch_storage_only, app
+from ddiloco.platform.ledger import make_engine, upgrade
+from ddiloco.testing.net import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def invoke(*args: str):
+    result = CliRunner().invoke(app, list(args))
+    return result.exit_code, result.output
+
+
+def revision(url: str) -> str | None:
+    engine = make_engine(url, read_only=True)
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        engine.dispose()
+
+
+def test_runs_on_a_mistyped_sqlite_path_creates_nothing(tmp_path):
+    target = tmp_path / "no" / "such" / "ledger.db"
+    code, out = invoke("runs", "--ledger", f"sqlite:///{target}")
+    assert code == 2 and "no ledger file" in out, out
+    assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"x", b"just some notes\n" * 10])
+def test_runs_never_overwrites_a_file_that_is_not_a_ledger(tmp_path, content):
+    path = tmp_path / "notes.db"
+    path.write_bytes(content)
+    code, out = invoke("runs", "--ledger", f"sqlite:///{path}")
+    assert code == 2 and "is not a ledger" in out, out
+    assert path.read_bytes() == content
+
+
+def test_runs_refuses_a_sqlite_database_without_a_ledger(tmp_path):
+    path = tmp_path / "other.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE notes (t TEXT)")
+    before = path.read_bytes()
+    code, out = invoke("runs", "--ledger", f"sqlite:///{path}")
+    assert code == 2 and "holds no ledger" in out, out
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("command", [["runs"], ["summary", "--run", "r"]])
+def test_read_commands_never_migrate_an_old_ledger(tmp_path, command):
+    url = f"sqlite:///{tmp_path}/old.db"
+    engine = make_engine(url)
+    upgrade(engine, "0003")
+    engine.dispose()
+    code, out = invoke(*command, "--ledger", url)
+    assert code == 2 and "schema revision 0003" in out and "ddiloco ledger upgrade" in out, out
+    assert revision(url) == "0003"
+    code, out = invoke("ledger", "upgrade", "--ledger", url)  # the one command that migrates
+    assert code == 0 and revision(url) != "0003"
+    code, out = invoke("runs", "--ledger", url)
+    assert code == 0, out
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["learner", "--learner", "us-0", "--run", "[x](https://evil.example)"], "run '[x](https://evil.example)' is not a valid id"),
+        (["learner", "--learner", "us-0", "--run", "../other"], "is not a valid id"),
+        (["synchronizer", "--run", "a b"], "run 'a b' is not a valid id"),
+        (["synchronizer", "--label", "[URGENT](https://evil.example)"], "synchronizer label"),
+        (["summary", "--run", "x/../y"], "is not a valid id"),
+    ],
+)
+def test_bad_ids_are_refused_at_once(args, needle):
+    start = time.perf_counter()
+    code, out = invoke(*args)
+    assert code == 2 and needle in out, out
+    assert time.perf_counter() - start < 3.0
+
+
+def test_demo_refuses_a_summary_path_that_is_a_directory_before_it_starts(tmp_path):
+    start = time.perf_counter()
+    code, out = invoke("demo", "--summary-json", str(tmp_path))
+    assert code == 2 and "is a directory" in out, out
+    assert time.perf_counter() - start < 3.0
+    code, out = invoke("chaos-suite", "--json", str(tmp_path))
+    assert code == 2 and "is a directory" in out, out
+
+
+def test_scratch_runs_drop_exported_ledger_and_store_urls(monkeypatch, capsys):
+    for key in ENV_STORAGE:
+        monkeypatch.setenv(key, "postgresql+psycopg://prod@db/ledger" if "LEDGER" in key else "s3://prod-bucket")
+    _scratch_storage_only(True, "the demo")
+    assert all(os.environ.get(key) for key in ENV_STORAGE)  # told to: kept
+    _scratch_storage_only(False, "the demo")
+    assert not any(key in os.environ for key in ENV_STORAGE)
+    assert "ignores DDILOCO_LEDGER__URL" in capsys.readouterr().err
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 40) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddiloco", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL)
+
+
+def test_an_unreachable_ledger_is_reported_within_seconds_never_a_silent_hang(tmp_path):
+    secret = "hunter2-planted"
+    url = f"postgresql+psycopg://ops:{secret}@127.0.0.1:{free_port()}/ledger"
+    start = time.perf_counter()
+    done = cli("synchronizer", "--wait-s", "2", env={"DDILOCO_LEDGER__URL": url, "DDILOCO_STORAGE__URL": f"file://{tmp_path}/s"})
+    took = time.perf_counter() - start
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out
+    assert "waiting for the ledger at postgresql+psycopg://ops:***@127.0.0.1" in out and "cannot reach the ledger" in out, out
+    assert secret not in out and "Traceback" not in out
+    assert took < 15, took
+
+
+def test_deploy_without_a_prefect_api_fails(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    done = subprocess.run([sys.executable, "-m", "ddiloco", "deploy"], capture_output=True, text=True, timeout=60,
+                          env={**env, "PREFECT_HOME": str(tmp_path)}, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2 and "no Prefect API configured" in done.stdout + done.stderr, done.stdout + done.stderr
