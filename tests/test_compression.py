@@ -193,3 +193,31 @@ def test_decode_against_expected_shapes() -> None:
         decode_delta(enc, meta, {"w": (10, 10), "v": (3,)})
     with pytest.raises(CompressionError, match="unexpected \\['w'\\]"):
         decode_delta(enc, meta, {})
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_a_claimed_block_size_is_no_size_to_allocate(codec: str) -> None:
+    # One block covering the whole tensor, whatever the claim: decoding must not size anything by 2**40.
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(5))
+    enc, meta = encode_delta({"w": x}, codec, block_size=1001)
+    want = decode_delta(enc, meta)["w"]
+    got = decode_delta(enc, {**meta, "block_size": str(2**40)})["w"]
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("codec", ["none", "bf16", "int8", "int4"])
+def test_decode_into_a_flat_row_in_chunks_gives_the_same_values_and_norms(codec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ddiloco.platform import compression
+
+    g = torch.Generator().manual_seed(6)
+    tensors = {"a": torch.randn(3, 333, generator=g), "b": torch.randn(77, generator=g), "c": torch.randn((), generator=g)}
+    enc, meta = encode_delta(tensors, codec, block_size=16)
+    want = decode_delta(enc, meta)
+    layout = [("b", (77,)), ("a", (3, 333)), ("c", ())]  # the caller's order, not the blob's
+    monkeypatch.setattr(compression, "DECODE_CHUNK", 40)  # many chunks, one ending mid-tensor
+    row = torch.full((77 + 999 + 1,), float("nan"))
+    sq = compression.decode_delta_into(enc, meta, layout, row)
+    assert torch.equal(row, torch.cat([want["b"], want["a"].reshape(-1), want["c"].reshape(-1)]))
+    torch.testing.assert_close(sq, torch.stack([want[n].double().pow(2).sum() for n, _ in layout]), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="contiguous float32 vector of 1077"):
+        compression.decode_delta_into(enc, meta, layout, torch.empty(5))

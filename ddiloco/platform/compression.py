@@ -192,9 +192,11 @@ def decode_delta_into(
     if out.dtype != torch.float32 or out.dim() != 1 or out.numel() != total or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous float32 vector of {total} elements, got {out.dtype} {tuple(out.shape)}")
     # On a GPU one kernel per tensor is best; on a CPU, cache-sized chunks of whole blocks (and whole bytes of int4).
+    largest = max((math.prod(shape) for _, shape in layout), default=1)
     unit = math.lcm(block_size, 2)
-    step = max(math.prod(shape) for _, shape in layout) if out.device.type != "cpu" else -(-DECODE_CHUNK // unit) * unit
-    scratch = _Scratch(max(1, step), out.device) if codec == "int4" else None
+    # Never more than the largest tensor: a blob's block_size is its sender's claim, not a size to allocate.
+    step = max(1, largest if out.device.type != "cpu" else min(largest, -(-DECODE_CHUNK // unit) * unit))
+    scratch = _Scratch(step, out.device) if codec == "int4" else None
     sq = torch.empty(len(layout), dtype=torch.float64, device=out.device)
     offset = 0
     for i, (name, shape) in enumerate(layout):
@@ -213,7 +215,7 @@ def decode_delta_into(
                 q = _take(tensors, name + "::q", torch.uint8, (_num_blocks(numel, 2),))
                 # Codes come out times 16 (see _unpack4); a power of two, so (16 c) (s / 16) == c s exactly.
                 scale = scale / 16
-        sq[i] = _decode_tensor(codec, block_size, q.to(out.device), scale, dst, max(1, step), name, scratch)
+        sq[i] = _decode_tensor(codec, block_size, q.to(out.device), scale, dst, step, name, scratch)
     return sq
 
 
