@@ -381,8 +381,9 @@ class LedgerConfig(_Section):
     and saved with its password masked (pass the real one through ``DDILOCO_LEDGER__URL``)."""
 
     @field_serializer("url", when_used="json")
-    def _masked_url(self, url: SecretStr) -> str:
-        return redact_url(url.get_secret_value())
+    def _masked_url(self, url: SecretStr | str) -> str:
+        # model_copy(update=...) does not validate: a copy may hold the URL as a plain string.
+        return redact_url(url.get_secret_value() if isinstance(url, SecretStr) else url)
     idle_in_transaction_timeout_s: float | None = Field(5.0, gt=0, le=LONGEST_S)
     """PostgreSQL ends a session idle inside a transaction this long, so a frozen process's row
     locks cannot stall the run (null: never). Keep it under learners.dead_after_s."""
