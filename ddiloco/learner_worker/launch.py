@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from ddiloco.learner_worker.dist import Dist, collective_timeout_s, init_dist, r
 from ddiloco.learner_worker.learner import Learner, StepReport
 from ddiloco.learner_worker.link import LearnerLink
 from ddiloco.platform.config import RunConfig
+from ddiloco.platform.metrics import LearnerFigures, serve_learner
 from ddiloco.platform.runtime import RunContext
 
 log = logging.getLogger("ddiloco.learner")
@@ -67,6 +69,35 @@ def paced(speed: float, stop: threading.Event):  # noqa: ANN201 - a step callbac
         stop.wait(report.compute_s * (1.0 / speed - 1.0))
 
     return pace
+
+
+def step_callback(cfg: RunConfig, learner: Learner, speed: float, stop: threading.Event) -> Callable[[StepReport], None]:
+    """After each step: a progress line every ``learners.log_every`` steps (rank 0), then the emulated pace."""
+    pace = paced(speed, stop)
+    every = cfg.learners.log_every if learner.link is not None else 0
+
+    def after_step(report: StepReport) -> None:
+        if every and report.tokens and learner.step_count % every == 0:
+            f = learner_figures(learner)
+            log.info("learner %s step %s: %s tokens, loss %.4f, %.0f tokens/s, %s uploads queued, newest version v%s",
+                     learner.id, f.step, f.tokens, f.loss if f.loss is not None else float("nan"), f.tokens_per_s,
+                     f.upload_queue, f.last_version)
+        if pace is not None:
+            pace(report)
+
+    return after_step
+
+
+def learner_figures(learner: Learner) -> LearnerFigures:
+    """A rank-0 learner's figures for its progress line and /metrics."""
+    link = learner.link
+    queued, newest = link.io_figures() if link is not None else (0, -1)
+    step_s = learner.last_step_s
+    return LearnerFigures(
+        step=learner.step_count, tokens=learner.tokens_total, tokens_per_s=learner.last_tokens / step_s if step_s > 0 else 0.0,
+        loss=learner.last_loss, upload_queue=queued, sent_bytes=link.bytes_sent if link else 0,
+        received_bytes=link.bytes_received if link else 0, last_version=newest,
+    )
 
 
 def run_learner(
@@ -113,12 +144,13 @@ def run_learner(
         learner.start(ready_timeout_s=ready_timeout_s)
         learner.start_background_io()
         if d.rank == 0:
+            serve_learner(run_id, learner_id, lambda: learner_figures(learner))
             log.info(
                 "learner %s (incarnation %s) joined run %s in region %s: %s rank(s) on %s",
                 learner_id, learner.incarnation, run_id, region, d.world, device,
             )
         try:
-            learner.run(stop.is_set, max_steps=max_steps, after_step=paced(speed, stop))
+            learner.run(stop.is_set, max_steps=max_steps, after_step=step_callback(cfg, learner, speed, stop))
         except Exception:
             if d.world > 1:
                 log.error(

@@ -130,6 +130,7 @@ class LearnerLink:
     incarnation: int = -1
     run_finished: bool = False
     bytes_sent: int = 0
+    bytes_received: int = 0
     upload_s: float = 0.0
     awaiting: set[int] = field(default_factory=set)
     """Overlap 0: fragments sent whose merged version has not arrived yet."""
@@ -247,9 +248,15 @@ class LearnerLink:
                         continue  # the other thread's exchange brought it (or a newer one) meanwhile
                     self._inbox[p] = (row.version, tensors)
                     self._delivered[p] = row.version
+                    self.bytes_received += row.nbytes
                     self._lock.notify_all()
                 got.append(p)
         return got
+
+    def io_figures(self) -> tuple[int, int]:
+        """(uploads queued, newest global version received of any fragment, -1 before the first), for /metrics."""
+        with self._lock:
+            return self._outbox.qsize(), max(self._delivered.values(), default=-1)
 
     def take_arrivals(self) -> tuple[dict[int, Arrival], set[int]]:
         """The fragments that arrived since the last call, and those still awaited (overlap 0)."""

@@ -222,6 +222,8 @@ class LearnersConfig(_Section):
     compile: bool = False
     """torch.compile the model's forward and loss (off by default: on a CPU the compile time is
     rarely won back on small models)."""
+    log_every: int = Field(100, ge=0, le=1 << 30)
+    """Inner steps between two progress lines in a learner's log (step, tokens, loss, tokens/s); 0: none."""
 
     @model_validator(mode="after")
     def _check(self) -> LearnersConfig:
@@ -527,7 +529,7 @@ def format_validation_error(err: ValidationError) -> str:
 OTHER_ENV = frozenset({
     "DDILOCO_LEDGER_URL", "DDILOCO_STORAGE_URL", "DDILOCO_WORKDIR", "DDILOCO_FAULTS", "DDILOCO_FAULT_DIR",
     "DDILOCO_DIST_TIMEOUT_S", "DDILOCO_TEST_POSTGRES_URL", "DDILOCO_REQUIRE_POSTGRES", "DDILOCO_REQUIRE_BROWSER",
-    "DDILOCO_SAVE_SCREENSHOT",
+    "DDILOCO_SAVE_SCREENSHOT", "DDILOCO_METRICS_PORT",
 })
 
 

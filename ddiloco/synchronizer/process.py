@@ -9,6 +9,7 @@ import threading
 
 import torch
 
+from ddiloco.platform import metrics
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.runtime import RunContext
 from ddiloco.synchronizer.outer import outer_step
@@ -35,6 +36,7 @@ def run_synchronizer(cfg: RunConfig, run_id: str, label: str = "sync") -> Synchr
         signal.signal(signal.SIGTERM, _on_signal)
         signal.signal(signal.SIGINT, _on_signal)
     sync = Synchronizer(RunContext.open(cfg, run_id), holder=holder_name(label))
+    metrics.serve()  # /metrics when DDILOCO_METRICS_PORT is set
     log.info("synchronizer %s started for run %s", sync.holder, run_id)
     sync.run(stop)
     return sync

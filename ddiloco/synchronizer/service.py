@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, retry_if_not_exception_type, wait_exponential
 
-from ddiloco.platform import liveness
+from ddiloco.platform import liveness, metrics
 from ddiloco.platform.compression import CompressionError, decode_delta_into
 from ddiloco.platform.config import ConfigError
 from ddiloco.platform.faults import fault_point
@@ -134,10 +134,12 @@ class Synchronizer:
                 return PollResult(role="standby")
             self._bootstrap(now)
             self._write_statuses(now)
+                metrics.observe_pass(self.ctx.run_id, self.holder, active=False)
             snap = self._snapshot(now)
             result = PollResult(role="active")
             try:
                 for fragment, subs in snap.pending.items():
+            metrics.observe_pass(self.ctx.run_id, self.holder, active=True, pending=sum(len(v) for v in snap.pending.values()))
                     self._pass_fragment(fragment, subs, snap, now, drain, result)
             except q.LeaseLostError:
                 log.warning("%s lost the lease while merging", self.holder)
@@ -423,9 +425,12 @@ class Synchronizer:
     def _renew_loop(self, stop: threading.Event) -> None:
         """Keep the lease alive while a long merge or evaluation runs on the main thread."""
         ttl = self.cfg.synchronizer.lease_ttl_s
+                metrics.observe_merge(self.ctx.run_id, record.merge_s, [m.staleness for m in merged or []])
+            metrics.observe_rejections(self.ctx.run_id, rejected or [])
         while not stop.wait(ttl / 3):
             token = self.token
             if token is None:
+        metrics.observe_rejections(self.ctx.run_id, rejected)
                 continue
             if self._poll_started is not None and time.monotonic() - self._poll_started > self.cfg.synchronizer.max_poll_s:
                 # A pass stuck this long is a hung synchronizer: let the lease lapse so a standby takes over.

@@ -1,0 +1,141 @@
+"""Prometheus metrics of a learner or a synchronizer process, served at ``/metrics``.
+
+A process serves them when ``DDILOCO_METRICS_PORT`` is set (``9100``, or ``HOST:PORT``; ``0`` picks a
+free port, logged). Learner series are read from the learner when scraped (nothing in its step
+loop); synchronizer series are counted where merges and rejections happen. Series (label ``run``,
+plus ``learner`` / ``holder`` / ``reason``):
+
+- learner: ``ddiloco_learner_step``, ``_tokens_total``, ``_tokens_per_second``, ``_loss``,
+  ``_upload_queue_depth``, ``_sent_bytes_total``, ``_received_bytes_total``, ``_last_version_received``
+- synchronizer: ``ddiloco_sync_merges_total`` (``rate()`` gives merges/s), ``_merge_seconds``,
+  ``_pending_submissions``, ``_staleness_versions``, ``_rejections_total{reason}``, ``_lease_held{holder}``
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PORT_ENV = "DDILOCO_METRICS_PORT"
+
+log = logging.getLogger("ddiloco.metrics")
+
+MERGES = Counter("ddiloco_sync_merges", "Global versions published by merges.", ["run"])
+MERGE_SECONDS = Histogram("ddiloco_sync_merge_seconds", "Time from fetching submissions to the version's commit.", ["run"],
+                          buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+PENDING = Gauge("ddiloco_sync_pending_submissions", "Submissions waiting for a merge at the last pass.", ["run"])
+STALENESS = Histogram("ddiloco_sync_staleness_versions", "Versions a merged submission's base was behind.", ["run"],
+                      buckets=(0, 1, 2, 3, 4, 6, 8, 16))
+REJECTIONS = Counter("ddiloco_sync_rejections", "Submissions rejected, by reason.", ["run", "reason"])
+LEASE_HELD = Gauge("ddiloco_sync_lease_held", "1 while this synchronizer holds the run's lease (it is the active one).",
+                   ["run", "holder"])
+
+
+def reason_class(why: str) -> str:
+    """A rejection reason without its figures ("staleness 7 > 4" -> "staleness"): a label of few values."""
+    words = re.split(r"[\d:(=<>'\"]", why, maxsplit=1)[0].strip().lower()
+    return re.sub(r"[^a-z]+", "_", words).strip("_")[:40] or "other"
+
+
+def observe_pass(run_id: str, holder: str, active: bool, pending: int | None = None) -> None:
+    """One synchronizer pass: whether it holds the lease, and (active) how many submissions wait."""
+    LEASE_HELD.labels(run_id, holder).set(1 if active else 0)
+    if pending is not None:
+        PENDING.labels(run_id).set(pending)
+
+
+def observe_merge(run_id: str, merge_s: float, staleness: Iterable[int]) -> None:
+    """A published merge: its time and the staleness of each merged submission."""
+    MERGES.labels(run_id).inc()
+    MERGE_SECONDS.labels(run_id).observe(merge_s)
+    for s in staleness:
+        STALENESS.labels(run_id).observe(s)
+
+
+def observe_rejections(run_id: str, rejected: Iterable[tuple[int, str]]) -> None:
+    """Rejected submissions as (id, reason)."""
+    for _, why in rejected:
+        REJECTIONS.labels(run_id, reason_class(why)).inc()
+
+
+@dataclass(frozen=True)
+class LearnerFigures:
+    """What a learner reports when scraped."""
+
+    step: int
+    tokens: int
+    tokens_per_s: float
+    loss: float | None
+    upload_queue: int
+    sent_bytes: int
+    received_bytes: int
+    last_version: int
+
+
+class LearnerCollector(Collector):
+    """Reads one learner's figures at scrape time, so its step loop does no metrics work."""
+
+    def __init__(self, run_id: str, learner_id: str, figures: Callable[[], LearnerFigures]) -> None:
+        self.labels = [run_id, learner_id]
+        self.figures = figures
+
+    def collect(self) -> Iterator[Metric]:
+        f = self.figures()
+        names = ["run", "learner"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"ddiloco_learner_{name}", doc, labels=names)
+            g.add_metric(self.labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"ddiloco_learner_{name}", doc, labels=names)
+            c.add_metric(self.labels, value)
+            return c
+
+        yield gauge("step", "Inner steps of this incarnation.", f.step)
+        yield counter("tokens", "Tokens trained by this incarnation.", f.tokens)
+        yield gauge("tokens_per_second", "Tokens per second of the last step.", f.tokens_per_s)
+        yield gauge("loss", "Training loss of the last step (NaN before the first).", float("nan") if f.loss is None else f.loss)
+        yield gauge("upload_queue_depth", "Outer gradients queued for upload.", f.upload_queue)
+        yield counter("sent_bytes", "Bytes of outer gradients sent.", f.sent_bytes)
+        yield counter("received_bytes", "Bytes of global fragments received.", f.received_bytes)
+        yield gauge("last_version_received", "Newest global version received of any fragment (-1: none yet).", f.last_version)
+
+
+def metrics_address(value: str | None = None) -> tuple[str, int] | None:
+    """(host, port) from ``DDILOCO_METRICS_PORT`` (``PORT`` or ``HOST:PORT``), None when unset; a bad value is a one-line error."""
+    value = os.environ.get(PORT_ENV) if value is None else value
+    if not value:
+        return None
+    host, _, port = value.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{PORT_ENV}={value!r}: expected a port (9100) or HOST:PORT (127.0.0.1:9100)")
+    return host or "0.0.0.0", int(port)
+
+
+def serve(registry: CollectorRegistry = REGISTRY, address: tuple[str, int] | None = None) -> int | None:
+    """Serve ``/metrics`` in a daemon thread at ``address`` (default: from the environment); the port, or None when off."""
+    address = address or metrics_address()
+    if address is None:
+        return None
+    server, _thread = start_http_server(address[1], addr=address[0], registry=registry)
+    port = server.server_address[1]
+    log.info("metrics at http://%s:%s/metrics", address[0], port)
+    return port
+
+
+def serve_learner(run_id: str, learner_id: str, figures: Callable[[], LearnerFigures]) -> int | None:
+    """Register a learner's collector and serve ``/metrics`` when ``DDILOCO_METRICS_PORT`` is set."""
+    address = metrics_address()
+    if address is None:
+        return None
+    REGISTRY.register(LearnerCollector(run_id, learner_id, figures))
+    return serve(REGISTRY, address)

@@ -1,0 +1,85 @@
+"""Prometheus /metrics of a real learner process and a real synchronizer process, scraped over HTTP;
+the learner's progress lines; rejection reasons as a label of few values."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from support import tiny_config, wait_for
+
+from ddiloco.platform.metrics import metrics_address, reason_class
+from ddiloco.testing.net import free_port
+from ddiloco.testing.processes import ProcessCluster, stop_processes, write_config
+
+pytestmark = pytest.mark.slow
+
+
+def scrape(port: int) -> dict[str, float]:
+    """``{name{labels}: value}`` of every sample at ``/metrics``, or {} while nothing listens."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def test_learner_and_synchronizer_serve_the_series_the_dashboards_need(tmp_path):
+    cfg = tiny_config(
+        name="metrics",
+        token_budget=10**9,
+        learners={"regions": [{"name": "us", "learners": 1}], "heartbeat_s": 0.5, "poll_s": 0.2, "log_every": 5},
+        synchronizer={"poll_s": 0.1, "lease_ttl_s": 1.5},
+        ledger={"url": f"sqlite:///{tmp_path / 'ledger.db'}"},
+        storage={"url": f"file://{tmp_path / 'store'}"},
+    )
+    cluster = ProcessCluster(write_config(cfg, tmp_path / "config.yaml"), "metrics", tmp_path / "logs")
+    sync_port, learner_port = free_port(), free_port()
+    try:
+        cluster.synchronizer("sync-a", env={"DDILOCO_METRICS_PORT": f"127.0.0.1:{sync_port}"})
+        cluster.learner("us-0", env={"DDILOCO_METRICS_PORT": f"127.0.0.1:{learner_port}"})
+
+        def merged_and_received():
+            s, ln = scrape(sync_port), scrape(learner_port)
+            merges = s.get("ddiloco_sync_merges_total{run=metrics}", 0)
+            received = ln.get("ddiloco_learner_last_version_received{learner=us-0,run=metrics}", -1)
+            return (s, ln) if merges >= 2 and received >= 1 else None
+
+        sync, learner = wait_for(merged_and_received, 120, "merges published and received through /metrics")
+    finally:
+        stop_processes(cluster.procs.values())
+    label = "{learner=us-0,run=metrics}"
+    assert learner[f"ddiloco_learner_step{label}"] >= 1
+    assert learner[f"ddiloco_learner_tokens_total{label}"] >= 4 * 32
+    assert learner[f"ddiloco_learner_tokens_per_second{label}"] > 0
+    assert 0 < learner[f"ddiloco_learner_loss{label}"] < 10
+    assert learner[f"ddiloco_learner_sent_bytes_total{label}"] > 0
+    assert learner[f"ddiloco_learner_received_bytes_total{label}"] > 0
+    assert learner[f"ddiloco_learner_upload_queue_depth{label}"] >= 0
+    holder = next(k for k in sync if k.startswith("ddiloco_sync_lease_held{"))
+    assert sync[holder] == 1 and "sync-a@" in holder
+    assert sync["ddiloco_sync_merge_seconds_count{run=metrics}"] == sync["ddiloco_sync_merges_total{run=metrics}"]
+    assert sync["ddiloco_sync_staleness_versions_count{run=metrics}"] >= 1
+    assert "ddiloco_sync_pending_submissions{run=metrics}" in sync
+    log = (tmp_path / "logs" / "us-0.log").read_text()
+    assert "metrics at http://127.0.0.1:" in log
+    progress = [line for line in log.splitlines() if "learner us-0 step " in line]
+    assert progress and "tokens/s" in progress[0] and all(int(p.split(" step ")[1].split(":")[0]) % 5 == 0 for p in progress)
+
+
+def test_rejection_reasons_lose_their_figures_and_bad_ports_are_refused():
+    assert reason_class("staleness 7 > 4") == "staleness"
+    assert reason_class("unknown learner 'x-9'") == "unknown_learner"
+    assert reason_class("blob: 512 bytes registered, more than the 64 any encoding takes") == "blob"
+    assert metrics_address("9100") == ("0.0.0.0", 9100) and metrics_address("127.0.0.1:0") == ("127.0.0.1", 0)
+    assert metrics_address("") is None
+    for bad in ("http", "127.0.0.1:99999", "9100x"):
+        with pytest.raises(ValueError, match="DDILOCO_METRICS_PORT"):
+            metrics_address(bad)
