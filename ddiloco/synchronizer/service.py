@@ -131,15 +131,15 @@ class Synchronizer:
         with span("sync.poll_once"):
             self._register()
             if not self._acquire(now):
+                metrics.observe_pass(self.ctx.run_id, self.holder, active=False)
                 return PollResult(role="standby")
             self._bootstrap(now)
             self._write_statuses(now)
-                metrics.observe_pass(self.ctx.run_id, self.holder, active=False)
             snap = self._snapshot(now)
+            metrics.observe_pass(self.ctx.run_id, self.holder, active=True, pending=sum(len(v) for v in snap.pending.values()))
             result = PollResult(role="active")
             try:
                 for fragment, subs in snap.pending.items():
-            metrics.observe_pass(self.ctx.run_id, self.holder, active=True, pending=sum(len(v) for v in snap.pending.values()))
                     self._pass_fragment(fragment, subs, snap, now, drain, result)
             except q.LeaseLostError:
                 log.warning("%s lost the lease while merging", self.holder)
@@ -385,9 +385,12 @@ class Synchronizer:
             if record is not None:
                 log.info("fragment %s -> v%s: %s (%s merged, %s rejected)",
                          fragment, version, record.reason, len(merged or []), len(rejected or []))
+                metrics.observe_merge(self.ctx.run_id, record.merge_s, [m.staleness for m in merged or []])
+            metrics.observe_rejections(self.ctx.run_id, rejected or [])
 
     def _reject(self, rejected: list[tuple[int, str]], now: float) -> None:
         """Reject submissions outside a merge, each with its reason."""
+        metrics.observe_rejections(self.ctx.run_id, rejected)
         with self.ctx.transaction() as s:
             q.reject_submissions(s, self.ctx.run_id, rejected, holder=self.holder, token=self.token, now=to_datetime(now))
 
@@ -425,12 +428,9 @@ class Synchronizer:
     def _renew_loop(self, stop: threading.Event) -> None:
         """Keep the lease alive while a long merge or evaluation runs on the main thread."""
         ttl = self.cfg.synchronizer.lease_ttl_s
-                metrics.observe_merge(self.ctx.run_id, record.merge_s, [m.staleness for m in merged or []])
-            metrics.observe_rejections(self.ctx.run_id, rejected or [])
         while not stop.wait(ttl / 3):
             token = self.token
             if token is None:
-        metrics.observe_rejections(self.ctx.run_id, rejected)
                 continue
             if self._poll_started is not None and time.monotonic() - self._poll_started > self.cfg.synchronizer.max_poll_s:
                 # A pass stuck this long is a hung synchronizer: let the lease lapse so a standby takes over.
