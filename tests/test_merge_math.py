@@ -268,13 +268,13 @@ def as_rows(members: list[Member], layout: FlatLayout, rows: torch.Tensor) -> li
     return out
 
 
-@pytest.mark.parametrize("method", ["rda", "mean"])
-def test_flat_engine_matches_the_float64_reference(method: str) -> None:
+@pytest.mark.parametrize(("method", "chunk"), [("rda", 4), ("mean", 4), ("rda", None)])
+def test_flat_engine_matches_the_float64_reference(method: str, chunk: int | None) -> None:
     current, members = random_fragment()
     policy = MergePolicy(method=method, lr=0.7, momentum=0.9)
     want = reference_merge(current, members, policy, live=5)
     ws = MergeWorkspace("cpu")
-    ws.chunk = 4  # several chunks per tensor, and a chunk that ends mid-tensor
+    ws.chunk = chunk  # 4: several chunks per tensor, one ending mid-tensor; None: whole tensors, as on a GPU
     layout = FlatLayout.of({n: tuple(t.shape) for n, t in current.params.items()})
     for ms in (members, as_rows(members, layout, ws.rows(layout, len(members)))):
         out = merge_fragment(current, ms, policy, live_learners=5, workspace=ws)
