@@ -26,7 +26,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ddiloco.platform.ledger import queries as q
-from ddiloco.platform.ledger.models import MERGED, PENDING, REJECTED, FragmentHead, FragmentVersion, Learner, Submission
+from ddiloco.platform.ledger.models import MERGED, PENDING, REJECTED, FragmentHead, FragmentVersion, Learner, Run, Submission
 from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.store import FragmentStore
 
@@ -74,6 +74,8 @@ class Totals:
     """fragment -> (tokens merged, submissions merged)."""
     learners: dict[str, tuple[int, int, int]]
     """learner -> (submissions, tokens sent, bytes sent)."""
+    rejected: tuple[int, int] = (0, 0)
+    """(tokens, submissions) rejected in the whole run."""
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,10 @@ def totals_problems(stored: Totals, scanned: Totals) -> list[Problem]:
         if have != want:
             problems.append(Problem(f"learner {learner}: row counts {have[0]} submissions, {have[1]} tokens, {have[2]} bytes; "
                                     f"the submissions say {want[0]}, {want[1]}, {want[2]}"))
+    if stored.rejected != scanned.rejected:
+        problems.append(Problem(f"run totals say {stored.rejected[0]} tokens in {stored.rejected[1]} rejected submissions, "
+                                f"the submissions say {scanned.rejected[0]} in {scanned.rejected[1]}",
+                                lost=abs(stored.rejected[0] - scanned.rejected[0])))
     return problems
 
 
@@ -240,10 +246,12 @@ def stored_totals(session: Session, run_id: str) -> Totals:
     rows = session.execute(
         select(Learner.id, Learner.submissions, Learner.tokens_sent, Learner.bytes_sent).where(Learner.run_id == run_id)
     ).all()
+    rejected = session.execute(select(Run.tokens_rejected, Run.submissions_rejected).where(Run.id == run_id)).one()
     return Totals(
         heads={f: (v, k, sha) for f, v, k, sha, _, _ in heads},
         merged={f: (int(t), int(n)) for f, _, _, _, t, n in heads if t or n},
         learners={lid: (int(n), int(t), int(b)) for lid, n, t, b in rows},
+        rejected=(int(rejected[0]), int(rejected[1])),
     )
 
 
@@ -262,10 +270,15 @@ def scanned_totals(session: Session, run_id: str, versions: list[VersionRow]) ->
             .where(Submission.run_id == run_id, Submission.learner_id.in_(list(sent))).group_by(Submission.learner_id)
         )
     })
+    rejected = session.execute(
+        select(func.coalesce(func.sum(Submission.tokens_new), 0), func.count())
+        .where(Submission.run_id == run_id, Submission.status == REJECTED)
+    ).one()
     return Totals(
         heads={f: (v.version, v.blob_key, v.sha256) for f, v in newest_versions(versions).items()},
         merged={f: (int(t), int(n)) for f, t, n in merged},
         learners=sent,
+        rejected=(int(rejected[0]), int(rejected[1])),
     )
 
 

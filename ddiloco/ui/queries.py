@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Engine, func, inspect, literal, select, true, tuple_, union_all
+from sqlalchemy import Engine, func, inspect, literal, select, true, union_all
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import NoSuchModuleError
 from sqlalchemy.orm import Session
@@ -356,22 +356,17 @@ class Fates:
 def learner_fates(session: Session, run_id: str, learners: list[Any]) -> dict[str, Fates]:
     """Per learner: pending and rejected summed over just those rows (the poll index, the partial index of
     rejections); merged is the rest of what the learner's row says it registered — no scan of the merged."""
-    pending = {
-        lid: (int(n), int(t))
-        for lid, n, t in session.execute(
-            select(Submission.learner_id, func.count(), func.coalesce(func.sum(Submission.tokens_new), 0))
-            .where(Submission.run_id == run_id, Submission.status == PENDING)
-            .group_by(Submission.learner_id)
-        )
-    }
-    rejected = {
-        lid: (int(n), int(t))
-        for lid, n, t in session.execute(
-            select(Submission.learner_id, func.count(), func.coalesce(func.sum(Submission.tokens_new), 0))
-            .where(Submission.run_id == run_id, REJECTED_ROWS)
-            .group_by(Submission.learner_id)
-        )
-    }
+    # Summed here, not by GROUP BY learner_id: that would tempt the planner into walking the (run, learner,
+    # uid) index over every submission instead of seeking the few it needs.
+    def by_learner(condition: Any) -> dict[str, tuple[int, int]]:
+        out: dict[str, tuple[int, int]] = {}
+        rows = session.execute(select(Submission.learner_id, Submission.tokens_new).where(Submission.run_id == run_id, condition))
+        for lid, tokens in rows:
+            n, t = out.get(lid, (0, 0))
+            out[lid] = (n + 1, t + int(tokens))
+        return out
+
+    pending, rejected = by_learner(Submission.status == PENDING), by_learner(REJECTED_ROWS)
     out = {}
     for row in learners:
         p, r = pending.get(row.id, (0, 0)), rejected.get(row.id, (0, 0))
@@ -513,7 +508,8 @@ def _token_ranges(run_id: str, token: int) -> Any:
 
 
 def last_merge_at(session: Session, run_id: str) -> datetime | None:
-    return session.scalar(select(func.max(Merge.at)).where(Merge.run_id == run_id))
+    """When the newest merged version (version > 0) was published: every merge publishes one, so the heads know."""
+    return session.scalar(select(func.max(FragmentHead.created_at)).where(FragmentHead.run_id == run_id, FragmentHead.version > 0))
 
 
 # --- versions and merges ---------------------------------------------------------------------------------
@@ -525,15 +521,16 @@ def versions_frame(session: Session, run_id: str, max_points: int = VERSION_POIN
     heads = dict(session.execute(select(FragmentHead.fragment, FragmentHead.version).where(FragmentHead.run_id == run_id)).all())
     total = sum(v + 1 for v in heads.values())
     k = max(1, math.ceil(total / max_points))
-    keys = sorted({(f, v) for f, top in heads.items() for v in [*range(0, top + 1, k), top]})
     rows = []
-    for start in range(0, len(keys), 500):
-        rows += session.execute(
-            select(FragmentVersion.fragment, FragmentVersion.version, FragmentVersion.created_at).where(
-                FragmentVersion.run_id == run_id, tuple_(FragmentVersion.fragment, FragmentVersion.version).in_(keys[start:start + 500])
-            )
-        ).all()
-    rows.sort()
+    for fragment, top in sorted(heads.items()):  # primary-key seeks, fragment by fragment
+        wanted = sorted({*range(0, top + 1, k), top})
+        for start in range(0, len(wanted), 500):
+            rows += session.execute(
+                select(FragmentVersion.fragment, FragmentVersion.version, FragmentVersion.created_at)
+                .where(FragmentVersion.run_id == run_id, FragmentVersion.fragment == fragment,
+                       FragmentVersion.version.in_(wanted[start:start + 500]))
+                .order_by(FragmentVersion.version)
+            ).all()
     return pd.DataFrame([tuple(r) for r in rows], columns=["fragment", "version", "at"])
 
 

@@ -80,6 +80,9 @@ class Run(Base):
     token_budget: Mapped[int] = mapped_column(BigInteger)
     flow_run_url: Mapped[str | None] = mapped_column(Text, nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
+    # Running totals of rejected work, kept by every rejection's own transaction.
+    tokens_rejected: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    submissions_rejected: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class FragmentSpec(Base):

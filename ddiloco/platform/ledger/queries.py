@@ -327,6 +327,15 @@ class SubmissionIn:
     data_batches: int | None = None
     """Micro-batches each rank had drawn when this was sent (the learner's data position)."""
 
+    def __post_init__(self) -> None:
+        # Counts no honest learner sends are refused before they reach the accounting; what needs the
+        # run's config to judge (tokens per step, steps per period) the synchronizer rejects with a reason.
+        if self.c_steps < 1 or self.c_tokens < 1 or not 0 <= self.tokens_new <= self.c_tokens or self.base_version < 0:
+            raise ValueError(f"submission {self.uid!r}: implausible counts (c_steps={self.c_steps}, c_tokens={self.c_tokens}, "
+                             f"tokens_new={self.tokens_new}, base_version={self.base_version})")
+        if self.nbytes < 0 or self.fragment < 0:
+            raise ValueError(f"submission {self.uid!r}: negative fragment or size")
+
 
 def register_submission(
     session: Session, run_id: str, learner_id: str, incarnation: int, sub: SubmissionIn, now: datetime
@@ -434,7 +443,7 @@ def _reject_superseded(
             learner.bytes_sent += sub.nbytes
             learner.last_submission_at = now
             reason = f"superseded incarnation {incarnation} (current {learner.incarnation})"
-        _decide_rejected(session, [sub_id], reason, now)
+        _decide_rejected(session, run_id, [sub_id], reason, now)
         record_event(session, run_id, "submission_rejected", learner_id, f"submission {sub_id}: {reason}", now)
 
 
@@ -599,17 +608,25 @@ def pending_submissions(session: Session, run_id: str, fragment: int | None = No
     return list(session.scalars(stmt.order_by(Submission.created_at, Submission.id)))
 
 
-def _decide_rejected(session: Session, ids: Iterable[int], reason: str, now: datetime) -> None:
+def _decide_rejected(session: Session, run_id: str, ids: Iterable[int], reason: str, now: datetime) -> None:
+    """Reject pending submissions of the run, adding their tokens to the run's running total of rejected work."""
     ids = list(ids)
     if not ids:
         return
-    result = session.execute(
+    tokens = session.scalars(
         update(Submission)
-        .where(Submission.id.in_(ids), Submission.status == PENDING)
+        .where(Submission.id.in_(ids), Submission.run_id == run_id, Submission.status == PENDING)
         .values(status=REJECTED, reject_reason=reason, decided_at=now)
+        .returning(Submission.tokens_new)
+    ).all()
+    if len(tokens) != len(ids):
+        raise AlreadyDecidedError(f"{len(ids) - len(tokens)} of submissions {ids} already have a fate")
+    session.execute(
+        update(Run)
+        .where(Run.id == run_id)
+        .values(tokens_rejected=Run.tokens_rejected + sum(tokens), submissions_rejected=Run.submissions_rejected + len(tokens))
+        .execution_options(synchronize_session=False)
     )
-    if result.rowcount != len(ids):
-        raise AlreadyDecidedError(f"{len(ids) - result.rowcount} of submissions {ids} already have a fate")
 
 
 def recent_merged_norms(session: Session, run_id: str, fragment: int, limit: int = 32, per_step: bool = False) -> list[float]:
@@ -829,7 +846,7 @@ def publish_version(
                 f"{len(merged) - changed} of the submissions to merge are not pending: refusing to merge them twice"
             )
     for sub_id, reason in rejected:
-        _decide_rejected(session, [sub_id], reason, now)
+        _decide_rejected(session, run_id, [sub_id], reason, now)
     if version > 0:
         _advance_head(session, run_id, fragment, version, head_values, holder, token, now)
     conn.execute(
@@ -879,7 +896,7 @@ def reject_submissions(
     """Reject submissions outside a merge (e.g. every pending one failed validation)."""
     _check_fence(session, run_id, holder, token, now)
     for sub_id, reason in rejected:
-        _decide_rejected(session, [sub_id], reason, now)
+        _decide_rejected(session, run_id, [sub_id], reason, now)
         record_event(session, run_id, "submission_rejected", holder, f"submission {sub_id}: {reason}", now)
 
 
@@ -1017,15 +1034,13 @@ def account_tokens(rows: Iterable[Learner], tokens_by_status: dict[str, int]) ->
 
 
 def decided_tokens(session: Session, run_id: str) -> dict[str, int]:
-    """Tokens by fate from running totals and small sets: merged from the fragment heads, pending and rejected
-    summed over just those rows (the poll index, the partial index of rejections) — never every submission."""
+    """Tokens by fate from running totals and a small set: merged from the fragment heads, rejected from the
+    run's row, pending summed over just the pending rows (the poll index) — never every submission."""
     merged = session.scalar(select(func.coalesce(func.sum(FragmentHead.tokens_merged), 0)).where(FragmentHead.run_id == run_id))
     pending = session.scalar(
         select(func.coalesce(func.sum(Submission.tokens_new), 0)).where(Submission.run_id == run_id, Submission.status == PENDING)
     )
-    rejected = session.scalar(
-        select(func.coalesce(func.sum(Submission.tokens_new), 0)).where(Submission.run_id == run_id, REJECTED_ROWS)
-    )
+    rejected = session.scalar(select(Run.tokens_rejected).where(Run.id == run_id))
     return {MERGED: int(merged or 0), PENDING: int(pending or 0), REJECTED: int(rejected or 0)}
 
 

@@ -47,6 +47,9 @@ def upgrade() -> None:
         batch.add_column(sa.Column("bytes_sent", sa.BigInteger(), nullable=False, server_default="0"))
         batch.add_column(sa.Column("last_submission_at", sa.DateTime(timezone=True), nullable=True))
         batch.add_column(sa.Column("loss", sa.Float(), nullable=True))
+    with op.batch_alter_table("runs") as batch:
+        batch.add_column(sa.Column("tokens_rejected", sa.BigInteger(), nullable=False, server_default="0"))
+        batch.add_column(sa.Column("submissions_rejected", sa.BigInteger(), nullable=False, server_default="0"))
     with op.batch_alter_table("fragment_versions") as batch:
         batch.add_column(sa.Column("gc_done", sa.Boolean(), nullable=False, server_default=sa.false()))
     _backfill()
@@ -77,6 +80,12 @@ def _backfill() -> None:
                 "WHERE run_id = :r AND id = :l"),
         [{"r": r, "l": lid, "n": n, "t": t, "b": b, "at": at} for r, lid, n, t, b, at in sent],
     ) if sent else None
+    conn.execute(sa.text(
+        "UPDATE runs SET "
+        "tokens_rejected = (SELECT coalesce(sum(s.tokens_new), 0) FROM submissions s WHERE s.run_id = runs.id "
+        "AND s.status = 'rejected'), "
+        "submissions_rejected = (SELECT count(*) FROM submissions s WHERE s.run_id = runs.id AND s.status = 'rejected')"
+    ))
     conn.execute(sa.text(
         "UPDATE learners SET loss = (SELECT h.loss FROM heartbeats h WHERE h.run_id = learners.run_id "
         "AND h.learner_id = learners.id AND h.loss IS NOT NULL ORDER BY h.at DESC LIMIT 1)"
@@ -146,6 +155,9 @@ def downgrade() -> None:
         batch.drop_index("ix_fragment_versions_token")
         batch.drop_index("ix_fragment_versions_run_created")
         batch.drop_column("gc_done")
+    with op.batch_alter_table("runs") as batch:
+        batch.drop_column("submissions_rejected")
+        batch.drop_column("tokens_rejected")
     with op.batch_alter_table("learners") as batch:
         for column in ("loss", "last_submission_at", "bytes_sent", "tokens_sent", "submissions"):
             batch.drop_column(column)
