@@ -124,7 +124,7 @@ def test_the_recorded_config_masks_every_url():
 )
 def test_the_recorded_config_masks_every_ledger_password_shape(ledger):
     recorded = build_config({"ledger": {"url": ledger}}).to_json()
-    assert "cret" not in recorded and "db/ledger" in recorded
+    assert "s3cret" not in recorded and "s3/cret" not in recorded and "db/ledger" in recorded
 
 
 def test_log_records_and_their_tracebacks_are_masked():
