@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
 import torch
 from support import tiny_config
 
@@ -60,9 +61,11 @@ def test_corrupt_nan_wrong_shape_stale_and_unknown_are_rejected_while_training_c
         submit_raw(ctx, clock, 0, zeros, corrupt_after=True): "bytes, not the",  # a size mismatch: refused before reading
         submit_raw(ctx, clock, 1, {n: torch.full(s_, float("nan")) for n, s_ in shapes_of(sync, 1).items()}): "non-finite",
         submit_raw(ctx, clock, 2, {n: torch.zeros(3) for n in shapes_of(sync, 2)}): "bad update",
-        submit_raw(ctx, clock, 3, {n: torch.zeros(s_) for n, s_ in shapes_of(sync, 3).items()}, c_steps=0): "empty update",
         submit_raw(ctx, clock, 0, zeros, learner="ghost"): "unknown learner",
     }
+    # Counts no honest learner sends never reach the ledger: refused at registration, with the reason.
+    with pytest.raises(ValueError, match="implausible counts"):
+        submit_raw(ctx, clock, 3, {n: torch.zeros(s_) for n, s_ in shapes_of(sync, 3).items()}, c_steps=0)
     for _ in range(3 * cfg.fragments.count):
         clock.t += 1.0
         sim_step(good, clock.t)

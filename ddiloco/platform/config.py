@@ -343,7 +343,12 @@ class MergeConfig(_Section):
     """Submissions based on a version more than this many versions old are rejected."""
     norm_outlier_factor: float = Field(10.0, gt=1, le=1e6)
     """A submission whose norm per inner step exceeds this multiple of the largest one among the
-    fragment's recent merges is rejected (why the maximum: ``synchronizer.policy.check_norm``)."""
+    fragment's recent merges is rejected (why the maximum: ``synchronizer.policy.check_norm``);
+    before a fragment has that history, one above what AdamW at ``inner.lr`` can move is."""
+    max_periods: int = Field(8, ge=1, le=1 << 20)
+    """The most send periods (``fragments.every`` steps) that one learner's pending updates of a
+    fragment may claim together; more is an implausible claim and is rejected. Above 1 because a
+    learner carries the increments of failed uploads into its next send."""
     plain_mean_fragments: list[str] = Field(default_factory=lambda: ["embed"])
     """Tensors whose name contains one of these are merged with the plain weighted mean, the rest of
     their fragment with ``method`` (the rule is per tensor, despite the key's name)."""

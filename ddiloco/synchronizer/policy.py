@@ -164,6 +164,61 @@ def check_counts(c_steps: int, c_tokens: int) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class ClaimBounds:
+    """What the run's config makes plausible for one submission's counts."""
+
+    tokens_per_step: int
+    """The most tokens one inner step of a learner trains (batch x sequence x ranks x accumulation)."""
+    max_steps: int
+    """The most inner steps one learner's pending submissions of a fragment may claim together:
+    ``merge.max_periods`` send periods (increments of failed uploads are carried into later sends)."""
+
+
+def claim_bounds(tokens_per_step: int, period: int, max_periods: int) -> ClaimBounds:
+    return ClaimBounds(tokens_per_step=max(1, tokens_per_step), max_steps=max(1, period * max_periods))
+
+
+def check_claims(c_steps: int, c_tokens: int, tokens_new: int, base_version: int, bounds: ClaimBounds) -> str | None:
+    """A reason to reject what a submission says about itself, or None when it is plausible.
+
+    Counts are the merge's weights and the run's token accounting: a learner cannot have trained
+    more tokens per step than its batch holds, more steps than its send period allows, or more new
+    tokens than the update carries; and no honest learner sends from before version 0."""
+    why = check_counts(c_steps, c_tokens)
+    if why:
+        return why
+    if base_version < 0:
+        return f"implausible claim: base version v{base_version} (the first published version is v0)"
+    if tokens_new < 0 or tokens_new > c_tokens:
+        return f"implausible claim: {tokens_new} new tokens in an update of {c_tokens} tokens"
+    if c_tokens > c_steps * bounds.tokens_per_step:
+        return (f"implausible claim: {c_tokens} tokens in {c_steps} steps, more than the "
+                f"{bounds.tokens_per_step} one step of this run trains")
+    if c_steps > bounds.max_steps:
+        return f"implausible claim: {c_steps} steps in one update, more than the {bounds.max_steps} the send period allows"
+    return None
+
+
+ADAM_STEP_SLACK = 4.0
+"""An AdamW step moves a coordinate by at most about lr (|m_hat / sqrt(v_hat)| <= 1 while beta1^2 <
+beta2); a send after a blended receipt also carries part of the distance to the global version,
+about one period's steps more. 4 leaves room for both: honest per-step norms sit far below."""
+
+
+def plausible_step_norm(lr: float, weight_decay: float, numel: int, param_norm: float) -> float:
+    """The largest norm of one inner step's change of a fragment that AdamW at ``lr`` can make."""
+    return ADAM_STEP_SLACK * lr * math.sqrt(max(1, numel)) + lr * weight_decay * param_norm
+
+
+def check_group(c_steps_total: int, bounds: ClaimBounds, members: int) -> str | None:
+    """One learner's pending increments of a fragment merge as one member: their steps together must be plausible."""
+    if c_steps_total > bounds.max_steps:
+        return (f"implausible claim: {members} pending updates of one learner claim {c_steps_total} steps together, "
+                f"more than the {bounds.max_steps} the send period allows")
+    return None
+
+
 def check_staleness(current_version: int, base_version: int, max_staleness: int) -> str | None:
     if base_version > current_version:
         return f"base version v{base_version} is newer than the published v{current_version}"
@@ -179,12 +234,16 @@ def check_finite(norm: float) -> str | None:
     return None
 
 
-def check_norm(norm: float, recent_norms: Sequence[float], factor: float, min_history: int = 4) -> str | None:
-    """Reject a norm far above every recently merged norm (once there is a history).
+def check_norm(norm: float, recent_norms: Sequence[float], factor: float, min_history: int = 4,
+               plausible: float | None = None) -> str | None:
+    """Reject a per-step norm far above every recently merged one, or, until there is a history,
+    above what the inner optimizer can make (``plausible``, from :func:`plausible_step_norm`).
 
     The largest recent norm, not the median, is the yardstick: norms grow several-fold per
     version during learning-rate warm-up, and only a blow-up should be refused."""
     if len(recent_norms) < min_history:
+        if plausible is not None and norm > plausible:
+            return f"norm outlier: {norm:.4g} per step > {plausible:.4g}, the most an inner step at this run's lr can move"
         return None
     largest = max(recent_norms)
     if largest > 0 and norm > factor * largest:

@@ -22,7 +22,7 @@ from tenacity import RetryCallState, Retrying, retry_if_exception_type, retry_if
 
 from ddiloco.platform import liveness, metrics
 from ddiloco.platform.compression import CompressionError, decode_delta_into
-from ddiloco.platform.config import ConfigError
+from ddiloco.platform.config import ConfigError, tokens_per_step
 from ddiloco.platform.faults import fault_point
 from ddiloco.platform.fragments import fragment_views
 from ddiloco.platform.ids import global_key, outer_state_key
@@ -105,6 +105,9 @@ class Synchronizer:
         self.simulated_time = False
         """In-process runs: a merge takes no simulated time, so the sync-time average stays 0."""
         self.merge_policy = MergePolicy.from_config(self.cfg)
+        lc = self.cfg.learners
+        self.claims = pol.claim_bounds(tokens_per_step(self.cfg.model, lc.batch_size * self.cfg.inner.grad_accum_steps, lc.nproc_per_node),
+                                       self.cfg.fragments.period, self.cfg.merge.max_periods)
         self.workspace = MergeWorkspace(self.cfg.synchronizer.merge_device)
         """Decode rows and version buffers reused from merge to merge."""
         self.grace_policy = pol.GracePolicy(
@@ -302,24 +305,60 @@ class Synchronizer:
         rows = self.workspace.rows(layout, len(subs))
         with self.ctx.reading() as s:
             recent = q.recent_merged_norms(s, self.ctx.run_id, fragment, limit=NORM_HISTORY, per_step=True)
+        plausible = self._plausible_step_norm(fragment, layout.numel)
         # Blob reads dominate on object stores: fetch and decode them concurrently (order is kept),
         # each straight into its own row of the workspace.
-        checked = self._fetch_pool.map(lambda sb, row: self._validate(sb, version, layout, row, recent, regions), subs, rows)
+        checked = self._fetch_pool.map(lambda sb, row: self._validate(sb, version, layout, row, recent, regions, plausible), subs, rows)
         members, rejected = [], []
         for sb, got in zip(subs, checked, strict=True):
             if isinstance(got, str):
                 rejected.append((sb.id, got))
             else:
                 members.append(got)
-        return members, rejected
+        return self._judge_groups(members, rejected, recent, plausible)
+
+    def _plausible_step_norm(self, fragment: int, numel: int) -> float:
+        """What one inner step can move this fragment, by the run's optimizer settings."""
+        cached = self.state.get(fragment)
+        param_norm = math.sqrt(sum(float(t.float().pow(2).sum()) for t in cached.params.values())) if cached else 0.0
+        return pol.plausible_step_norm(self.cfg.inner.lr, self.cfg.inner.weight_decay, numel, param_norm)
+
+    def _judge_groups(
+        self, members: list[Member], rejected: list[tuple[int, str]], recent: list[float], plausible: float
+    ) -> tuple[list[Member], list[tuple[int, str]]]:
+        """One learner's pending increments merge as one member: their steps and their summed norm are
+        judged as a whole (many small updates must not pass where their sum would not)."""
+        by_learner: dict[str, list[Member]] = {}
+        for m in members:
+            by_learner.setdefault(m.learner, []).append(m)
+        kept: list[Member] = []
+        for group in by_learner.values():
+            if len(group) == 1:
+                kept += group
+                continue
+            steps = sum(m.c_steps for m in group)
+            why = pol.check_group(steps, self.claims, len(group))
+            if why is None:
+                rows = [m.delta.row if isinstance(m.delta, FlatDelta) else None for m in group]
+                if all(r is not None for r in rows):
+                    norm = float(torch.stack(rows).sum(dim=0).norm())
+                    why = pol.check_finite(norm) or pol.check_norm(
+                        norm / steps, recent, self.cfg.merge.norm_outlier_factor, plausible=plausible)
+            if why is None:
+                kept += group
+            else:
+                rejected += [(m.submission, why) for m in group]
+        return kept, rejected
 
     def _validate(
-        self, sb: Submission, version: int, layout: FlatLayout, row: torch.Tensor, recent: list[float], regions: dict[str, str]
+        self, sb: Submission, version: int, layout: FlatLayout, row: torch.Tensor, recent: list[float], regions: dict[str, str],
+        plausible: float | None = None,
     ) -> str | Member:
         """A reason to reject the submission, or the decoded member."""
         if sb.learner_id not in regions:
             return f"unknown learner {sb.learner_id!r}"
-        why = pol.check_counts(sb.c_steps, sb.c_tokens) or pol.check_staleness(version, sb.base_version, self.cfg.merge.max_staleness)
+        why = (pol.check_claims(sb.c_steps, sb.c_tokens, sb.tokens_new, sb.base_version, self.claims)
+               or pol.check_staleness(version, sb.base_version, self.cfg.merge.max_staleness))
         if why:
             return why
         # Reads are bounded by the registered size, and that by what any encoding of the fragment takes.
@@ -336,7 +375,8 @@ class Synchronizer:
         norm = delta.norm
         # Judged per inner step: increments of one fragment cover different numbers of steps (the
         # first send of fragment p comes after p steps, the next ones after H).
-        why = pol.check_finite(norm) or pol.check_norm(norm / max(1, sb.c_steps), recent, self.cfg.merge.norm_outlier_factor)
+        why = pol.check_finite(norm) or pol.check_norm(norm / max(1, sb.c_steps), recent, self.cfg.merge.norm_outlier_factor,
+                                                       plausible=plausible)
         if why:
             return why
         return Member(sb.id, sb.learner_id, delta, norm, sb.c_steps, sb.c_tokens, sb.base_version)

@@ -1,0 +1,131 @@
+"""A learner that lies about its counts or sends outsized updates cannot steer the merge: each claim is
+judged against what the run's config makes plausible, rejected with a reason, and the honest learner's
+run goes on exactly as without the attacker (real ledger, store and synchronizer, one process)."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+import pytest
+import torch
+from support import tiny_config
+
+from ddiloco.inprocess import SimClock, in_memory_config, sim_learner, sim_step
+from ddiloco.platform.compression import encode_delta
+from ddiloco.platform.ids import submission_key
+from ddiloco.platform.ledger import open_ledger
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger.models import Submission
+from ddiloco.platform.models import evaluate
+from ddiloco.platform.runtime import RunContext, to_datetime
+from ddiloco.synchronizer import policy as pol
+from ddiloco.synchronizer.service import Synchronizer
+
+TPS = 4 * 32  # tiny_config: batch 4 x seq 32 tokens per learner step
+H = 4  # tiny_config: 4 fragments, one sent per step
+
+
+def test_claims_are_judged_against_the_runs_config():
+    b = pol.claim_bounds(tokens_per_step=TPS, period=H, max_periods=8)
+    assert pol.check_claims(H, H * TPS, TPS, 0, b) is None  # an honest send
+    assert pol.check_claims(1, TPS, TPS, 7, b) is None
+    assert "empty update" in pol.check_claims(0, TPS, 0, 0, b)
+    assert "base version" in pol.check_claims(H, H * TPS, TPS, -1, b)
+    assert "new tokens" in pol.check_claims(H, H * TPS, -5, 0, b)
+    assert "new tokens" in pol.check_claims(H, H * TPS, 10**15, 0, b)
+    assert "tokens in 1 steps" in pol.check_claims(1, 2**40, TPS, 0, b)
+    assert "tokens in 3 steps" in pol.check_claims(3, 2**62, TPS, 0, b)
+    assert "steps in one update" in pol.check_claims(10**9, 10**9 * TPS, TPS, 0, b)
+    assert pol.check_group(8 * H, b, 3) is None and "pending updates" in pol.check_group(8 * H + 1, b, 100)
+
+
+def test_the_norm_check_holds_from_a_fragments_first_merge():
+    plausible = pol.plausible_step_norm(lr=3e-3, weight_decay=0.1, numel=10_000, param_norm=20.0)
+    assert plausible == pytest.approx(4 * 3e-3 * 100 + 3e-3 * 0.1 * 20.0)
+    # No history yet: the optimizer's bound judges; with one, the recent norms do.
+    assert pol.check_norm(0.5 * plausible, [], 10.0, plausible=plausible) is None
+    assert "most an inner step" in pol.check_norm(2 * plausible, [], 10.0, plausible=plausible)
+    assert pol.check_norm(2 * plausible, [plausible] * 4, 10.0, plausible=plausible) is None
+
+
+def setup_run():
+    cfg = in_memory_config(tiny_config(learners={"regions": [{"name": "us", "learners": 2}], "heartbeat_s": 1.0},
+                                       quorum={"min_count": 1}, grace={"enabled": False}))
+    clock = SimClock()
+    ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
+    sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
+    sync.poll_once(clock.t)
+    honest = sim_learner(ctx, "us-0", index=0, num_learners=2)
+    honest.start(clock.t)
+    with ctx.transaction() as s:
+        q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t))
+    return cfg, clock, ctx, sync, honest
+
+
+def attack(ctx, clock, fragment: int, tensors: dict, *, c_steps: int, c_tokens: int, tokens_new: int = TPS, base: int = 0) -> int:
+    """Register a submission of the attacker us-1 with whatever counts it likes (its blob is well formed)."""
+    enc, meta = encode_delta(tensors, "none")
+    uid = uuid.uuid4().hex[:12]
+    blob = ctx.store("us").put(submission_key(ctx.run_id, fragment, "us-1", uid), enc, meta)
+    sub = q.SubmissionIn(uid, fragment, base, c_steps, c_tokens, tokens_new, 10**6, blob.key, blob.sha256, blob.nbytes, "none")
+    with ctx.transaction() as s:
+        return q.register_submission(s, ctx.run_id, "us-1", 0, sub, to_datetime(clock.t))[0]
+
+
+def train(cfg, clock, sync, honest, steps: int) -> None:
+    for _ in range(steps):
+        clock.t += 1.0
+        sim_step(honest, clock.t)
+        sync.poll_once(clock.t)
+
+
+def val_loss(sync, cfg) -> float:
+    from ddiloco.platform.data import build_dataset
+
+    val = build_dataset(cfg.data, cfg.model).val_batches(cfg.learners.batch_size)
+    return evaluate(sync.global_model(), val)[0]
+
+
+def test_a_lying_learner_is_rejected_with_reasons_and_the_honest_run_is_unchanged():
+    cfg, clock, ctx, sync, honest = setup_run()
+    shapes = {f: sync.layout.shapes(f) for f in range(cfg.fragments.count)}
+
+    def filled(f: int, value: float) -> dict:
+        return {n: torch.full(s, value) for n, s in shapes[f].items()}
+
+    # In the fragments' first merges, before any history: the optimizer's bound is the yardstick.
+    lies = {
+        attack(ctx, clock, 0, filled(0, 1e-3), c_steps=3, c_tokens=2**62): "implausible claim",  # weight 1e36
+        attack(ctx, clock, 1, filled(1, -1e-3), c_steps=1, c_tokens=2**40): "implausible claim",  # the step turned around
+        attack(ctx, clock, 2, filled(2, 30.0), c_steps=10**9, c_tokens=10**9 * TPS): "implausible claim",  # huge delta, tiny per step
+        attack(ctx, clock, 3, filled(3, 1.0), c_steps=3, c_tokens=3 * TPS): "norm outlier",  # a huge finite delta, plausible counts
+    }
+    # 100 updates each of plausible counts and size, that together claim 100 periods at once.
+    lies |= {attack(ctx, clock, 1, filled(1, 1e-4), c_steps=H, c_tokens=H * TPS): "pending updates" for _ in range(100)}
+    train(cfg, clock, sync, honest, 3 * H)
+
+    # The same honest learner, the same seed, no attacker.
+    cfg2, clock2, ctx2, sync2, honest2 = setup_run()
+    train(cfg2, clock2, sync2, honest2, 3 * H)
+
+    with ctx.reading() as s:
+        for sid, needle in lies.items():
+            row = s.get(Submission, sid)
+            assert row.status == "rejected" and needle in row.reject_reason, (row.c_steps, row.c_tokens, row.reject_reason)
+        honest_rows = s.query(Submission).filter(Submission.learner_id == "us-0").all()
+        versions = q.latest_version_numbers(s, ctx.run_id)
+        acct = q.token_accounting(s, ctx.run_id)
+    assert all(r.status == "merged" for r in honest_rows if r.status != "pending"), "honest work rejected"
+    assert all(v >= 2 for v in versions.values()), versions  # every fragment kept publishing
+    assert acct.rejected == sum(TPS for _ in lies)  # the attacker's claimed new tokens are counted, as rejected
+    a, b = val_loss(sync, cfg), val_loss(sync2, cfg2)
+    assert math.isfinite(a) and abs(a / b - 1) < 0.01, (a, b)
+
+
+def test_counts_no_learner_sends_are_refused_at_registration():
+    for bad in ({"c_steps": 0}, {"c_tokens": 0}, {"tokens_new": -1}, {"tokens_new": 10**15}, {"base_version": -1}):
+        fields = {"uid": "u", "fragment": 0, "base_version": 0, "c_steps": 4, "c_tokens": 4 * TPS, "tokens_new": TPS,
+                  "tokens_total": TPS, "blob_key": "k", "sha256": "0" * 64, "nbytes": 10, "codec": "int8"} | bad
+        with pytest.raises(ValueError, match="implausible counts"):
+            q.SubmissionIn(**fields)
