@@ -21,7 +21,7 @@ N-float32 array into a preallocated one). Goal: pipeline GB/s (float32 bytes) >=
 torch runs on one thread, as the synchronizer process does. With ``--device cuda`` (or auto on a
 machine with a GPU) the merge runs on the GPU, as the synchronizer's does: the blobs' codes are
 copied to it and decoded there; a device-to-device copy of the same bytes is reported beside the
-host memcpy.
+host memcpy, and the figures go to ``merge_throughput_cuda.json``.
 
     python benchmarks/merge_throughput.py [--quick] [--params 25e6] [--submissions 8] [--rounds 3] [--device auto]
 """
@@ -320,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     results["goal"] = {"ratio_min": GOAL_RATIO, "pass": all_pass}
     print(f"load: {results['load']['uptime_end']}")
     print(f"\ngoal: pipeline >= {GOAL_RATIO} x memcpy (float32 bytes), every codec: {verdict(all_pass)}")
-    write_results(NAME, results, args.json)
+    # GPU rows go beside the CPU figures, not over them.
+    write_results(NAME if ws.device.type == "cpu" else f"{NAME}_{ws.device.type}", results, args.json)
     return 0
 
 
