@@ -196,9 +196,12 @@ def test_register_submission_twice_is_a_noop(run):
         q.register_learner(s, RUN, "us-0", "us", T0)
         first = q.register_submission(s, RUN, "us-0", 0, sub("u1", tokens_new=100, tokens_total=100), T0)
     with S.begin() as s:
-        # Same uid, even with other numbers: nothing changes.
-        again = q.register_submission(s, RUN, "us-0", 0, sub("u1", fragment=1, tokens_new=999, tokens_total=999), T0)
+        # The same registration again (a retry): nothing changes.
+        again = q.register_submission(s, RUN, "us-0", 0, sub("u1", tokens_new=100, tokens_total=100), T0)
     assert first[1] is True and again == (first[0], False)
+    # The same uid with other numbers is refused: its tokens would appear nowhere in the accounting.
+    with pytest.raises(q.SubmissionConflictError), S.begin() as s:
+        q.register_submission(s, RUN, "us-0", 0, sub("u1", fragment=1, tokens_new=999, tokens_total=999), T0)
     with S() as s:
         rows = s.scalars(select(Submission)).all()
         assert len(rows) == 1 and rows[0].fragment == 0 and rows[0].tokens_new == 100

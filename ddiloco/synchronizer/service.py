@@ -25,7 +25,7 @@ from ddiloco.platform.compression import CompressionError, decode_delta_into
 from ddiloco.platform.config import ConfigError, tokens_per_step
 from ddiloco.platform.faults import fault_point
 from ddiloco.platform.fragments import fragment_views
-from ddiloco.platform.ids import global_key, outer_state_key
+from ddiloco.platform.ids import InvalidIdError, global_key, outer_state_key, submission_key
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.models import FragmentVersion, Submission
 from ddiloco.platform.models.weights import load_weights, read_weights
@@ -366,7 +366,14 @@ class Synchronizer:
         if sb.nbytes > most:
             return f"blob: {sb.nbytes} bytes registered, more than the {most} any encoding of this fragment takes"
         try:
-            tensors, meta = self.ctx.store(regions[sb.learner_id]).get_with_metadata(sb.blob_key, sb.sha256, sb.nbytes)
+            # The key is derived, never taken from the row: a claimed key could name any blob.
+            key = submission_key(self.ctx.run_id, sb.fragment, sb.learner_id, sb.uid)
+        except InvalidIdError as err:
+            return f"blob: {err}"
+        if sb.blob_key != key:
+            return f"blob: registered under {sb.blob_key[:160]!r}, not under {key!r} that its ids give"
+        try:
+            tensors, meta = self.ctx.store(regions[sb.learner_id]).get_with_metadata(key, sb.sha256, sb.nbytes)
             delta = FlatDelta(layout, row, decode_delta_into(tensors, meta, layout.items(), row))
         except StoreError as err:
             return f"blob: {err}"
@@ -544,11 +551,19 @@ def collect_garbage(ctx: RunContext) -> tuple[int, int]:
         subs = [] if rcfg.keep_submission_blobs else q.submissions_for_gc(s, ctx.run_id)
         owner = {row.id: row.region for row in q.learners(s, ctx.run_id)}
     store = ctx.store()
+    # Only keys under this run's own prefixes (versions: what the synchronizer wrote) or derived from a
+    # submission's ids are ever deleted: a row's key could name another run's, or a pending, blob.
+    written_here = (f"{ctx.run_id}/global/", f"{ctx.run_id}/outer/")
     for v in versions:
-        store.delete(v.blob_key)
-        store.delete(v.state_key)
+        for key in (v.blob_key, v.state_key):
+            if key.startswith(written_here):
+                store.delete(key)
     for sb in subs:
-        ctx.store(owner.get(sb.learner_id)).delete(sb.blob_key)
+        try:
+            key = submission_key(ctx.run_id, sb.fragment, sb.learner_id, sb.uid)
+        except InvalidIdError:
+            continue
+        ctx.store(owner.get(sb.learner_id)).delete(key)
     with ctx.transaction() as s:
         q.mark_blobs_deleted(s, versions, subs)
     return len(versions), len(subs)

@@ -56,6 +56,10 @@ class UnknownRunError(LedgerError):
     pass
 
 
+class SubmissionConflictError(LedgerError):
+    """A submission id registered again with other content: the first registration stands, the second is refused."""
+
+
 def _insert(session: Session, model: type) -> Any:
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
@@ -391,15 +395,19 @@ def _insert_submissions(
     ]
     created = {uid: sub_id for sub_id, uid in session.connection().execute(_submission_insert(session), rows).all()}
     ids = dict(created)
-    missing = [sub.uid for sub in subs if sub.uid not in created]
+    missing = [sub for sub in subs if sub.uid not in created]
     if missing:
-        ids.update(
-            session.execute(
-                select(Submission.uid, Submission.id).where(
-                    Submission.run_id == run_id, Submission.learner_id == learner_id, Submission.uid.in_(missing)
-                )
-            ).all()
-        )
+        content = ("fragment", "base_version", "c_steps", "c_tokens", "tokens_new", "blob_key", "sha256", "nbytes", "codec")
+        rows = session.execute(
+            select(Submission.uid, Submission.id, *(getattr(Submission, c) for c in content)).where(
+                Submission.run_id == run_id, Submission.learner_id == learner_id, Submission.uid.in_([m.uid for m in missing])
+            )
+        ).all()
+        before = {row.uid: row for row in rows}
+        for sub in missing:  # a retry repeats itself exactly; anything else would vanish from the accounting
+            if tuple(getattr(before[sub.uid], c) for c in content) != tuple(getattr(sub, c) for c in content):
+                raise SubmissionConflictError(f"submission {sub.uid!r} of learner {learner_id!r} is already registered with other content")
+        ids.update({uid: row.id for uid, row in before.items()})
     return [(ids[sub.uid], sub.uid in created) for sub in subs], [sub for sub in subs if sub.uid in created], created
 
 

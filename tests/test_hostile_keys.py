@@ -1,0 +1,110 @@
+"""Keys are derived, not trusted: a submission naming another blob is rejected, and GC deletes only what the
+run wrote or what a submission's own ids give; an id registered again with other content is refused."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+from test_bad_submissions import setup_run, shapes_of
+
+from ddiloco.inprocess import sim_step
+from ddiloco.platform.compression import encode_delta
+from ddiloco.platform.ids import global_key, submission_key
+from ddiloco.platform.ledger import open_ledger, session_factory
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger.models import Submission
+from ddiloco.platform.runtime import to_datetime
+from ddiloco.platform.store import encode_tensors, sha256_hex
+from ddiloco.synchronizer.service import collect_garbage
+
+
+def register(ctx, clock, fragment: int, key: str, data: bytes, learner: str = "us-1", uid: str | None = None) -> int:
+    sub = q.SubmissionIn(uid or uuid.uuid4().hex[:12], fragment, 0, 3, 300, 300, 300, key, sha256_hex(data), len(data), "none")
+    with ctx.transaction() as s:
+        return q.register_submission(s, ctx.run_id, learner, 0, sub, to_datetime(clock.t))[0]
+
+
+def test_a_submission_naming_other_blobs_is_rejected_and_gc_deletes_none_of_them():
+    cfg, clock, ctx, sync, good = setup_run()
+    with ctx.transaction() as s:
+        q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t))
+        q.register_learner(s, ctx.run_id, "us-2", "us", to_datetime(clock.t))
+        newest = q.latest_versions(s, ctx.run_id)[0]
+    store = ctx.store("us")
+    enc, meta = encode_delta({n: torch.full(s_, 1e-4) for n, s_ in shapes_of(sync, 0).items()}, "none")
+    data = encode_tensors(enc, meta)
+    # An honest pending submission of us-2, and blobs of another run, written where they belong.
+    honest_uid = uuid.uuid4().hex[:12]
+    honest_key = submission_key(ctx.run_id, 0, "us-2", honest_uid)
+    store.put_bytes(honest_key, data)
+    other_run = global_key("other-run", 0, 0)
+    store.put_bytes(other_run, data)
+    victims = {
+        "this run's global version": newest.blob_key,
+        "another run's global version": other_run,
+        "another learner's pending submission": honest_key,
+    }
+    victims = {what: key for what, key in victims.items() if store.exists(key)}
+    assert len(victims) == 3, victims
+    before = {key: store.get_bytes(key) for key in victims.values()}
+    hostile = {what: register(ctx, clock, 0, key, before[key]) for what, key in victims.items()}
+    honest = register(ctx, clock, 0, honest_key, data, learner="us-2", uid=honest_uid)
+    for _ in range(2 * cfg.fragments.count):
+        clock.t += 1.0
+        sim_step(good, clock.t)
+        sync.poll_once(clock.t)
+    with ctx.transaction() as s:
+        for what, sid in hostile.items():
+            row = s.get(Submission, sid)
+            assert row.status == "rejected" and "that its ids give" in row.reject_reason, (what, row.status, row.reject_reason)
+        assert s.get(Submission, honest).status == "merged"
+    collect_garbage(ctx)
+    for what, key in victims.items():
+        if what == "another learner's pending submission":
+            continue  # merged now: its own (derived) blob is the one GC may delete
+        assert store.get_bytes(key) == before[key], f"GC deleted {what}"
+
+
+def test_gc_deletes_a_decided_submissions_own_blob_under_its_derived_key():
+    cfg, clock, ctx, sync, good = setup_run()
+    with ctx.transaction() as s:
+        q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t))
+    store = ctx.store("us")
+    uid = uuid.uuid4().hex[:12]
+    key = submission_key(ctx.run_id, 0, "us-1", uid)
+    data = b"not a blob"
+    store.put_bytes(key, data)
+    sid = register(ctx, clock, 0, key, data, uid=uid)
+    clock.t += 1.0
+    sync.poll_once(clock.t)
+    with ctx.transaction() as s:
+        assert s.get(Submission, sid).status == "rejected"
+    collect_garbage(ctx)
+    assert not store.exists(key)
+
+
+def test_an_id_registered_again_with_other_content_is_refused(ledger_url):
+    engine = open_ledger(ledger_url)
+    now = to_datetime(1_700_000_000.0)
+    try:
+        with session_factory(engine).begin() as s:
+            q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=2, token_budget=10, now=now)
+            q.register_learner(s, "r", "a", "us", now)
+        first = q.SubmissionIn("u1", 0, 0, 3, 300, 300, 300, submission_key("r", 0, "a", "u1"), "0" * 64, 100, "none")
+        with session_factory(engine).begin() as s:
+            sid, created = q.register_submission(s, "r", "a", 0, first, now)
+        assert created
+        with session_factory(engine).begin() as s:
+            assert q.register_submission(s, "r", "a", 0, first, now) == (sid, False)  # a retry: a no-op
+        for change in ({"fragment": 1}, {"c_tokens": 600, "tokens_new": 600, "tokens_total": 600}, {"sha256": "1" * 64}):
+            other = q.SubmissionIn(**{**first.__dict__, **change})
+            with pytest.raises(q.SubmissionConflictError, match="already registered with other content"), \
+                    session_factory(engine).begin() as s:
+                q.register_submission(s, "r", "a", 0, other, now)
+        with session_factory(engine)() as s:
+            row = s.get(Submission, sid)
+            assert (row.fragment, row.c_tokens, row.sha256) == (0, 300, "0" * 64)
+    finally:
+        engine.dispose()
