@@ -461,6 +461,7 @@ def synchronizer(
 def evaluate_command(
     config: Path | None = ConfigOpt,
     run: str | None = typer.Option(None, "--run", help="Run id; defaults to the config's name."),
+    device: str = typer.Option("auto", "--device", help="auto (the GPU when torch sees one), cpu, cuda or cuda:N."),
     verbose: bool = False,
 ) -> None:
     """Run the evaluator: evaluate newly published global versions every synchronizer.eval_every_s, record them, stop when the run ends."""
@@ -469,7 +470,11 @@ def evaluate_command(
 
     _setup_logging(verbose)
     cfg = _config(config)
-    run_evaluator(RunContext.open(cfg, run or cfg.name))
+    try:
+        run_evaluator(RunContext.open(cfg, run or cfg.name), device=device)
+    except ValueError as err:
+        err_console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
 
 
 @app.command("summary")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from support import tiny_config
 
@@ -66,11 +67,25 @@ def test_the_synchronizer_pass_never_evaluates_and_the_evaluator_records_publish
     assert later == pytest.approx(evaluate_global(cfg, newest_params(ctx))[0], rel=1e-6)
 
 
-def test_the_evaluator_refuses_a_cadence_that_is_not_positive() -> None:
+def test_the_evaluator_refuses_a_cadence_that_is_not_positive_and_a_device_that_is_no_device() -> None:
     cfg = in_memory_config(tiny_config(name="cadence0"))
     ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=SimClock())
     with pytest.raises(ValueError, match="cadence must be > 0"):
         Evaluator(ctx, every_s=0)
+    for bad in ("gpu", "meta", "cuda:x"):
+        with pytest.raises(ValueError, match=f"must be auto, cpu, cuda or cuda:N, got '{bad}'"):
+            Evaluator(ctx, device=bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")
+def test_the_evaluator_on_a_gpu_records_the_cpu_loss() -> None:
+    cfg = in_memory_config(tiny_config(name="evalgpu", **SECTIONS))
+    ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=SimClock())
+    Synchronizer(ctx, holder="sync").poll_once(0.0)  # version 0 (merged on the GPU: auto)
+    gpu = Evaluator(ctx, device="auto")
+    assert next(gpu.model.parameters()).device.type == "cuda"
+    loss, _ = gpu.evaluate_once(1.0)
+    assert loss == pytest.approx(evaluate_global(cfg, newest_params(ctx))[0], rel=1e-4)
 
 
 def test_ddiloco_evaluate_is_its_own_process_and_stops_when_the_run_has_ended(tmp_path: Path) -> None:

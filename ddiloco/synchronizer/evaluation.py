@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -53,9 +54,13 @@ def evaluate_global(
 ) -> tuple[float, float | None]:
     """(validation loss, accuracy or None) of the run's model holding ``params``.
 
-    ``model`` (overwritten) saves building one; by default a fresh model of ``cfg.model``."""
+    ``model`` (overwritten) saves building one; by default a fresh model of ``cfg.model``. The
+    evaluation runs where ``model`` lives (a GPU model gets its batches moved there)."""
     model = load_params(build_model(cfg.model, seed=cfg.seed) if model is None else model, params)
     batches = build_dataset(cfg.data, cfg.model).val_batches(cfg.learners.batch_size)
+    device = next(model.parameters()).device
+    if device.type != "cpu":
+        batches = [replace(b, inputs=b.inputs.to(device), targets=b.targets.to(device)) for b in batches]
     return evaluate(model, batches)
 
 

@@ -26,13 +26,23 @@ log = logging.getLogger("ddiloco.evaluator")
 class Evaluator:
     """Evaluates newly published versions on its own cadence; holds no training state."""
 
-    def __init__(self, ctx: RunContext, *, every_s: float | None = None) -> None:
+    def __init__(self, ctx: RunContext, *, every_s: float | None = None, device: str = "cpu") -> None:
         self.ctx = ctx
         self.every_s = ctx.cfg.synchronizer.eval_every_s if every_s is None else every_s
         if not self.every_s > 0:
             raise ValueError(f"the evaluator's cadence must be > 0 seconds, got {self.every_s}")
-        self.model: torch.nn.Module = build_model(ctx.cfg.model, seed=ctx.cfg.seed)
-        """Built once and overwritten with each evaluated version."""
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            where = torch.device(device)
+            if where.type not in ("cpu", "cuda"):
+                raise RuntimeError(where.type)
+        except RuntimeError:
+            raise ValueError(f"evaluator device must be auto, cpu, cuda or cuda:N, got {device!r}") from None
+        if where.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("evaluator device cuda: torch sees no CUDA device")
+        self.model: torch.nn.Module = build_model(ctx.cfg.model, seed=ctx.cfg.seed).to(where)
+        """Built once (on ``device``: auto is the GPU when torch sees one) and overwritten with each evaluated version."""
         self.evaluated: dict[int, int] | None = None
         """The version of every fragment at this evaluator's last evaluation."""
 
@@ -73,7 +83,7 @@ class Evaluator:
         return made
 
 
-def run_evaluator(ctx: RunContext, stop: threading.Event | None = None) -> int:
+def run_evaluator(ctx: RunContext, stop: threading.Event | None = None, device: str = "auto") -> int:
     """The evaluator process's body: one torch thread (it shares the machine with learners), SIGTERM stops it."""
     import signal
 
@@ -83,4 +93,4 @@ def run_evaluator(ctx: RunContext, stop: threading.Event | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
     log.info("evaluator started for run %s (every %.0fs)", ctx.run_id, ctx.cfg.synchronizer.eval_every_s)
-    return Evaluator(ctx).run(stop)
+    return Evaluator(ctx, device=device).run(stop)
