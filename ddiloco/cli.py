@@ -332,7 +332,7 @@ def store_check(url: str = typer.Argument(..., help="fsspec URL of the store roo
     store.delete(key)
     gone = not store.exists(key)
     console.print(
-        f"store {url}: round trip {'ok' if ok else 'FAILED'}, immutable {'ok' if immutable else 'FAILED'}, "
+        f"store {redact_url(url)}: round trip {'ok' if ok else 'FAILED'}, immutable {'ok' if immutable else 'FAILED'}, "
         f"delete {'ok' if gone else 'FAILED'}"
     )
     if not (ok and immutable and gone):

@@ -199,3 +199,7 @@ def test_poison_submissions_are_rejected_and_their_fragment_keeps_publishing():
             assert ctx.cfg.storage.url not in row.reject_reason
         after = q.latest_version_numbers(s, ctx.run_id)[0]
     assert after >= before + 2, (before, after)
+
+
+def test_a_store_shows_its_url_masked():
+    assert repr(FragmentStore("s3://AKIAEX:wJalrSECRET@bucket/root")) == "FragmentStore('s3://AKIAEX:***@bucket/root')"

@@ -23,6 +23,7 @@ from safetensors.torch import save as st_save
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
 from ddiloco.platform.ids import InvalidIdError
+from ddiloco.platform.redact import redact_url
 
 # Transient failures (network, a restarting server) are retried; integrity failures are not.
 RETRY_ATTEMPTS = 6
@@ -167,7 +168,7 @@ class FragmentStore:
             os.makedirs(self.root, exist_ok=True)
 
     def __repr__(self) -> str:
-        return f"FragmentStore({self.url!r})"
+        return f"FragmentStore({redact_url(self.url)!r})"
 
     def path(self, key: str) -> str:
         return f"{self.root}/{_check_key(key)}"
