@@ -54,6 +54,8 @@ def refused(data: dict) -> str:
         ({"ledger": {"url": "http://db.example/ledger"}}, "ledger.url: unsupported ledger backend 'http'"),
         ({"ledger": {"url": "/etc/hostname"}}, "ledger.url: '/etc/hostname' is not a database URL"),
         ({"ledger": {"url": "postgresql+nosuchdriver://db/x"}}, "ledger.url: unsupported driver 'nosuchdriver'"),
+        ({"ledger": {"url": "postgresql+psycopg://u@h/db", "idle_in_transaction_timeout_s": 30.0}},
+         "ledger.idle_in_transaction_timeout_s (30.0) must not exceed learners.dead_after_s"),
     ],
 )
 def test_nonsense_is_refused_naming_the_field(data, needle):

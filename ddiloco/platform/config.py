@@ -505,9 +505,16 @@ class RunConfig(BaseSettings):
             if why:
                 raise ValueError(f"{where}: {why}")
         ledger = self.ledger.url
-        why = ledger_url_problem(ledger.get_secret_value() if hasattr(ledger, "get_secret_value") else ledger)
+        ledger = ledger.get_secret_value() if hasattr(ledger, "get_secret_value") else ledger
+        why = ledger_url_problem(ledger)
         if why:
             raise ValueError(f"ledger.url: {why}")
+        idle = self.ledger.idle_in_transaction_timeout_s
+        if ledger.startswith("postgresql") and idle is not None and idle > self.learners.dead_after_s:
+            raise ValueError(
+                f"ledger.idle_in_transaction_timeout_s ({idle}) must not exceed learners.dead_after_s "
+                f"({self.learners.dead_after_s}): a frozen process's locks would outlive its verdict"
+            )
         return self
 
     def storage_url_for(self, region: str | None) -> str:
