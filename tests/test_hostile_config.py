@@ -140,6 +140,8 @@ def test_unknown_env_variables_and_single_underscore_typos_are_refused(monkeypat
 
 def test_unknown_env_walks_sections():
     assert unknown_env({"DDILOCO_LEARNERS__REGIONS": "[]", "DDILOCO_GRACE__MAX_S": "1", "PATH": "/bin"}) == []
+    assert unknown_env({"DDILOCO_STORAGE__SECRETS__KEY": "k", "DDILOCO_MODEL__KWARGS__DIM": "8",
+                        "DDILOCO_MODEL__HF_CONFIG__MODEL_TYPE": "llama"}) == []
     assert len(unknown_env({"DDILOCO_GRACE__MAX_S__X": "1", "ddiloco_seedd": "1"})) == 2
 
 

@@ -554,9 +554,9 @@ def unknown_env(environ: typing.Mapping[str, str] | None = None) -> list[str]:
             continue
         model: Any = RunConfig
         for part in upper.removeprefix("DDILOCO_").lower().split("__"):
-            if typing.get_origin(model) is dict:
-                continue  # a mapping's keys are its own: DDILOCO_STORAGE__SECRETS__SECRET
-            field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+            if not (isinstance(model, type) and issubclass(model, BaseModel)):
+                continue  # below a mapping (or any non-section) the keys are data: DDILOCO_STORAGE__SECRETS__SECRET
+            field = model.model_fields.get(part)
             if field is None:
                 break
             sections = [a for a in (field.annotation, *typing.get_args(field.annotation)) if isinstance(a, type)]
