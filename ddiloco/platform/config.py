@@ -555,7 +555,9 @@ def unknown_env(environ: typing.Mapping[str, str] | None = None) -> list[str]:
         model: Any = RunConfig
         for part in upper.removeprefix("DDILOCO_").lower().split("__"):
             if not (isinstance(model, type) and issubclass(model, BaseModel)):
-                continue  # below a mapping (or any non-section) the keys are data: DDILOCO_STORAGE__SECRETS__SECRET
+                if dict in (typing.get_origin(model), *map(typing.get_origin, typing.get_args(model))):
+                    continue  # below a mapping the keys are data: DDILOCO_STORAGE__SECRETS__SECRET
+                break  # below a plain value nothing is a field
             field = model.model_fields.get(part)
             if field is None:
                 break
