@@ -225,7 +225,6 @@ class _Scratch:
     def __init__(self, step: int, device: torch.device) -> None:
         half = (step + 1) // 2
         self.x = torch.empty(half, dtype=torch.uint8, device=device)
-        self.y = torch.empty(half, dtype=torch.uint8, device=device)
         self.lo = torch.empty(half, dtype=torch.int16, device=device)
         self.hi = torch.empty(half, dtype=torch.int16, device=device)
         self.idx = torch.empty(0 if _LITTLE_ENDIAN else half, dtype=torch.int32, device=device)
@@ -234,21 +233,19 @@ class _Scratch:
 def _unpack4(packed: torch.Tensor, s: _Scratch) -> torch.Tensor:
     """Packed int4 (two codes a byte, low nibble first, offset by 8) -> int8 codes times 16, two per byte.
 
-    nibble ^ 8 is the code's 4-bit two's complement; shifted into the high half of a byte it reads as
-    the int8 code * 16. Each byte's two codes are assembled as one int16 [low, high] (little-endian)."""
+    nibble ^ 8 is the code's 4-bit two's complement; in the high half of a byte it reads as the int8
+    code * 16. A byte p = lo + 16 hi becomes the int16 16 lo + 4096 hi = 16 (p + 15 (p & 0xF0)):
+    its two bytes are [low code, high code] on a little-endian machine."""
     n = packed.numel()
-    lo, hi = s.lo[:n], s.hi[:n]
+    v, t = s.lo[:n], s.hi[:n]
     if not _LITTLE_ENDIAN:
         s.idx[:n].copy_(packed)
-        torch.index_select(_INT4_PAIRS.to(packed.device), 0, s.idx[:n], out=lo)
-        return lo.view(torch.int8)
-    x, y = s.x[:n], s.y[:n]
-    torch.bitwise_xor(packed, 0x88, out=x)
-    torch.bitwise_left_shift(x, 4, out=y)  # the low code into the high half (uint8 drops the rest)
-    lo.copy_(y)
-    hi.copy_(x.bitwise_and_(0xF0))
-    hi.bitwise_left_shift_(8)  # the high code into the int16's high byte (wraps, as intended)
-    return lo.bitwise_or_(hi).view(torch.int8)
+        torch.index_select(_INT4_PAIRS.to(packed.device), 0, s.idx[:n], out=v)
+        return v.view(torch.int8)
+    x = s.x[:n]
+    v.copy_(torch.bitwise_xor(packed, 0x88, out=x))
+    torch.bitwise_and(v, 0xF0, out=t)
+    return v.add_(t, alpha=15).bitwise_left_shift_(4).view(torch.int8)  # (wraps in int16, as intended)
 
 
 def _decode_tensor(
