@@ -50,6 +50,8 @@ POLL_RETRY_MAX_S = 5.0
 """Longest wait between two attempts of a failing poll (ledger or store down)."""
 GC_EVERY_S = 5.0
 """How often blobs the retention policy lets go are deleted."""
+TAKEOVER_DETAIL_PASSES = 40
+"""Passes logged in detail after taking the lease over (time, pending, merges, why the rest waits)."""
 
 
 @dataclass
@@ -123,6 +125,7 @@ class Synchronizer:
         self._bootstrapped = False
         self._last_status = -math.inf
         self._last_gc = -math.inf
+        self._detail_passes = 0
         self._poll_started: float | None = None
         self._fetch_pool = ThreadPoolExecutor(max_workers=FETCH_WORKERS, thread_name_prefix="fetch")
 
@@ -131,6 +134,7 @@ class Synchronizer:
     def poll_once(self, now: float | None = None, *, drain: bool = False) -> PollResult:
         """Renew the lease, then merge every fragment whose policy says so. ``drain`` merges any pending work."""
         now = self.ctx.now() if now is None else now
+        started = time.perf_counter()
         with span("sync.poll_once"):
             self._register()
             if not self._acquire(now):
@@ -149,6 +153,12 @@ class Synchronizer:
                 self._stand_down()
                 return PollResult(role="standby")
             self._maybe_collect_garbage(now)
+            if self._detail_passes > 0:
+                self._detail_passes -= 1
+                log.info("pass %d after takeover: %.2fs, %d pending (%s), merged %s, waiting: %s",
+                         TAKEOVER_DETAIL_PASSES - self._detail_passes, time.perf_counter() - started,
+                         sum(len(v) for v in snap.pending.values()), {f: len(v) for f, v in snap.pending.items()},
+                         result.merged, result.waiting)
             return result
 
     def _register(self) -> None:
@@ -170,6 +180,7 @@ class Synchronizer:
             self.token = token
             self.state.clear()
             self._bootstrapped = False
+            self._detail_passes = TAKEOVER_DETAIL_PASSES
         return True
 
     def _stand_down(self) -> None:
