@@ -23,7 +23,7 @@ machine with a GPU) the merge runs on the GPU, as the synchronizer's does: the b
 copied to it and decoded there; a device-to-device copy of the same bytes is reported beside the
 host memcpy, and the figures go to ``merge_throughput_cuda.json``.
 
-    python benchmarks/merge_throughput.py [--quick] [--params 25e6] [--submissions 8] [--rounds 3] [--device auto]
+    python benchmarks/merge_throughput.py [--quick] [--params 25e6] [--submissions 8] [--rounds 5] [--device auto]
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = base_parser(__doc__)
     ap.add_argument("--params", type=float, default=25e6, help="parameters in the fragment (float32)")
     ap.add_argument("--submissions", type=int, default=8, help="M: submissions merged at once")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median reported)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median reported)")
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--codecs", default=",".join(CODECS))
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
