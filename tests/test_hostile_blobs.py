@@ -181,12 +181,15 @@ def test_poison_submissions_are_rejected_and_their_fragment_keeps_publishing():
     enc, meta = encode_delta({n: torch.zeros(s_) for n, s_ in shapes_of(sync, 0).items()}, "none")
     honest = encode_tensors(enc, meta)
     deep_meta = encode_tensors(enc, {**meta, "tensors": deep_json()})
+    one_block, one_block_meta = encode_delta({n: torch.zeros(s_) for n, s_ in shapes_of(sync, 0).items()}, "int8", block_size=1 << 20)
     bad = {
         register_raw(ctx, clock, 0, raw_blob(deep_json().encode())): "nested deeper",
         register_raw(ctx, clock, 0, deep_meta): "nested deeper",
         register_raw(ctx, clock, 0, honest + b"\0" * 100_000, nbytes=300): "larger than the 300 bytes",
         register_raw(ctx, clock, 0, honest[:-7]): "not a valid safetensors",
         register_raw(ctx, clock, 0, honest, nbytes=1 << 40): "more than the",
+        # A block size no tensor can be viewed with (the decoder raised TypeError out of the poll).
+        register_raw(ctx, clock, 0, encode_tensors(one_block, {**one_block_meta, "block_size": str(10**30)})): "bad update",
     }
     for _ in range(3 * cfg.fragments.count):
         clock.t += 1.0

@@ -390,6 +390,9 @@ class Synchronizer:
             return f"blob: {err}"
         except CompressionError as err:
             return f"bad update: {err}"
+        except (TypeError, ValueError, OverflowError, RuntimeError, IndexError) as err:
+            # Whatever else a hostile blob makes the decoder raise is this blob's fault: it must not stall the fragment.
+            return f"bad update: {type(err).__name__}: {' '.join(str(err).split())[:160]}"
         norm = delta.norm
         # Judged per inner step: increments of one fragment cover different numbers of steps (the
         # first send of fragment p comes after p steps, the next ones after H).
