@@ -345,3 +345,19 @@ def test_merge_runs_on_cuda_and_agrees_with_the_cpu() -> None:
         assert gpu.params[n].device.type == "cuda"
         torch.testing.assert_close(gpu.params[n].cpu(), cpu.params[n], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(gpu.momentum[n].cpu(), cpu.momentum[n], rtol=1e-5, atol=1e-6)
+
+
+def test_a_backlog_burst_does_not_pin_its_rows_forever() -> None:
+    from ddiloco.synchronizer.merge import SHRINK_AFTER
+
+    layout = FlatLayout.of({"w": (10,)})
+    ws = MergeWorkspace("cpu")
+    burst = ws.rows(layout, 100)
+    steady = ws.rows(layout, 4)
+    assert steady.data_ptr() == burst.data_ptr()  # smaller requests reuse the buffer...
+    for _ in range(SHRINK_AFTER):
+        steady = ws.rows(layout, 4)
+    assert steady.data_ptr() != burst.data_ptr()  # ...until the burst has clearly passed
+    kept = ws.rows(layout, 8).data_ptr()
+    for count in [4, 8] * SHRINK_AFTER:  # sizes that merely alternate keep one buffer
+        assert ws.rows(layout, count).data_ptr() == kept

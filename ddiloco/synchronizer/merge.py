@@ -33,6 +33,11 @@ CANCEL_TOL = 1e-6
 relative length: the mean of unit vectors that all agree has length 1. What is left below it is
 rounding, and stretching that to the mean norm would step in an arbitrary direction."""
 
+SHRINK_AFTER = 32
+"""A buffer four times larger than this many requests in a row needed is given back: a backlog's
+burst (hundreds of pending submissions after a takeover) does not pin its memory for the rest of
+the run, and sizes that merely alternate are never reallocated."""
+
 MERGE_CHUNK = 1 << 17
 """Elements per pass step on a CPU (512 KB of float32): small enough to stay in cache between the
 operations applied to it (L2 or L3), large enough that per-call overhead stays small."""
@@ -167,12 +172,16 @@ class MergeWorkspace:
         self._grad = torch.empty(0, device=self.device)
         self._spare: dict[int, list[torch.Tensor]] = {}
         self._lent: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._oversized: dict[str, int] = {}
 
     def _grown(self, attr: str, numel: int) -> torch.Tensor:
         buf = getattr(self, attr)
-        if buf.numel() < numel:
+        small = 4 * numel < buf.numel()
+        self._oversized[attr] = self._oversized.get(attr, 0) + 1 if small else 0
+        if buf.numel() < numel or self._oversized[attr] >= SHRINK_AFTER:
             buf = torch.empty(numel, device=self.device)
             setattr(self, attr, buf)
+            self._oversized[attr] = 0
         return buf[:numel]
 
     def rows(self, layout: FlatLayout, count: int) -> torch.Tensor:
