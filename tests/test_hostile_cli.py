@@ -120,7 +120,7 @@ def test_an_unreachable_ledger_is_reported_within_seconds_never_a_silent_hang(tm
     secret = "hunter2-planted"
     url = f"postgresql+psycopg://ops:{secret}@127.0.0.1:{free_port()}/ledger"
     start = time.perf_counter()
-    done = cli("synchronizer", "--wait-s", "2", env={"DDILOCO_LEDGER__URL": url, "DDILOCO_STORAGE__URL": f"file://{tmp_path}/s"})
+    done = cli("synchronizer", "--wait-s", "1", env={"DDILOCO_LEDGER__URL": url, "DDILOCO_STORAGE__URL": f"file://{tmp_path}/s"})
     took = time.perf_counter() - start
     out = done.stdout + done.stderr
     assert done.returncode == 2, out
