@@ -608,23 +608,36 @@ def deploy_command(
     pool_type: str = typer.Option("process", help="Work pool type for the region pools (process, kubernetes, ecs, cloud-run)."),
     secret_block: list[str] = typer.Option([], "--secret-block", help="ENV_VAR=block-name: flow runs read ENV_VAR from that "
                                            "Prefect Secret block (e.g. DDILOCO_LEDGER__URL=ddiloco-ledger-url); repeatable."),
+    base_job_template: Path | None = typer.Option(None, help="Base job template of new pools, e.g. infra/work-pools/kubernetes.json."),
+    notify_block: str | None = typer.Option(None, help="TYPE/NAME of a Prefect notification block (e.g. slack-webhook/ops): "
+                                            "create the alerts' automations, sending through it."),
+    stall_minutes: float = typer.Option(10.0, help="Alert when a run publishes no global version for this many minutes."),
+    relaunches_per_hour: int = typer.Option(3, help="Alert when a learner is relaunched more often than this within an hour."),
 ) -> None:
     """Create one work pool per region and the learner, synchronizer and training-run deployments (PREFECT_API_URL)."""
-    from prefect.settings import PREFECT_API_URL
+    try:
+        from prefect.settings import PREFECT_API_URL
+    except ModuleNotFoundError:
+        _refuse("Prefect is not installed: pip install 'ddiloco[flows]'")
 
     if not PREFECT_API_URL.value():
         # Otherwise Prefect starts a temporary server that vanishes, deployments and all, when this command exits.
         _refuse("no Prefect API configured: set PREFECT_API_URL (e.g. http://127.0.0.1:4200/api) or log in to Prefect Cloud")
-    from ddiloco.flows.deploy import deploy, parse_secret_blocks
+    from ddiloco.flows.alerts import AlertPolicy
+    from ddiloco.flows.deploy import deploy, parse_secret_blocks, read_job_template
 
     cfg = _config(config)
     try:
-        plan = deploy(cfg, cron=cron, pool_type=pool_type, secret_blocks=parse_secret_blocks(secret_block))
+        plan = deploy(cfg, cron=cron, pool_type=pool_type, secret_blocks=parse_secret_blocks(secret_block),
+                      base_job_template=read_job_template(base_job_template) if base_job_template else None,
+                      notify_block=notify_block, alert_policy=AlertPolicy(stall_minutes, relaunches_per_hour))
     except ValueError as err:
         err_console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
     console.print(f"work pools: {', '.join(plan.pools)}")
     console.print(f"deployments: {', '.join(plan.deployments)}")
+    if plan.automations:
+        console.print(f"alerts: {', '.join(plan.automations)} -> {notify_block}")
     console.print("start one worker per region: prefect worker start --pool region-<name>")
 
 

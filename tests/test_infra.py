@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -17,20 +16,9 @@ import yaml
 from prefect.client.schemas.schedules import CronSchedule
 from sqlalchemy.engine import make_url
 
+from ddiloco.testing.compose import INFRA, dotenv, render_compose
+
 ROOT = Path(__file__).resolve().parent.parent
-INFRA = ROOT / "infra"
-
-
-def dotenv(path: Path) -> dict[str, str]:
-    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if line.strip() and not line.startswith("#"))
-    return {k.strip(): v.strip() for k, v in pairs}
-
-
-def render_compose(env_file: Path = INFRA / ".env.example") -> dict:
-    """compose.yaml with ${VAR} and ${VAR:?message} filled from an .env file, as docker compose does."""
-    values = dotenv(env_file)
-    text = re.sub(r"\$\{(\w+)(?::\?[^}]*)?\}", lambda m: values[m.group(1)], (INFRA / "compose.yaml").read_text())
-    return yaml.safe_load(text)
 
 
 PLANTED_ENV = {"POSTGRES_PASSWORD": "pg-planted-4c1e", "S3_ACCESS_KEY": "s3-key-planted-77", "S3_SECRET_KEY": "s3-secret-planted-9b"}

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 from prefect.deployments.runner import EntrypointType
 from prefect.exceptions import ObjectAlreadyExists
 
+from ddiloco.flows.alerts import AlertPolicy, apply_automations
 from ddiloco.flows.training import learner_flow, synchronizer_flow, training_run
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.redact import redact_url
@@ -22,6 +24,7 @@ POOL_PREFIX = "region-"
 class DeploymentPlan:
     pools: list[str]
     deployments: list[str]
+    automations: list[str] = field(default_factory=list)
 
 
 def pool_name(region: str) -> str:
@@ -62,24 +65,38 @@ def region_env(cfg: RunConfig, region: str, secret_blocks: dict[str, str] | None
     return env
 
 
-def ensure_pool(name: str, pool_type: str = "process") -> bool:
-    """Create a work pool if it does not exist; True if it was created."""
+def read_job_template(path: Path) -> dict:
+    """A base job template file (``prefect work-pool get-default-base-job-template`` format), or a one-line error."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--base-job-template {path}: {err}") from None
+    if not isinstance(data, dict) or not {"job_configuration", "variables"} <= set(data):
+        raise ValueError(f"--base-job-template {path}: expected an object with job_configuration and variables")
+    return data
+
+
+def ensure_pool(name: str, pool_type: str = "process", base_job_template: dict | None = None) -> bool:
+    """Create a work pool (``base_job_template``: e.g. infra/work-pools/kubernetes.json) unless it exists; True if created."""
     with get_client(sync_client=True) as client:
         try:
-            client.create_work_pool(WorkPoolCreate(name=name, type=pool_type))
+            client.create_work_pool(WorkPoolCreate(name=name, type=pool_type, base_job_template=base_job_template or {}))
         except ObjectAlreadyExists:
             return False
     return True
 
 
 def deploy(
-    cfg: RunConfig, *, cron: str | None = None, pool_type: str = "process", secret_blocks: dict[str, str] | None = None
+    cfg: RunConfig, *, cron: str | None = None, pool_type: str = "process", secret_blocks: dict[str, str] | None = None,
+    base_job_template: dict | None = None, notify_block: str | None = None, alert_policy: AlertPolicy | None = None,
 ) -> DeploymentPlan:
-    """One pool per region; a learner deployment per region; synchronizer and training-run in the first region."""
+    """One pool per region; a learner deployment per region; synchronizer and training-run in the first region;
+    the alerts' automations when a notification block (``TYPE/NAME``) is named."""
+    automation_names = apply_automations(notify_block, alert_policy) if notify_block else []
     regions = [r.name for r in cfg.learners.regions]
     pools = [pool_name(r) for r in regions]
     for p in pools:
-        ensure_pool(p, pool_type)
+        ensure_pool(p, pool_type, base_job_template)
     names = []
     for region in regions:
         dep = learner_flow.to_deployment(
@@ -110,4 +127,4 @@ def deploy(
         tags=["ddiloco"],
     ).apply()
     names.append("ddiloco-training-run/training-run")
-    return DeploymentPlan(pools=pools, deployments=names)
+    return DeploymentPlan(pools=pools, deployments=names, automations=automation_names)

@@ -49,20 +49,26 @@ class PrefectServer:
 
 
 @contextmanager
-def prefect_server(workdir: Path, *, database_url: str | None = None, timeout_s: float = 120.0) -> Iterator[PrefectServer]:
+def prefect_server(
+    workdir: Path, *, database_url: str | None = None, command: list[str] | None = None, timeout_s: float = 120.0
+) -> Iterator[PrefectServer]:
     """``prefect server start`` on a free port (SQLite under ``workdir``, or ``database_url``), this
-    process's client pointed at it; every subprocess spawned through it is killed on exit."""
+    process's client pointed at it; every subprocess spawned through it is killed on exit. ``command``
+    (e.g. the compose file's) is run with its ``--host`` and ``--port`` values replaced by 127.0.0.1 and that port."""
     from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
     port = free_port()
+    args = list(command or ["prefect", "server", "start", "--host", "127.0.0.1", "--port", "0", "--analytics-off"])
+    for flag, value in (("--host", "127.0.0.1"), ("--port", str(port))):
+        args[args.index(flag) + 1] = value
     home = workdir / "prefect-home"
     api_url = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, **QUIET, "PREFECT_HOME": str(home), "PREFECT_API_URL": api_url}
     if database_url:
         env["PREFECT_API_DATABASE_CONNECTION_URL"] = database_url
     server = PrefectServer(api_url=api_url, env=env, home=home)
-    server.spawn([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port), "--analytics-off"],
-                 workdir / "prefect-server.log")
+    assert args[:1] == ["prefect"], args
+    server.spawn([sys.executable, "-m", *args], workdir / "prefect-server.log")
     try:
         wait_for(lambda: healthy(f"{api_url}/health"), timeout_s, "the Prefect server")
         with temporary_settings(updates={PREFECT_API_URL: api_url, PREFECT_HOME: str(home)}):
