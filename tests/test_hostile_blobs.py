@@ -48,15 +48,20 @@ def valid_with_metadata(**metadata: str) -> bytes:
 
 # Each shape, and the words its rejection reason must hold.
 POISON = {
-    "deep JSON header": (raw_blob(deep_json().encode()), "nested deeper"),
-    "deep JSON under a tensor entry": (raw_blob({"w": json.loads(deep_json(64))}), "nested deeper"),
-    "deep __metadata__ object": (raw_blob(f'{{"__metadata__": {{"a": {deep_json()}}}}}'.encode()), "nested deeper"),
+    "deep JSON header": (raw_blob(deep_json().encode()), "not a valid safetensors"),
+    "deep JSON under a tensor entry": (raw_blob({"w": json.loads(deep_json(64))}), "not a valid safetensors"),
+    "deep JSON in an unknown field of a tensor entry": (
+        raw_blob(f'{{"w": {{"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": {deep_json(200)}}}}}'.encode(), b"\0" * 4),
+        "recursion limit exceeded",
+    ),
+    "deep __metadata__ object": (raw_blob(f'{{"__metadata__": {{"a": {deep_json()}}}}}'.encode()), "not a valid safetensors"),
     "deep JSON inside a __metadata__ string": (valid_with_metadata(tensors=deep_json()), "__metadata__ 'tensors' nested deeper"),
+    "deep JSON after spaces in a __metadata__ string": (valid_with_metadata(tensors="  " + deep_json()), "nested deeper"),
     "header length beyond any bound": ((1 << 40).to_bytes(8, "little") + b"{}", "header"),
     "header longer than the blob": ((500).to_bytes(8, "little") + b"{}", "bad header length"),
-    "header that is not UTF-8": (raw_blob(b'{"\xff\xfe": 1}'), "not JSON"),
-    "header that is a list": (raw_blob(b"[1, 2]"), "not a JSON object"),
-    "__metadata__ with a number": (raw_blob({"__metadata__": {"a": 1}}), "not a map of strings"),
+    "header that is not UTF-8": (raw_blob(b'{"\xff\xfe": 1}'), "not a valid safetensors"),
+    "header that is a list": (raw_blob(b"[1, 2]"), "not a valid safetensors"),
+    "__metadata__ with a number": (raw_blob({"__metadata__": {"a": 1}}), "not a valid safetensors"),
     "unknown dtype": (raw_blob({"w": {"dtype": "Q9", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4), "not a valid safetensors"),
     "shape that disagrees with its bytes": (
         raw_blob({"w": {"dtype": "F32", "shape": [1000], "data_offsets": [0, 4]}}, b"\0" * 4),
@@ -183,7 +188,7 @@ def test_poison_submissions_are_rejected_and_their_fragment_keeps_publishing():
     deep_meta = encode_tensors(enc, {**meta, "tensors": deep_json()})
     one_block, one_block_meta = encode_delta({n: torch.zeros(s_) for n, s_ in shapes_of(sync, 0).items()}, "int8", block_size=1 << 20)
     bad = {
-        register_raw(ctx, clock, 0, raw_blob(deep_json().encode())): "nested deeper",
+        register_raw(ctx, clock, 0, raw_blob(deep_json().encode())): "not a valid safetensors",
         register_raw(ctx, clock, 0, deep_meta): "nested deeper",
         register_raw(ctx, clock, 0, honest + b"\0" * 100_000, nbytes=300): "larger than the 300 bytes",
         register_raw(ctx, clock, 0, honest[:-7]): "not a valid safetensors",

@@ -87,13 +87,16 @@ def encode_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | 
     return st_save(clean, metadata=metadata)
 
 
-# Bounds on what a blob may ask of its reader, checked before any parser runs: an honest header
+# Bounds on what a blob may ask of its reader, checked before Python parses any of it: an honest header
 # lists a fragment's tensors (well under a megabyte) and nests three deep; a hostile one can be a
-# 100,000-deep JSON document that makes a recursive parser raise on every poll.
+# 100,000-deep JSON document that makes a recursive parser raise on every poll. The header is parsed
+# first by safetensors' Rust parser, whose serde_json refuses nesting past 128 (its recursion limit)
+# and whatever is not a safetensors header; only then by Python, for the metadata.
 MAX_HEADER_BYTES = 16 << 20
 MAX_BLOB_BYTES = 1 << 40
 MAX_JSON_DEPTH = 16
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+"""Metadata values are often JSON themselves (the delta codec's tensor list), parsed later by Python: bounded here."""
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)  # unrolled: 4x faster than an alternation per character
 _BRACKET_STEP = np.zeros(256, dtype=np.int8)
 _BRACKET_STEP[[ord("{"), ord("[")]] = 1
 _BRACKET_STEP[[ord("}"), ord("]")]] = -1
@@ -107,34 +110,6 @@ def json_depth(text: bytes) -> int:
     return int(np.cumsum(_BRACKET_STEP[bare], dtype=np.int32).max())
 
 
-def _parse_header(data: bytes, key: str) -> dict[str, str]:
-    """The blob's ``__metadata__``, after bounding the header's size and nesting (and that of JSON metadata values)."""
-    if len(data) < 8:
-        raise BlobCorruptError(f"blob {key!r} is truncated ({len(data)} bytes)")
-    header_len = int.from_bytes(data[:8], "little")
-    if header_len > MAX_HEADER_BYTES:
-        raise BlobCorruptError(f"blob {key!r} has a {header_len}-byte header (at most {MAX_HEADER_BYTES} allowed)")
-    if header_len <= 0 or 8 + header_len > len(data):
-        raise BlobCorruptError(f"blob {key!r} is not a safetensors file (bad header length {header_len})")
-    raw = data[8 : 8 + header_len]
-    if json_depth(raw) > MAX_JSON_DEPTH:
-        raise BlobCorruptError(f"blob {key!r} has a header nested deeper than {MAX_JSON_DEPTH}")
-    try:
-        header = json.loads(raw)
-    except ValueError as err:  # UnicodeDecodeError included
-        raise BlobCorruptError(f"blob {key!r} has a header that is not JSON: {_short(err)}") from None
-    if not isinstance(header, dict):
-        raise BlobCorruptError(f"blob {key!r} has a header that is not a JSON object")
-    meta = header.get("__metadata__") or {}
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise BlobCorruptError(f"blob {key!r} has __metadata__ that is not a map of strings")
-    for name, value in meta.items():
-        # Metadata values are often JSON themselves (the delta codec's tensor list): bound them too.
-        if json_depth(value.encode()) > MAX_JSON_DEPTH:
-            raise BlobCorruptError(f"blob {key!r} has __metadata__ {name[:40]!r} nested deeper than {MAX_JSON_DEPTH}")
-    return dict(meta)
-
-
 def _short(err: BaseException, limit: int = 160) -> str:
     text = " ".join(str(err).split()) or type(err).__name__
     return text if len(text) <= limit else text[:limit] + "…"
@@ -142,12 +117,25 @@ def _short(err: BaseException, limit: int = 160) -> str:
 
 def decode_tensors(data: bytes, key: str = "<bytes>") -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Parse safetensors bytes with bounds; anything else (a pickle, a truncated file, a hostile header) raises BlobCorruptError."""
-    meta = _parse_header(data, key)
+    if len(data) < 8:
+        raise BlobCorruptError(f"blob {key!r} is truncated ({len(data)} bytes)")
+    header_len = int.from_bytes(data[:8], "little")
+    if header_len > MAX_HEADER_BYTES:
+        raise BlobCorruptError(f"blob {key!r} has a {header_len}-byte header (at most {MAX_HEADER_BYTES} allowed)")
+    if header_len <= 0 or 8 + header_len > len(data):
+        raise BlobCorruptError(f"blob {key!r} is not a safetensors file (bad header length {header_len})")
     try:
         tensors = st_load(data)
-    except Exception as err:  # noqa: BLE001 - whatever the parser chokes on, it is this blob's fault
+        header = json.loads(data[8 : 8 + header_len])  # a header safetensors accepted: shallow, a JSON object
+    except Exception as err:  # noqa: BLE001 - whatever the parsers choke on, it is this blob's fault
         raise BlobCorruptError(f"blob {key!r} is not a valid safetensors file: {_short(err)}") from None
-    return tensors, meta
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise BlobCorruptError(f"blob {key!r} has __metadata__ that is not a map of strings")
+    for name, value in meta.items():
+        if value.lstrip()[:1] in ("[", "{") and json_depth(value.encode()) > MAX_JSON_DEPTH:
+            raise BlobCorruptError(f"blob {key!r} has __metadata__ {name[:40]!r} nested deeper than {MAX_JSON_DEPTH}")
+    return tensors, dict(meta)
 
 
 def sha256_hex(data: bytes) -> str:
