@@ -29,6 +29,7 @@ host memcpy, and the figures go to ``merge_throughput_cuda.json``.
 from __future__ import annotations
 
 import hashlib
+import resource
 import subprocess
 import sys
 import tempfile
@@ -178,6 +179,8 @@ def summarize(d: dict, f32_bytes: int, wire: int) -> dict:
         "ratio_per_round": [round(x, 4) for x in d["ratio"]],
         "stage_s": {k: round(v, 4) for k, v in stage_s.items()},
         "stage_share": {k: round(v / total, 3) for k, v in sorted(stage_s.items(), key=lambda kv: -kv[1])},
+        # A fresh model-sized buffer faults in one page per 4 KiB it touches: the workspace's reuse shows here.
+        "minor_page_faults_per_merge": int(median(d["faults"])),
     }
     if d["device_copy_s"]:
         t_dev = median(d["device_copy_s"])
@@ -249,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             "codecs": {},
         }
     )
-    runs = {c: {"pipeline_s": [], "memcpy_s": [], "device_copy_s": [], "ratio": [], "stages": {}} for c in codecs}
+    runs = {c: {"pipeline_s": [], "memcpy_s": [], "device_copy_s": [], "ratio": [], "stages": {}, "faults": []} for c in codecs}
     blob_runs: dict[str, list[float]] = {c: [] for c in codecs}
     # Warm-up: one untimed pass per codec (sizes the workspace, as the first merge of a run does),
     # checked against the same merge from dict-shaped deltas.
@@ -265,9 +268,11 @@ def main(argv: list[str] | None = None) -> int:
             # memcpy right before each pipeline run, so load drift hits both alike.
             t_copy = memcpy(src, dst, m)
             stages: dict[str, float] = {}
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t1 = time.perf_counter()
             out = pipeline(ws, layout, encoded[c], current, counts, recent, stages)
             t_pipe = time.perf_counter() - t1
+            runs[c]["faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
             # The synchronizer gives back the version a publish replaced; here, the one just made.
             ws.recycle(GlobalFragment(out.version, out.params, out.momentum))
             del out
@@ -301,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             "compression_x": round(f32_bytes / wire, 2),
             **entry,
             "max_rel_diff_vs_reference": same[c],
+            "pages_of_one_float32_fragment": n * 4 // 4096,
             "with_blob_decode": {
                 "extra_s": round(median(blob_runs[c]), 4),
                 "what": "plus sha256 + safetensors parse of the blob bytes (in memory, no disk)",
@@ -312,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         shares = ", ".join(f"{k} {v:.0%}" for k, v in entry["stage_share"].items())
         print(f"{c:6} {entry['pipeline_gb_s_float32']:>9.2f} {entry['pipeline_gb_s_wire']:>10.2f} {entry['memcpy_gb_s']:>12.2f} "
               f"{entry['ratio_vs_memcpy']:>7.3f}  {verdict(ok):7}   {shares}; +sha256/parse: ratio {ratio_blob:.3f}; "
-              f"vs reference {same[c]:.1e}")
+              f"vs reference {same[c]:.1e}; page faults per merge {entry['minor_page_faults_per_merge']} "
+              f"(one fragment is {n * 4 // 4096} pages)")
         if "ratio_vs_device_copy" in entry:
             print(f"       device copy {entry['device_copy_gb_s']:.2f} GB/s: ratio vs device copy {entry['ratio_vs_device_copy']:.3f}")
 
