@@ -21,7 +21,7 @@ from rich.table import Table
 
 from ddiloco.bench.command import bench_app
 from ddiloco.platform.config import ConfigError, RunConfig, load_config
-from ddiloco.platform.redact import RedactingFilter, redact_url
+from ddiloco.platform.redact import RedactingFilter, mask_tree, redact_url
 from ddiloco.simulator.command import simulate_command
 from ddiloco.ui.command import ui_command
 
@@ -544,7 +544,7 @@ def show_config(config: Path | None = ConfigOpt) -> None:
     except ConfigError as err:
         err_console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
-    console.print_json(json.dumps(cfg.model_dump(mode="json")))
+    console.print_json(json.dumps(mask_tree(cfg.model_dump(mode="json"))))
 
 
 ENV_STORAGE = ("DDILOCO_LEDGER__URL", "DDILOCO_STORAGE__URL")

@@ -134,3 +134,11 @@ def test_deploy_without_a_prefect_api_fails(tmp_path):
     done = subprocess.run([sys.executable, "-m", "ddiloco", "deploy"], capture_output=True, text=True, timeout=60,
                           env={**env, "PREFECT_HOME": str(tmp_path)}, stdin=subprocess.DEVNULL)
     assert done.returncode == 2 and "no Prefect API configured" in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+def test_config_shows_every_url_masked():
+    done = cli("config", env={"DDILOCO_STORAGE__URL": "s3://AKIAEX:wJalrSECRET@bucket/x",
+                              "DDILOCO_LEDGER__URL": "postgresql+psycopg://ops@db/ledger?password=hunter2"})
+    assert done.returncode == 0, done.stderr
+    assert "wJalrSECRET" not in done.stdout + done.stderr and "hunter2" not in done.stdout + done.stderr
+    assert "s3://AKIAEX:***@bucket/x" in done.stdout
