@@ -684,7 +684,8 @@ def ledger_url_problem(url: str) -> str | None:
     installed, a SQLite path that is a directory), or None. Cheap: nothing is imported or connected."""
     scheme, sep, rest = url.partition("://")
     if not sep:
-        return f"{url!r} is not a database URL: use sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
+        # The value itself is not echoed: a mistyped URL may still hold a password.
+        return "not a database URL: use sqlite:///PATH or postgresql+psycopg://USER@HOST/DB"
     backend, _, driver = scheme.lower().partition("+")
     modules = {"sqlite": {"": "sqlite3", "pysqlite": "sqlite3"},
                "postgresql": {"": "psycopg2", "psycopg": "psycopg", "psycopg2": "psycopg2", "pg8000": "pg8000"}}
