@@ -671,7 +671,8 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     except ConfigError as err:
         raise ConfigError(f"config file {p}: {err}") from None
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as err:
-        raise ConfigError(f"config file {p} does not parse: {' '.join(str(err).split())}") from None
+        # The parser quotes the offending line: a URL in it keeps its password masked.
+        raise ConfigError(f"config file {p} does not parse: {redact_url(' '.join(str(err).split()))}") from None
     except RecursionError:
         raise ConfigError(f"config file {p} is nested too deep") from None
     if not isinstance(data, dict):
