@@ -49,6 +49,15 @@ def test_the_norm_check_holds_from_a_fragments_first_merge():
     assert pol.check_norm(2 * plausible, [plausible] * 4, 10.0, plausible=plausible) is None
 
 
+def test_an_outlier_must_stand_out_per_step_and_whole():
+    per_step, whole = [0.05] * 4, [1.2] * 4  # 24-step updates of 0.05 a step
+    # One step after a blended receipt: 0.62 per step, but smaller whole than an ordinary update.
+    assert pol.check_norm(0.62, per_step, 10.0, raw=(0.62, whole)) is None
+    assert pol.check_norm(0.62, per_step, 10.0) is not None  # what the per-step rule alone said
+    # Large per step and whole: refused, with both figures.
+    assert "in all" in pol.check_norm(0.62, per_step, 10.0, raw=(14.9, whole))
+
+
 def setup_run():
     cfg = in_memory_config(tiny_config(learners={"regions": [{"name": "us", "learners": 2}], "heartbeat_s": 1.0},
                                        quorum={"min_count": 1}, grace={"enabled": False}))

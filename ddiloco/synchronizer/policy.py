@@ -235,17 +235,27 @@ def check_finite(norm: float) -> str | None:
 
 
 def check_norm(norm: float, recent_norms: Sequence[float], factor: float, min_history: int = 4,
-               plausible: float | None = None) -> str | None:
+               plausible: float | None = None, raw: tuple[float, Sequence[float]] | None = None) -> str | None:
     """Reject a per-step norm far above every recently merged one, or, until there is a history,
     above what the inner optimizer can make (``plausible``, from :func:`plausible_step_norm`).
 
     The largest recent norm, not the median, is the yardstick: norms grow several-fold per
-    version during learning-rate warm-up, and only a blow-up should be refused."""
+    version during learning-rate warm-up, and only a blow-up should be refused. With ``raw`` (the
+    update's own norm and the recent ones'), an outlier must stand out both per step and whole: a
+    send soon after a blended receipt has a small c_steps yet carries part of the distance to the
+    new version (large per step, ordinary whole), and a fragment's first sends cover fewer steps
+    than the later ones (ordinary per step, larger whole)."""
     if len(recent_norms) < min_history:
         if plausible is not None and norm > plausible:
             return f"norm outlier: {norm:.4g} per step > {plausible:.4g}, the most an inner step at this run's lr can move"
         return None
     largest = max(recent_norms)
-    if largest > 0 and norm > factor * largest:
-        return f"norm outlier: {norm:.4g} > {factor:g} x recent max {largest:.4g}"
-    return None
+    if not (largest > 0 and norm > factor * largest):
+        return None
+    if raw is not None and raw[1]:
+        whole, recent_whole = raw[0], max(raw[1])
+        if recent_whole > 0 and whole <= factor * recent_whole:
+            return None
+        return (f"norm outlier: {norm:.4g} per step > {factor:g} x recent max {largest:.4g}, "
+                f"and {whole:.4g} in all > {factor:g} x {recent_whole:.4g}")
+    return f"norm outlier: {norm:.4g} > {factor:g} x recent max {largest:.4g}"

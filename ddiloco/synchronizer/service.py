@@ -93,6 +93,14 @@ def parse_holder(holder: str) -> tuple[str, str, int] | None:
     return label, host, int(pid)
 
 
+@dataclass(frozen=True)
+class Norms:
+    """A fragment's recently merged update norms: per inner step, and whole."""
+
+    per_step: list[float]
+    whole: list[float]
+
+
 class Synchronizer:
     def __init__(self, ctx: RunContext, holder: str | None = None, *, evaluate_every_s: float | None = None) -> None:
         self.ctx = ctx
@@ -315,7 +323,8 @@ class Synchronizer:
         layout = FlatLayout.of(self.layout.shapes(fragment))
         rows = self.workspace.rows(layout, len(subs))
         with self.ctx.reading() as s:
-            recent = q.recent_merged_norms(s, self.ctx.run_id, fragment, limit=NORM_HISTORY, per_step=True)
+            history = q.recent_merged_norm_steps(s, self.ctx.run_id, fragment, limit=NORM_HISTORY)
+        recent = Norms([n / c for n, c in history], [n for n, _ in history])
         plausible = self._plausible_step_norm(fragment, layout.numel)
         # Blob reads dominate on object stores: fetch and decode them concurrently (order is kept),
         # each straight into its own row of the workspace.
@@ -335,7 +344,7 @@ class Synchronizer:
         return pol.plausible_step_norm(self.cfg.inner.lr, self.cfg.inner.weight_decay, numel, param_norm)
 
     def _judge_groups(
-        self, members: list[Member], rejected: list[tuple[int, str]], recent: list[float], plausible: float
+        self, members: list[Member], rejected: list[tuple[int, str]], recent: Norms, plausible: float
     ) -> tuple[list[Member], list[tuple[int, str]]]:
         """One learner's pending increments merge as one member: their steps and their summed norm are
         judged as a whole (many small updates must not pass where their sum would not)."""
@@ -354,7 +363,7 @@ class Synchronizer:
                 if all(r is not None for r in rows):
                     norm = float(torch.stack(rows).sum(dim=0).norm())
                     why = pol.check_finite(norm) or pol.check_norm(
-                        norm / steps, recent, self.cfg.merge.norm_outlier_factor, plausible=plausible)
+                        norm / steps, recent.per_step, self.cfg.merge.norm_outlier_factor, plausible=plausible, raw=(norm, recent.whole))
             if why is None:
                 kept += group
             else:
@@ -362,7 +371,7 @@ class Synchronizer:
         return kept, rejected
 
     def _validate(
-        self, sb: Submission, version: int, layout: FlatLayout, row: torch.Tensor, recent: list[float], regions: dict[str, str],
+        self, sb: Submission, version: int, layout: FlatLayout, row: torch.Tensor, recent: Norms, regions: dict[str, str],
         plausible: float | None = None,
     ) -> str | Member:
         """A reason to reject the submission, or the decoded member."""
@@ -394,10 +403,10 @@ class Synchronizer:
             # Whatever else a hostile blob makes the decoder raise is this blob's fault: it must not stall the fragment.
             return f"bad update: {type(err).__name__}: {' '.join(str(err).split())[:160]}"
         norm = delta.norm
-        # Judged per inner step: increments of one fragment cover different numbers of steps (the
-        # first send of fragment p comes after p steps, the next ones after H).
-        why = pol.check_finite(norm) or pol.check_norm(norm / max(1, sb.c_steps), recent, self.cfg.merge.norm_outlier_factor,
-                                                       plausible=plausible)
+        # Judged per inner step and whole (see check_norm): increments of one fragment cover different
+        # numbers of steps, and one sent soon after a blended receipt carries more than its steps.
+        why = pol.check_finite(norm) or pol.check_norm(norm / sb.c_steps, recent.per_step, self.cfg.merge.norm_outlier_factor,
+                                                       plausible=plausible, raw=(norm, recent.whole))
         if why:
             return why
         return Member(sb.id, sb.learner_id, delta, norm, sb.c_steps, sb.c_tokens, sb.base_version)

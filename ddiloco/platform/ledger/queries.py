@@ -639,8 +639,13 @@ def _decide_rejected(session: Session, run_id: str, ids: Iterable[int], reason: 
 
 def recent_merged_norms(session: Session, run_id: str, fragment: int, limit: int = 32, per_step: bool = False) -> list[float]:
     """Norms of the fragment's latest merged submissions (``per_step``: each divided by its c_steps)."""
-    rows = session.scalars(
-        select(Submission.norm / Submission.c_steps if per_step else Submission.norm)
+    return [n / c if per_step else n for n, c in recent_merged_norm_steps(session, run_id, fragment, limit)]
+
+
+def recent_merged_norm_steps(session: Session, run_id: str, fragment: int, limit: int = 32) -> list[tuple[float, int]]:
+    """(norm, c_steps) of the fragment's latest merged submissions, newest first."""
+    rows = session.execute(
+        select(Submission.norm, Submission.c_steps)
         .where(
             Submission.run_id == run_id, Submission.fragment == fragment, Submission.merged_version.is_not(None),
             Submission.status == MERGED, Submission.norm.is_not(None),
@@ -649,7 +654,7 @@ def recent_merged_norms(session: Session, run_id: str, fragment: int, limit: int
         .order_by(Submission.merged_version.desc(), Submission.id.desc())
         .limit(limit)
     )
-    return [float(n) for n in rows]
+    return [(float(n), max(1, int(c))) for n, c in rows]
 
 
 # --- the synchronizer lease -----------------------------------------------------------------------

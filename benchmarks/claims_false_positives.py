@@ -1,0 +1,109 @@
+"""Honest work must never be rejected: seeded demo-like runs, every submission's fate counted.
+
+Each run is the demo's shape in the deterministic in-process mode: the default model, four learners
+in two regions (one at half speed), one learner down for 20% of the run from 30% on (it comes back
+as a new incarnation with a fresh optimizer, as after a crash), int8, P = H = 24, run defaults
+otherwise. Every submission is honest, so every rejection is a false positive of the synchronizer's
+checks (claims, norms, staleness, blobs); the reasons are listed. Goal: 0 over at least 10 seeds.
+The detection side (every lie and outsized update of the issue rejected) is tests/test_hostile_claims.py.
+
+    python benchmarks/claims_false_positives.py [--quick] [--seeds 10] [--steps 120] [--jobs N]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import base_parser, header, write_results  # noqa: E402
+
+NAME = "claims_false_positives"
+
+
+def demo_like(seed: int, quick: bool):
+    from ddiloco.platform.config import build_config
+
+    data: dict = {
+        "name": f"fp-{seed}",
+        "seed": seed,
+        "learners": {"regions": [{"name": "us", "learners": 2}, {"name": "eu", "learners": 2, "speeds": [1.0, 0.5]}]},
+    }
+    if quick:
+        data["model"] = {"n_layer": 1, "d_model": 32, "n_head": 2, "seq_len": 32}
+        data["learners"]["batch_size"] = 4
+        data["data"] = {"max_bytes": 400_000, "val_batches": 2}
+        data["fragments"] = {"count": 4}
+    return build_config(data)
+
+
+def one_run(args: tuple[int, int, bool]) -> dict:
+    import torch
+    from sqlalchemy import select
+
+    from ddiloco.inprocess import Outage, run_inprocess
+    from ddiloco.platform.config import tokens_per_step
+    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger.models import Submission
+
+    seed, steps, quick = args
+    torch.set_num_threads(1)
+    cfg = demo_like(seed, quick)
+    victim = cfg.learners.learner_ids()[1][0]
+    outages = [Outage(victim, 0.3 * steps, 0.5 * steps)]
+    t0 = time.perf_counter()
+    total = cfg.learners.count * steps * tokens_per_step(cfg.model, cfg.learners.batch_size)
+    run = run_inprocess(cfg, total_tokens=total, step_time_s=1.0, outages=outages)
+    with run.ctx.reading() as s:
+        rows = list(s.execute(select(Submission.status, Submission.reject_reason, Submission.learner_id, Submission.fragment,
+                                     Submission.c_steps, Submission.base_version, Submission.created_at)).all())
+        acct = q.token_accounting(s, run.ctx.run_id)
+    fates = Counter(r[0] for r in rows)
+    reasons = Counter((r[1] or "").split(":")[0] for r in rows if r[0] == "rejected")
+    details = [{"learner": r[2], "fragment": r[3], "c_steps": r[4], "base": r[5], "at_s": round((r[6] - rows[0][6]).total_seconds(), 1),
+                "reason": r[1]} for r in rows if r[0] == "rejected"]
+    return {"seed": seed, "submissions": len(rows), "fates": dict(fates), "rejected": fates.get("rejected", 0),
+            "reasons": dict(reasons), "rejections": details, "victim": victim, "outage_s": [0.3 * steps, 0.5 * steps],
+            "tokens_balanced": acct.balanced, "real_s": round(time.perf_counter() - t0, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = base_parser(__doc__)
+    ap.add_argument("--seeds", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=120, help="inner steps per learner at full speed")
+    ap.add_argument("--jobs", type=int, default=1)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seeds, args.steps = 2, 24
+    results = header(NAME, args)
+    work = [(seed, args.steps, args.quick) for seed in range(args.seeds)]
+    if args.jobs > 1:
+        import multiprocessing as mp
+
+        with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
+            runs = list(pool.map(one_run, work))
+    else:
+        runs = [one_run(w) for w in work]
+    for r in runs:
+        print(f"seed {r['seed']}: {r['submissions']} submissions {r['fates']}, rejected {r['rejected']} {r['reasons']}, "
+              f"tokens balanced {r['tokens_balanced']} ({r['real_s']} s)")
+        for d in r["rejections"]:
+            print(f"    {d}")
+    submissions = sum(r["submissions"] for r in runs)
+    rejected = sum(r["rejected"] for r in runs)
+    results.update(runs=runs, submissions=submissions, honest_rejected=rejected,
+                   false_positive_rate=rejected / max(1, submissions), goal="0 honest submissions rejected over >= 10 seeds")
+    ok = rejected == 0 and len(runs) >= 10
+    verdict = "smoke run, no verdict" if args.quick else ("PASS" if ok else "FAIL")
+    print(f"false positives: {rejected} of {submissions} honest submissions over {len(runs)} seeded runs: {verdict}")
+    if not args.quick:
+        write_results(NAME, results, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
