@@ -297,7 +297,7 @@ def merge_fragment(
         raise ValueError("merge_fragment needs at least one member")
     ws = workspace or MergeWorkspace(_row_device(members))
     layout = _layout_for(current, members)
-    rows, sq_norms = _member_rows(layout, [m.delta for m in members], ws)  # [M, N], [M, tensors] float64 (CPU)
+    rows, sq_norms = _member_rows(layout, [m.delta for m in members], ws)  # [M, N] rows; per member, per tensor
     by_learner: dict[str, list[int]] = {}
     for i, m in enumerate(members):
         by_learner.setdefault(m.learner, []).append(i)
@@ -332,7 +332,8 @@ def merge_fragment(
 
     # Pass 2: the new version = the current one, stretched gradient, one Nesterov step, chunk by chunk
     # into buffers of the pool (so the copy of the current version is still in cache when it steps).
-    params, momentum = ws.take(layout.numel), ws.take(layout.numel)
+    params = ws.take(layout.numel)
+    momentum = ws.take(layout.numel) if policy.momentum > 0 else None
     src_p = [current.params[n].detach().reshape(-1) for n in layout.names]
     src_m = [None if current.momentum is None or n not in current.momentum else current.momentum[n].detach().reshape(-1)
              for n in layout.names]
@@ -340,17 +341,17 @@ def merge_fragment(
     for i, a, b in _chunks(layout, ws.chunk):
         lo, hi = a - offsets[i], b - offsets[i]
         params[a:b].copy_(src_p[i][lo:hi])
-        if src_m[i] is None:
-            momentum[a:b].zero_()
-        else:
-            momentum[a:b].copy_(src_m[i][lo:hi])
+        if momentum is not None:
+            if src_m[i] is None:
+                momentum[a:b].zero_()
+            else:
+                momentum[a:b].copy_(src_m[i][lo:hi])
         if factor[group_of[i]] != 1.0:
             grad[a:b].mul_(factor[group_of[i]])
-        outer_step_(params[a:b], grad[a:b], momentum[a:b], lr=policy.lr, beta=policy.momentum, nesterov=policy.nesterov)
-    new_params = {n: v for n, v in layout.views(params).items()}
-    new_momentum = layout.views(momentum) if policy.momentum > 0 else {}
-    if not new_momentum:
-        ws.recycle(GlobalFragment(0, layout.views(momentum), None))
+        outer_step_(params[a:b], grad[a:b], None if momentum is None else momentum[a:b],
+                    lr=policy.lr, beta=policy.momentum, nesterov=policy.nesterov)
+    new_params = layout.views(params)
+    new_momentum = {} if momentum is None else layout.views(momentum)
     detail = {
         "method": policy.method,
         "plain_mean_tensors": mean_names if policy.method == "rda" else [],

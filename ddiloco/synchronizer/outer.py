@@ -9,12 +9,15 @@ MOMENTUM_PREFIX = "momentum::"
 
 
 def outer_step_(
-    params: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor, *, lr: float, beta: float, nesterov: bool = True
+    params: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor | None, *, lr: float, beta: float, nesterov: bool = True
 ) -> None:
-    """One outer step on flat float32 tensors, in place: ``params`` and ``momentum`` are updated.
+    """One outer step on flat float32 tensors, in place: ``params`` and ``momentum`` (unused when beta
+    is 0) are updated.
 
     torch.optim's functional SGD, fused (one pass, no temporaries). A momentum buffer of zeros is the
     first step: beta * 0 + grad is torch's first-step buffer, grad, exactly."""
+    if beta > 0 and momentum is None:
+        raise ValueError("an outer step with momentum needs a momentum buffer (zeros before the first step)")
     sgd([params], [grad], [momentum if beta > 0 else None], fused=True, weight_decay=0.0, momentum=beta, lr=lr,
         dampening=0.0, nesterov=nesterov and beta > 0, maximize=False)
 
