@@ -130,7 +130,9 @@ def supervise(
             evaluator = launcher.start_evaluator()
         if progress:
             progress(elapsed, {"tokens": acct.trained})
-        if budget_reached(acct.trained, cfg.token_budget) or (seconds is not None and t0 is not None and elapsed >= seconds):
+        # Merged, not trained: trained counts what learners claim at registration, and a lying claim
+        # (rejected a poll later) must not end the run.
+        if budget_reached(acct.merged, cfg.token_budget) or (seconds is not None and t0 is not None and elapsed >= seconds):
             break
         time.sleep(SUPERVISE_EVERY_S)
     with ctx.transaction() as s:
