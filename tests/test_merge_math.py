@@ -319,6 +319,7 @@ def test_a_kept_workspace_reuses_its_buffers_and_leaves_inputs_alone() -> None:
     third = merge_fragment(GlobalFragment(second.version, second.params, second.momentum), flat, policy, live_learners=5, workspace=ws)
     assert {third.params["mlp.weight"].untyped_storage().data_ptr(), third.momentum["mlp.weight"].untyped_storage().data_ptr()} == used
     assert ws.rows(layout, len(members)).data_ptr() == rows.data_ptr()
+    assert ws._gather.numel() == 0, "the decoded rows were copied instead of used where they lie"
     ws.recycle(current)  # not from the workspace: left alone
     assert torch.equal(current.params["mlp.weight"], before["mlp.weight"])
 
@@ -341,6 +342,7 @@ def test_merge_runs_on_cuda_and_agrees_with_the_cpu() -> None:
         sq = decode_delta_into(*blob, layout.items(), row)
         flat.append(Member(m.submission, m.learner, FlatDelta(layout, row, sq), m.norm, m.c_steps, m.c_tokens, m.base_version))
     gpu = merge_fragment(current, flat, policy, live_learners=5, workspace=ws)
+    assert ws._gather.numel() == 0, "the decoded rows were copied instead of used where they lie"
     for n in cpu.params:
         assert gpu.params[n].device.type == "cuda"
         torch.testing.assert_close(gpu.params[n].cpu(), cpu.params[n], rtol=1e-5, atol=1e-6)

@@ -165,6 +165,9 @@ class MergeWorkspace:
 
     def __init__(self, device: str | torch.device | None = None) -> None:
         self.device = default_merge_device() if device in (None, "auto") else torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" names the current GPU; tensors report "cuda:N", and buffers are matched by device.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.chunk = MERGE_CHUNK if self.device.type == "cpu" else None
         """Elements per pass step; None: whole tensors (a GPU wants few large kernels)."""
         self._rows = torch.empty(0, device=self.device)
