@@ -83,10 +83,8 @@ def _read_only_run(
 ) -> Iterator[RunContext]:
     """A run's context on a read-only ledger engine (--ledger / --store override the config); it never
     creates a ledger. An unknown run, an unreadable ledger or any of ``refused`` is one line and exit 2."""
-    from sqlalchemy.engine import make_url
     from sqlalchemy.exc import SQLAlchemyError
 
-    from ddiloco.platform.ledger import make_engine
     from ddiloco.platform.ledger.queries import UnknownRunError
     from ddiloco.platform.runtime import RunContext
 
@@ -94,12 +92,8 @@ def _read_only_run(
     if store:
         cfg = cfg.model_copy(update={"storage": cfg.storage.model_copy(update={"url": store})})
     url = ledger or cfg.ledger.url.get_secret_value()
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite" and not (parsed.database and Path(parsed.database).is_file()):
-        # Connecting would create an empty file.
-        err_console.print(f"[red]error:[/red] no ledger file at {redact_url(url)}")
-        raise typer.Exit(2)
-    ctx = RunContext.open(cfg, run or cfg.name, engine=make_engine(url, read_only=True))
+    run_id = _checked_id(run or cfg.name, "run")
+    ctx = RunContext.open(cfg, run_id, engine=_existing_ledger(url))
     try:
         yield ctx
     except (UnknownRunError, *refused) as err:

@@ -41,11 +41,16 @@ def test_runs_on_a_mistyped_sqlite_path_creates_nothing(tmp_path):
     assert not (tmp_path / "no").exists()
 
 
+READ_COMMANDS = [["runs"], ["summary", "--run", "r"], ["ledger", "check", "--run", "r"], ["export", "--run", "r", "--to", "out"]]
+
+
+@pytest.mark.parametrize("command", READ_COMMANDS, ids=lambda c: c[0] if c[0] != "ledger" else "ledger-check")
 @pytest.mark.parametrize("content", [b"", b"x", b"just some notes\n" * 10])
-def test_runs_never_overwrites_a_file_that_is_not_a_ledger(tmp_path, content):
+def test_read_commands_never_overwrite_a_file_that_is_not_a_ledger(tmp_path, monkeypatch, command, content):
+    monkeypatch.chdir(tmp_path)
     path = tmp_path / "notes.db"
     path.write_bytes(content)
-    code, out = invoke("runs", "--ledger", f"sqlite:///{path}")
+    code, out = invoke(*command, "--ledger", f"sqlite:///{path}")
     assert code == 2 and "is not a ledger" in out, out
     assert path.read_bytes() == content
 
@@ -60,8 +65,9 @@ def test_runs_refuses_a_sqlite_database_without_a_ledger(tmp_path):
     assert path.read_bytes() == before
 
 
-@pytest.mark.parametrize("command", [["runs"], ["summary", "--run", "r"]])
-def test_read_commands_never_migrate_an_old_ledger(tmp_path, command):
+@pytest.mark.parametrize("command", READ_COMMANDS, ids=lambda c: c[0] if c[0] != "ledger" else "ledger-check")
+def test_read_commands_never_migrate_an_old_ledger(tmp_path, monkeypatch, command):
+    monkeypatch.chdir(tmp_path)
     url = f"sqlite:///{tmp_path}/old.db"
     engine = make_engine(url)
     upgrade(engine, "0003")
