@@ -1,34 +1,219 @@
-"""The real thing: a Prefect server, two region work pools with a worker each, deployments, and a
-training-run triggered through the API exactly as the UI's Run button does."""
+"""The real thing, as infra/compose.yaml runs it: a Prefect server on PostgreSQL (its own database,
+beside the ledger's on the same server), work pools from infra/work-pools' templates, deployments that
+carry secret names and never values, the alerts' automations firing a real notification, and a
+training-run triggered through the API exactly as the UI's Run button does.
+
+One Prefect server serves the module. Docker cannot run here (no daemon), so the compose services'
+commands run as processes, with the compose file's own URLs pointed at this machine's PostgreSQL and S3."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
+from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.engine import make_url
 from support import tiny_config, wait_for
+from typer.testing import CliRunner
 
+from ddiloco.cli import app
 from ddiloco.platform.ledger import open_ledger, session_factory
 from ddiloco.platform.ledger import queries as q
-from ddiloco.testing.prefect import prefect_server as prefect_server_at
+from ddiloco.testing.compose import INFRA, localize_url, render_compose, service_command
+from ddiloco.testing.net import free_port
+from ddiloco.testing.postgres import scratch_database
+from ddiloco.testing.prefect import PrefectServer, healthy, prefect_server
+from ddiloco.testing.processes import stop_processes, write_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.postgres]
+
+PASSWORD = "pw-planted-in-the-block-5e2d"
 
 
-@pytest.fixture()
-def prefect_server(tmp_path):
-    with prefect_server_at(tmp_path) as server:
-        yield server.env, server.procs
+@dataclass
+class Stack:
+    compose: dict
+    server: PrefectServer
+    postgres: str
+    databases: dict[str, str]
+    """compose database name -> the scratch database standing in for it"""
+    work: Path
+
+    def url(self, compose_url: str) -> str:
+        return localize_url(compose_url, self.postgres, self.databases)
 
 
-def test_training_run_from_the_api_on_two_region_pools(prefect_server, tmp_path):
-    env, procs = prefect_server
+@pytest.fixture(scope="module")
+def stack(postgres_url, tmp_path_factory):
+    compose = render_compose()
+    work = tmp_path_factory.mktemp("stack")
+    with scratch_database(postgres_url, "ddiloco_prefect") as prefect_db, scratch_database(postgres_url, "ddiloco_ledger") as ledger_db:
+        databases = {"prefect": make_url(prefect_db).database, "ddiloco": make_url(ledger_db).database}
+        server_env = compose["services"]["prefect-server"]["environment"]
+        database_url = localize_url(server_env["PREFECT_API_DATABASE_CONNECTION_URL"], postgres_url, databases)
+        with prefect_server(work, database_url=database_url, command=service_command(compose, "prefect-server")) as server:
+            yield Stack(compose, server, postgres_url, databases, work)
+
+
+def compose_env(stack: Stack, service: str, s3_endpoint: str) -> dict[str, str]:
+    """A compose service's environment with the stack's hostnames replaced by this machine's services."""
+    env = {k: str(v) for k, v in stack.compose["services"][service]["environment"].items()}
+    for key in ("DDILOCO_LEDGER__URL", "DDILOCO_LEDGER_URL"):
+        if key in env:
+            env[key] = stack.url(env[key])
+    if "DDILOCO_STORAGE__STORAGE_OPTIONS" in env:
+        env["DDILOCO_STORAGE__STORAGE_OPTIONS"] = env["DDILOCO_STORAGE__STORAGE_OPTIONS"].replace("http://s3:9000", s3_endpoint)
+    if "PREFECT_API_URL" in env:
+        env["PREFECT_API_URL"] = stack.server.api_url
+    return env
+
+
+def test_compose_services_come_up_on_one_postgres_in_their_own_databases(stack, s3_endpoint, tmp_path):
+    import s3fs
+
+    s3fs.S3FileSystem(skip_instance_cache=True).mkdir("ddiloco-runs")
+    worker_env = compose_env(stack, "worker-us", s3_endpoint)
+    upgrade = subprocess.run([sys.executable, "-m", *service_command(stack.compose, "ledger-upgrade")],
+                             env={**stack.server.env, **worker_env}, capture_output=True, text=True, timeout=120)
+    assert upgrade.returncode == 0, upgrade.stderr
+    versions = {}
+    for name, database in stack.databases.items():
+        engine = create_engine(make_url(stack.postgres).set(database=database))
+        with engine.connect() as conn:
+            versions[name] = conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one()
+        assert "events" in inspect(engine).get_table_names(), f"{name} has no events table"
+        engine.dispose()
+    assert versions["prefect"] != versions["ddiloco"]  # two Alembic histories, one server, no clash
+
+    cfg = tiny_config(name="compose", token_budget=10**9, learners={"regions": [{"name": "us", "learners": 1}], "heartbeat_s": 0.5,
+                                                                     "poll_s": 0.2})
+    config = write_config(cfg, tmp_path / "config.yaml")
+    ui_port = free_port()
+    ui = service_command(stack.compose, "dashboard")
+    ui[ui.index("--port") + 1] = str(ui_port)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    procs = [
+        stack.server.spawn([sys.executable, "-m", "ddiloco", "synchronizer", "-c", str(config), "--label", "sync-a"], logs / "sync.log",
+                           env=worker_env),
+        stack.server.spawn([sys.executable, "-m", "ddiloco", "learner", "-c", str(config), "--learner", "us-0"], logs / "us-0.log",
+                           env=worker_env),
+        stack.server.spawn([sys.executable, "-m", *ui], logs / "ui.log", env=compose_env(stack, "dashboard", s3_endpoint)),
+    ]
+    try:
+        wait_for(lambda: healthy(f"http://127.0.0.1:{ui_port}/_stcore/health"), 60, "the dashboard on its published port")
+        sessions = session_factory(open_ledger(stack.url(stack.compose["services"]["worker-us"]["environment"]["DDILOCO_LEDGER__URL"])))
+
+        def trained_and_merged():
+            with sessions.begin() as s:
+                acct = q.token_accounting(s, "compose") if q.get_run(s, "compose") else None
+            return acct if acct is not None and acct.merged > 0 else None
+
+        wait_for(trained_and_merged, 180, "the learner's updates merged in the compose ledger")
+    finally:
+        stop_processes(procs)
+    for log in logs.iterdir():
+        assert not [v for v in ("change-me-postgres", "change-me-s3-secret") if v in log.read_text()], f"{log.name} shows a credential"
+
+
+def test_region_pools_from_the_templates_are_accepted_by_the_server(stack):
     from prefect.client.orchestration import get_client
+
+    from ddiloco.flows.deploy import ensure_pool, read_job_template
+
+    for path in sorted((INFRA / "work-pools").glob("*.json")):
+        template = read_job_template(path)
+        assert ensure_pool(f"tpl-{path.stem}", path.stem, template)
+        with get_client(sync_client=True) as client:
+            pool = client.read_work_pool(f"tpl-{path.stem}")
+        assert pool.type == path.stem and pool.base_job_template == template
+    broken = read_job_template(INFRA / "work-pools" / "kubernetes.json")
+    del broken["variables"]["properties"]["gpus"]  # job_configuration still says {{ gpus }}
+    with pytest.raises(Exception, match="gpus"):
+        ensure_pool("tpl-broken", "kubernetes", broken)
+
+
+class Webhook:
+    """A local HTTP endpoint that records what a notification block posts to it."""
+
+    def __init__(self) -> None:
+        received = self.received = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - the http.server name
+                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_deployments_carry_secret_names_and_the_alerts_fire(stack, tmp_path, monkeypatch):
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+    from prefect.blocks.system import Secret
+    from prefect.client.orchestration import get_client
+
+    from ddiloco.flows import alerts
+    from ddiloco.flows.deploy import deploy
+
+    hook = Webhook()
+    CustomWebhookNotificationBlock(name="ops", url=hook.url, allow_private_urls=True,
+                                   json_data={"subject": "{{subject}}", "body": "{{body}}"}).save("ops", overwrite=True)
+    ledger_url = f"postgresql+psycopg://ddiloco:{PASSWORD}@db.internal:5432/ddiloco"
+    Secret(value=ledger_url).save("ddiloco-ledger-url", overwrite=True)
+    cfg = tiny_config(name="alerts", ledger={"url": ledger_url}, storage={"url": "s3://ddiloco-runs/run", "secrets": {"secret": PASSWORD}})
+    plan = deploy(cfg, secret_blocks={"DDILOCO_LEDGER__URL": "ddiloco-ledger-url"}, notify_block="custom-webhook/ops",
+                  alert_policy=alerts.AlertPolicy(stall_minutes=30, relaunches_per_hour=1))
+    assert len(plan.automations) == 3
+    with get_client(sync_client=True) as client:
+        deployments = client.read_deployments()
+        automations = {a.name: a for a in client.read_automations()}
+    assert len(deployments) >= 3
+    for d in deployments:
+        stored = json.dumps({"job_variables": d.job_variables, "parameters": d.parameters, "pull_steps": d.pull_steps})
+        assert PASSWORD not in stored, f"deployment {d.name} holds the password"
+        assert d.job_variables["env"]["DDILOCO_LEDGER__URL"] == "{{ prefect.blocks.secret.ddiloco-ledger-url }}"
+        assert d.job_variables["env"]["PREFECT_LOGGING_EXTRA_LOGGERS"] == "ddiloco"
+    assert set(plan.automations) <= set(automations)
+    # Again through the CLI, the password in its environment: the automations are updated in place, not doubled.
+    monkeypatch.setenv("DDILOCO_LEDGER__URL", ledger_url)
+    out = CliRunner().invoke(app, ["deploy", "-c", str(write_config(cfg, tmp_path / "alerts.yaml")), "--cron", "0 2 * * *",
+                                   "--secret-block", "DDILOCO_LEDGER__URL=ddiloco-ledger-url", "--notify-block", "custom-webhook/ops",
+                                   "--stall-minutes", "30", "--relaunches-per-hour", "1"])
+    assert out.exit_code == 0, out.output
+    assert "alerts: ddiloco: no new global version" in out.output and PASSWORD not in out.output
+    with get_client(sync_client=True) as client:
+        assert len([a for a in client.read_automations() if a.name.startswith(alerts.PREFIX)]) == 3
+        deployments = client.read_deployments()
+    assert not [d.name for d in deployments if PASSWORD in json.dumps({"v": d.job_variables, "p": d.parameters})]
+
+    learner = alerts.LEARNER_RESOURCE.format(run_id="alerts", learner_id="eu-0")
+    for _ in range(2):  # one more relaunch within the hour than the policy allows
+        alerts.emit("ddiloco.learner.relaunched", learner, **{"ddiloco.run": "alerts"})
+    got = wait_for(lambda: [m for m in hook.received if "relaunched repeatedly" in m["subject"]], 90, "the relaunch alert's notification")
+    assert learner in got[0]["body"]
+    hook.server.shutdown()
+
+
+def test_training_run_from_the_api_on_two_region_pools(stack, tmp_path):
+    from prefect.blocks.system import Secret
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
     from ddiloco.flows.deploy import deploy
 
@@ -43,16 +228,12 @@ def test_training_run_from_the_api_on_two_region_pools(prefect_server, tmp_path)
         ledger={"url": f"sqlite:///{tmp_path / 'ledger.db'}"},
         storage={"url": f"file://{tmp_path / 'store'}"},
     )
-    plan = deploy(cfg)
+    # The ledger URL is a secret: the deployments name its block, the workers read it when they start a flow run.
+    Secret(value=cfg.ledger.url.get_secret_value()).save("pools-ledger-url", overwrite=True)
+    plan = deploy(cfg, secret_blocks={"DDILOCO_LEDGER__URL": "pools-ledger-url"})
     assert plan.pools == ["region-us", "region-eu"]
-    for pool in plan.pools:
-        log = open(tmp_path / f"worker-{pool}.log", "wb")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"],
-            # The ledger URL is a secret: it stays with the worker, whose flow runs inherit it.
-            env={**env, "DDILOCO_LEDGER__URL": cfg.ledger.url.get_secret_value()},
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path,
-        ))
+    workers = [stack.server.spawn([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"],
+                                  tmp_path / f"worker-{pool}.log", cwd=tmp_path) for pool in plan.pools]
     parameters = {
         "config": cfg.model_dump(mode="json", exclude={"ledger", "storage"}),
         "launcher": "work-pools",
@@ -101,6 +282,19 @@ def test_training_run_from_the_api_on_two_region_pools(prefect_server, tmp_path)
         acct = q.token_accounting(s, "pools")
     assert run.status == "finished"
     assert "learner_relaunched" in kinds
+    with get_client(sync_client=True) as client:
+        learner_runs = [r.id for r in client.read_flow_runs() if r.name.startswith("pools-us-")]
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=learner_runs)))
+    # PREFECT_LOGGING_EXTRA_LOGGERS=ddiloco (the deployments' env): the learner's own log lines reach the Prefect UI.
+    assert [entry for entry in logs if entry.name.startswith("ddiloco.") and "joined run pools" in entry.message]
+    # The supervisor's events, which the alerts' automations watch, reached the server.
+    def stored(name: str) -> bool:  # the server persists events in batches: poll
+        query = {"filter": {"event": {"name": [name]}}, "limit": 1}
+        return bool(httpx.post(f"{stack.server.api_url}/events/filter", json=query).json()["events"])
+
+    for name in ("ddiloco.run.started", "ddiloco.version.published", "ddiloco.learner.relaunched", "ddiloco.run.finished"):
+        wait_for(lambda name=name: stored(name), 30, f"the {name} event on the server")
     assert acct.trained > 0 and acct.merged > 0 and acct.balanced
+    stop_processes(workers)
     print(f"trigger -> learners registered: {first_heartbeat_s:.1f}s; kill -> relaunched learner rejoined: {relaunch_s:.1f}s")
     (Path(tmp_path) / "figures.txt").write_text(f"{first_heartbeat_s:.1f} {relaunch_s:.1f}\n")

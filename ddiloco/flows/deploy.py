@@ -13,7 +13,7 @@ from prefect.deployments.runner import EntrypointType
 from prefect.exceptions import ObjectAlreadyExists
 
 from ddiloco.flows.alerts import AlertPolicy, apply_automations
-from ddiloco.flows.training import learner_flow, synchronizer_flow, training_run
+from ddiloco.flows.training import evaluate_flow, learner_flow, synchronizer_flow, training_run
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.redact import redact_url
 
@@ -90,7 +90,7 @@ def deploy(
     cfg: RunConfig, *, cron: str | None = None, pool_type: str = "process", secret_blocks: dict[str, str] | None = None,
     base_job_template: dict | None = None, notify_block: str | None = None, alert_policy: AlertPolicy | None = None,
 ) -> DeploymentPlan:
-    """One pool per region; a learner deployment per region; synchronizer and training-run in the first region;
+    """One pool per region; a learner deployment per region; synchronizer, evaluator and training-run in the first region;
     the alerts' automations when a notification block (``TYPE/NAME``) is named."""
     automation_names = apply_automations(notify_block, alert_policy) if notify_block else []
     regions = [r.name for r in cfg.learners.regions]
@@ -117,6 +117,14 @@ def deploy(
         tags=["ddiloco"],
     ).apply()
     names.append("ddiloco-synchronizer/synchronizer")
+    evaluate_flow.to_deployment(
+        name="evaluate",
+        work_pool_name=pool_name(home),
+        entrypoint_type=EntrypointType.MODULE_PATH,
+        job_variables={"env": region_env(cfg, home, secret_blocks)},
+        tags=["ddiloco"],
+    ).apply()
+    names.append("ddiloco-evaluate/evaluate")
     training_run.to_deployment(
         name="training-run",
         work_pool_name=pool_name(home),

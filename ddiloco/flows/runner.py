@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from ddiloco.flows import alerts
 from ddiloco.flows.chaos import apply_event, seeded_schedule
 from ddiloco.flows.launchers import Handle, Launcher, SubprocessLauncher, secret_env
 from ddiloco.flows.supervise import LearnerView, budget_reached, relaunch_decisions
@@ -74,6 +75,8 @@ def supervise(
 ) -> RunSummary:
     """Start the synchronizers and learners, keep them alive, run the chaos schedule, end the run."""
     ctx = RunContext.open(cfg, run_id)
+    run_resource = alerts.RUN_RESOURCE.format(run_id=run_id)
+    alerts.emit("ddiloco.run.started", run_resource)
     syncs: list[Handle] = [launcher.start_synchronizer("sync-a")]
     _wait(lambda: _versions_ready(ctx), 300, "the synchronizer to publish version 0")
     labels = iter(f"sync-{c}" for c in "bcdefghijklmnopqrstuvwxyz")
@@ -84,6 +87,7 @@ def supervise(
     for lid, region in regions.items():
         learners[lid] = launcher.start_learner(lid, region)
     schedule = seeded_schedule(cfg, seconds or 0.0)
+    published = 0  # global versions published, summed over fragments
     held: dict[str, float] = {}  # learners a chaos kill keeps down until this elapsed time
     t0: float | None = None  # time counts from the first trained token, not from process start-up
     lcfg = cfg.learners
@@ -101,6 +105,10 @@ def supervise(
         with ctx.transaction() as s:
             rows = {r.id: r for r in q.learners(s, run_id)}
             acct = q.token_accounting(s, run_id)
+            versions = sum(q.latest_version_numbers(s, run_id).values())
+        if versions > published:
+            published = versions
+            alerts.emit("ddiloco.version.published", run_resource, **{"ddiloco.versions": str(versions)})
         if t0 is None and acct.trained > 0:
             t0 = time.monotonic()
         views = []
@@ -119,6 +127,8 @@ def supervise(
             with ctx.transaction() as s:
                 q.record_event(s, run_id, "learner_relaunched", "supervisor", f"{lid}: {reason}", ctx.now_dt())
             log.info("relaunched learner %s: %s", lid, reason)
+            learner_resource = alerts.LEARNER_RESOURCE.format(run_id=run_id, learner_id=lid)
+            alerts.emit("ddiloco.learner.relaunched", learner_resource, **{"ddiloco.run": run_id})
         live_syncs = [h for h in syncs if launcher.is_running(h)]
         while len(live_syncs) < 1 + STANDBYS:
             h = launcher.start_synchronizer(next(labels))
@@ -137,6 +147,7 @@ def supervise(
         time.sleep(SUPERVISE_EVERY_S)
     with ctx.transaction() as s:
         q.set_run_status(s, run_id, "finished", ctx.now_dt())
+    alerts.emit("ddiloco.run.finished", run_resource)
     launcher.close(STOP_TIMEOUT_S)
     return finish_run(ctx)
 

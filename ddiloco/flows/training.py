@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import time
 from typing import Literal
 
@@ -23,6 +24,14 @@ from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.summary import RunSummary
 from ddiloco.synchronizer.evaluation import evaluate_and_record
+
+
+def _ddiloco_logs_at_info() -> None:
+    """``ddiloco.*`` INFO lines reach the flow run's logs in the Prefect UI: the deployments'
+    PREFECT_LOGGING_EXTRA_LOGGERS=ddiloco gives the logger Prefect's API handler, the level is ours."""
+    logger = logging.getLogger("ddiloco")
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
 
 
 def _flow_run_url() -> str | None:
@@ -74,6 +83,7 @@ def training_run(
     workdir: str = "ddiloco-runs",
 ) -> dict:
     """Register the run, launch synchronizer + standby + learners, supervise until the budget or time is up."""
+    _ddiloco_logs_at_info()
     run_id = run_id or config.name
     register_run_task(config, run_id, _flow_run_url())
     chosen: Launcher = local_launcher(config, run_id, workdir) if launcher == "local" else DeploymentLauncher(config, run_id)
@@ -86,6 +96,7 @@ def training_run(
 @flow(name="ddiloco-learner")
 def learner_flow(config: RunConfig, learner_id: str, run_id: str | None = None) -> int:
     """One learner until the run ends; returns the inner steps it ran."""
+    _ddiloco_logs_at_info()
     from ddiloco.learner_worker.launch import run_learner
 
     summary = run_learner(
@@ -98,6 +109,7 @@ def learner_flow(config: RunConfig, learner_id: str, run_id: str | None = None) 
 @flow(name="ddiloco-synchronizer")
 def synchronizer_flow(config: RunConfig, run_id: str | None = None, label: str = "sync") -> None:
     """A synchronizer (active or standby) until the run ends."""
+    _ddiloco_logs_at_info()
     from ddiloco.synchronizer.process import run_synchronizer
 
     run_synchronizer(config, run_id or config.name, label)
@@ -106,6 +118,7 @@ def synchronizer_flow(config: RunConfig, run_id: str | None = None, label: str =
 @flow(name="ddiloco-chaos")
 def chaos_flow(config: RunConfig, run_id: str | None = None, seconds: float = 60.0) -> list[str]:
     """Rehearse failures on a running run: the config's chaos events, or a seeded random schedule."""
+    _ddiloco_logs_at_info()
     ctx = RunContext.open(config, run_id or config.name)
     done = []
     t0 = time.monotonic()
@@ -120,6 +133,7 @@ def chaos_flow(config: RunConfig, run_id: str | None = None, seconds: float = 60
 def evaluate_flow(config: RunConfig, run_id: str | None = None, follow: bool = False) -> dict:
     """Evaluate the newest global model on the fixed validation set and record it in the ledger;
     ``follow``: be the run's evaluator (evaluate new versions on its cadence until the run ends)."""
+    _ddiloco_logs_at_info()
     ctx = RunContext.open(config, run_id or config.name)
     if follow:
         from ddiloco.synchronizer.evaluator import run_evaluator

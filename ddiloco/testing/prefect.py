@@ -80,6 +80,23 @@ def prefect_server(
             except ProcessLookupError:
                 pass
             p.wait(timeout=30)
+        kill_by_env("PREFECT_HOME", str(home))  # flow runs a worker started in sessions of their own
+
+
+def kill_by_env(name: str, value: str) -> list[int]:
+    """SIGKILL every process of this user whose environment has ``name=value`` (Linux /proc); their pids."""
+    wanted = f"{name}={value}".encode()
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if wanted in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+        except (OSError, ValueError):
+            continue  # gone, or not ours to read
+    return killed
 
 
 def stop_ephemeral_servers() -> None:
