@@ -363,3 +363,23 @@ def test_a_backlog_burst_does_not_pin_its_rows_forever() -> None:
     kept = ws.rows(layout, 8).data_ptr()
     for count in [4, 8] * SHRINK_AFTER:  # sizes that merely alternate keep one buffer
         assert ws.rows(layout, count).data_ptr() == kept
+
+
+def test_the_synchronizer_merges_into_recycled_buffers() -> None:
+    from support import sim_run
+
+    from ddiloco.inprocess import sim_learner, sim_step
+
+    cfg, clock, ctx, sync = sim_run(name="recycle", fragments={"count": 1}, quorum={"min_count": 1}, grace={"enabled": False},
+                                    learners={"regions": [{"name": "us", "learners": 1}], "heartbeat_s": 1.0})
+    learner = sim_learner(ctx, "us-0")
+    learner.start(clock.t)
+    bases = []  # held, so a fresh allocation can never come back at the same address
+    for _ in range(8):
+        clock.t += 1.0
+        sim_step(learner, clock.t)
+        sync.poll_once(clock.t)
+        bases.append(next(iter(sync.state[0].params.values()))._base)
+    assert sync.state[0].version >= 6
+    # Versions after the first few are written into buffers of versions the synchronizer replaced.
+    assert any(b is not None and any(b is earlier for earlier in bases[:i]) for i, b in enumerate(bases))
