@@ -66,11 +66,15 @@ class Evaluator:
         """Evaluate every ``every_s`` until stopped, or until the run has ended and a tick finds no new
         version (so the synchronizer's final drain is evaluated too); returns the evaluations made."""
         stop = stop or threading.Event()
-        made = 0
+        made, told = 0, False
         while not stop.is_set():
             with self.ctx.reading() as s:
                 run = q.get_run(s, self.ctx.run_id)
             ended = run is not None and run.status != "running"
+            if run is None and not told:
+                # Deployments start in any order: the synchronizer may not have registered the run yet.
+                log.warning("run %r is not in the ledger (yet): waiting for its synchronizer to register it", self.ctx.run_id)
+                told = True
             try:
                 fresh = self.evaluate_once() is not None
                 made += fresh
