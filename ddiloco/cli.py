@@ -60,7 +60,7 @@ def _config(path: Path | None) -> RunConfig:
     try:
         return load_config(path)
     except ConfigError as err:
-        err_console.print(f"[red]error:[/red] {err}")
+        err_console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2) from None
 
 
@@ -97,10 +97,10 @@ def _read_only_run(
     try:
         yield ctx
     except (UnknownRunError, *refused) as err:
-        err_console.print(f"[red]error:[/red] {err}")
+        err_console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2) from None
     except SQLAlchemyError as err:
-        err_console.print(f"[red]error:[/red] {redact_url(f'cannot read the ledger at {url}: {str(err).splitlines()[0]}')}")
+        err_console.print(f"[red]error:[/red] {escape(redact_url(f'cannot read the ledger at {url}: {str(err).splitlines()[0]}'))}")
         raise typer.Exit(2) from None
     finally:
         ctx.engine.dispose()
@@ -364,7 +364,7 @@ def data_prepare(
                 val_fraction=val_fraction, fmt=fmt, progress=lambda docs, toks: bar.update(task, completed=docs, tokens=toks),
             )
     except ConfigError as err:
-        err_console.print(f"[red]error:[/red] {err}")
+        err_console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2) from None
     console.print(
         f"{len(manifest.train)} training shard(s), {manifest.train_tokens:,} tokens; validation {manifest.val.tokens:,} tokens; "
@@ -404,7 +404,7 @@ def learner(
         # Bad input is refused before torch is imported: in a second, not in several.
         _, region, _ = cfg.learners.resolve(learner_id)
     except ConfigError as err:
-        err_console.print(f"[red]error:[/red] {err}")
+        err_console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2) from None
     _wait_until_reachable(cfg, [region], wait_s)
     from ddiloco.learner_worker.launch import LearnerJobFailed, run_learner
@@ -420,10 +420,10 @@ def learner(
             flow_run_url=flow_run_url,
         )
     except ConfigError as err:
-        err_console.print(f"[red]error:[/red] {err}")
+        err_console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2) from None
     except LearnerJobFailed as err:
-        err_console.print(f"[red]error:[/red] {err}")
+        err_console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(1) from None
 
 
@@ -447,7 +447,7 @@ def synchronizer(
     try:
         run_synchronizer(cfg, run or cfg.name, label)
     except ConfigError as err:
-        err_console.print(f"[red]error:[/red] {err}")
+        err_console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2) from None
 
 
@@ -467,7 +467,7 @@ def evaluate_command(
     try:
         run_evaluator(RunContext.open(cfg, run or cfg.name), device=device)
     except ValueError as err:
-        err_console.print(f"[red]error:[/red] {err}")
+        err_console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2) from None
 
 
@@ -515,10 +515,10 @@ def export_command(
     from ddiloco.platform.store import StoreError
 
     if fmt not in ("hf", "safetensors"):
-        err_console.print(f"[red]error:[/red] --format must be hf or safetensors, got {fmt!r}")
+        err_console.print(f"[red]error:[/red] --format must be hf or safetensors, got {escape(repr(fmt))}")
         raise typer.Exit(2)
     if version != "latest" and not version.isdigit():
-        err_console.print(f"[red]error:[/red] --version must be latest or a version number, got {version!r}")
+        err_console.print(f"[red]error:[/red] --version must be latest or a version number, got {escape(repr(version))}")
         raise typer.Exit(2)
     with _read_only_run(config, run, ledger, store, refused=(ExportError, ConfigError, WeightsError, StoreError)) as ctx:
         done = export_run(ctx, to=to, fmt=fmt, version=None if version == "latest" else int(version))  # type: ignore[arg-type]
@@ -536,7 +536,7 @@ def show_config(config: Path | None = ConfigOpt) -> None:
     try:
         check_vocab(cfg.model, cfg.data)
     except ConfigError as err:
-        err_console.print(f"[red]error:[/red] {err}")
+        err_console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2) from None
     console.print_json(json.dumps(mask_tree(cfg.model_dump(mode="json"))))
 
@@ -626,7 +626,7 @@ def deploy_command(
                       base_job_template=read_job_template(base_job_template) if base_job_template else None,
                       notify_block=notify_block, alert_policy=AlertPolicy(stall_minutes, relaunches_per_hour))
     except ValueError as err:
-        err_console.print(f"[red]error:[/red] {err}")
+        err_console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2) from None
     console.print(f"work pools: {', '.join(plan.pools)}")
     console.print(f"deployments: {', '.join(plan.deployments)}")

@@ -95,14 +95,14 @@ def test_bad_ids_are_refused_at_once(args, needle):
     start = time.perf_counter()
     code, out = invoke(*args)
     assert code == 2 and needle in out, out
-    assert time.perf_counter() - start < 3.0
+    assert time.perf_counter() - start < 15.0  # the old behaviour waited 5 minutes (learner) or ran the whole demo
 
 
 def test_demo_refuses_a_summary_path_that_is_a_directory_before_it_starts(tmp_path):
     start = time.perf_counter()
     code, out = invoke("demo", "--summary-json", str(tmp_path))
     assert code == 2 and "is a directory" in out, out
-    assert time.perf_counter() - start < 3.0
+    assert time.perf_counter() - start < 15.0  # the old behaviour waited 5 minutes (learner) or ran the whole demo
     code, out = invoke("chaos-suite", "--json", str(tmp_path))
     assert code == 2 and "is a directory" in out, out
 
@@ -149,3 +149,10 @@ def test_config_shows_every_url_masked():
     assert done.returncode == 0, done.stderr
     assert "wJalrSECRET" not in done.stdout + done.stderr and "hunter2" not in done.stdout + done.stderr
     assert "s3://AKIAEX:***@bucket/x" in done.stdout
+
+
+def test_an_error_quoting_rich_markup_is_printed_as_text(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text('model:\n  kwargs:\n    "[/x]": 1\n    "[/x]": 2\n')
+    code, out = invoke("config", "-c", str(path))
+    assert code == 2 and "key '[/x]' appears twice" in out, out
