@@ -104,7 +104,7 @@ def test_every_poison_shape_is_refused_with_a_reason(store, shape):
         store.get_with_metadata(key, sha256_hex(data), len(data))
     assert needle in str(err.value), str(err.value)
     assert key in str(err.value) and len(str(err.value)) < 400
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < 5.0  # ms when idle; generous for a loaded machine
 
 
 def test_an_honest_header_is_well_inside_the_bounds():
@@ -155,7 +155,7 @@ def test_a_key_naming_a_directory_is_refused_at_once(tmp_path):
     start = time.perf_counter()
     with pytest.raises((BlobCorruptError, BlobMissingError)):
         store.get_bytes("r/submissions/f0/l", "0" * 64, 300)
-    assert time.perf_counter() - start < 1.0  # not retried as if the disk were flaky
+    assert time.perf_counter() - start < 3.0  # not retried as if the disk were flaky (6 tries took 6 s)
 
 
 def test_reasons_never_hold_the_store_url(tmp_path):

@@ -118,7 +118,7 @@ def test_bad_files_are_one_line_naming_the_file(tmp_path, name, content, needle)
         load_config(path)
     message = str(err.value)
     assert needle in message and str(path) in message and "\n" not in message and "hunter2" not in message, message
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < 5.0  # ms when idle; generous for a loaded machine
 
 
 def test_the_alias_bomb_is_small_and_anchors_within_bounds_still_work(tmp_path):
