@@ -245,13 +245,13 @@ def reference_merge(current: GlobalFragment, members: list[Member], policy: Merg
     return {n: p.detach() for n, p in zip(names, leaves, strict=True)}
 
 
-def random_fragment(seed: int = 0) -> tuple[GlobalFragment, list[Member]]:
-    """Three tensors (one a plain-mean embedding), momentum, and four learners of which one sent twice."""
+def random_fragment(seed: int = 0, learners: tuple[str, ...] = ("a", "b", "a", "c", "d")) -> tuple[GlobalFragment, list[Member]]:
+    """Three tensors (one a plain-mean embedding), momentum, and one member per entry of ``learners``
+    (by default four learners, of which one sent twice)."""
     g = torch.Generator().manual_seed(seed)
     shapes = {"tok_embed.weight": (5, 3), "mlp.weight": (4, 6), "mlp.bias": (7,)}
     current = GlobalFragment(3, {n: torch.randn(s, generator=g) for n, s in shapes.items()},
                              {n: torch.randn(s, generator=g) * 0.1 for n, s in shapes.items()})
-    learners = ["a", "b", "a", "c", "d"]
     members = [member(i, lid, {n: torch.randn(s, generator=g) * (i + 1) for n, s in shapes.items()},
                       c_steps=2 + i, c_tokens=64 * (3 + i), base_version=3) for i, lid in enumerate(learners)]
     return current, members
@@ -268,9 +268,10 @@ def as_rows(members: list[Member], layout: FlatLayout, rows: torch.Tensor) -> li
     return out
 
 
-@pytest.mark.parametrize(("method", "chunk"), [("rda", 4), ("mean", 4), ("rda", None)])
-def test_flat_engine_matches_the_float64_reference(method: str, chunk: int | None) -> None:
-    current, members = random_fragment()
+@pytest.mark.parametrize(("method", "chunk", "learners"), [
+    ("rda", 4, "abacd"), ("mean", 4, "abacd"), ("rda", None, "abacd"), ("rda", 4, "aabaa"), ("mean", None, "aabaa")])
+def test_flat_engine_matches_the_float64_reference(method: str, chunk: int | None, learners: str) -> None:
+    current, members = random_fragment(learners=tuple(learners))
     policy = MergePolicy(method=method, lr=0.7, momentum=0.9)
     want = reference_merge(current, members, policy, live=5)
     ws = MergeWorkspace("cpu")
@@ -280,7 +281,7 @@ def test_flat_engine_matches_the_float64_reference(method: str, chunk: int | Non
         out = merge_fragment(current, ms, policy, live_learners=5, workspace=ws)
         for n in want:
             torch.testing.assert_close(out.params[n].double(), want[n], rtol=1e-5, atol=1e-6)
-    assert [m["learner"] for m in out.detail["members"]] == ["a", "a", "b", "c", "d"]
+    assert [m["learner"] for m in out.detail["members"]] == sorted(learners, key=learners.index)
 
 
 def test_rows_with_a_gap_are_gathered_not_misread() -> None:

@@ -173,6 +173,7 @@ class MergeWorkspace:
         self._rows = torch.empty(0, device=self.device)
         self._gather = torch.empty(0, device=self.device)
         self._grad = torch.empty(0, device=self.device)
+        self._scratch = torch.empty(0, device=self.device)
         self._spare: dict[int, list[torch.Tensor]] = {}
         self._lent: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._oversized: dict[str, int] = {}
@@ -196,6 +197,9 @@ class MergeWorkspace:
 
     def grad(self, numel: int) -> torch.Tensor:
         return self._grown("_grad", numel)
+
+    def scratch(self, numel: int) -> torch.Tensor:
+        return self._grown("_scratch", numel)
 
     def take(self, numel: int) -> torch.Tensor:
         """A flat float32 buffer for a new version (from the pool when it has one of that size)."""
@@ -311,10 +315,12 @@ def merge_fragment(
     scale = participation_scale(len(by_learner), live_learners) if policy.participation_scaling else 1.0
     mean_names = plain_mean_tensors(layout.names, policy)
     group_of = [1 if n in mean_names else 0 for n in layout.names]  # 0: RDA, 1: plain mean
+    # Per learner and tensor, the squared norm of the learner's summed increments.
+    learner_sq = [sq_norms[idx[0]] if len(idx) == 1 else _summed_sq_norms(rows, idx, layout, ws) for idx in by_learner.values()]
     coeffs, targets = [], []
     for g, method in enumerate(("rda", "mean")):
         tensors = [i for i, gi in enumerate(group_of) if gi == g]
-        sq = [_learner_sq_norm(rows, sq_norms, idx, tensors, layout) for idx in by_learner.values()]
+        sq = [sum(per_tensor[t] for t in tensors) for per_tensor in learner_sq]
         c, target = merge_coefficients(sq, list(weight.values()), method) if tensors else ([0.0] * len(by_learner), None)
         per_member = [0.0] * len(members)
         for cl, idx in zip(c, by_learner.values(), strict=True):
@@ -423,15 +429,18 @@ def _as_matrix(rows: Sequence[torch.Tensor], numel: int, device: torch.device) -
     return first.as_strided((len(rows), numel), (numel, 1))
 
 
-def _learner_sq_norm(rows: torch.Tensor, sq_norms: list[list[float]], idx: list[int], tensors: list[int], layout: FlatLayout) -> float:
-    """|sum of the learner's increments|^2 over the given tensors: the members' own squared norms
-    plus, for a learner with several increments, their cross terms."""
-    total = sum(sq_norms[i][t] for i in idx for t in tensors)
-    o = layout.offsets
-    for j, a in enumerate(idx):
-        for b in idx[j + 1 :]:
-            total += 2 * sum(float(torch.dot(rows[a, o[t] : o[t + 1]], rows[b, o[t] : o[t + 1]])) for t in tensors)
-    return total
+def _summed_sq_norms(rows: torch.Tensor, idx: list[int], layout: FlatLayout, ws: MergeWorkspace) -> list[float]:
+    """Per tensor, |sum of the rows idx|^2: one pass over those rows, summed chunk by chunk in a scratch
+    the size of a chunk (a learner with k pending increments costs k row reads, not k^2)."""
+    largest = max((layout.offsets[i + 1] - layout.offsets[i] for i in range(len(layout.names))), default=1)
+    scratch = ws.scratch(min(ws.chunk or largest, largest))
+    sq = [torch.zeros((), dtype=torch.float64, device=ws.device) for _ in layout.names]
+    for i, a, b in _chunks(layout, ws.chunk):
+        s = torch.add(rows[idx[0], a:b], rows[idx[1], a:b], out=scratch[: b - a])
+        for j in idx[2:]:
+            s.add_(rows[j, a:b])
+        sq[i] += torch.dot(s, s)
+    return [float(x) for x in sq]
 
 
 def _chunks(layout: FlatLayout, chunk: int | None):  # noqa: ANN202 - a generator of (tensor index, start, end)
