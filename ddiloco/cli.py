@@ -456,16 +456,19 @@ def evaluate_command(
     config: Path | None = ConfigOpt,
     run: str | None = typer.Option(None, "--run", help="Run id; defaults to the config's name."),
     device: str = typer.Option("auto", "--device", help="auto (the GPU when torch sees one), cpu, cuda or cuda:N."),
+    wait_s: float = WaitOpt,
     verbose: bool = False,
 ) -> None:
     """Run the evaluator: evaluate newly published global versions every synchronizer.eval_every_s, record them, stop when the run ends."""
+    _setup_logging(verbose)
+    cfg = _config(config)
+    run = _checked_id(run or cfg.name, "run")
+    _wait_until_reachable(cfg, [None], wait_s)
     from ddiloco.platform.runtime import RunContext
     from ddiloco.synchronizer.evaluator import run_evaluator
 
-    _setup_logging(verbose)
-    cfg = _config(config)
     try:
-        run_evaluator(RunContext.open(cfg, run or cfg.name), device=device)
+        run_evaluator(RunContext.open(cfg, run), device=device)
     except ValueError as err:
         err_console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2) from None

@@ -87,6 +87,7 @@ def test_read_commands_never_migrate_an_old_ledger(tmp_path, monkeypatch, comman
         (["learner", "--learner", "us-0", "--run", "[x](https://evil.example)"], "run '[x](https://evil.example)' is not a valid id"),
         (["learner", "--learner", "us-0", "--run", "../other"], "is not a valid id"),
         (["synchronizer", "--run", "a b"], "run 'a b' is not a valid id"),
+        (["evaluate", "--run", "a b"], "run 'a b' is not a valid id"),
         (["synchronizer", "--label", "[URGENT](https://evil.example)"], "synchronizer label"),
         (["summary", "--run", "x/../y"], "is not a valid id"),
     ],
