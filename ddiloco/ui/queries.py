@@ -5,10 +5,13 @@ nothing here scans the heartbeats, versions or submissions. Totals come from the
 ledger keeps (fragment heads, learner rows), pending and rejected work is summed over just those rows,
 the training-loss and validation curves are sampled on a time grid by index seeks, the version
 timeline by primary-key seeks, and lists (merges, events, rejections) are the newest few by index.
-Nothing here writes; the dashboard's engine is read-only as well (:func:`read_only_engine`). Works on SQLite and PostgreSQL."""
+Statements of plain columns run on the session's connection: the ORM's per-execution work would cost
+more than the reads. Nothing here writes; the dashboard's engine is read-only as well
+(:func:`read_only_engine`). Works on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -17,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Engine, func, inspect, literal, select, true, union_all
+from sqlalchemy import Engine, bindparam, func, inspect, select, true, union_all
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import NoSuchModuleError
 from sqlalchemy.orm import Session
@@ -61,8 +64,9 @@ LOSS_POINTS_BUDGET = 4_000
 LOSS_POINTS_PER_LEARNER = 200
 MAX_GRID_POINTS = 400
 """SQLite allows 500 terms in a compound SELECT; the sampling grid stays below."""
-VERSION_POINTS = 4_000
-EVALUATION_POINTS = 400
+VERSION_POINTS = 1_500
+"""Points of the version timeline (all fragments): enough for its lines, few enough to read by key each refresh."""
+EVALUATION_POINTS = 200
 STALENESS_VERSIONS = 100
 """The staleness histogram counts the submissions merged into each fragment's newest this-many versions."""
 HOLDER_TOKENS = 20
@@ -179,7 +183,7 @@ def run_info(session: Session, run_id: str) -> RunInfo | None:
 
 
 def learner_snapshots(session: Session, run_id: str) -> list[liveness.LearnerSnapshot]:
-    rows = session.execute(
+    rows = session.connection().execute(
         select(Learner.id, Learner.last_heartbeat_at, Learner.started_at, Learner.step, Learner.step_time_s, Learner.status)
         .where(Learner.run_id == run_id)
         .order_by(Learner.region, Learner.id)
@@ -290,7 +294,7 @@ def learner_rows(session: Session, run_id: str) -> list[Any]:
     """The run's learners, region by region, with the newest loss each reported and its submission totals."""
     # Named columns, not the entity: a ledger one migration behind the code still renders.
     return list(
-        session.execute(
+        session.connection().execute(
             select(
                 Learner.id,
                 Learner.region,
@@ -360,7 +364,9 @@ def learner_fates(session: Session, run_id: str, learners: list[Any]) -> dict[st
     # uid) index over every submission instead of seeking the few it needs.
     def by_learner(condition: Any) -> dict[str, tuple[int, int]]:
         out: dict[str, tuple[int, int]] = {}
-        rows = session.execute(select(Submission.learner_id, Submission.tokens_new).where(Submission.run_id == run_id, condition))
+        rows = session.connection().execute(
+            select(Submission.learner_id, Submission.tokens_new).where(Submission.run_id == run_id, condition)
+        )
         for lid, tokens in rows:
             n, t = out.get(lid, (0, 0))
             out[lid] = (n + 1, t + int(tokens))
@@ -475,7 +481,7 @@ def synchronizer_holders(session: Session, run_id: str, tokens: int = HOLDER_TOK
         return pd.DataFrame(columns=columns)
     rows = []
     for token in range(int(newest), max(0, int(newest) - tokens), -1):
-        ranges = [r for r in session.execute(_token_ranges(run_id, token)).all() if r[0] is not None]
+        ranges = [r for r in session.connection().execute(_token_ranges(run_id, token)).all() if r[0] is not None]
         if ranges:
             rows.append({
                 "holder": ranges[0][4],
@@ -515,23 +521,34 @@ def last_merge_at(session: Session, run_id: str) -> datetime | None:
 # --- versions and merges ---------------------------------------------------------------------------------
 
 
+_VERSIONS_BY_KEY = (
+    select(FragmentVersion.fragment, FragmentVersion.version, FragmentVersion.created_at)
+    .where(
+        FragmentVersion.run_id == bindparam("run"),
+        FragmentVersion.fragment.in_(bindparam("fragments", expanding=True)),
+        FragmentVersion.version.in_(bindparam("versions", expanding=True)),
+    )
+)
+
+
 def versions_frame(session: Session, run_id: str, max_points: int = VERSION_POINTS) -> pd.DataFrame:
     """(fragment, version, at) for the version timeline; thinned to every k-th version when there are
-    more than ``max_points`` (the newest version of each fragment is always kept), read by key."""
-    heads = dict(session.execute(select(FragmentHead.fragment, FragmentHead.version).where(FragmentHead.run_id == run_id)).all())
-    total = sum(v + 1 for v in heads.values())
+    more than ``max_points`` (the newest version of each fragment, from its head, is always kept): one
+    statement of primary-key seeks (fragments x sampled versions), never a scan."""
+    heads = session.connection().execute(
+        select(FragmentHead.fragment, FragmentHead.version, FragmentHead.created_at).where(FragmentHead.run_id == run_id)
+    ).all()
+    columns = ["fragment", "version", "at"]
+    if not heads:
+        return pd.DataFrame(columns=columns)
+    total = sum(h.version + 1 for h in heads)
     k = max(1, math.ceil(total / max_points))
-    rows = []
-    for fragment, top in sorted(heads.items()):  # primary-key seeks, fragment by fragment
-        wanted = sorted({*range(0, top + 1, k), top})
-        for start in range(0, len(wanted), 500):
-            rows += session.execute(
-                select(FragmentVersion.fragment, FragmentVersion.version, FragmentVersion.created_at)
-                .where(FragmentVersion.run_id == run_id, FragmentVersion.fragment == fragment,
-                       FragmentVersion.version.in_(wanted[start:start + 500]))
-                .order_by(FragmentVersion.version)
-            ).all()
-    return pd.DataFrame([tuple(r) for r in rows], columns=["fragment", "version", "at"])
+    rows = {(h.fragment, h.version): tuple(h) for h in heads}
+    wanted = list(range(0, max(h.version for h in heads) + 1, k))
+    for start in range(0, len(wanted), 500):
+        params = {"run": run_id, "fragments": [h.fragment for h in heads], "versions": wanted[start:start + 500]}
+        rows.update({(r.fragment, r.version): tuple(r) for r in session.connection().execute(_VERSIONS_BY_KEY, params)})
+    return pd.DataFrame([rows[key] for key in sorted(rows)], columns=columns)
 
 
 MERGE_COLUMNS = [
@@ -551,7 +568,7 @@ MERGE_COLUMNS = [
 
 def merges_frame(session: Session, run_id: str, limit: int = MERGES_SHOWN) -> pd.DataFrame:
     """The newest ``limit`` merges, oldest first: quorum, grace window and wait, what was included."""
-    rows = session.execute(
+    rows = session.connection().execute(
         select(
             Merge.at,
             Merge.fragment,
@@ -579,7 +596,7 @@ def merges_frame(session: Session, run_id: str, limit: int = MERGES_SHOWN) -> pd
 def staleness_frame(session: Session, run_id: str, versions: int = STALENESS_VERSIONS) -> pd.DataFrame:
     """How many versions behind merged submissions were (their base vs the version they joined), over each
     fragment's newest ``versions`` versions: an index range per fragment, whatever the history."""
-    rows = session.execute(
+    rows = session.connection().execute(
         select(Submission.staleness, func.count())
         .select_from(FragmentHead)
         .join(
@@ -598,31 +615,76 @@ def staleness_frame(session: Session, run_id: str, versions: int = STALENESS_VER
 # --- losses --------------------------------------------------------------------------------------------
 
 
-def evaluations_frame(session: Session, run_id: str, points: int = EVALUATION_POINTS) -> pd.DataFrame:
-    """Validation loss over the run: the newest evaluation at or before each time of a grid (index seeks),
-    plus the first and the last, so a long run's curve costs ``points`` rows, not one per evaluation."""
-    columns = ["at", "tokens", "versions_total", "val_loss", "val_accuracy"]
-    cols = (Evaluation.at, Evaluation.tokens, Evaluation.versions_total, Evaluation.val_loss, Evaluation.val_accuracy)
-    points = max(2, min(points, MAX_GRID_POINTS))
-    base = select(Evaluation.id, *cols).where(Evaluation.run_id == run_id)
-    few = session.execute(base.order_by(Evaluation.at, Evaluation.id).limit(points + 1)).all()
-    if len(few) <= points:  # every evaluation fits: all of them
-        return pd.DataFrame([tuple(r[1:]) for r in few], columns=columns)
-    first = few[0]
-    last = session.execute(base.order_by(Evaluation.at.desc(), Evaluation.id.desc()).limit(1)).one()
-    span = max(0.0, (last.at - first.at).total_seconds())
-    grid_times = sorted({first.at + timedelta(seconds=span * i / (points - 1)) for i in range(points)})
-    grid = union_all(*[select(literal(t, UtcDateTime()).label("t")) for t in grid_times]).cte("grid")
+@functools.cache
+def _grid(points: int) -> Any:
+    """A CTE of ``points`` typed timestamps ``t`` bound as ``t0``, ``t1``, … (UNION ALL terms: portable to SQLite
+    and PostgreSQL, and typed, so they compare the way the ledger stores times). Built once per size: a
+    statement built anew at every refresh costs more than its index seeks."""
+    return union_all(*[select(bindparam(f"t{i}", type_=UtcDateTime()).label("t")) for i in range(points)]).cte("grid")
+
+
+def _grid_times(first: datetime, last: datetime, points: int) -> dict[str, datetime]:
+    span = max(0.0, (last - first).total_seconds())
+    return {f"t{i}": first + timedelta(seconds=span * i / (points - 1)) for i in range(points)}
+
+
+@functools.cache
+def _evaluations_on_grid(points: int) -> Any:
+    grid = _grid(points)
     newest = (
         select(Evaluation.id)
-        .where(Evaluation.run_id == run_id, Evaluation.at <= grid.c.t)
+        .where(Evaluation.run_id == bindparam("run"), Evaluation.at <= grid.c.t)
         .order_by(Evaluation.at.desc(), Evaluation.id.desc())
         .limit(1)
         .correlate(grid)
         .scalar_subquery()
     )
     picks = select(newest.label("id")).select_from(grid).subquery()
-    rows = session.execute(select(Evaluation.id, *cols).join(picks, picks.c.id == Evaluation.id)).all()
+    return select(Evaluation.id, *_EVALUATION_COLUMNS).join(picks, picks.c.id == Evaluation.id)
+
+
+@functools.cache
+def _losses_on_grid(points: int) -> Any:
+    grid = _grid(points)
+    newest = (
+        select(Heartbeat.id)
+        .where(Heartbeat.run_id == bindparam("run"), Heartbeat.learner_id == Learner.id, Heartbeat.at <= grid.c.t)
+        .order_by(Heartbeat.at.desc())
+        .limit(1)
+        .correlate(Learner, grid)
+        .scalar_subquery()
+    )
+    picks = (
+        select(Learner.id.label("learner"), Learner.region.label("region"), newest.label("hb"))
+        .select_from(Learner)
+        .join(grid, true())
+        .where(Learner.run_id == bindparam("run"))
+        .subquery()
+    )
+    return (
+        select(picks.c.learner, picks.c.region, Heartbeat.incarnation, Heartbeat.step, Heartbeat.at, Heartbeat.loss)
+        .join(Heartbeat, Heartbeat.id == picks.c.hb)
+        .where(Heartbeat.loss.is_not(None))
+        .distinct()
+    )
+
+
+_EVALUATION_COLUMNS = (Evaluation.at, Evaluation.tokens, Evaluation.versions_total, Evaluation.val_loss, Evaluation.val_accuracy)
+
+
+def evaluations_frame(session: Session, run_id: str, points: int = EVALUATION_POINTS) -> pd.DataFrame:
+    """Validation loss over the run: the newest evaluation at or before each time of a grid (index seeks),
+    plus the first and the last, so a long run's curve costs ``points`` rows, not one per evaluation."""
+    columns = ["at", "tokens", "versions_total", "val_loss", "val_accuracy"]
+    cols = _EVALUATION_COLUMNS
+    points = max(2, min(points, MAX_GRID_POINTS))
+    base = select(Evaluation.id, *cols).where(Evaluation.run_id == run_id)
+    few = session.connection().execute(base.order_by(Evaluation.at, Evaluation.id).limit(points + 1)).all()
+    if len(few) <= points:  # every evaluation fits: all of them
+        return pd.DataFrame([tuple(r[1:]) for r in few], columns=columns)
+    first = few[0]
+    last = session.connection().execute(base.order_by(Evaluation.at.desc(), Evaluation.id.desc()).limit(1)).one()
+    rows = session.connection().execute(_evaluations_on_grid(points), {"run": run_id, **_grid_times(first.at, last.at, points)}).all()
     # By id: one row per evaluation, in the order they were recorded.
     unique = {r[0]: tuple(r[1:]) for r in [*rows, first, last]}
     return pd.DataFrame([unique[i] for i in sorted(unique)], columns=columns)
@@ -637,38 +699,13 @@ def training_loss_frame(
     Learners report an exponential moving average of their loss, so a sample is already smooth.
     Each learner contributes at most ``per_learner`` points (fewer when many share ``budget``)."""
     columns = ["learner", "region", "incarnation", "step", "at", "loss"]
-    n_learners, first, last = session.execute(
+    n_learners, first, last = session.connection().execute(
         select(func.count(), func.min(Learner.started_at), func.max(Learner.last_heartbeat_at)).where(Learner.run_id == run_id)
     ).one()
     if not n_learners or first is None or last is None:
         return pd.DataFrame(columns=columns)
     points = max(10, min(per_learner, budget // int(n_learners), MAX_GRID_POINTS))
-    span = max(0.0, (last - first).total_seconds())
-    grid_times = sorted({first + timedelta(seconds=span * i / (points - 1)) for i in range(points)})
-    # The grid as a CTE of UNION ALL terms: portable to SQLite and PostgreSQL, and typed, so the
-    # timestamps compare the way the ledger stores them.
-    grid = union_all(*[select(literal(t, UtcDateTime()).label("t")) for t in grid_times]).cte("grid")
-    newest = (
-        select(Heartbeat.id)
-        .where(Heartbeat.run_id == run_id, Heartbeat.learner_id == Learner.id, Heartbeat.at <= grid.c.t)
-        .order_by(Heartbeat.at.desc())
-        .limit(1)
-        .correlate(Learner, grid)
-        .scalar_subquery()
-    )
-    picks = (
-        select(Learner.id.label("learner"), Learner.region.label("region"), newest.label("hb"))
-        .select_from(Learner)
-        .join(grid, true())
-        .where(Learner.run_id == run_id)
-        .subquery()
-    )
-    rows = session.execute(
-        select(picks.c.learner, picks.c.region, Heartbeat.incarnation, Heartbeat.step, Heartbeat.at, Heartbeat.loss)
-        .join(Heartbeat, Heartbeat.id == picks.c.hb)
-        .where(Heartbeat.loss.is_not(None))
-        .distinct()
-    ).all()
+    rows = session.connection().execute(_losses_on_grid(points), {"run": run_id, **_grid_times(first, last, points)}).all()
     df = pd.DataFrame([tuple(r) for r in rows], columns=columns)
     return df.sort_values(["learner", "at"], ignore_index=True)
 
@@ -678,7 +715,7 @@ def training_loss_frame(
 
 def events_frame(session: Session, run_id: str, limit: int = EVENTS_SHOWN) -> pd.DataFrame:
     """The newest ``limit`` events, newest first, each with its category (failure, restart, chaos …)."""
-    rows = session.execute(
+    rows = session.connection().execute(
         select(Event.at, Event.kind, Event.actor, Event.detail)
         .where(Event.run_id == run_id)
         .order_by(Event.at.desc(), Event.id.desc())
@@ -691,7 +728,7 @@ def events_frame(session: Session, run_id: str, limit: int = EVENTS_SHOWN) -> pd
 
 def rejections_frame(session: Session, run_id: str, limit: int = 200) -> pd.DataFrame:
     """The newest rejected submissions with their reasons."""
-    rows = session.execute(
+    rows = session.connection().execute(
         select(
             Submission.decided_at,
             Submission.learner_id,
