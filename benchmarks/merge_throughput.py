@@ -205,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             args.json = str(Path(tempfile.gettempdir()) / f"ddiloco-{NAME}.quick.json")  # never the published figures
     codecs = [c for c in args.codecs.split(",") if c]
     torch.set_num_threads(1)
-    ws = MergeWorkspace(args.device)
+    try:
+        ws = MergeWorkspace(args.device)
+    except ValueError as err:
+        ap.error(f"--device {args.device}: {err}")
     load_start = uptime()
 
     shapes = fragment_shapes(args.params)

@@ -384,3 +384,10 @@ def test_the_synchronizer_merges_into_recycled_buffers() -> None:
     assert sync.state[0].version >= 6
     # Versions after the first few are written into buffers of versions the synchronizer replaced.
     assert any(b is not None and any(b is earlier for earlier in bases[:i]) for i, b in enumerate(bases))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_merges_on_cuda_without_a_gpu_are_refused_in_one_line() -> None:
+    with pytest.raises(ValueError, match="merges on cuda need a CUDA device, and torch sees none"):
+        MergeWorkspace("cuda")
+    assert MergeWorkspace("auto").device.type == "cpu"

@@ -165,6 +165,8 @@ class MergeWorkspace:
 
     def __init__(self, device: str | torch.device | None = None) -> None:
         self.device = default_merge_device() if device in (None, "auto") else torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("merges on cuda need a CUDA device, and torch sees none")
         if self.device.type == "cuda" and self.device.index is None:
             # "cuda" names the current GPU; tensors report "cuda:N", and buffers are matched by device.
             self.device = torch.device("cuda", torch.cuda.current_device())
