@@ -118,11 +118,10 @@ class Synchronizer:
         lc = self.cfg.learners
         self.claims = pol.claim_bounds(tokens_per_step(self.cfg.model, lc.batch_size * self.cfg.inner.grad_accum_steps, lc.nproc_per_node),
                                        self.cfg.fragments.period, self.cfg.merge.max_periods)
-        try:
+        try:  # decode rows and version buffers, reused from merge to merge
             self.workspace = MergeWorkspace(self.cfg.synchronizer.merge_device)
         except ValueError as err:
             raise ConfigError(f"synchronizer.merge_device: {err}") from None
-        """Decode rows and version buffers reused from merge to merge."""
         self.grace_policy = pol.GracePolicy(
             enabled=self.cfg.grace.enabled,
             gamma=self.cfg.grace.gamma,
