@@ -308,8 +308,8 @@ def test_lease_acquire_renew_expire_takeover_and_fencing(ledger):
     with pytest.raises(q.LeaseLostError):
         publish(S, 1, holder="A", token=1, now=t(7))
     with S.begin() as s:
-        assert not q.renew_lease(s, RUN, "A", 1, 3, t(7.5))  # too late to renew
         assert q.acquire_lease(s, RUN, "B", 3, t(8)) == 2  # takeover bumps the token
+        assert not q.renew_lease(s, RUN, "A", 1, 3, t(8.5))  # taken over: A cannot renew any more
     with pytest.raises(q.LeaseLostError, match="token 1"):
         publish(S, 1, holder="A", token=1, now=t(8.5))  # the stale holder is fenced off
     with pytest.raises(q.LeaseLostError):
@@ -325,6 +325,29 @@ def test_lease_acquire_renew_expire_takeover_and_fencing(ledger):
         assert [v.lease_token for v in (q.get_version(s, RUN, 0, 0), q.get_version(s, RUN, 0, 1))] == [1, 2]
         acquired = [e for e in reversed(q.events(s, RUN)) if e.kind == "lease_acquired"]
         assert [(e.actor, e.detail.split(";")[0]) for e in acquired] == [("A", "token 1"), ("B", "token 2"), ("A", "token 3")]
+
+
+def test_a_lapsed_lease_nobody_took_over_is_renewed_with_its_token(ledger):
+    """The post-takeover backlog: a new holder's long first pass starved its renewer past the TTL; the lease
+    lapsed with no one else wanting it, renewal was refused, and every merge of the pass died at the fence.
+    Nobody can have published under another token meanwhile, so the holder keeps its lease and its token."""
+    _, S = ledger
+    with S.begin() as s:
+        q.create_run(s, RUN, config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=T0)
+    t = lambda sec: T0 + timedelta(seconds=sec)  # noqa: E731
+    with S.begin() as s:
+        assert q.acquire_lease(s, RUN, "A", 2, t(0)) == 1
+    publish(S, 0, holder="A", token=1, now=t(1))
+    with S.begin() as s:
+        assert q.renew_lease(s, RUN, "A", 1, 2, t(5))  # lapsed at t(2), nobody took it: renewed until t(7)
+    publish(S, 1, holder="A", token=1, now=t(6))  # the pass's merge lands
+    with S.begin() as s:
+        assert q.acquire_lease(s, RUN, "A", 2, t(20)) == 1  # lapsed again: the same holder keeps its token
+        assert q.acquire_lease(s, RUN, "B", 2, t(21)) is None
+        assert q.acquire_lease(s, RUN, "B", 2, t(23)) == 2  # lapsed, and someone else wants it: a takeover
+        assert not q.renew_lease(s, RUN, "A", 1, 2, t(24))
+    with pytest.raises(q.LeaseLostError):
+        publish(S, 2, holder="A", token=1, now=t(24))
 
 
 # --- garbage collection -----------------------------------------------------------------------------

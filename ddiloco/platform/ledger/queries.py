@@ -661,7 +661,10 @@ def recent_merged_norm_steps(session: Session, run_id: str, fragment: int, limit
 
 
 def acquire_lease(session: Session, run_id: str, holder: str, ttl_s: float, now: datetime) -> int | None:
-    """Take or renew the run's lease. Returns the fencing token, or None while another holder's lease is live."""
+    """Take or renew the run's lease. Returns the fencing token, or None while another holder's lease is live.
+
+    A holder whose lease lapsed while nobody took it over gets it back with the same token: no one else can
+    have published meanwhile (a takeover always bumps the token), so what it holds in memory is still current."""
     validate_holder(holder)
     lease = session.get(SynchronizerLease, run_id, with_for_update=True)
     expires = now + timedelta(seconds=ttl_s)
@@ -675,7 +678,7 @@ def acquire_lease(session: Session, run_id: str, holder: str, ttl_s: float, now:
             return None
         record_event(session, run_id, "lease_acquired", holder, "token 1", now)
         return 1
-    if lease.holder == holder and lease.expires_at > now:
+    if lease.holder == holder:
         lease.expires_at = expires
         return lease.token
     if lease.expires_at > now:
@@ -691,13 +694,15 @@ def acquire_lease(session: Session, run_id: str, holder: str, ttl_s: float, now:
 
 
 def renew_lease(session: Session, run_id: str, holder: str, token: int, ttl_s: float, now: datetime) -> bool:
+    """Extend the lease while ``holder`` still holds ``token`` — also once it has lapsed, as long as nobody took
+    it over: a renewer thread starved past the TTL (a long first pass after a takeover on a loaded machine)
+    must not lose a lease no one else wants, and waste its pass's merges to the fence."""
     result = session.execute(
         update(SynchronizerLease)
         .where(
             SynchronizerLease.run_id == run_id,
             SynchronizerLease.holder == holder,
             SynchronizerLease.token == token,
-            SynchronizerLease.expires_at > now,
         )
         .values(expires_at=now + timedelta(seconds=ttl_s))
     )
