@@ -3,7 +3,10 @@ run wrote or what a submission's own ids give; an id registered again with other
 
 from __future__ import annotations
 
+import fnmatch
+import json
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from test_bad_submissions import setup_run, shapes_of
 
 from ddiloco.inprocess import sim_step
 from ddiloco.platform.compression import encode_delta
-from ddiloco.platform.ids import global_key, submission_key
+from ddiloco.platform.ids import global_key, learner_state_key, outer_state_key, submission_key
 from ddiloco.platform.ledger import open_ledger, session_factory
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.models import Submission
@@ -108,3 +111,38 @@ def test_an_id_registered_again_with_other_content_is_refused(ledger_url):
             assert (row.fragment, row.c_tokens, row.sha256) == (0, 300, "0" * 64)
     finally:
         engine.dispose()
+
+
+# --- the store policies in infra/iam against the keys the code writes -------------------------------------
+
+IAM = Path(__file__).resolve().parent.parent / "infra" / "iam"
+
+
+def allowed(policy: str, action: str, key: str, user: str, run: str = "r1", bucket: str = "b") -> bool:
+    """What an IAM policy of Allow statements grants (``*`` spans '/', as in IAM), for ``user`` on ``bucket/key``."""
+    doc = json.loads((IAM / f"{policy}.json").read_text())
+    arn = f"arn:aws:s3:::{bucket}/{key}"
+    for st in doc["Statement"]:
+        assert st["Effect"] == "Allow"
+        resources = [r.replace("BUCKET", bucket).replace("RUN", run).replace("${aws:username}", user) for r in st["Resource"]]
+        if action in st["Action"] and any(fnmatch.fnmatchcase(arn, r) for r in resources):
+            return True
+    return False
+
+
+def test_store_policies_grant_each_role_its_own_keys_and_nothing_else():
+    own = submission_key("r1", 3, "us-0", "u1")
+    other = submission_key("r1", 3, "us-1", "u2")
+    state = learner_state_key("r1", "us-0", "optim-i0-s100")
+    version, outer = global_key("r1", 3, 7), outer_state_key("r1", 3, 7)
+    assert allowed("learner", "s3:PutObject", own, "us-0") and allowed("learner", "s3:GetObject", own, "us-0")
+    assert allowed("learner", "s3:PutObject", state, "us-0") and allowed("learner", "s3:GetObject", version, "us-0")
+    assert not allowed("learner", "s3:PutObject", other, "us-0")
+    assert not allowed("learner", "s3:PutObject", version, "us-0") and not allowed("learner", "s3:PutObject", outer, "us-0")
+    assert not any(allowed("learner", "s3:DeleteObject", k, "us-0") for k in (own, other, version))
+    assert not allowed("learner", "s3:PutObject", submission_key("r2", 3, "us-0", "u1"), "us-0")  # another run
+    for key in (own, version, outer):
+        assert allowed("synchronizer", "s3:DeleteObject", key, "sync") and allowed("synchronizer", "s3:GetObject", key, "sync")
+    assert allowed("synchronizer", "s3:PutObject", version, "sync") and not allowed("synchronizer", "s3:PutObject", own, "sync")
+    assert not allowed("synchronizer", "s3:DeleteObject", global_key("r2", 3, 7), "sync")
+    assert allowed("evaluator", "s3:GetObject", version, "e") and not allowed("evaluator", "s3:GetObject", own, "e")
