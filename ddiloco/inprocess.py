@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import heapq
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ddiloco.learner_worker.dist import Dist
 from ddiloco.learner_worker.learner import Learner, StepReport
-from ddiloco.learner_worker.link import LearnerLink
+from ddiloco.learner_worker.link import LearnerLink, Outgoing
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.ledger import open_ledger
 from ddiloco.platform.runtime import RunContext
@@ -91,11 +92,17 @@ def sim_learner(ctx: RunContext, learner_id: str, *, index: int | None = None, n
     )
 
 
-def sim_step(learner: Learner, now: float) -> StepReport:
-    """One simulated step: fetch newer versions, step, upload what was sent and heartbeat, all at ``now``."""
+def sim_step(learner: Learner, now: float, tamper: Callable[[Outgoing], None] | None = None) -> StepReport:
+    """One simulated step: fetch newer versions, step, upload what was sent and heartbeat, all at ``now``.
+
+    ``tamper`` rewrites this step's queued submissions before they are uploaded (a hostile learner)."""
     assert learner.link is not None
     learner.link.poll()
     report = learner.step(now)
+    if tamper is not None:
+        for item in list(learner.link._outbox.queue):
+            if isinstance(item, Outgoing):
+                tamper(item)
     learner.link.pump()
     learner.heartbeat(now)
     return report
@@ -110,8 +117,12 @@ def run_inprocess(
     sync_poll_s: float | None = None,
     eval_every_tokens: int | None = None,
     max_steps_per_learner: int | None = None,
+    adversaries: Mapping[str, float] | None = None,
 ) -> InProcessRun:
-    """Train until the learners together have trained ``total_tokens``; returns the run's handles."""
+    """Train until the learners together have trained ``total_tokens``; returns the run's handles.
+
+    ``adversaries``: learner -> k; that learner sends -k times what it learned, with honest counts (an
+    attack the outlier check cannot see for small k, see ``merge.clip_factor``)."""
     cfg = in_memory_config(cfg)
     clock = SimClock()
     ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
@@ -176,7 +187,8 @@ def run_inprocess(
             learner = run.learners[lid]
             if max_steps_per_learner is not None and learner.step_count >= max_steps_per_learner:
                 continue
-            report = sim_step(learner, t)
+            k = (adversaries or {}).get(lid)
+            report = sim_step(learner, t, None if k is None else flip(k))
             if report.waiting:
                 push(t + poll_s, "step", lid)  # overlap 0: wait for the merge
                 continue
@@ -195,6 +207,15 @@ def run_inprocess(
     if eval_every_tokens:
         run.evals.append(_evaluate(run, trained))
     return run
+
+
+def flip(k: float) -> Callable[[Outgoing], None]:
+    """A tamper for :func:`sim_step`: the submission carries -k times its outer gradient."""
+
+    def tamper(out: Outgoing) -> None:
+        out.parts = [{n: t.mul(-k) for n, t in out.delta().items()}]
+
+    return tamper
 
 
 def _evaluate(run: InProcessRun, tokens: int) -> EvalPoint:

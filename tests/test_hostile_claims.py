@@ -138,3 +138,25 @@ def test_counts_no_learner_sends_are_refused_at_registration():
                   "tokens_total": TPS, "blob_key": "k", "sha256": "0" * 64, "nbytes": 10, "codec": "int8"} | bad
         with pytest.raises(ValueError, match="implausible counts"):
             q.SubmissionIn(**fields)
+
+
+def test_clipping_scales_an_update_under_the_outlier_bar_to_what_an_honest_one_could_move():
+    from ddiloco.synchronizer.merge import FlatDelta, FlatLayout, Member
+    from ddiloco.synchronizer.service import Norms
+
+    cfg, clock, ctx, sync, honest = setup_run()
+    sync.cfg = sync.cfg.model_copy(update={"merge": sync.cfg.merge.model_copy(update={"clip_factor": 2.0})})
+    layout = FlatLayout.of({"w": (10,)})
+
+    def member(lid: str, value: float, c_steps: int) -> Member:
+        row = torch.full((10,), value)
+        delta = FlatDelta(layout, row, torch.tensor([float(row.double().pow(2).sum())], dtype=torch.float64))
+        return Member(len(lid), lid, delta, delta.norm, c_steps, c_steps * TPS, 0)
+
+    recent = Norms(per_step=[0.1] * 8, whole=[0.1 * H] * 8)
+    fair, bold, liar = member("us-0", 0.1 * H / 10**0.5, H), member("us-1", 3 * 0.1 * H / 10**0.5, H), member("eu-1", 1.0, 10 * H)
+    out = {m.learner: m for m in sync._clip([fair, bold, liar], recent)}
+    assert out["us-0"].norm == pytest.approx(0.1 * H)  # an honest update is untouched
+    assert out["us-1"].norm == pytest.approx(2 * 0.1 * H)  # 3x the median: scaled to 2x
+    assert float(out["us-1"].delta.row.norm()) == pytest.approx(2 * 0.1 * H, rel=1e-5)  # the row the merge reads, too
+    assert out["eu-1"].norm == pytest.approx(2 * 0.1 * H)  # claiming 10 periods buys no room

@@ -345,6 +345,10 @@ class MergeConfig(_Section):
     """A submission whose norm per inner step exceeds this multiple of the largest one among the
     fragment's recent merges is rejected (why the maximum: ``synchronizer.policy.check_norm``);
     before a fragment has that history, one above what AdamW at ``inner.lr`` can move is."""
+    clip_factor: float | None = Field(None, gt=0, le=1e6)
+    """Robust option (off: null): scale each learner's update down to at most this multiple of the
+    fragment's recent median norm per step (times its steps, up to one send period) before merging,
+    so an update under the outlier bar still moves the merge no more than an honest one could."""
     max_periods: int = Field(8, ge=1, le=1 << 20)
     """The most send periods (``fragments.every`` steps) that one learner's pending updates of a
     fragment may claim together; more is an implausible claim and is rejected. Above 1 because a

@@ -234,7 +234,11 @@ def check_finite(norm: float) -> str | None:
     return None
 
 
-def check_norm(norm: float, recent_norms: Sequence[float], factor: float, min_history: int = 4,
+MIN_NORM_HISTORY = 4
+"""Merged norms a fragment needs before its recent history is the yardstick (outlier check, clipping)."""
+
+
+def check_norm(norm: float, recent_norms: Sequence[float], factor: float, min_history: int = MIN_NORM_HISTORY,
                plausible: float | None = None, raw: tuple[float, Sequence[float]] | None = None) -> str | None:
     """Reject a per-step norm far above every recently merged one, or, until there is a history,
     above what the inner optimizer can make (``plausible``, from :func:`plausible_step_norm`).

@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import socket
+import statistics
 import threading
 import time
 import uuid
@@ -337,7 +338,41 @@ class Synchronizer:
                 rejected.append((sb.id, got))
             else:
                 members.append(got)
-        return self._judge_groups(members, rejected, recent, plausible)
+        members, rejected = self._judge_groups(members, rejected, recent, plausible)
+        if self.cfg.merge.clip_factor is not None:
+            members = self._clip(members, recent)
+        return members, rejected
+
+    def _clip(self, members: list[Member], recent: Norms) -> list[Member]:
+        """``merge.clip_factor``: each learner's update is scaled down to at most that multiple of the
+        fragment's recent median norm per step, times its steps up to one send period (so claiming
+        more steps buys no room). A robust option beside the outlier check: an update too large to be
+        honest yet under the outlier bar moves the merge no more than an honest one could."""
+        if len(recent.per_step) < pol.MIN_NORM_HISTORY:
+            return members
+        median = statistics.median(recent.per_step)
+        by_learner: dict[str, list[Member]] = {}
+        for m in members:
+            by_learner.setdefault(m.learner, []).append(m)
+        out: list[Member] = []
+        for lid, group in by_learner.items():
+            rows = [m.delta.row for m in group if isinstance(m.delta, FlatDelta)]
+            if len(rows) != len(group):
+                out += group
+                continue
+            norm = group[0].norm if len(group) == 1 else float(torch.stack(rows).sum(dim=0).norm())
+            bound = self.cfg.merge.clip_factor * median * min(sum(m.c_steps for m in group), self.cfg.fragments.period)
+            if not norm > bound > 0:
+                out += group
+                continue
+            scale = bound / norm
+            for m in group:
+                m.delta.row.mul_(scale)  # the workspace row this merge reads
+                m.delta.sq_norms.mul_(scale * scale)
+                out.append(replace(m, norm=m.norm * scale))
+            log.info("clipped learner %s's update from %.4g to %.4g (%g x the recent median per step)",
+                     lid, norm, bound, self.cfg.merge.clip_factor)
+        return out
 
     def _plausible_step_norm(self, fragment: int, numel: int) -> float:
         """What one inner step can move this fragment, by the run's optimizer settings."""

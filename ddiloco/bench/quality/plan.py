@@ -117,6 +117,8 @@ class RunSpec:
     seed: int = 0
     learners: int | None = None
     """M for this row when it differs from the scale's (steps then shrink so the tokens stay equal)."""
+    adversary: float = 0.0
+    """k > 0: the second learner sends -k times what it learned, with honest counts (a hostile learner)."""
 
 
 def spec_scale(spec: RunSpec, scale: Scale) -> Scale:
@@ -277,6 +279,22 @@ def schedule_specs(model: str, scale: Scale) -> list[RunSpec]:
     ]
 
 
+ATTACK_K = 3.0
+"""The hostile learner's update is -3x its own: under the outlier bar (10x), so only clipping can temper it."""
+
+
+def robust_specs(model: str, scale: Scale) -> list[RunSpec]:
+    """merge.clip_factor 2 (robust option) on honest learners, and one hostile learner with and without it."""
+    clip = {"merge": {"clip_factor": 2.0}}
+    return [
+        RunSpec(model, "ablation_clip2", "ablation", clip, base="decoupled", knob="merge.clip_factor=2 (vs off), honest learners"),
+        RunSpec(model, "attack_flip3", "ablation", base="decoupled", adversary=ATTACK_K,
+                knob=f"one learner sends -{ATTACK_K:g}x its update (vs all honest)"),
+        RunSpec(model, "attack_flip3_clip2", "ablation", clip, base="attack_flip3", adversary=ATTACK_K,
+                knob=f"merge.clip_factor=2 (vs off), one learner sending -{ATTACK_K:g}x"),
+    ]
+
+
 RECEIPT_ROWS = {"dense": ("", "stragglers", "failures"), "moe": ("",), "vision": ("stragglers", "failures")}
 """Where the rebase rows run: the base rows (``decoupled`` and its stragglers and outages variants) per model."""
 
@@ -321,6 +339,7 @@ def plan(models: Sequence[str], scale: Scale, quick: bool, ablations: bool = Tru
     if ablations:
         specs += reference_specs(extra, scale)
         specs += ablation_specs(extra, scale)
+        specs += robust_specs(extra, scale)
         if not quick:
             specs += noise_specs(extra, scale)
             if "llama" in models and extra != "llama":

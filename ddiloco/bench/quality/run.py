@@ -188,6 +188,8 @@ def _knobs(cfg: RunConfig, spec: RunSpec, scale: Scale) -> dict[str, Any]:
         "outer_momentum": cfg.outer.momentum,
         "speeds": list(spec.speeds) if spec.speeds else None,
         "failures": spec.failures,
+        "clip_factor": cfg.merge.clip_factor,
+        "adversary": spec.adversary or None,
     }
 
 
@@ -203,7 +205,9 @@ def _run_decoupled(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
     total = scale.learners * scale.steps * tps
     ids = [lid for lid, _, _ in cfg.learners.learner_ids()]
     outages = row_outages(ids, scale, spec.failures, spec.seed) if spec.failures > 0 else None
-    run = run_inprocess(cfg, total_tokens=total, step_time_s=1.0, outages=outages, eval_every_tokens=max(1, total // scale.evals))
+    adversaries = {ids[1]: spec.adversary} if spec.adversary > 0 else None
+    run = run_inprocess(cfg, total_tokens=total, step_time_s=1.0, outages=outages, eval_every_tokens=max(1, total // scale.evals),
+                        adversaries=adversaries)
     final = run.evals[-1]
     elapsed = run.elapsed_s
     speeds = [s for _, _, s in cfg.learners.learner_ids()]
