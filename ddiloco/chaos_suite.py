@@ -31,7 +31,7 @@ from sqlalchemy import func, select, text
 from sqlalchemy.engine import make_url
 
 from ddiloco.platform.compression import encode_delta
-from ddiloco.platform.config import RunConfig, build_config
+from ddiloco.platform.config import RunConfig, build_config, tokens_per_step
 from ddiloco.platform.ids import submission_key
 from ddiloco.platform.invariants import check_run
 from ddiloco.platform.ledger import queries as q
@@ -387,11 +387,12 @@ class Suite:
 
             b = put(good, "bad-corrupt")
             store.fs.pipe_file(store.path(b.key), b"\x00" * 64)
-            cases["corrupt blob"] = (register("bad-corrupt", b), "sha256")
+            # Read no further than the registered size: a blob of another size is refused before its checksum.
+            cases["corrupt blob"] = (register("bad-corrupt", b), "registered")
             b = put(good, "bad-truncated")
             data = store.get_bytes(b.key)
             store.fs.pipe_file(store.path(b.key), data[: len(data) // 2])
-            cases["truncated blob"] = (register("bad-truncated", b), "sha256")
+            cases["truncated blob"] = (register("bad-truncated", b), "registered")
             b = put(good, "bad-sha")
             cases["sha256 mismatch"] = (register("bad-sha", b, sha="0" * 64), "sha256")
             b = put({n: torch.zeros(3) for n in shapes}, "bad-shape")
@@ -408,9 +409,14 @@ class Suite:
             cases["unknown fragment"] = (register("bad-frag", b, fragment=999), "does not exist")
             b = put(good, "bad-ghost", lid="ghost")
             cases["unknown learner"] = (register("bad-ghost", b, lid="ghost"), "unknown learner")
-            first, _ = q.register_submission(s, self.run_id, "us-0", learner.incarnation, q.SubmissionIn(
-                "bad-corrupt", 0, base, 4, 512, 0, 0, "x", "0" * 64, 1, "none"), now)
-            duplicate_ok = first == cases["corrupt blob"][0]
+        # The same id again with other content: refused, never a silent no-op (its own transaction).
+        try:
+            with self.ctx.transaction() as s:
+                q.register_submission(s, self.run_id, "us-0", learner.incarnation, q.SubmissionIn(
+                    "bad-corrupt", 0, base, 4, 512, 0, 0, "x", "0" * 64, 1, "none"), now)
+            duplicate_ok = False
+        except q.SubmissionConflictError:
+            duplicate_ok = True
 
         def decided() -> bool:
             with self.ctx.reading() as s:
@@ -428,6 +434,64 @@ class Suite:
                 survived += int(ok)
                 details.append(f"{name}: {row.status} ({(row.reject_reason or '')[:60]})")
         return Injection(survived, len(cases) + 1, "; ".join(details))
+
+    def hostile_learner(self) -> Injection:
+        """A live learner's identity sends lies about its counts and outsized updates (well-formed blobs):
+        each refused at registration or rejected with a reason, while the run keeps publishing."""
+        store = FragmentStore(self.cfg.storage.url)
+        now = to_datetime(time.time())
+        with self.ctx.reading() as s:
+            specs = q.fragment_specs(s, self.run_id)
+            learner = s.get(Learner, (self.run_id, "us-0"))
+        fragment = self.cfg.fragments.count - 1
+        shapes = {n: tuple(shape) for n, shape in specs[fragment]}
+        tps = tokens_per_step(self.cfg.model, self.cfg.learners.batch_size)
+        H = self.cfg.fragments.period
+        before = self.versions_total()
+        cases: dict[str, tuple[list[int], str]] = {}
+        refused = 0
+        with self.ctx.transaction() as s:
+            base = q.latest_version_numbers(s, self.run_id)[fragment]
+
+            def lie(name: str, value: float, c_steps: int, c_tokens: int, *, copies: int = 1, base_version: int | None = None) -> None:
+                nonlocal refused
+                enc, meta = encode_delta({n: torch.full(sh, value) for n, sh in shapes.items()}, "none")
+                ids = []
+                for i in range(copies):
+                    uid = f"hostile-{len(cases)}-{i}"
+                    blob = store.put(submission_key(self.run_id, fragment, "us-0", uid), enc, meta)
+                    try:
+                        sub = q.SubmissionIn(uid, fragment, base if base_version is None else base_version, c_steps, c_tokens, 0,
+                                             learner.inc_tokens_trained, blob.key, blob.sha256, blob.nbytes, "none")
+                    except ValueError:
+                        refused += 1  # refused before it reaches the ledger
+                        return
+                    ids.append(q.register_submission(s, self.run_id, "us-0", learner.incarnation, sub, now)[0])
+                cases[name] = (ids, "")
+
+            lie("weight 2^62", 1e-4, 3, 2**62)
+            lie("the step turned around (2^40 tokens in 1 step)", -1e-4, 1, 2**40)
+            lie("10^9 steps", 30.0, 10**9, 10**9 * tps)
+            lie("a huge update with plausible counts", 1e3, H, H * tps)
+            lie("20 plausible updates at once", 1e-4, H, H * tps, copies=20)
+            lie("base version -1", 1e-4, H, H * tps, base_version=-1)
+
+        def decided() -> bool:
+            with self.ctx.reading() as s:
+                return all(s.get(Submission, sid).status != "pending" for ids, _ in cases.values() for sid in ids)
+
+        _wait(decided, 60)
+        survived, details = refused, [f"{refused} refused at registration"]
+        with self.ctx.reading() as s:
+            for name, (ids, _) in cases.items():
+                rows = [s.get(Submission, sid) for sid in ids]
+                ok = all(r.status == "rejected" and ("implausible" in (r.reject_reason or "") or "outlier" in (r.reject_reason or ""))
+                         for r in rows)
+                survived += int(ok)
+                details.append(f"{name}: {rows[0].status} ({(rows[0].reject_reason or '')[:50]})")
+        publishing = bool(_wait(lambda: self.progressed_since(before, by=self.cfg.fragments.count), 60))
+        details.append(f"versions went on: {publishing}")
+        return Injection(survived + int(publishing), len(cases) + refused + 1, "; ".join(details))
 
     def bad_configs(self) -> Injection:
         """Bad configs and CLI input: a clear error naming the field, exit code 2, nothing written."""
@@ -505,6 +569,7 @@ class Suite:
         if not self.quick:
             self.fault("learner SIGKILL at a random moment", lambda: self.kill_learner("us-1", None))
         self.fault("bad submissions", self.bad_submissions)
+        self.fault("hostile learner (lying counts, outsized updates)", self.hostile_learner)
         self.fault("bad configs and CLI input", self.bad_configs)
         self.monitor.stop()
         gap, at = self.monitor.longest_gap(self.outages)

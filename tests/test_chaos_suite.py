@@ -27,6 +27,7 @@ MATRIX = [
     "PostgreSQL restarted mid-run",
     "object store down",
     "bad submissions",
+    "hostile learner (lying counts, outsized updates)",
     "bad configs and CLI input",
     "planted credentials in the ledger or logs",
 ]
