@@ -77,6 +77,21 @@ def supervise(
     ctx = RunContext.open(cfg, run_id)
     run_resource = alerts.RUN_RESOURCE.format(run_id=run_id)
     alerts.emit("ddiloco.run.started", run_resource)
+    try:
+        _keep_alive(cfg, run_id, launcher, ctx, seconds, progress)
+    except BaseException:
+        launcher.close(0.0)  # an error or an interrupt (Ctrl-C, a test's timeout) leaves no process of the run behind
+        raise
+    with ctx.transaction() as s:
+        q.set_run_status(s, run_id, "finished", ctx.now_dt())
+    alerts.emit("ddiloco.run.finished", run_resource)
+    launcher.close(STOP_TIMEOUT_S)
+    return finish_run(ctx)
+
+
+def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext, seconds: float | None, progress: Progress | None) -> None:
+    """Start every process, relaunch what dies, apply the chaos schedule; return when the budget or the time is up."""
+    run_resource = alerts.RUN_RESOURCE.format(run_id=run_id)
     syncs: list[Handle] = [launcher.start_synchronizer("sync-a")]
     _wait(lambda: _versions_ready(ctx), 300, "the synchronizer to publish version 0")
     labels = iter(f"sync-{c}" for c in "bcdefghijklmnopqrstuvwxyz")
@@ -145,11 +160,6 @@ def supervise(
         if budget_reached(acct.merged, cfg.token_budget) or (seconds is not None and t0 is not None and elapsed >= seconds):
             break
         time.sleep(SUPERVISE_EVERY_S)
-    with ctx.transaction() as s:
-        q.set_run_status(s, run_id, "finished", ctx.now_dt())
-    alerts.emit("ddiloco.run.finished", run_resource)
-    launcher.close(STOP_TIMEOUT_S)
-    return finish_run(ctx)
 
 
 def finish_run(ctx: RunContext) -> RunSummary:
