@@ -82,3 +82,19 @@ def test_a_short_run_keeps_planted_secrets_out_of_rows_logs_and_files(fresh_post
         assert not leaks(path.read_text(errors="replace")), f"{path.name} holds a planted secret"
     captured = capfd.readouterr()
     assert not leaks(captured.out + captured.err)
+
+
+def test_deploy_refuses_credentials_in_storage_options_and_passwords_in_store_urls():
+    from ddiloco.flows.deploy import parse_secret_blocks, region_env
+
+    leaky = tiny_config(storage={"url": "s3://b/run", "storage_options": {"client_kwargs": {"aws_secret_access_key": STORE_SECRET}}})
+    with pytest.raises(ValueError, match="aws_secret_access_key: put store credentials in storage.secrets"):
+        region_env(leaky, "us")
+    with pytest.raises(ValueError, match="storage.url carries a password"):
+        region_env(tiny_config(storage={"url": f"s3://user:{PASSWORD}@b/run"}), "us")
+    cfg = tiny_config(storage={"url": "s3://b/run", "secrets": {"secret": STORE_SECRET}})
+    ok = region_env(cfg, "us", {"DDILOCO_LEDGER__URL": "db-url"})
+    assert not leaks(json.dumps(ok)) and ok["DDILOCO_LEDGER__URL"] == "{{ prefect.blocks.secret.db-url }}"
+    for bad in ("DDILOCO_LEDGER__URL", "lower=block", "DDILOCO_X=Bad_Block", "=x"):
+        with pytest.raises(ValueError, match="expected ENV_VAR=block-name"):
+            parse_secret_blocks([bad])

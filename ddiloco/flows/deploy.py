@@ -37,6 +37,18 @@ LOGGING_ENV = {"PREFECT_LOGGING_EXTRA_LOGGERS": "ddiloco"}
 """Flow-run processes send the ``ddiloco.*`` loggers' records to the Prefect UI, not only the flow's own."""
 
 
+CREDENTIAL_KEYS = frozenset({"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key",
+                             "aws_session_token", "access_key", "secret_key", "session_token"})
+"""fsspec options that are credentials (s3fs, gcsfs, botocore names): never copied into a deployment."""
+
+
+def _keys(tree: object) -> set[str]:
+    """Every key of a nested dict, lower-cased."""
+    if not isinstance(tree, dict):
+        return set()
+    return {str(k).lower() for k in tree} | set().union(*(_keys(v) for v in tree.values()))
+
+
 def parse_secret_blocks(items: list[str]) -> dict[str, str]:
     """``ENV_VAR=block-name`` pairs: each flow run's ``ENV_VAR`` is the value of that Prefect Secret
     block, read by the worker when it starts the run; refuses anything else with a one-line error."""
@@ -57,6 +69,9 @@ def region_env(cfg: RunConfig, region: str, secret_blocks: dict[str, str] | None
     ``AWS_SECRET_ACCESS_KEY``, …), which process workers pass on to their flow runs."""
     if redact_url(cfg.storage.url) != cfg.storage.url:
         raise ValueError("storage.url carries a password: put store credentials in storage.secrets, set from the environment")
+    leaked = sorted(CREDENTIAL_KEYS & _keys(cfg.storage.storage_options))
+    if leaked:
+        raise ValueError(f"storage.storage_options holds {', '.join(leaked)}: put store credentials in storage.secrets instead")
     env = {"DDILOCO_STORAGE__URL": cfg.storage.url, **LOGGING_ENV}
     if cfg.storage.storage_options:
         env["DDILOCO_STORAGE__STORAGE_OPTIONS"] = json.dumps(cfg.storage.storage_options, sort_keys=True)
