@@ -301,8 +301,14 @@ def test_no_live_link_to_a_host_the_operator_did_not_configure(live, tmp_path_fa
         }
         for url, must_show in pages.items():
             browser.open(url, must_show=must_show)
-            hrefs = browser.eval("Array.from(document.querySelectorAll('a[href], [href]')).map(a => a.getAttribute('href'))")
+            # What a reader can click: anchors (Streamlit's own <link href> preloads of its icon font are not links).
+            hrefs = browser.eval("Array.from(document.querySelectorAll('a[href]')).map(a => a.getAttribute('href'))")
             for href in hrefs:
                 parts = urlsplit(href)
-                assert EVIL not in href and parts.scheme.lower() not in ("javascript", "data", "vbscript"), (url, href)
+                assert parts.scheme.lower() not in ("javascript", "data", "vbscript"), (url, href)
                 assert parts.hostname in (None, "127.0.0.1", "localhost") or parts.hostname.endswith("streamlit.io"), (url, href)
+                if parts.hostname is None:
+                    # The dashboard's own pages, a hostile id at most URL-encoded in the query (shown as text there).
+                    assert EVIL not in parts.path and parts.path.lstrip("/") in ("", "runs", "health"), (url, href)
+                else:
+                    assert EVIL not in href, (url, href)

@@ -97,36 +97,25 @@ def shift_times(ledger: RunLedger, end: datetime) -> RunLedger:
     """Move every timestamp of a copied test ledger so the run's newest heartbeat is at ``end``."""
     from sqlalchemy import update
 
-    from ddiloco.platform.ledger.models import (
-        Evaluation,
-        Event,
-        FragmentVersion,
-        Learner,
-        Merge,
-        Run,
-        Submission,
-        SynchronizerLease,
-    )
+    from ddiloco.platform.ledger.models import Base, UtcDateTime
 
+    # Every timestamp column of every table (so a new one cannot be missed), and the float seconds
+    # the heads keep beside their timestamps.
+    seconds_columns = {"published_s"}
     delta: timedelta = end - ledger.end
     engine = make_engine(ledger.url)
     with session_factory(engine).begin() as s:
-        for model, columns in (
-            (Run, ("created_at", "finished_at")),
-            (Learner, ("started_at", "last_heartbeat_at")),
-            (Heartbeat, ("at",)),
-            (Submission, ("created_at", "decided_at")),
-            (FragmentVersion, ("created_at",)),
-            (Merge, ("at",)),
-            (Event, ("at",)),
-            (Evaluation, ("at",)),
-            (SynchronizerLease, ("acquired_at", "expires_at")),
-        ):
-            table = model.__table__
+        for table in Base.metadata.sorted_tables:
+            columns = [c.name for c in table.columns if isinstance(c.type, UtcDateTime) or c.name in seconds_columns]
+            if not columns or table.name == "alembic_version":
+                continue
             key = list(table.primary_key.columns)
             rows = s.execute(select(*key, *[table.c[c] for c in columns])).all()
             for row in rows:
-                values = {c: (v + delta if v is not None else None) for c, v in zip(columns, row[len(key) :])}
+                values = {
+                    c: None if v is None else v + (delta.total_seconds() if c in seconds_columns else delta)
+                    for c, v in zip(columns, row[len(key) :])
+                }
                 s.execute(update(table).where(*[k == v for k, v in zip(key, row[: len(key)])]).values(**values))
     engine.dispose()
     return RunLedger(url=ledger.url, path=ledger.path, run_id=ledger.run_id, end=end)
