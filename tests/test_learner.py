@@ -119,3 +119,43 @@ def test_overwrite_on_receipt_discards_the_unsent_progress():
     for n, t in incoming.items():
         assert torch.equal(learner.fragments[p].tensors[n].detach(), t)
     assert learner.fragments[p].c_steps == 0 and learner.fragments[p].c_tokens == 0
+
+
+def test_a_slow_link_queues_one_blob_per_fragment_and_loses_no_token():
+    """Uploads that do not keep pace: newer increments of a fragment join the one already queued
+    (counts and tokens summed), so the queue stays at one blob per fragment and nothing is lost."""
+    import torch
+
+    from ddiloco.platform.compression import decode_delta
+    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger.models import Submission
+    from ddiloco.platform.store import FragmentStore
+
+    cfg, clock, ctx, sync = sim_run(learners={"regions": [{"name": "us", "learners": 1}]})
+    learner = sim_learner(ctx, "us-0")
+    learner.start(clock.t)
+    P = cfg.fragments.count
+    before = {p: {n: t.detach().clone() for n, t in f.tensors.items()} for p, f in enumerate(learner.fragments)}
+    for _ in range(3 * P):  # every fragment sent three times, nothing uploaded (the link is down)
+        clock.t += 1.0
+        learner.link.poll()
+        learner.step(clock.t)
+    assert learner.link._outbox.qsize() == P and learner.link.coalesced == 2 * P
+    assert learner.link.oldest_unsent_s(clock.t) == 3 * P - 1  # the first send, 3P - 1 steps ago
+    learner.link.pump()
+    assert learner.link.oldest_unsent_s(clock.t) == 0.0
+    with ctx.reading() as s:
+        rows = s.query(Submission).filter(Submission.learner_id == "us-0").all()
+        acct = q.token_accounting(s, ctx.run_id)
+    assert len(rows) == P
+    assert sum(r.tokens_new for r in rows) == learner.tokens_total == acct.pending  # every token in the accounting
+    store = FragmentStore(cfg.storage.url)
+    H = cfg.fragments.period
+    for r in rows:
+        # Its steps: from joining to its last send (fragment p goes out after steps p, p + H, ...).
+        assert r.c_steps == max(step for step in range(1, 3 * P + 1) if (step - r.fragment) % H == 0)
+    # Fragment 0 went out at the last step: its one blob is everything it learned, the increments summed.
+    r0 = next(r for r in rows if r.fragment == 0)
+    got = decode_delta(*store.get_with_metadata(r0.blob_key, r0.sha256, r0.nbytes))
+    for n, t in learner.fragments[0].tensors.items():
+        assert torch.allclose(got[n].float(), before[0][n] - t.detach(), atol=1e-5), n

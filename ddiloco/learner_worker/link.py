@@ -83,6 +83,18 @@ class Outgoing:
         assert total is not None
         return total
 
+    def coalesce(self, newer: Outgoing) -> None:
+        """Take a newer increment of the same fragment into this queued one (one pending blob per
+        fragment): parts, steps and tokens add up; the rest is the newer one's, as in :meth:`absorb`."""
+        self.parts = self.parts + newer.parts
+        self.c_steps += newer.c_steps
+        self.c_tokens += newer.c_tokens
+        self.tokens_new += newer.tokens_new
+        self.base_version, self.tokens_total, self.step = newer.base_version, newer.tokens_total, newer.step
+        self.created_at = newer.created_at
+        if newer.data_batches is not None:
+            self.data_batches = newer.data_batches
+
     def absorb(self, older: Outgoing) -> None:
         """Carry an older, unsent increment of the same fragment in this one."""
         self.parts = older.parts + self.parts
@@ -144,6 +156,11 @@ class LearnerLink:
         """Newest version put in the inbox per fragment: what the learner holds or is about to."""
         self._outbox: queue.Queue = queue.Queue()
         self._carry: dict[int, Outgoing] = {}
+        self._queued: dict[int, Outgoing] = {}
+        """The submission of each fragment waiting in the outbox, not yet taken by an upload."""
+        self._queued_since: dict[int, float] = {}
+        self.coalesced = 0
+        """Sends folded into one already queued (uploads not keeping pace with training)."""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._last_heartbeat: float | None = None
@@ -292,7 +309,29 @@ class LearnerLink:
                 out.absorb(carried)
             if await_merge:
                 self.awaiting.add(out.fragment)
+            queued = self._queued.get(out.fragment)
+            if queued is not None:
+                # The queue holds at most one blob per fragment: a slow link sends fewer, larger
+                # increments instead of an ever longer backlog of ever staler ones.
+                queued.coalesce(out)
+                self.coalesced += 1
+                return
+            self._queued[out.fragment] = out
+            self._queued_since[out.fragment] = out.created_at
         self._outbox.put(out)
+
+    def _taken(self, items: list[object]) -> None:
+        """Items the upload took from the outbox: later sends of their fragments queue anew."""
+        with self._lock:
+            for item in items:
+                if isinstance(item, Outgoing) and self._queued.get(item.fragment) is item:
+                    del self._queued[item.fragment]
+                    del self._queued_since[item.fragment]
+
+    def oldest_unsent_s(self, now: float) -> float:
+        """Age of the oldest increment waiting in the outbox (0 when none waits)."""
+        with self._lock:
+            return max((now - t for t in self._queued_since.values()), default=0.0)
 
     def submit_state(self, tensors: Tensors, step: int) -> None:
         """Queue AdamW's state for saving, in order with the uploads."""
@@ -305,6 +344,7 @@ class LearnerLink:
                 items = [self._outbox.get_nowait()]
             except queue.Empty:
                 return
+            self._taken(items)
             self._handle(items)
 
     def _handle(self, items: list[object]) -> bool:
@@ -415,6 +455,7 @@ class LearnerLink:
                     items.append(self._outbox.get_nowait())
                 except queue.Empty:
                     break
+            self._taken(items)
             finished = self._handle(items)
 
     def _poll_loop(self, stats: Callable[[], HeartbeatStats]) -> None:
