@@ -110,7 +110,11 @@ def test_pip_refuses_python_3_10_as_pyproject_claims(tmp_path):
     py310 = _other_interpreter("3.10")
     if py310 is None:
         pytest.skip("no Python 3.10 interpreter on this machine")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
+    src = tmp_path / "src"  # a copy: setuptools writes build/ and *.egg-info beside the sources
+    shutil.copytree(ROOT / "ddiloco", src / "ddiloco", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(src)],
                    check=True, capture_output=True, cwd=tmp_path)
     out = subprocess.run([py310, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-index", "--find-links", str(tmp_path), "ddiloco"],
                          capture_output=True, text=True)
