@@ -23,6 +23,9 @@ same calls of that code are timed on the same filled ledger before the upgrade (
 in a subprocess that imports it: before/after figures.
 
     python benchmarks/history_scaling.py [--quick] [--old /tmp/old] [--backends sqlite,postgres]
+
+Published: benchmarks/results/history_scaling.json (SQLite) and history_scaling_postgres.json, the two
+backends run side by side (``--backends sqlite`` and ``--backends postgres --json ...``) on this 2-core machine.
 """
 
 from __future__ import annotations
