@@ -80,7 +80,6 @@ def bench_config(quick: bool):
         "token_budget": 10**12,
         "learners": learners,
         "grace": {"enabled": False},
-        "synchronizer": {"eval_every_s": 1e9},
     }
     if quick:
         data.update(

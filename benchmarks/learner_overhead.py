@@ -15,8 +15,8 @@ Short windows of a fixed length alternate bare / platform in an ABBA order, many
 drift on the shared machine hits both alike. One Learner serves every platform window; between them
 its background I/O is paused (polling and heartbeats gated, queued uploads drained first), so its
 threads are idle during a bare window. An untimed platform window comes first (the synchronizer's
-first merge and the learner's first receipts). The synchronizer's periodic evaluation is switched
-off (eval_every_s huge): it would only add CPU load from another process, not learner overhead.
+first merge and the learner's first receipts). No evaluator process is started: it would only add
+CPU load from another process, not learner overhead.
 
 Besides tokens/s, each window records where the main thread's wall time went (Linux schedstat):
 on a CPU, waiting in the run queue (the machine is oversubscribed), or blocked (GIL, locks, I/O),
@@ -78,7 +78,6 @@ def bench_config(name: str, quick: bool = False, device: str = "cpu"):
     data: dict = {
         "name": name,
         "learners": {"regions": [{"name": "us", "learners": 1}], "device": device},
-        "synchronizer": {"eval_every_s": 1e9},
     }
     if quick:
         # --quick only checks the benchmark works: a small model and P = 4 start in a few seconds.

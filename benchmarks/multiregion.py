@@ -297,7 +297,7 @@ def bench_config(run_id: str, ledger_url: str, bucket: str, regions: list[str], 
         "quorum": {"min_count": 1},
         "grace": {"max_s": 1.0},
         "compression": {"codec": "int8"},
-        "synchronizer": {"poll_s": 0.2, "lease_ttl_s": 5.0, "eval_every_s": 1e9},
+        "synchronizer": {"poll_s": 0.2, "lease_ttl_s": 5.0},
         "ledger": {"url": ledger_url},
         "storage": {"url": f"s3://{bucket}/{run_id}"},
     }
