@@ -403,6 +403,9 @@ def learner(
     try:
         # Bad input is refused before torch is imported: in a second, not in several.
         _, region, _ = cfg.learners.resolve(learner_id)
+        if nproc_per_node is not None and nproc_per_node > cfg.learners.max_nproc_per_node:
+            raise ConfigError(f"--nproc-per-node {nproc_per_node} is above learners.max_nproc_per_node "
+                              f"{cfg.learners.max_nproc_per_node}: the synchronizer would reject this learner's work as implausible")
     except ConfigError as err:
         err_console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2) from None

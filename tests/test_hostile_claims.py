@@ -160,3 +160,19 @@ def test_clipping_scales_an_update_under_the_outlier_bar_to_what_an_honest_one_c
     assert out["us-1"].norm == pytest.approx(2 * 0.1 * H)  # 3x the median: scaled to 2x
     assert float(out["us-1"].delta.row.norm()) == pytest.approx(2 * 0.1 * H, rel=1e-5)  # the row the merge reads, too
     assert out["eu-1"].norm == pytest.approx(2 * 0.1 * H)  # claiming 10 periods buys no room
+
+
+def test_a_learner_with_more_ranks_than_the_run_allows_is_refused_before_it_trains(tmp_path):
+    import yaml
+    from typer.testing import CliRunner
+
+    from ddiloco.cli import app
+    from ddiloco.platform.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_nproc_per_node"):
+        tiny_config(learners={"nproc_per_node": 9})
+    cfg = tiny_config()
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    out = CliRunner().invoke(app, ["learner", "--config", str(path), "--learner", "us-0", "--nproc-per-node", "9"])
+    assert out.exit_code == 2 and "max_nproc_per_node" in out.output, out.output

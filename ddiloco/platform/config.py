@@ -217,6 +217,10 @@ class LearnersConfig(_Section):
     torch_threads: int = Field(1, ge=1, le=1 << 16)
     nproc_per_node: int = Field(1, ge=1, le=1 << 16)
     """Ranks of each learner on its machine (torchrun + DDP; rank 0 talks to the ledger and store)."""
+    max_nproc_per_node: int = Field(8, ge=1, le=1 << 16)
+    """The most ranks any learner of the run may have (``ddiloco learner --nproc-per-node`` can give
+    one more than ``nproc_per_node``): the synchronizer judges a submission's tokens per step against
+    this many ranks' batches, so a learner with more would have its honest work rejected."""
     save_optimizer_every: int = Field(200, ge=0, le=1 << 40)
     """Inner steps between saves of a learner's AdamW state (a restart resumes it); 0 disables."""
     compile: bool = False
@@ -227,6 +231,9 @@ class LearnersConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> LearnersConfig:
+        if self.nproc_per_node > self.max_nproc_per_node:
+            raise ValueError(f"learners.nproc_per_node {self.nproc_per_node} is above learners.max_nproc_per_node "
+                             f"{self.max_nproc_per_node}")
         names = [r.name for r in self.regions]
         if len(set(names)) != len(names):
             raise ValueError(f"learners.regions names must be unique, got {names}")

@@ -117,8 +117,9 @@ class Synchronizer:
         """In-process runs: a merge takes no simulated time, so the sync-time average stays 0."""
         self.merge_policy = MergePolicy.from_config(self.cfg)
         lc = self.cfg.learners
-        self.claims = pol.claim_bounds(tokens_per_step(self.cfg.model, lc.batch_size * self.cfg.inner.grad_accum_steps, lc.nproc_per_node),
-                                       self.cfg.fragments.period, self.cfg.merge.max_periods)
+        # Per learner the ranks may differ (--nproc-per-node); the run bounds them by max_nproc_per_node.
+        most_tokens = tokens_per_step(self.cfg.model, lc.batch_size * self.cfg.inner.grad_accum_steps, lc.max_nproc_per_node)
+        self.claims = pol.claim_bounds(most_tokens, self.cfg.fragments.period, self.cfg.merge.max_periods)
         try:  # decode rows and version buffers, reused from merge to merge
             self.workspace = MergeWorkspace(self.cfg.synchronizer.merge_device)
         except ValueError as err:
