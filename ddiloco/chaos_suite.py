@@ -471,9 +471,9 @@ class Suite:
 
             lie("weight 2^62", 1e-4, 3, 2**62)
             lie("the step turned around (2^40 tokens in 1 step)", -1e-4, 1, 2**40)
-            lie("10^9 steps", 30.0, 10**9, 10**9 * tps)
+            lie("a huge update claiming 10^9 steps", 30.0, 10**9, 10**9 * tps)
             lie("a huge update with plausible counts", 1e3, H, H * tps)
-            lie("20 plausible updates at once", 1e-4, H, H * tps, copies=20)
+            lie("20 updates of plausible counts, outsized together", 0.5, H, H * tps, copies=20)
             lie("base version -1", 1e-4, H, H * tps, base_version=-1)
 
         def decided() -> bool:

@@ -358,10 +358,9 @@ class MergeConfig(_Section):
     so an update under the outlier bar still moves the merge no more than an honest one could."""
     max_periods: int = Field(8, ge=1, le=1 << 20)
     """The most send periods (``fragments.every`` steps) that one learner's pending updates of a
-    fragment may claim together; more is an implausible claim and is rejected. Above 1 because a
-    learner carries the increments of failed uploads into its next send (and folds sends into one
-    still queued): a store outage or a backlog longer than this many periods makes that honest work
-    look implausible, so raise it where such outages are expected. It also bounds a liar's weight."""
+    fragment weigh as in a merge: more steps are not rejected (a learner carries the increments of
+    failed uploads, and folds sends into one still queued, so a store outage or a slow link makes
+    honest updates long), but their weight is that of this many periods, so a claim is no lever."""
     plain_mean_fragments: list[str] = Field(default_factory=lambda: ["embed"])
     """Tensors whose name contains one of these are merged with the plain weighted mean, the rest of
     their fragment with ``method`` (the rule is per tensor, despite the key's name)."""

@@ -23,7 +23,7 @@ import torch
 
 from ddiloco.platform.fragments import param_name
 from ddiloco.synchronizer.outer import outer_step_
-from ddiloco.synchronizer.policy import participation_scale, token_weight
+from ddiloco.synchronizer.policy import capped_counts, participation_scale, token_weight
 
 if TYPE_CHECKING:
     from ddiloco.platform.config import RunConfig
@@ -261,6 +261,8 @@ class MergePolicy:
     lr: float = 0.5
     momentum: float = 0.9
     nesterov: bool = True
+    max_steps: int | None = None
+    """A learner's steps weigh at most this many (``merge.max_periods`` send periods); None: no cap."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> MergePolicy:
@@ -268,6 +270,7 @@ class MergePolicy:
         return cls(
             method=m.method, weighting=m.weighting, plain_mean=tuple(m.plain_mean_fragments),
             participation_scaling=m.participation_scaling, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
+            max_steps=cfg.fragments.period * m.max_periods,
         )
 
 
@@ -311,7 +314,8 @@ def merge_fragment(
     for i, m in enumerate(members):
         by_learner.setdefault(m.learner, []).append(i)
     weight = {
-        lid: token_weight(sum(members[i].c_tokens for i in idx), sum(members[i].c_steps for i in idx), policy.weighting)
+        lid: token_weight(*capped_counts(sum(members[i].c_steps for i in idx), sum(members[i].c_tokens for i in idx),
+                                         policy.max_steps), policy.weighting)
         for lid, idx in by_learner.items()
     }
     scale = participation_scale(len(by_learner), live_learners) if policy.participation_scaling else 1.0

@@ -328,7 +328,7 @@ class Synchronizer:
         rows = self.workspace.rows(layout, len(subs))
         with self.ctx.reading() as s:
             history = q.recent_merged_norm_steps(s, self.ctx.run_id, fragment, limit=NORM_HISTORY)
-        recent = Norms([n / c for n, c in history], [n for n, _ in history])
+        recent = Norms([n / pol.norm_steps(c, self.cfg.fragments.period) for n, c in history], [n for n, _ in history])
         plausible = self._plausible_step_norm(fragment, layout.numel)
         # Blob reads dominate on object stores: fetch and decode them concurrently (order is kept),
         # each straight into its own row of the workspace.
@@ -384,28 +384,28 @@ class Synchronizer:
     def _judge_groups(
         self, members: list[Member], rejected: list[tuple[int, str]], recent: Norms, plausible: float
     ) -> tuple[list[Member], list[tuple[int, str]]]:
-        """One learner's pending increments merge as one member: their steps and their summed norm are
-        judged as a whole (many small updates must not pass where their sum would not)."""
+        """One learner's pending increments merge as one member: their summed norm is judged as a
+        whole (many small updates must not pass where their sum would not), and their claimed steps
+        weigh at most ``merge.max_periods`` periods together."""
         by_learner: dict[str, list[Member]] = {}
         for m in members:
             by_learner.setdefault(m.learner, []).append(m)
         kept: list[Member] = []
+        period = self.cfg.fragments.period
         for group in by_learner.values():
-            if len(group) == 1:
-                kept += group
-                continue
-            steps = sum(m.c_steps for m in group)
-            why = pol.check_group(steps, self.claims, len(group))
-            if why is None:
+            why = None
+            if len(group) > 1:
+                steps = sum(m.c_steps for m in group)
                 rows = [m.delta.row if isinstance(m.delta, FlatDelta) else None for m in group]
                 if all(r is not None for r in rows):
                     norm = float(torch.stack(rows).sum(dim=0).norm())
                     why = pol.check_finite(norm) or pol.check_norm(
-                        norm / steps, recent.per_step, self.cfg.merge.norm_outlier_factor, plausible=plausible, raw=(norm, recent.whole))
-            if why is None:
-                kept += group
-            else:
+                        norm / pol.norm_steps(steps, period), recent.per_step, self.cfg.merge.norm_outlier_factor,
+                        plausible=plausible, raw=(norm, recent.whole))
+            if why is not None:
                 rejected += [(m.submission, why) for m in group]
+            else:
+                kept += group  # their steps weigh at most merge.max_periods periods (MergePolicy.max_steps)
         return kept, rejected
 
     def _validate(
@@ -443,7 +443,8 @@ class Synchronizer:
         norm = delta.norm
         # Judged per inner step and whole (see check_norm): increments of one fragment cover different
         # numbers of steps, and one sent soon after a blended receipt carries more than its steps.
-        why = pol.check_finite(norm) or pol.check_norm(norm / sb.c_steps, recent.per_step, self.cfg.merge.norm_outlier_factor,
+        why = pol.check_finite(norm) or pol.check_norm(norm / pol.norm_steps(sb.c_steps, self.cfg.fragments.period),
+                                                       recent.per_step, self.cfg.merge.norm_outlier_factor,
                                                        plausible=plausible, raw=(norm, recent.whole))
         if why:
             return why
