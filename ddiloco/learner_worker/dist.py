@@ -113,12 +113,18 @@ def init_dist(
     return Dist(rank=dist.get_rank(), world=dist.get_world_size(), device=device, control=control, bootstrap=bootstrap)
 
 
-def shutdown_dist(d: Dist) -> None:
+def shutdown_dist(d: Dist, *, together: bool = False) -> None:
+    """Leave the process group. ``together`` (a clean stop): wait for every rank first, so no rank
+    tears down its group while a peer is still in its own stop (gloo can abort the later one)."""
     if d.world > 1 and dist.is_initialized():
         try:
+            if together and d.device.type == "cpu":
+                dist.monitored_barrier(timeout=timedelta(seconds=30))  # gloo: a peer that never comes is named
+            elif together:
+                dist.barrier()
             dist.destroy_process_group()
         except Exception:
-            log.debug("destroy_process_group failed", exc_info=True)
+            log.debug("leaving the process group failed", exc_info=True)
 
 
 def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:

@@ -137,6 +137,7 @@ def run_learner(
     else:
         d = Dist.single(device)
     t0 = time.monotonic()
+    clean = False
     try:
         ctx = RunContext.open(cfg, run_id) if d.rank == 0 else None
         link = LearnerLink(ctx, learner_id, region, flow_run_url=flow_run_url) if ctx is not None else None
@@ -160,8 +161,9 @@ def run_learner(
             raise
         finally:
             learner.stop()
+        clean = True
     finally:
-        shutdown_dist(d)
+        shutdown_dist(d, together=clean)
     if d.rank != 0:
         return None
     log.info("learner %s stopped after %s steps, %s tokens over %s rank(s)", learner_id, learner.step_count, learner.tokens_total, d.world)
