@@ -124,22 +124,17 @@ def deploy(
         dep.apply()
         names.append(f"ddiloco-learner/learner-{region}")
     home = regions[0]
-    synchronizer_flow.to_deployment(
-        name="synchronizer",
-        work_pool_name=pool_name(home),
-        entrypoint_type=EntrypointType.MODULE_PATH,
-        job_variables={"env": region_env(cfg, home, secret_blocks)},
-        tags=["ddiloco"],
-    ).apply()
-    names.append("ddiloco-synchronizer/synchronizer")
-    evaluate_flow.to_deployment(
-        name="evaluate",
-        work_pool_name=pool_name(home),
-        entrypoint_type=EntrypointType.MODULE_PATH,
-        job_variables={"env": region_env(cfg, home, secret_blocks)},
-        tags=["ddiloco"],
-    ).apply()
-    names.append("ddiloco-evaluate/evaluate")
+    # The synchronizer and the evaluator run in the first region's pool.
+    for flow_, name, full in ((synchronizer_flow, "synchronizer", "ddiloco-synchronizer/synchronizer"),
+                              (evaluate_flow, "evaluate", "ddiloco-evaluate/evaluate")):
+        flow_.to_deployment(
+            name=name,
+            work_pool_name=pool_name(home),
+            entrypoint_type=EntrypointType.MODULE_PATH,
+            job_variables={"env": region_env(cfg, home, secret_blocks)},
+            tags=["ddiloco"],
+        ).apply()
+        names.append(full)
     training_run.to_deployment(
         name="training-run",
         work_pool_name=pool_name(home),
