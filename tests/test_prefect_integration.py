@@ -143,6 +143,21 @@ def test_region_pools_from_the_templates_are_accepted_by_the_server(stack):
         ensure_pool("tpl-broken", "kubernetes", broken)
 
 
+def test_the_readmes_work_pool_command_takes_the_kubernetes_template(stack, tmp_path):
+    """The README's own command line, as a user types it: ``prefect work-pool create ... --base-job-template``."""
+    from prefect.client.orchestration import get_client
+
+    from ddiloco.flows.deploy import read_job_template
+
+    path = INFRA / "work-pools" / "kubernetes.json"
+    proc = stack.server.spawn([sys.executable, "-m", "prefect", "work-pool", "create", "region-cli", "--type", "kubernetes",
+                               "--base-job-template", str(path)], tmp_path / "work-pool-create.log")
+    assert proc.wait(timeout=120) == 0, (tmp_path / "work-pool-create.log").read_text()[-2000:]
+    with get_client(sync_client=True) as client:
+        pool = client.read_work_pool("region-cli")
+    assert pool.type == "kubernetes" and pool.base_job_template == read_job_template(path)
+
+
 class Webhook:
     """A local HTTP endpoint that records what a notification block posts to it."""
 

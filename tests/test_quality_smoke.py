@@ -41,7 +41,7 @@ def quick(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("quality")
     before = published_hashes()
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--quick"],
+        [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--quick", "--jobs", "2"],
         cwd=ROOT,
         env={**os.environ, "TMPDIR": str(tmp)},
         capture_output=True,
