@@ -27,7 +27,7 @@ H = 4  # tiny_config: 4 fragments, one sent per step
 
 
 def test_claims_are_judged_against_the_runs_config():
-    b = pol.claim_bounds(tokens_per_step=TPS, period=H, max_periods=8)
+    b, cap = TPS, 8 * H  # tokens one step trains; the steps a learner's updates weigh at most (8 periods)
     assert pol.check_claims(H, H * TPS, TPS, 0, b) is None  # an honest send
     assert pol.check_claims(1, TPS, TPS, 7, b) is None
     assert "empty update" in pol.check_claims(0, TPS, 0, 0, b)
@@ -38,10 +38,10 @@ def test_claims_are_judged_against_the_runs_config():
     assert "tokens in 3 steps" in pol.check_claims(3, 2**62, TPS, 0, b)
     # Steps are not rejected (slow links fold honest sends together), they weigh at most 8 periods.
     assert pol.check_claims(10**9, 10**9 * TPS, TPS, 0, b) is None
-    assert pol.capped_counts(3 * H, 3 * H * TPS, b.max_steps) == (3 * H * TPS, 3 * H)
-    assert pol.capped_counts(10**9, 10**9 * TPS, b.max_steps) == (8 * H * TPS, 8 * H)
-    honest = pol.token_weight(*pol.capped_counts(H, H * TPS, b.max_steps))
-    liar = pol.token_weight(*pol.capped_counts(100 * H, 100 * H * TPS, b.max_steps))  # 100 updates at once
+    assert pol.capped_counts(3 * H, 3 * H * TPS, cap) == (3 * H * TPS, 3 * H)
+    assert pol.capped_counts(10**9, 10**9 * TPS, cap) == (8 * H * TPS, 8 * H)
+    honest = pol.token_weight(*pol.capped_counts(H, H * TPS, cap))
+    liar = pol.token_weight(*pol.capped_counts(100 * H, 100 * H * TPS, cap))  # 100 updates at once
     assert liar == 8 * honest  # weighs like 8 periods of honest work, not 100
     assert pol.norm_steps(10**9, H) == H and pol.norm_steps(1, H) == 1  # claiming more buys no room
 

@@ -164,29 +164,14 @@ def check_counts(c_steps: int, c_tokens: int) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class ClaimBounds:
-    """What the run's config makes plausible for one submission's counts."""
-
-    tokens_per_step: int
-    """The most tokens one inner step of a learner trains (batch x sequence x ranks x accumulation)."""
-    max_steps: int
-    """The most inner steps one learner's pending updates of a fragment weigh as in a merge:
-    ``merge.max_periods`` send periods. More is not rejected (a slow link or store outage folds
-    honest sends together); it weighs no more than that."""
-
-
-def claim_bounds(tokens_per_step: int, period: int, max_periods: int) -> ClaimBounds:
-    return ClaimBounds(tokens_per_step=max(1, tokens_per_step), max_steps=max(1, period * max_periods))
-
-
-def check_claims(c_steps: int, c_tokens: int, tokens_new: int, base_version: int, bounds: ClaimBounds) -> str | None:
+def check_claims(c_steps: int, c_tokens: int, tokens_new: int, base_version: int, tokens_per_step: int) -> str | None:
     """A reason to reject what a submission says about itself, or None when it is plausible.
 
     Counts are the merge's weights and the run's token accounting: a learner cannot have trained
-    more tokens per step than its batch holds or more new tokens than the update carries, and no
-    honest learner sends from before version 0. Its steps weigh at most ``max_steps``
-    (:func:`capped_counts`)."""
+    more tokens per step than its batch holds (``tokens_per_step``: batch x sequence x ranks x
+    accumulation) or more new tokens than the update carries, and no honest learner sends from
+    before version 0. Its steps are not judged here: they weigh at most ``merge.max_periods``
+    periods in the merge (:func:`capped_counts`)."""
     why = check_counts(c_steps, c_tokens)
     if why:
         return why
@@ -194,9 +179,9 @@ def check_claims(c_steps: int, c_tokens: int, tokens_new: int, base_version: int
         return f"implausible claim: base version v{base_version} (the first published version is v0)"
     if tokens_new < 0 or tokens_new > c_tokens:
         return f"implausible claim: {tokens_new} new tokens in an update of {c_tokens} tokens"
-    if c_tokens > c_steps * bounds.tokens_per_step:
+    if c_tokens > c_steps * tokens_per_step:
         return (f"implausible claim: {c_tokens} tokens in {c_steps} steps, more than the "
-                f"{bounds.tokens_per_step} one step of this run trains")
+                f"{tokens_per_step} one step of this run trains")
     return None
 
 

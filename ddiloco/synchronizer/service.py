@@ -118,8 +118,8 @@ class Synchronizer:
         self.merge_policy = MergePolicy.from_config(self.cfg)
         lc = self.cfg.learners
         # Per learner the ranks may differ (--nproc-per-node); the run bounds them by max_nproc_per_node.
-        most_tokens = tokens_per_step(self.cfg.model, lc.batch_size * self.cfg.inner.grad_accum_steps, lc.max_nproc_per_node)
-        self.claims = pol.claim_bounds(most_tokens, self.cfg.fragments.period, self.cfg.merge.max_periods)
+        self.most_tokens_per_step = tokens_per_step(self.cfg.model, lc.batch_size * self.cfg.inner.grad_accum_steps,
+                                                    lc.max_nproc_per_node)
         try:  # decode rows and version buffers, reused from merge to merge
             self.workspace = MergeWorkspace(self.cfg.synchronizer.merge_device)
         except ValueError as err:
@@ -329,7 +329,8 @@ class Synchronizer:
         with self.ctx.reading() as s:
             history = q.recent_merged_norm_steps(s, self.ctx.run_id, fragment, limit=NORM_HISTORY)
         recent = Norms([n / pol.norm_steps(c, self.cfg.fragments.period) for n, c in history], [n for n, _ in history])
-        plausible = self._plausible_step_norm(fragment, layout.numel)
+        # Only a fragment without a norm history is judged by the optimizer's bound (a pass over its parameters).
+        plausible = self._plausible_step_norm(fragment, layout.numel) if len(history) < pol.MIN_NORM_HISTORY else None
         # Blob reads dominate on object stores: fetch and decode them concurrently (order is kept),
         # each straight into its own row of the workspace.
         checked = self._fetch_pool.map(lambda sb, row: self._validate(sb, version, layout, row, recent, regions, plausible), subs, rows)
@@ -382,7 +383,7 @@ class Synchronizer:
         return pol.plausible_step_norm(self.cfg.inner.lr, self.cfg.inner.weight_decay, numel, param_norm)
 
     def _judge_groups(
-        self, members: list[Member], rejected: list[tuple[int, str]], recent: Norms, plausible: float
+        self, members: list[Member], rejected: list[tuple[int, str]], recent: Norms, plausible: float | None
     ) -> tuple[list[Member], list[tuple[int, str]]]:
         """One learner's pending increments merge as one member: their summed norm is judged as a
         whole (many small updates must not pass where their sum would not), and their claimed steps
@@ -415,7 +416,7 @@ class Synchronizer:
         """A reason to reject the submission, or the decoded member."""
         if sb.learner_id not in regions:
             return f"unknown learner {sb.learner_id!r}"
-        why = (pol.check_claims(sb.c_steps, sb.c_tokens, sb.tokens_new, sb.base_version, self.claims)
+        why = (pol.check_claims(sb.c_steps, sb.c_tokens, sb.tokens_new, sb.base_version, self.most_tokens_per_step)
                or pol.check_staleness(version, sb.base_version, self.cfg.merge.max_staleness))
         if why:
             return why
