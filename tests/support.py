@@ -9,7 +9,7 @@ from ddiloco.testing.net import wait_for
 from ddiloco.testing.processes import ProcessRun
 
 # ProcessRun and wait_for live in ddiloco.testing; re-exported for the tests that import them from here.
-__all__ = ["TINY_LLAMA", "ProcessRun", "sim_run", "tiny_config", "wait_for"]
+__all__ = ["TINY_LLAMA", "ProcessRun", "drive", "setup_run", "shapes_of", "sim_run", "submit_raw", "tiny_config", "wait_for"]
 
 TINY_LLAMA = {
     "model_type": "llama",
@@ -57,3 +57,61 @@ def sim_run(**sections: Any):  # noqa: ANN201 - (cfg, clock, ctx, synchronizer)
     sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
     sync.poll_once(clock.t)
     return cfg, clock, ctx, sync
+
+
+# --- a live in-process run that a second, hostile identity (us-1) writes into ----------------------
+
+
+def setup_run():  # noqa: ANN201 - (cfg, clock, ctx, synchronizer, honest learner)
+    """Two learners configured; us-0 trains honestly (quorum 1, no grace window), us-1 exists only in the config."""
+    from ddiloco.inprocess import SimClock, in_memory_config, sim_learner
+    from ddiloco.platform.ledger import open_ledger
+    from ddiloco.platform.runtime import RunContext
+    from ddiloco.synchronizer.service import Synchronizer
+
+    cfg = in_memory_config(
+        tiny_config(learners={"regions": [{"name": "us", "learners": 2}], "heartbeat_s": 1.0}, quorum={"min_count": 1},
+                    grace={"enabled": False})
+    )
+    clock = SimClock()
+    ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
+    sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
+    sync.poll_once(clock.t)
+    good = sim_learner(ctx, "us-0", index=0, num_learners=2)
+    good.start(clock.t)
+    return cfg, clock, ctx, sync, good
+
+
+def submit_raw(ctx, clock, fragment: int, tensors: dict, *, learner: str = "us-1", base: int = 0, corrupt_after: bool = False,  # noqa: ANN001
+               c_steps: int = 3, c_tokens: int = 300, tokens_new: int = 300) -> int:
+    """Register a submission with whatever counts it likes (a well-formed blob unless ``corrupt_after``)."""
+    import uuid
+
+    from ddiloco.platform.compression import encode_delta
+    from ddiloco.platform.ids import submission_key
+    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.runtime import to_datetime
+
+    store = ctx.store("us")
+    enc, meta = encode_delta(tensors, "none")
+    uid = uuid.uuid4().hex[:12]
+    blob = store.put(submission_key(ctx.run_id, fragment, learner, uid), enc, meta)
+    if corrupt_after:
+        store.fs.pipe_file(store.path(blob.key), b"\x00garbage" * 10)
+    sub = q.SubmissionIn(uid, fragment, base, c_steps, c_tokens, tokens_new, 300, blob.key, blob.sha256, blob.nbytes, "none")
+    with ctx.transaction() as s:
+        return q.register_submission(s, ctx.run_id, learner, 0, sub, to_datetime(clock.t))[0]
+
+
+def shapes_of(sync, fragment: int) -> dict:  # noqa: ANN001
+    return sync.layout.shapes(fragment)
+
+
+def drive(clock, sync, learner, steps: int) -> None:  # noqa: ANN001
+    """``steps`` simulated seconds: the learner steps, then the synchronizer polls."""
+    from ddiloco.inprocess import sim_step
+
+    for _ in range(steps):
+        clock.t += 1.0
+        sim_step(learner, clock.t)
+        sync.poll_once(clock.t)

@@ -2,54 +2,14 @@
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 import torch
-from support import tiny_config
+from support import drive, setup_run, shapes_of, submit_raw
 
-from ddiloco.inprocess import SimClock, in_memory_config, sim_learner, sim_step
-from ddiloco.platform.compression import encode_delta
-from ddiloco.platform.ids import submission_key
-from ddiloco.platform.ledger import open_ledger
+from ddiloco.inprocess import sim_step
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.models import Submission
-from ddiloco.platform.runtime import RunContext, to_datetime
-from ddiloco.synchronizer.service import Synchronizer
-
-
-def setup_run():
-    cfg = in_memory_config(
-        tiny_config(
-            learners={"regions": [{"name": "us", "learners": 2}], "heartbeat_s": 1.0},
-            quorum={"min_count": 1},
-            grace={"enabled": False},
-        )
-    )
-    clock = SimClock()
-    ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
-    sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
-    sync.poll_once(clock.t)
-    good = sim_learner(ctx, "us-0", index=0, num_learners=2)
-    good.start(clock.t)
-    return cfg, clock, ctx, sync, good
-
-
-def submit_raw(ctx, clock, fragment: int, tensors: dict, *, learner="us-1", base=0, corrupt_after=False, c_steps=3):
-    store = ctx.store("us")
-    enc, meta = encode_delta(tensors, "none")
-    uid = uuid.uuid4().hex[:12]
-    blob = store.put(submission_key(ctx.run_id, fragment, learner, uid), enc, meta)
-    if corrupt_after:
-        store.fs.pipe_file(store.path(blob.key), b"\x00garbage" * 10)
-    sub = q.SubmissionIn(uid, fragment, base, c_steps, 300, 300, 300, blob.key, blob.sha256, blob.nbytes, "none")
-    with ctx.transaction() as s:
-        sub_id, _ = q.register_submission(s, ctx.run_id, learner, 0, sub, to_datetime(clock.t))
-    return sub_id
-
-
-def shapes_of(sync, fragment):
-    return sync.layout.shapes(fragment)
+from ddiloco.platform.runtime import to_datetime
 
 
 def test_corrupt_nan_wrong_shape_stale_and_unknown_are_rejected_while_training_continues():
@@ -66,10 +26,7 @@ def test_corrupt_nan_wrong_shape_stale_and_unknown_are_rejected_while_training_c
     # Counts no honest learner sends never reach the ledger: refused at registration, with the reason.
     with pytest.raises(ValueError, match="implausible counts"):
         submit_raw(ctx, clock, 3, {n: torch.zeros(s_) for n, s_ in shapes_of(sync, 3).items()}, c_steps=0)
-    for _ in range(3 * cfg.fragments.count):
-        clock.t += 1.0
-        sim_step(good, clock.t)
-        sync.poll_once(clock.t)
+    drive(clock, sync, good, 3 * cfg.fragments.count)
     with ctx.transaction() as s:
         for sid, needle in bad.items():
             row = s.get(Submission, sid)

@@ -10,9 +10,8 @@ import uuid
 
 import pytest
 import torch
-from test_bad_submissions import setup_run, shapes_of
+from support import drive, setup_run, shapes_of
 
-from ddiloco.inprocess import sim_step
 from ddiloco.platform.compression import encode_delta
 from ddiloco.platform.ids import submission_key
 from ddiloco.platform.ledger import queries as q
@@ -196,10 +195,7 @@ def test_poison_submissions_are_rejected_and_their_fragment_keeps_publishing():
         # A block size no tensor can be viewed with (the decoder raised TypeError out of the poll).
         register_raw(ctx, clock, 0, encode_tensors(one_block, {**one_block_meta, "block_size": str(10**30)})): "bad update",
     }
-    for _ in range(3 * cfg.fragments.count):
-        clock.t += 1.0
-        sim_step(good, clock.t)
-        sync.poll_once(clock.t)
+    drive(clock, sync, good, 3 * cfg.fragments.count)
     with ctx.transaction() as s:
         for sid, needle in bad.items():
             row = s.get(Submission, sid)

@@ -5,22 +5,16 @@ run goes on exactly as without the attacker (real ledger, store and synchronizer
 from __future__ import annotations
 
 import math
-import uuid
 
 import pytest
 import torch
-from support import tiny_config
+from support import drive, setup_run, submit_raw, tiny_config
 
-from ddiloco.inprocess import SimClock, in_memory_config, sim_learner, sim_step
-from ddiloco.platform.compression import encode_delta
-from ddiloco.platform.ids import submission_key
-from ddiloco.platform.ledger import open_ledger
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.models import Submission
 from ddiloco.platform.models import evaluate
-from ddiloco.platform.runtime import RunContext, to_datetime
+from ddiloco.platform.runtime import to_datetime
 from ddiloco.synchronizer import policy as pol
-from ddiloco.synchronizer.service import Synchronizer
 
 TPS = 4 * 32  # tiny_config: batch 4 x seq 32 tokens per learner step
 H = 4  # tiny_config: 4 fragments, one sent per step
@@ -64,35 +58,16 @@ def test_an_outlier_must_stand_out_per_step_and_whole():
     assert "in all" in pol.check_norm(0.62, per_step, 10.0, raw=(14.9, whole))
 
 
-def setup_run():
-    cfg = in_memory_config(tiny_config(learners={"regions": [{"name": "us", "learners": 2}], "heartbeat_s": 1.0},
-                                       quorum={"min_count": 1}, grace={"enabled": False}))
-    clock = SimClock()
-    ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
-    sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
-    sync.poll_once(clock.t)
-    honest = sim_learner(ctx, "us-0", index=0, num_learners=2)
-    honest.start(clock.t)
+def attacked_run():  # noqa: ANN201
+    """The shared live run, with the attacker us-1 registered as a learner."""
+    cfg, clock, ctx, sync, honest = setup_run()
     with ctx.transaction() as s:
         q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t))
     return cfg, clock, ctx, sync, honest
 
 
-def attack(ctx, clock, fragment: int, tensors: dict, *, c_steps: int, c_tokens: int, tokens_new: int = TPS, base: int = 0) -> int:
-    """Register a submission of the attacker us-1 with whatever counts it likes (its blob is well formed)."""
-    enc, meta = encode_delta(tensors, "none")
-    uid = uuid.uuid4().hex[:12]
-    blob = ctx.store("us").put(submission_key(ctx.run_id, fragment, "us-1", uid), enc, meta)
-    sub = q.SubmissionIn(uid, fragment, base, c_steps, c_tokens, tokens_new, 10**6, blob.key, blob.sha256, blob.nbytes, "none")
-    with ctx.transaction() as s:
-        return q.register_submission(s, ctx.run_id, "us-1", 0, sub, to_datetime(clock.t))[0]
-
-
-def train(cfg, clock, sync, honest, steps: int) -> None:
-    for _ in range(steps):
-        clock.t += 1.0
-        sim_step(honest, clock.t)
-        sync.poll_once(clock.t)
+def attack(ctx, clock, fragment: int, tensors: dict, *, c_steps: int, c_tokens: int) -> int:  # noqa: ANN001
+    return submit_raw(ctx, clock, fragment, tensors, c_steps=c_steps, c_tokens=c_tokens, tokens_new=TPS)
 
 
 def val_loss(sync, cfg) -> float:
@@ -103,7 +78,7 @@ def val_loss(sync, cfg) -> float:
 
 
 def test_a_lying_learner_is_rejected_with_reasons_and_the_honest_run_is_unchanged():
-    cfg, clock, ctx, sync, honest = setup_run()
+    cfg, clock, ctx, sync, honest = attacked_run()
     shapes = {f: sync.layout.shapes(f) for f in range(cfg.fragments.count)}
 
     def filled(f: int, value: float) -> dict:
@@ -118,11 +93,11 @@ def test_a_lying_learner_is_rejected_with_reasons_and_the_honest_run_is_unchange
     }
     # 100 updates, each of plausible counts, whose sum is outsized: judged as one.
     lies |= {attack(ctx, clock, 1, filled(1, 0.05), c_steps=H, c_tokens=H * TPS): "norm outlier" for _ in range(100)}
-    train(cfg, clock, sync, honest, 3 * H)
+    drive(clock, sync, honest, 3 * H)
 
     # The same honest learner, the same seed, no attacker.
-    cfg2, clock2, ctx2, sync2, honest2 = setup_run()
-    train(cfg2, clock2, sync2, honest2, 3 * H)
+    cfg2, clock2, ctx2, sync2, honest2 = attacked_run()
+    drive(clock2, sync2, honest2, 3 * H)
 
     with ctx.reading() as s:
         for sid, needle in lies.items():
@@ -150,7 +125,7 @@ def test_clipping_scales_an_update_under_the_outlier_bar_to_what_an_honest_one_c
     from ddiloco.synchronizer.merge import FlatDelta, FlatLayout, Member
     from ddiloco.synchronizer.service import Norms
 
-    cfg, clock, ctx, sync, honest = setup_run()
+    cfg, clock, ctx, sync, honest = attacked_run()
     sync.cfg = sync.cfg.model_copy(update={"merge": sync.cfg.merge.model_copy(update={"clip_factor": 2.0})})
     layout = FlatLayout.of({"w": (10,)})
 

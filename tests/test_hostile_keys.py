@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_bad_submissions import setup_run, shapes_of
+from support import setup_run, shapes_of
 
 from ddiloco.inprocess import sim_step
 from ddiloco.platform.compression import encode_delta
