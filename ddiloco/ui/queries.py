@@ -192,7 +192,7 @@ def learner_snapshots(session: Session, run_id: str) -> list[liveness.LearnerSna
 
 
 def lease_snapshot(session: Session, run_id: str) -> h.LeaseSnapshot | None:
-    lease = session.get(SynchronizerLease, run_id)
+    lease = session.get(SynchronizerLease, (run_id, 0))
     if lease is None:
         return None
     return h.LeaseSnapshot(lease.holder, int(lease.token), lease.acquired_at, lease.expires_at)
@@ -476,7 +476,7 @@ def synchronizer_holders(session: Session, run_id: str, tokens: int = HOLDER_TOK
     first and last publish. Per token and fragment the versions are one contiguous range (tokens never go
     back), so a few index seeks per fragment find it — never a count over the versions."""
     columns = ["holder", "token", "versions", "first_publish", "last_publish"]
-    newest = session.scalar(select(SynchronizerLease.token).where(SynchronizerLease.run_id == run_id))
+    newest = session.scalar(select(SynchronizerLease.token).where(SynchronizerLease.run_id == run_id, SynchronizerLease.shard == 0))
     if newest is None:
         return pd.DataFrame(columns=columns)
     rows = []

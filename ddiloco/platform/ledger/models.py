@@ -136,6 +136,13 @@ class Learner(Base):
     last_submission_at: Mapped[datetime | None] = mapped_column(UtcDateTime(), nullable=True)
     loss: Mapped[float | None] = mapped_column(Float, nullable=True)
     """The newest training loss the learner reported."""
+    # The learner's upload link, as its newest exchange reported it (None before it reported any).
+    queue_depth: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """Fragments with an unsent increment waiting in the upload queue."""
+    oldest_unsent_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """Age of the oldest unsent increment, seconds."""
+    link_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """The link's measured rates and the send period and codec chosen from them, with the reason (JSON)."""
 
 
 class Heartbeat(Base):
@@ -155,6 +162,13 @@ class Heartbeat(Base):
     loss: Mapped[float | None] = mapped_column(Float, nullable=True)
     tokens_per_s: Mapped[float] = mapped_column(Float)
     step_time_s: Mapped[float] = mapped_column(Float)
+    # The learner's upload link, at this beat.
+    queue_depth: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """Fragments with an unsent increment waiting in the upload queue."""
+    oldest_unsent_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """Age of the oldest unsent increment, seconds."""
+    link_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """The link's measured rates and the send period and codec chosen from them, with the reason (JSON)."""
 
 
 class Submission(Base):
@@ -297,6 +311,8 @@ class SynchronizerLease(Base):
     __tablename__ = "synchronizer_leases"
 
     run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    shard: Mapped[int] = mapped_column(Integer, primary_key=True, default=0, server_default="0")
+    """Which shard of the run's fragments this lease covers (0 when the run has one synchronizer shard)."""
     holder: Mapped[str] = mapped_column(String(128))
     token: Mapped[int] = mapped_column(BigInteger)
     """Fencing token: grows by one at every change of holder."""

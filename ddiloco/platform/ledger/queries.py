@@ -660,23 +660,24 @@ def recent_merged_norm_steps(session: Session, run_id: str, fragment: int, limit
 # --- the synchronizer lease -----------------------------------------------------------------------
 
 
-def acquire_lease(session: Session, run_id: str, holder: str, ttl_s: float, now: datetime) -> int | None:
-    """Take or renew the run's lease. Returns the fencing token, or None while another holder's lease is live.
+def acquire_lease(session: Session, run_id: str, holder: str, ttl_s: float, now: datetime, *, shard: int = 0) -> int | None:
+    """Take or renew the lease of one shard of the run. Returns the fencing token, or None while another holder's
+    lease is live.
 
     A holder whose lease lapsed while nobody took it over gets it back with the same token: no one else can
     have published meanwhile (a takeover always bumps the token), so what it holds in memory is still current."""
     validate_holder(holder)
-    lease = session.get(SynchronizerLease, run_id, with_for_update=True)
+    lease = session.get(SynchronizerLease, (run_id, shard), with_for_update=True)
     expires = now + timedelta(seconds=ttl_s)
     if lease is None:
         stmt = (
             _insert(session, SynchronizerLease)
-            .values(run_id=run_id, holder=holder, token=1, acquired_at=now, expires_at=expires)
-            .on_conflict_do_nothing(index_elements=["run_id"])
+            .values(run_id=run_id, shard=shard, holder=holder, token=1, acquired_at=now, expires_at=expires)
+            .on_conflict_do_nothing(index_elements=["run_id", "shard"])
         )
         if not _inserted(session, stmt.returning(SynchronizerLease.run_id)):
             return None
-        record_event(session, run_id, "lease_acquired", holder, "token 1", now)
+        record_event(session, run_id, "lease_acquired", holder, f"{_shard_label(shard)}token 1", now)
         return 1
     if lease.holder == holder:
         lease.expires_at = expires
@@ -689,11 +690,11 @@ def acquire_lease(session: Session, run_id: str, holder: str, ttl_s: float, now:
     lease.acquired_at = now
     lease.expires_at = expires
     session.flush()
-    record_event(session, run_id, "lease_acquired", holder, f"token {lease.token}; took over from {previous}", now)
+    record_event(session, run_id, "lease_acquired", holder, f"{_shard_label(shard)}token {lease.token}; took over from {previous}", now)
     return lease.token
 
 
-def renew_lease(session: Session, run_id: str, holder: str, token: int, ttl_s: float, now: datetime) -> bool:
+def renew_lease(session: Session, run_id: str, holder: str, token: int, ttl_s: float, now: datetime, *, shard: int = 0) -> bool:
     """Extend the lease while ``holder`` still holds ``token`` — also once it has lapsed, as long as nobody took
     it over: a renewer thread starved past the TTL (a long first pass after a takeover on a loaded machine)
     must not lose a lease no one else wants, and waste its pass's merges to the fence."""
@@ -701,6 +702,7 @@ def renew_lease(session: Session, run_id: str, holder: str, token: int, ttl_s: f
         update(SynchronizerLease)
         .where(
             SynchronizerLease.run_id == run_id,
+            SynchronizerLease.shard == shard,
             SynchronizerLease.holder == holder,
             SynchronizerLease.token == token,
         )
@@ -709,22 +711,32 @@ def renew_lease(session: Session, run_id: str, holder: str, token: int, ttl_s: f
     return result.rowcount == 1
 
 
-def release_lease(session: Session, run_id: str, holder: str, token: int, now: datetime) -> None:
+def release_lease(session: Session, run_id: str, holder: str, token: int, now: datetime, *, shard: int = 0) -> None:
     session.execute(
         update(SynchronizerLease)
-        .where(SynchronizerLease.run_id == run_id, SynchronizerLease.holder == holder, SynchronizerLease.token == token)
+        .where(SynchronizerLease.run_id == run_id, SynchronizerLease.shard == shard, SynchronizerLease.holder == holder,
+               SynchronizerLease.token == token)
         .values(expires_at=now)
     )
 
 
-def current_lease(session: Session, run_id: str) -> SynchronizerLease | None:
-    return session.get(SynchronizerLease, run_id)
+def current_lease(session: Session, run_id: str, shard: int = 0) -> SynchronizerLease | None:
+    return session.get(SynchronizerLease, (run_id, shard))
 
 
-def _check_fence(session: Session, run_id: str, holder: str, token: int, now: datetime) -> None:
-    lease = session.get(SynchronizerLease, run_id, with_for_update=True, populate_existing=True)
+def leases(session: Session, run_id: str) -> list[SynchronizerLease]:
+    """Every shard's lease of the run, by shard (one row per shard that was ever held)."""
+    return list(session.scalars(select(SynchronizerLease).where(SynchronizerLease.run_id == run_id).order_by(SynchronizerLease.shard)))
+
+
+def _shard_label(shard: int) -> str:
+    return f"shard {shard}; " if shard else ""
+
+
+def _check_fence(session: Session, run_id: str, holder: str, token: int, now: datetime, shard: int) -> None:
+    lease = session.get(SynchronizerLease, (run_id, shard), with_for_update=True, populate_existing=True)
     if lease is None or lease.holder != holder or lease.token != token or lease.expires_at <= now:
-        raise LeaseLostError(f"{holder} (token {token}) does not hold the lease of run {run_id!r}")
+        raise LeaseLostError(f"{holder} (token {token}) does not hold the {_shard_label(shard)}lease of run {run_id!r}")
 
 
 # --- versions and merges -------------------------------------------------------------------------
@@ -769,11 +781,12 @@ def get_version(session: Session, run_id: str, fragment: int, version: int) -> F
     return session.get(FragmentVersion, (run_id, fragment, version))
 
 
-def _lease_holds(session: Session, run_id: str, holder: str, token: int, now: datetime, *, lock: bool = True) -> Any:
-    """EXISTS: ``holder`` holds the run's lease with ``token`` at ``now``. With ``lock``, on PostgreSQL the lease
+def _lease_holds(session: Session, run_id: str, holder: str, token: int, now: datetime, shard: int, *, lock: bool = True) -> Any:
+    """EXISTS: ``holder`` holds the lease of the run's ``shard`` with ``token`` at ``now``. With ``lock``, on PostgreSQL the lease
     row is share-locked, so a takeover waits until this transaction has committed (the fence of a publish)."""
     stmt = select(SynchronizerLease.run_id).where(
         SynchronizerLease.run_id == run_id,
+        SynchronizerLease.shard == shard,
         SynchronizerLease.holder == holder,
         SynchronizerLease.token == token,
         SynchronizerLease.expires_at > now,
@@ -781,12 +794,13 @@ def _lease_holds(session: Session, run_id: str, holder: str, token: int, now: da
     return exists(stmt.with_for_update(read=True) if lock else stmt)
 
 
-def _refuse_publish(session: Session, run_id: str, fragment: int, version: int, holder: str, token: int, now: datetime) -> None:
+def _refuse_publish(session: Session, run_id: str, fragment: int, version: int, holder: str, token: int, now: datetime,
+                    shard: int) -> None:
     """Why a publish wrote nothing: the lease, else the version (raises; returns when neither is the cause)."""
     # A plain read: the publish may already share-lock the lease row, and upgrading that lock would deadlock
     # with a concurrent publish that holds one too.
-    if not session.scalar(select(_lease_holds(session, run_id, holder, token, now, lock=False))):
-        raise LeaseLostError(f"{holder} (token {token}) does not hold the lease of run {run_id!r}")
+    if not session.scalar(select(_lease_holds(session, run_id, holder, token, now, shard, lock=False))):
+        raise LeaseLostError(f"{holder} (token {token}) does not hold the {_shard_label(shard)}lease of run {run_id!r}")
     current = session.scalar(
         select(FragmentHead.version).where(FragmentHead.run_id == run_id, FragmentHead.fragment == fragment)
     )
@@ -809,10 +823,11 @@ def publish_version(
     merged: Sequence[MergedIn] = (),
     rejected: Sequence[tuple[int, str]] = (),
     record: MergeRecord | None = None,
+    shard: int = 0,
 ) -> int | None:
     """Publish ``version`` of a fragment and decide the fate of the submissions it used, atomically.
 
-    Refused unless the caller holds the lease with ``token``, ``version`` is exactly the next one,
+    Refused unless the caller holds the lease of ``shard`` (the fragment's shard) with ``token``, ``version`` is exactly the next one,
     and every submission named is still pending. Returns the merge id (None without a record).
 
     A merge is four statements: the merge row, the submissions' fates, the fenced advance of the
@@ -823,12 +838,12 @@ def publish_version(
         state_sha256=state.sha256, lease_token=token, synchronizer=holder, published_s=now.timestamp(),
     )
     if version == 0:
-        _check_fence(session, run_id, holder, token, now)
+        _check_fence(session, run_id, holder, token, now, shard)
         stmt = _insert(session, FragmentHead.__table__).values(
             run_id=run_id, fragment=fragment, tokens_merged=0, submissions_merged=0, longest_gap_s=0.0, **head_values
         )
         if not _inserted(session, stmt.on_conflict_do_nothing(index_elements=["run_id", "fragment"]).returning(FragmentHead.version)):
-            _refuse_publish(session, run_id, fragment, version, holder, token, now)
+            _refuse_publish(session, run_id, fragment, version, holder, token, now, shard)
     merge_id = None
     if record is not None:
         merge_id = conn.execute(
@@ -859,14 +874,14 @@ def publish_version(
         params = [{"sid": m.submission_id, "w": m.weight, "n": m.norm, "st": m.staleness} for m in merged]
         changed = conn.execute(stmt, params).rowcount
         if changed != len(merged):
-            _refuse_publish(session, run_id, fragment, version, holder, token, now)
+            _refuse_publish(session, run_id, fragment, version, holder, token, now, shard)
             raise AlreadyDecidedError(
                 f"{len(merged) - changed} of the submissions to merge are not pending: refusing to merge them twice"
             )
     for sub_id, reason in rejected:
         _decide_rejected(session, run_id, [sub_id], reason, now)
     if version > 0:
-        _advance_head(session, run_id, fragment, version, head_values, holder, token, now)
+        _advance_head(session, run_id, fragment, version, head_values, holder, token, now, shard)
     conn.execute(
         insert(FragmentVersion.__table__).values(
             run_id=run_id, fragment=fragment, version=version, created_at=now, blob_key=blob.key, sha256=blob.sha256,
@@ -878,7 +893,8 @@ def publish_version(
 
 
 def _advance_head(
-    session: Session, run_id: str, fragment: int, version: int, values: dict[str, Any], holder: str, token: int, now: datetime
+    session: Session, run_id: str, fragment: int, version: int, values: dict[str, Any], holder: str, token: int, now: datetime,
+    shard: int,
 ) -> None:
     """Move the fragment's head from ``version - 1`` to ``version`` under the lease, adding what this version merged."""
     heads = FragmentHead.__table__.alias("others")
@@ -893,7 +909,7 @@ def _advance_head(
             FragmentHead.run_id == run_id,
             FragmentHead.fragment == fragment,
             FragmentHead.version == version - 1,
-            _lease_holds(session, run_id, holder, token, now),
+            _lease_holds(session, run_id, holder, token, now, shard),
         )
         .values(
             **values,
@@ -904,15 +920,16 @@ def _advance_head(
         )
     )
     if result.rowcount != 1:
-        _refuse_publish(session, run_id, fragment, version, holder, token, now)
+        _refuse_publish(session, run_id, fragment, version, holder, token, now, shard)
         raise LedgerError(f"fragment {fragment}: v{version} was refused")
 
 
 def reject_submissions(
-    session: Session, run_id: str, rejected: Sequence[tuple[int, str]], *, holder: str, token: int, now: datetime
+    session: Session, run_id: str, rejected: Sequence[tuple[int, str]], *, holder: str, token: int, now: datetime,
+    shard: int = 0,
 ) -> None:
     """Reject submissions outside a merge (e.g. every pending one failed validation)."""
-    _check_fence(session, run_id, holder, token, now)
+    _check_fence(session, run_id, holder, token, now, shard)
     for sub_id, reason in rejected:
         _decide_rejected(session, run_id, [sub_id], reason, now)
         record_event(session, run_id, "submission_rejected", holder, f"submission {sub_id}: {reason}", now)
