@@ -5,10 +5,17 @@ simulated clock, so the global fragments after many outer rounds are a pure func
 They are compared with a stored fixture to 1e-6: any change to the learner, the merge math, the
 outer optimizer, the compression or the policy shows up here. When a change to the math is meant,
 regenerate the fixture (``python tests/test_golden.py --regenerate``) and say why in the commit.
+
+Float rounding depends on the CPU's vector kernels and on how many threads split a reduction (after
+30 rounds of training, 1e-4 apart between an AVX-512 and an AVX2 machine, or 1 and 2 threads), so
+the run happens in a child process pinned to one thread, torch's portable kernels and MKL's
+reproducible mode: the same bits on every x86 machine.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +28,9 @@ from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.run_state import read_version
 
 FIXTURE = Path(__file__).parent / "fixtures" / "golden_rounds.safetensors"
+PINNED = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+          "CUDA_VISIBLE_DEVICES": ""}
+"""Read when torch starts, so only a fresh process can have them."""
 
 
 def golden_config(kind: str):
@@ -57,9 +67,16 @@ def golden_fragments() -> dict[str, torch.Tensor]:
     return out
 
 
-def test_global_fragments_after_many_rounds_match_the_golden_fixture():
+def pinned_golden_fragments(path: Path) -> dict[str, torch.Tensor]:
+    """:func:`golden_fragments` computed in a child process with the kernels and threads pinned, saved to ``path``."""
+    env = {**os.environ, **PINNED, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+    subprocess.run([sys.executable, __file__, "--emit", str(path)], env=env, check=True, timeout=300)
+    return load_file(str(path))
+
+
+def test_global_fragments_after_many_rounds_match_the_golden_fixture(tmp_path):
     want = load_file(str(FIXTURE))
-    got = golden_fragments()
+    got = pinned_golden_fragments(tmp_path / "golden.safetensors")
     # Keys carry the version numbers: the same number of merges happened per fragment.
     assert sorted(got) == sorted(want)
     assert max(int(k.split("/")[1][1:]) for k in got if k.startswith("decoupled/")) >= 8
@@ -67,7 +84,10 @@ def test_global_fragments_after_many_rounds_match_the_golden_fixture():
         torch.testing.assert_close(got[key], value, rtol=0, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["--regenerate"]:
+if __name__ == "__main__" and sys.argv[1:2] == ["--emit"]:
+    torch.set_num_threads(1)
+    save_file(golden_fragments(), sys.argv[2])
+elif __name__ == "__main__" and sys.argv[1:] == ["--regenerate"]:
     FIXTURE.parent.mkdir(exist_ok=True)
-    save_file(golden_fragments(), str(FIXTURE))
+    pinned_golden_fragments(FIXTURE)
     print(f"wrote {FIXTURE}")
