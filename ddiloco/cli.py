@@ -439,7 +439,7 @@ def synchronizer(
     wait_s: float = WaitOpt,
     verbose: bool = False,
 ) -> None:
-    """Run a synchronizer: active while it holds the run's lease, a hot standby otherwise."""
+    """Run a synchronizer: active while it holds a shard's lease (one shard unless synchronizer.shards > 1), else a hot standby."""
     _setup_logging(verbose)
     cfg = _with_init_from(_config(config), init_from)
     run = _checked_id(run or cfg.name, "run")
@@ -448,7 +448,7 @@ def synchronizer(
     from ddiloco.synchronizer.process import run_synchronizer
 
     try:
-        run_synchronizer(cfg, run or cfg.name, label)
+        run_synchronizer(cfg, run or cfg.name, label, shard=shard)
     except ConfigError as err:
         err_console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2) from None
@@ -513,6 +513,8 @@ def export_command(
     run: str | None = typer.Option(None, "--run", help="Run id; defaults to the config's name."),
     ledger: str | None = LedgerOpt,
     store: str | None = typer.Option(None, "--store", help="Fragment store URL; defaults to the config's storage.url."),
+    shard: int | None = typer.Option(None, "--shard", min=0, help="Serve only this shard (0..synchronizer.shards-1); "
+                                     "default: whichever shard's lease is free."),
 ) -> None:
     """Write a run's global model (newest or version N) as safetensors or a Hugging Face directory; read-only."""
 
@@ -522,6 +524,8 @@ def export_command(
 
     if fmt not in ("hf", "safetensors"):
         err_console.print(f"[red]error:[/red] --format must be hf or safetensors, got {escape(repr(fmt))}")
+    if shard is not None and shard >= cfg.synchronizer.shards:
+        _refuse(f"--shard {shard}: the run has {cfg.synchronizer.shards} synchronizer shard(s), numbered from 0")
         raise typer.Exit(2)
     if version != "latest" and not version.isdigit():
         err_console.print(f"[red]error:[/red] --version must be latest or a version number, got {escape(repr(version))}")

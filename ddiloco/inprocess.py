@@ -126,9 +126,13 @@ def run_inprocess(
     cfg = in_memory_config(cfg)
     clock = SimClock()
     ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
-    sync = Synchronizer(ctx, holder="sync-inprocess", evaluate_every_s=0)
-    sync.simulated_time = True
-    sync.poll_once(clock.t)  # lease + version 0
+    # One synchronizer per shard (synchronizer.shards), polled one after the other.
+    syncs = [Synchronizer(ctx, holder="sync-inprocess" if k == 0 else f"sync-inprocess-{k}", shard=k)
+             for k in range(cfg.synchronizer.shards)]
+    sync = syncs[0]
+    for each in syncs:
+        each.simulated_time = True
+        each.poll_once(clock.t)  # lease + version 0
     ids = cfg.learners.learner_ids()
     M = len(ids)
     run = InProcessRun(ctx=ctx, sync=sync, learners={}, clock=clock, t0=clock.t)
@@ -170,7 +174,8 @@ def run_inprocess(
         t, _, kind, lid = heapq.heappop(events)
         clock.t = t
         if kind == "sync":
-            sync.poll_once(t)
+            for each in syncs:
+                each.poll_once(t)
             push(t + poll_s, "sync")
         elif kind == "down":
             if lid not in down:
@@ -201,7 +206,8 @@ def run_inprocess(
     for since in down.values():
         run.down_s += clock.t - since
     # Let the synchronizer merge what is still pending, as a real run's end does.
-    sync.poll_once(clock.t, drain=True)
+    for each in syncs:
+        each.poll_once(clock.t, drain=True)
     run.bytes_sent += sum(learner.link.bytes_sent for learner in run.learners.values())
     run.tokens_trained = trained
     if eval_every_tokens:

@@ -54,7 +54,7 @@ def sim_run(**sections: Any):  # noqa: ANN201 - (cfg, clock, ctx, synchronizer)
     cfg = in_memory_config(tiny_config(**sections))
     clock = SimClock()
     ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
-    sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
+    sync = Synchronizer(ctx, holder="sync")
     sync.poll_once(clock.t)
     return cfg, clock, ctx, sync
 
@@ -75,7 +75,7 @@ def setup_run():  # noqa: ANN201 - (cfg, clock, ctx, synchronizer, honest learne
     )
     clock = SimClock()
     ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
-    sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
+    sync = Synchronizer(ctx, holder="sync")
     sync.poll_once(clock.t)
     good = sim_learner(ctx, "us-0", index=0, num_learners=2)
     good.start(clock.t)

@@ -98,7 +98,7 @@ def test_training_on_prepared_shards_lowers_the_loss(ledger_url, tmp_path):
     )
     clock = SimClock()
     ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
-    sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
+    sync = Synchronizer(ctx, holder="sync")
     sync.poll_once(clock.t)
     learners = [sim_learner(ctx, lid) for lid in ("us-0", "us-1")]
     for learner in learners:

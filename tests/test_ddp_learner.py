@@ -195,7 +195,7 @@ def _open_run(workdir: Path, cfg):
     )
     clock = SimClock()
     ctx = RunContext.open(cfg, cfg.name, clock=clock)
-    sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
+    sync = Synchronizer(ctx, holder="sync")
     sync.poll_once(clock.t)
     return cfg, clock, ctx, sync
 

@@ -43,7 +43,7 @@ def train(cfg, steps: int = 10) -> RunContext:
     """A short real run in process: a synchronizer and two learners on a simulated clock."""
     clock = SimClock()
     ctx = RunContext.open(cfg, clock=clock)
-    sync = Synchronizer(ctx, holder="sync-test", evaluate_every_s=0)
+    sync = Synchronizer(ctx, holder="sync-test")
     sync.simulated_time = True
     sync.poll_once(clock.t)
     learners = [sim_learner(ctx, lid) for lid, _, _ in cfg.learners.learner_ids()]
@@ -109,7 +109,7 @@ def test_cli_exports_version_n_and_a_new_run_starts_from_it(ledger_url, store_ur
     # A new run in the same ledger and store, initialised from the export: its version 0 is the export.
     fresh = run_config(ledger_url, store_url, name="from-export", init_from=out)
     ctx2 = RunContext.open(fresh, clock=SimClock())
-    Synchronizer(ctx2, holder="sync-init", evaluate_every_s=0).poll_once(ctx2.now())
+    Synchronizer(ctx2, holder="sync-init").poll_once(ctx2.now())
     v0 = newest_params(ctx2)
     assert set(v0) == set(exported) and all(torch.equal(v0[n], exported[n]) for n in exported)
     ctx.engine.dispose()
@@ -128,7 +128,7 @@ def test_export_refuses_what_it_cannot_write(tmp_path):
     register_run(ctx, build_layout(ctx))
     with pytest.raises(ExportError, match="has no published global version"):
         export_run(ctx, to=str(tmp_path / "a"))
-    Synchronizer(ctx, holder="s", evaluate_every_s=0).poll_once(ctx.now())
+    Synchronizer(ctx, holder="s").poll_once(ctx.now())
     with pytest.raises(ExportError, match="--format hf needs model.kind 'hf'"):
         export_run(ctx, to=str(tmp_path / "b"), fmt="hf")
     (tmp_path / "c").mkdir()
@@ -152,7 +152,7 @@ def test_init_from_refuses_bad_weights(tmp_path):
         read_weights(str(tmp_path / "bad.safetensors"))
     cfg = run_config(f"sqlite:///{tmp_path}/l.db", f"file://{tmp_path}/store", init_from=str(tmp_path / "missing"))
     with pytest.raises(WeightsError, match="model.init_from"):
-        Synchronizer(RunContext.open(cfg, clock=SimClock()), holder="s", evaluate_every_s=0).poll_once(0.0)
+        Synchronizer(RunContext.open(cfg, clock=SimClock()), holder="s").poll_once(0.0)
 
 
 def test_a_synchronizer_with_unreadable_init_from_stops_with_one_line(tmp_path):

@@ -109,7 +109,7 @@ def test_evaluate_flow_fn_records_an_evaluation(tmp_path):
     from ddiloco.synchronizer.service import Synchronizer
 
     cfg = tiny_config(name="evalfn", ledger={"url": f"sqlite:///{tmp_path / 'l.db'}"}, storage={"url": f"file://{tmp_path / 's'}"})
-    Synchronizer(RunContext.open(cfg), holder="s", evaluate_every_s=0).poll_once()
+    Synchronizer(RunContext.open(cfg), holder="s").poll_once()
     result = evaluate_flow.fn(cfg)
     assert 5.0 < result["val_loss"] < 6.0  # an untrained byte model: about ln(256)
     with session_factory(open_ledger(cfg.ledger.url)).begin() as s:

@@ -67,7 +67,7 @@ def test_a_learner_step_is_one_transaction_of_at_most_three_statements(ledger_ur
     clock = SimClock()
     ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(ledger_url), clock=clock)
     try:
-        sync = Synchronizer(ctx, holder="sync", evaluate_every_s=0)
+        sync = Synchronizer(ctx, holder="sync")
         sync.poll_once(clock.t)
         learners = [sim_learner(ctx, lid) for lid in ("us-0", "us-1")]
         for learner in learners:

@@ -46,7 +46,7 @@ def test_a_run_is_timed_by_the_named_spans():
 
 def test_evaluation_is_a_plain_function_of_the_published_fragments():
     ctx, clock = fresh_run("evalfn")
-    Synchronizer(ctx, holder="s", evaluate_every_s=0).poll_once(clock.t)  # publishes version 0
+    Synchronizer(ctx, holder="s").poll_once(clock.t)  # publishes version 0
     cfg = ctx.cfg
     loss, acc = evaluate_and_record(ctx, clock.t)
     want, _ = evaluate(build_model(cfg.model, seed=cfg.seed), build_dataset(cfg.data, cfg.model).val_batches(cfg.learners.batch_size))

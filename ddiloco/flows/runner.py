@@ -145,7 +145,7 @@ def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext
             learner_resource = alerts.LEARNER_RESOURCE.format(run_id=run_id, learner_id=lid)
             alerts.emit("ddiloco.learner.relaunched", learner_resource, **{"ddiloco.run": run_id})
         live_syncs = [h for h in syncs if launcher.is_running(h)]
-        while len(live_syncs) < 1 + STANDBYS:
+        while len(live_syncs) < cfg.synchronizer.shards + STANDBYS:
             h = launcher.start_synchronizer(next(labels))
             syncs.append(h)
             live_syncs.append(h)
@@ -164,11 +164,16 @@ def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext
 
 def finish_run(ctx: RunContext) -> RunSummary:
     """Merge what is still pending, evaluate the final global model, and summarise."""
-    final = Synchronizer(ctx, holder=holder_name("final"))
-    _wait(lambda: final.poll_once(drain=True).role == "active", ctx.cfg.synchronizer.lease_ttl_s * 4 + 10, "the lease for the final merge")
-    evaluate_and_record(ctx, ctx.now(), cache=final.state)
+    cache = {}
+    for shard in range(ctx.cfg.synchronizer.shards):
+        final = Synchronizer(ctx, holder=holder_name("final"), shard=shard)
+        _wait(lambda final=final: final.poll_once(drain=True).role == "active", ctx.cfg.synchronizer.lease_ttl_s * 4 + 10,
+              f"the lease of shard {shard} for the final merge")
+        cache.update(final.state)
+        with ctx.transaction() as s:
+            q.release_lease(s, ctx.run_id, final.holder, final.token, ctx.now_dt(), shard=shard)
+    evaluate_and_record(ctx, ctx.now(), cache=cache)
     with ctx.transaction() as s:
-        q.release_lease(s, ctx.run_id, final.holder, final.token, ctx.now_dt())
         return run_summary(s, ctx.run_id, ctx.now_dt())
 
 

@@ -107,12 +107,12 @@ def learner_flow(config: RunConfig, learner_id: str, run_id: str | None = None) 
 
 
 @flow(name="ddiloco-synchronizer")
-def synchronizer_flow(config: RunConfig, run_id: str | None = None, label: str = "sync") -> None:
-    """A synchronizer (active or standby) until the run ends."""
+def synchronizer_flow(config: RunConfig, run_id: str | None = None, label: str = "sync", shard: int | None = None) -> None:
+    """A synchronizer (active for a shard, or standby) until the run ends; ``shard`` pins it to one shard."""
     _ddiloco_logs_at_info()
     from ddiloco.synchronizer.process import run_synchronizer
 
-    run_synchronizer(config, run_id or config.name, label)
+    run_synchronizer(config, run_id or config.name, label, shard=shard)
 
 
 @flow(name="ddiloco-chaos")

@@ -428,6 +428,9 @@ class SynchronizerConfig(_Section):
     """How often the evaluator (``ddiloco evaluate``) evaluates the newest published global model."""
     merge_device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where merges run: auto is the GPU when torch sees one, else the CPU."""
+    shards: int = Field(1, ge=1, le=1024)
+    """Synchronizer shards: each holds its own lease over a fixed subset of the fragments (balanced by
+    bytes) and merges only those, so N processes share the merge work. Fixed for the life of a run."""
 
 
 class ChaosEvent(_Section):
@@ -504,6 +507,11 @@ class RunConfig(BaseSettings):
             raise ValueError(
                 f"learners.dead_after_s ({self.learners.dead_after_s}) must exceed learners.heartbeat_s "
                 f"({self.learners.heartbeat_s}): every learner would always look dead"
+            )
+        if self.synchronizer.shards > self.fragments.count:
+            raise ValueError(
+                f"synchronizer.shards ({self.synchronizer.shards}) exceeds fragments.count ({self.fragments.count}): "
+                "some shard would hold no fragment"
             )
         if self.synchronizer.lease_ttl_s <= self.synchronizer.poll_s:
             raise ValueError(

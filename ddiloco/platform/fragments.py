@@ -229,6 +229,22 @@ def imbalance(fragments: Sequence[Fragment]) -> float:
     return max(f.nbytes for f in fragments) / mean if mean else 1.0
 
 
+def shard_fragments(nbytes: Sequence[int], shards: int) -> list[tuple[int, ...]]:
+    """The fragments (by index) each synchronizer shard holds: near-equal bytes per shard, deterministic.
+
+    Largest fragment first to the lightest shard (ties: the lowest shard), so every process of a run
+    computes the same assignment from the run's fragment sizes alone."""
+    if shards < 1 or shards > len(nbytes):
+        raise ValueError(f"synchronizer.shards must be between 1 and the {len(nbytes)} fragments, got {shards}")
+    members: list[list[int]] = [[] for _ in range(shards)]
+    load = [0] * shards
+    for i in sorted(range(len(nbytes)), key=lambda i: (-nbytes[i], i)):
+        k = min(range(shards), key=lambda k: (load[k], len(members[k]), k))
+        members[k].append(i)
+        load[k] += nbytes[i]
+    return [tuple(sorted(m)) for m in members]
+
+
 def due_fragments(step: int, count: int, every: int) -> list[int]:
     """Fragments due after ``step`` completed inner steps: p with (step - p) % every == 0."""
     if count < 1 or every < 1:

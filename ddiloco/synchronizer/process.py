@@ -18,8 +18,8 @@ from ddiloco.synchronizer.service import Synchronizer, holder_name
 log = logging.getLogger("ddiloco.synchronizer")
 
 
-def run_synchronizer(cfg: RunConfig, run_id: str, label: str = "sync") -> Synchronizer:
-    """Run until stopped; ``label`` names it in the lease (as ``label@host:pid``)."""
+def run_synchronizer(cfg: RunConfig, run_id: str, label: str = "sync", shard: int | None = None) -> Synchronizer:
+    """Run until stopped; ``label`` names it in the lease (as ``label@host:pid``); ``shard`` pins it to one shard."""
     # Large merge buffers on transparent huge pages: fewer page faults on fresh allocations.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     torch.set_num_threads(1)
@@ -35,7 +35,7 @@ def run_synchronizer(cfg: RunConfig, run_id: str, label: str = "sync") -> Synchr
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_signal)
         signal.signal(signal.SIGINT, _on_signal)
-    sync = Synchronizer(RunContext.open(cfg, run_id), holder=holder_name(label))
+    sync = Synchronizer(RunContext.open(cfg, run_id), holder=holder_name(label), shard=shard)
     metrics.serve()  # /metrics when DDILOCO_METRICS_PORT is set
     log.info("synchronizer %s started for run %s", sync.holder, run_id)
     sync.run(stop)

@@ -1,4 +1,4 @@
-"""The synchronizer service: holds the lease, polls the ledger, merges fragments, publishes versions.
+"""The synchronizer service: holds a shard's lease, polls the ledger, merges that shard's fragments, publishes versions.
 
 ``Synchronizer.poll_once(now)`` is one pass: snapshot the ledger, decide per fragment, merge. The
 process loop, tests and the in-process simulation all call it. Decisions come from ``policy``, the
@@ -6,6 +6,7 @@ merge from ``merge.merge_fragment``; this module owns the I/O."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -25,7 +26,7 @@ from ddiloco.platform import liveness, metrics
 from ddiloco.platform.compression import CompressionError, decode_delta_into
 from ddiloco.platform.config import ConfigError, tokens_per_step
 from ddiloco.platform.faults import fault_point
-from ddiloco.platform.fragments import fragment_views
+from ddiloco.platform.fragments import fragment_views, shard_fragments
 from ddiloco.platform.ids import InvalidIdError, global_key, outer_state_key, submission_key
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.models import FragmentVersion, Submission
@@ -103,16 +104,23 @@ class Norms:
 
 
 class Synchronizer:
-    def __init__(self, ctx: RunContext, holder: str | None = None, *, evaluate_every_s: float | None = None) -> None:
+    def __init__(self, ctx: RunContext, holder: str | None = None, *, shard: int | None = None) -> None:
+        """``shard``: hold only that shard's lease; None takes whichever shard's lease is free (one at a time)."""
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.holder = holder or holder_name()
-        self.token: int | None = None
         self.layout: Layout = build_layout(ctx)
+        shards = self.cfg.synchronizer.shards
+        if shard is not None and not 0 <= shard < shards:
+            raise ConfigError(f"shard {shard}: the run has {shards} synchronizer shard(s), numbered from 0")
+        self.pinned = shard
+        self.assignment = shard_fragments([f.nbytes for f in self.layout.fragments], shards)
+        """The fragments of every shard (the same in every process of the run)."""
+        self.held: tuple[int, int] | None = None
+        """(shard, fencing token) of the lease this holder has, if any."""
         self.state: dict[int, GlobalFragment] = {}
         """Newest published version of each fragment, as far as this holder knows (a cache of the store)."""
         self.stats = pol.TimingStats()
-        # evaluate_every_s is accepted and ignored: evaluation runs in the evaluator (synchronizer/evaluator.py), never here.
         self.simulated_time = False
         """In-process runs: a merge takes no simulated time, so the sync-time average stays 0."""
         self.merge_policy = MergePolicy.from_config(self.cfg)
@@ -134,12 +142,23 @@ class Synchronizer:
         self.liveness = liveness.LivenessPolicy.from_learners_config(self.cfg.learners)
         self.quorum_policy = pol.QuorumPolicy(self.cfg.quorum.min_count, self.cfg.quorum.min_fraction)
         self._registered = False
+        self._own: frozenset[int] = frozenset()
         self._bootstrapped = False
         self._last_status = -math.inf
         self._last_gc = -math.inf
         self._detail_passes = 0
         self._poll_started: float | None = None
         self._fetch_pool = ThreadPoolExecutor(max_workers=FETCH_WORKERS, thread_name_prefix="fetch")
+
+    @property
+    def token(self) -> int | None:
+        """The fencing token of the lease held (None on standby)."""
+        return self.held[1] if self.held else None
+
+    @property
+    def shard(self) -> int | None:
+        """The shard whose lease is held (None on standby)."""
+        return self.held[0] if self.held else None
 
     # --- one pass: snapshot -> decide -> merge ----------------------------------------------------
 
@@ -176,20 +195,42 @@ class Synchronizer:
     def _register(self) -> None:
         if not self._registered:
             register_run(self.ctx, self.layout)
+            with self.ctx.reading() as s:
+                recorded = q.require_run(s, self.ctx.run_id).config_json
+            # Two shard counts in one run would give a fragment two leases: merged twice, or by neither.
+            shards = json.loads(recorded).get("synchronizer", {}).get("shards", 1)
+            if shards != self.cfg.synchronizer.shards:
+                raise ConfigError(f"synchronizer.shards is {self.cfg.synchronizer.shards}, but run {self.ctx.run_id!r} "
+                                  f"was started with {shards}: a run's shards are fixed")
             self._registered = True
 
     def _acquire(self, now: float) -> bool:
-        """Take or renew the lease; a new token means someone else may have published meanwhile."""
+        """Take or renew a shard's lease (the pinned one, else the one held, else the first free one); a new
+        token means someone else may have published that shard's fragments meanwhile."""
+        if self.pinned is not None:
+            candidates = [self.pinned]
+        elif self.held is not None:
+            candidates = [self.held[0]]
+        else:
+            candidates = list(range(self.cfg.synchronizer.shards))
+        got = None
         with self.ctx.transaction() as s:
-            token = q.acquire_lease(s, self.ctx.run_id, self.holder, self.cfg.synchronizer.lease_ttl_s, to_datetime(now))
-        if token is None:
-            if self.token is not None:
-                log.warning("%s lost the lease", self.holder)
+            for shard in candidates:
+                token = q.acquire_lease(s, self.ctx.run_id, self.holder, self.cfg.synchronizer.lease_ttl_s, to_datetime(now),
+                                        shard=shard)
+                if token is not None:
+                    got = (shard, token)
+                    break
+        if got is None:
+            if self.held is not None:
+                log.warning("%s lost the lease of shard %s", self.holder, self.held[0])
             self._stand_down()
             return False
-        if token != self.token:
-            log.info("%s holds the lease with token %s", self.holder, token)
-            self.token = token
+        if got != self.held:
+            log.info("%s holds the lease of shard %s (fragments %s) with token %s", self.holder, got[0],
+                     ",".join(map(str, self.assignment[got[0]])), got[1])
+            self.held = got
+            self._own = frozenset(self.assignment[got[0]])
             self.state.clear()
             self._bootstrapped = False
             self._detail_passes = TAKEOVER_DETAIL_PASSES
@@ -197,7 +238,7 @@ class Synchronizer:
 
     def _stand_down(self) -> None:
         """Forget the lease and everything read under it: the next pass starts from the ledger."""
-        self.token = None
+        self.held = None
         self.state.clear()
 
     def _bootstrap(self, now: float) -> None:
@@ -206,18 +247,18 @@ class Synchronizer:
             return
         with self.ctx.transaction() as s:
             have = q.latest_version_numbers(s, self.ctx.run_id)
-        if self.cfg.model.init_from and len(have) < len(self.layout.fragments):
+        if self.cfg.model.init_from and not self._own <= set(have):
             source = f"model.init_from {self.cfg.model.init_from}"
             load_weights(self.layout.model, read_weights(self.cfg.model.init_from, source), source)
         params = dict(self.layout.model.named_parameters())
         for frag in self.layout.fragments:
-            if frag.index not in have:
+            if frag.index in self._own and frag.index not in have:
                 self._publish(frag.index, 0, {k: v.detach().clone() for k, v in fragment_views(params, frag).items()}, None, now)
         self._bootstrapped = True
 
     def _write_statuses(self, now: float) -> None:
-        """Write every learner's liveness verdict to the ledger (at most every STATUS_EVERY_S)."""
-        if now - self._last_status < STATUS_EVERY_S:
+        """Write every learner's liveness verdict to the ledger (at most every STATUS_EVERY_S; shard 0's holder)."""
+        if self.shard != 0 or now - self._last_status < STATUS_EVERY_S:
             return
         self._last_status = now
         with self.ctx.transaction() as s:
@@ -228,7 +269,7 @@ class Synchronizer:
         run_id, now_dt = self.ctx.run_id, to_datetime(now)
         with self.ctx.reading() as s:
             rows = q.learners(s, run_id)
-            pending = q.pending_submissions(s, run_id)
+            pending = q.pending_submissions(s, run_id, fragments=self._pending_filter())
             latest = q.latest_versions(s, run_id)
         snaps = q.learner_snapshots(rows)
         live = frozenset(liveness.live_ids(liveness.learner_verdicts(snaps, now_dt, self.liveness)))
@@ -246,6 +287,13 @@ class Synchronizer:
             quorum=pol.quorum_size(self.quorum_policy, len(live)),
             grace_s=pol.grace_window(self.stats, self.grace_policy),
         )
+
+    def _pending_filter(self) -> q.FragmentFilter | None:
+        """Which pending submissions this shard decides: its fragments; shard 0 also those naming no fragment
+        of the run (to reject them). None (all) when the run has one shard."""
+        if self.cfg.synchronizer.shards == 1:
+            return None
+        return q.FragmentFilter(tuple(sorted(self._own)), len(self.layout.fragments) if self.shard == 0 else None)
 
     def _pass_fragment(self, fragment: int, subs: list[Submission], snap: Snapshot, now: float, drain: bool,
                        result: PollResult) -> None:
@@ -486,6 +534,7 @@ class Synchronizer:
                     merged=merged or [],
                     rejected=rejected or [],
                     record=record,
+                    shard=self.shard,
                 )
                 for sub_id, why in rejected or []:
                     q.record_event(s, self.ctx.run_id, "submission_rejected", self.holder, f"submission {sub_id}: {why}", to_datetime(now))
@@ -502,7 +551,8 @@ class Synchronizer:
         """Reject submissions outside a merge, each with its reason."""
         metrics.observe_rejections(self.ctx.run_id, rejected)
         with self.ctx.transaction() as s:
-            q.reject_submissions(s, self.ctx.run_id, rejected, holder=self.holder, token=self.token, now=to_datetime(now))
+            q.reject_submissions(s, self.ctx.run_id, rejected, holder=self.holder, token=self.token, now=to_datetime(now),
+                                 shard=self.shard)
 
     # --- the global model and retention ---------------------------------------------------------
 
@@ -511,7 +561,8 @@ class Synchronizer:
         return load_params(self.layout.model, newest_params(self.ctx, self.state))
 
     def _maybe_collect_garbage(self, now: float) -> None:
-        if now - self._last_gc < GC_EVERY_S:
+        """Shard 0's holder collects the whole run's garbage: one collector, never two racing."""
+        if self.shard != 0 or now - self._last_gc < GC_EVERY_S:
             return
         self._last_gc = now
         with span("sync.gc"):
@@ -529,29 +580,30 @@ class Synchronizer:
         finally:
             stop.set()
             renewer.join(timeout=5)
-            if self.token is not None:
+            if self.held is not None:
                 # Hand over at once instead of making the standby wait for the lease to expire.
                 with self.ctx.transaction() as s:
-                    q.release_lease(s, self.ctx.run_id, self.holder, self.token, to_datetime(self.ctx.now()))
-                self.token = None
+                    q.release_lease(s, self.ctx.run_id, self.holder, self.held[1], to_datetime(self.ctx.now()), shard=self.held[0])
+                self.held = None
 
     def _renew_loop(self, stop: threading.Event) -> None:
         """Keep the lease alive while a long merge or evaluation runs on the main thread."""
         ttl = self.cfg.synchronizer.lease_ttl_s
         while not stop.wait(ttl / 3):
-            token = self.token
-            if token is None:
+            held = self.held
+            if held is None:
                 continue
+            shard, token = held
             if self._poll_started is not None and time.monotonic() - self._poll_started > self.cfg.synchronizer.max_poll_s:
                 # A pass stuck this long is a hung synchronizer: let the lease lapse so a standby takes over.
                 log.error("%s: a poll has run for over %.0fs; no longer renewing the lease", self.holder, self.cfg.synchronizer.max_poll_s)
                 continue
             try:
                 with self.ctx.transaction() as s:
-                    renewed = q.renew_lease(s, self.ctx.run_id, self.holder, token, ttl, to_datetime(self.ctx.now()))
+                    renewed = q.renew_lease(s, self.ctx.run_id, self.holder, token, ttl, to_datetime(self.ctx.now()), shard=shard)
                     fault_point("sync.renew_lease")
                 if not renewed:
-                    log.warning("%s could not renew its lease (token %s)", self.holder, token)
+                    log.warning("%s could not renew its lease of shard %s (token %s)", self.holder, shard, token)
             except Exception:  # noqa: BLE001 - the ledger may be restarting; the fence keeps writes safe
                 log.exception("lease renewal failed")
 

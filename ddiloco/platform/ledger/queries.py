@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
-from sqlalchemy import bindparam, case, exists, func, insert, select, tuple_, update
+from sqlalchemy import bindparam, case, exists, func, insert, or_, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -609,7 +609,18 @@ def pending_counts(session: Session, run_id: str) -> dict[int, int]:
     return {f: n for f, n in rows}
 
 
-def pending_submissions(session: Session, run_id: str, fragment: int | None = None) -> list[Submission]:
+@dataclass(frozen=True)
+class FragmentFilter:
+    """Some fragments' pending work (a synchronizer shard's): ``fragments``, and with ``outside_of`` (the run's
+    fragment count) also submissions naming a fragment the run does not have."""
+
+    fragments: tuple[int, ...]
+    outside_of: int | None = None
+
+
+def pending_submissions(
+    session: Session, run_id: str, fragment: int | None = None, *, fragments: FragmentFilter | None = None
+) -> list[Submission]:
     stmt = select(Submission).where(Submission.run_id == run_id, Submission.status == PENDING)
     if fragment is not None:
         stmt = stmt.where(Submission.fragment == fragment)
@@ -648,6 +659,11 @@ def recent_merged_norm_steps(session: Session, run_id: str, fragment: int, limit
         select(Submission.norm, Submission.c_steps)
         .where(
             Submission.run_id == run_id, Submission.fragment == fragment, Submission.merged_version.is_not(None),
+    if fragments is not None:
+        wanted = Submission.fragment.in_(fragments.fragments)
+        if fragments.outside_of is not None:
+            wanted = or_(wanted, Submission.fragment < 0, Submission.fragment >= fragments.outside_of)
+        stmt = stmt.where(wanted)
             Submission.status == MERGED, Submission.norm.is_not(None),
         )
         # Newest first along ix_submissions_fragment_version: a backwards seek, not a sort of every merge.
