@@ -435,6 +435,8 @@ def synchronizer(
     config: Path | None = ConfigOpt,
     run: str | None = typer.Option(None, "--run", help="Run id; defaults to the config's name."),
     label: str = typer.Option("sync", "--label", "--holder", help="Label in the lease holder name (label@host:pid)."),
+    shard: int | None = typer.Option(None, "--shard", min=0, help="Serve only this shard (0..synchronizer.shards-1); "
+                                     "default: whichever shard's lease is free."),
     init_from: str | None = InitFromOpt,
     wait_s: float = WaitOpt,
     verbose: bool = False,
@@ -444,6 +446,8 @@ def synchronizer(
     cfg = _with_init_from(_config(config), init_from)
     run = _checked_id(run or cfg.name, "run")
     _checked_id(label, "synchronizer label")
+    if shard is not None and shard >= cfg.synchronizer.shards:
+        _refuse(f"--shard {shard}: the run has {cfg.synchronizer.shards} synchronizer shard(s), numbered from 0")
     _wait_until_reachable(cfg, [None, *(r.name for r in cfg.learners.regions)], wait_s)
     from ddiloco.synchronizer.process import run_synchronizer
 
@@ -513,8 +517,6 @@ def export_command(
     run: str | None = typer.Option(None, "--run", help="Run id; defaults to the config's name."),
     ledger: str | None = LedgerOpt,
     store: str | None = typer.Option(None, "--store", help="Fragment store URL; defaults to the config's storage.url."),
-    shard: int | None = typer.Option(None, "--shard", min=0, help="Serve only this shard (0..synchronizer.shards-1); "
-                                     "default: whichever shard's lease is free."),
 ) -> None:
     """Write a run's global model (newest or version N) as safetensors or a Hugging Face directory; read-only."""
 
@@ -524,8 +526,6 @@ def export_command(
 
     if fmt not in ("hf", "safetensors"):
         err_console.print(f"[red]error:[/red] --format must be hf or safetensors, got {escape(repr(fmt))}")
-    if shard is not None and shard >= cfg.synchronizer.shards:
-        _refuse(f"--shard {shard}: the run has {cfg.synchronizer.shards} synchronizer shard(s), numbered from 0")
         raise typer.Exit(2)
     if version != "latest" and not version.isdigit():
         err_console.print(f"[red]error:[/red] --version must be latest or a version number, got {escape(repr(version))}")

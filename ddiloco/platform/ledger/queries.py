@@ -624,6 +624,11 @@ def pending_submissions(
     stmt = select(Submission).where(Submission.run_id == run_id, Submission.status == PENDING)
     if fragment is not None:
         stmt = stmt.where(Submission.fragment == fragment)
+    if fragments is not None:
+        wanted = Submission.fragment.in_(fragments.fragments)
+        if fragments.outside_of is not None:
+            wanted = or_(wanted, Submission.fragment < 0, Submission.fragment >= fragments.outside_of)
+        stmt = stmt.where(wanted)
     return list(session.scalars(stmt.order_by(Submission.created_at, Submission.id)))
 
 
@@ -659,11 +664,6 @@ def recent_merged_norm_steps(session: Session, run_id: str, fragment: int, limit
         select(Submission.norm, Submission.c_steps)
         .where(
             Submission.run_id == run_id, Submission.fragment == fragment, Submission.merged_version.is_not(None),
-    if fragments is not None:
-        wanted = Submission.fragment.in_(fragments.fragments)
-        if fragments.outside_of is not None:
-            wanted = or_(wanted, Submission.fragment < 0, Submission.fragment >= fragments.outside_of)
-        stmt = stmt.where(wanted)
             Submission.status == MERGED, Submission.norm.is_not(None),
         )
         # Newest first along ix_submissions_fragment_version: a backwards seek, not a sort of every merge.
