@@ -436,11 +436,11 @@ def _reject_superseded(
 ) -> None:
     """Submissions of an incarnation that is not the learner's current one (or of no learner): rejected."""
     learner = session.get(Learner, (run_id, learner_id), with_for_update=True, populate_existing=True)
-    for sub in new:
-        sub_id = created[sub.uid]
-        if learner is None:
-            reason = f"unknown learner {learner_id!r}"
-        else:
+    if learner is None:
+        reason = f"unknown learner {learner_id!r}"
+    else:
+        reason = f"superseded incarnation {incarnation} (current {learner.incarnation})"
+        for sub in new:
             # A paused incarnation woke up after its replacement started: its tokens were already
             # counted as lost when the replacement registered, so move them from lost to rejected.
             moved = min(learner.tokens_lost, sub.tokens_new)
@@ -450,9 +450,27 @@ def _reject_superseded(
             learner.tokens_sent += sub.tokens_new
             learner.bytes_sent += sub.nbytes
             learner.last_submission_at = now
-            reason = f"superseded incarnation {incarnation} (current {learner.incarnation})"
-        _decide_rejected(session, run_id, [sub_id], reason, now)
+    ids = [created[sub.uid] for sub in new]
+    if _may_decide(session):
+        _decide_rejected(session, run_id, ids, reason, now)
+    else:
+        # A least-privilege learner role (``ddiloco ledger roles``) may not write fates or the run's totals: the
+        # synchronizer role's SECURITY DEFINER function rejects exactly its own superseded submissions instead.
+        ids_param = bindparam("ids", ids, type_=postgresql.ARRAY(postgresql.BIGINT))
+        session.execute(select(getattr(func, REJECT_SUPERSEDED)(run_id, learner_id, incarnation, ids_param, reason, now)))
+    for sub_id in ids:
         record_event(session, run_id, "submission_rejected", learner_id, f"submission {sub_id}: {reason}", now)
+
+
+REJECT_SUPERSEDED = "ddiloco_reject_superseded"
+"""The PostgreSQL function a learner role rejects its superseded submissions with (created by ``ledger.roles``)."""
+
+
+def _may_decide(session: Session) -> bool:
+    """Whether the session's database user may write submissions' fates and the run's totals itself."""
+    if session.get_bind().dialect.name != "postgresql":
+        return True
+    return bool(session.scalar(select(func.has_column_privilege(Run.__tablename__, "tokens_rejected", "UPDATE"))))
 
 
 def register_submissions(
@@ -637,19 +655,31 @@ def _decide_rejected(session: Session, run_id: str, ids: Iterable[int], reason: 
     ids = list(ids)
     if not ids:
         return
-    tokens = session.scalars(
-        update(Submission)
-        .where(Submission.id.in_(ids), Submission.run_id == run_id, Submission.status == PENDING)
-        .values(status=REJECTED, reject_reason=reason, decided_at=now)
-        .returning(Submission.tokens_new)
-    ).all()
+    tokens = session.scalars(rejection(run_id, Submission.id.in_(ids), reason, now)).all()
     if len(tokens) != len(ids):
         raise AlreadyDecidedError(f"{len(ids) - len(tokens)} of submissions {ids} already have a fate")
-    session.execute(
+    session.execute(count_rejected(run_id, sum(tokens), len(tokens)).execution_options(synchronize_session=False))
+
+
+def rejection(run_id: Any, which: Any, reason: Any, now: Any) -> Any:
+    """UPDATE … RETURNING tokens_new: the run's pending submissions that ``which`` picks become rejected.
+
+    The arguments are values or SQL expressions: ``ledger.roles`` compiles this same statement into the
+    learners' SECURITY DEFINER function."""
+    return (
+        update(Submission)
+        .where(which, Submission.run_id == run_id, Submission.status == PENDING)
+        .values(status=REJECTED, reject_reason=reason, decided_at=now)
+        .returning(Submission.tokens_new)
+    )
+
+
+def count_rejected(run_id: Any, tokens: Any, submissions: Any) -> Any:
+    """UPDATE: add rejected work to the run's running totals (values or SQL expressions, as :func:`rejection`)."""
+    return (
         update(Run)
         .where(Run.id == run_id)
-        .values(tokens_rejected=Run.tokens_rejected + sum(tokens), submissions_rejected=Run.submissions_rejected + len(tokens))
-        .execution_options(synchronize_session=False)
+        .values(tokens_rejected=Run.tokens_rejected + tokens, submissions_rejected=Run.submissions_rejected + submissions)
     )
 
 
