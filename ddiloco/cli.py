@@ -283,6 +283,87 @@ def ledger_check(
     typer.echo(f"ok: run {ctx.run_id} holds every invariant")
 
 
+@ledger_app.command("roles")
+def ledger_roles(
+    ledger: str | None = LedgerOpt,
+    config: Path | None = ConfigOpt,
+    prefix: str = typer.Option("ddiloco", "--prefix", help="Roles are named PREFIX_synchronizer, _evaluator, _dashboard, _learner."),
+    learners: list[str] = typer.Option([], "--learner", help="A learner id that gets its login role PREFIX_learner_ID (repeatable)."),
+    logins: list[str] = typer.Option(
+        [], "--login", help="KIND=NAME: a login role NAME in group synchronizer, evaluator or dashboard (repeatable)."
+    ),
+    password_env: str | None = typer.Option(
+        None, "--password-env", help="Name of an environment variable holding the password of the login roles this run creates."
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the SQL instead of running it (passwords masked)."),
+) -> None:
+    """Create or update least-privilege roles on a PostgreSQL ledger: grants and row-level security per process."""
+    from alembic.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
+    from sqlalchemy.pool import NullPool
+
+    from ddiloco.platform.ledger import roles
+    from ddiloco.platform.ledger.engine import alembic_config
+
+    url = _ledger_url(ledger, config)
+    try:
+        backend = make_url(url).get_backend_name()
+    except ArgumentError:
+        _refuse(f"not a ledger URL: {redact_url(url)}")
+    if backend != "postgresql":
+        _refuse(f"ledger roles needs a PostgreSQL ledger: {backend} has no roles ({redact_url(url)})")
+    pairs = []
+    for item in logins:
+        kind, eq, name = item.partition("=")
+        if not eq:
+            _refuse(f"--login {item!r}: write KIND=NAME, e.g. dashboard=ops_dashboard")
+        pairs.append((kind, name))
+    try:
+        plan = roles.RolePlan(prefix, tuple(dict.fromkeys(learners)), tuple(dict.fromkeys(pairs)))
+    except ValueError as err:
+        _refuse(str(err))
+    password = None
+    if password_env is not None:
+        password = os.environ.get(password_env)
+        if not password:
+            _refuse(f"--password-env {password_env}: that environment variable is not set or is empty")
+        if not plan.login_roles():
+            _refuse("--password-env sets the password of login roles: name them with --learner or --login")
+    try:
+        engine = create_engine(url, poolclass=NullPool)
+    except (ImportError, NoSuchModuleError) as err:
+        _refuse(f"cannot open {redact_url(url)}: {err} (install the postgres extra)")
+    try:
+        with engine.begin() as conn:
+            current = MigrationContext.configure(conn).get_current_revision()
+            head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+            if current != head:
+                _refuse(f"the ledger at {redact_url(url)} is at schema revision {current}, not {head}: run `ddiloco ledger upgrade` first")
+            schema = conn.execute(text("SELECT current_schema()")).scalar_one()
+            driver = conn.connection.driver_connection
+            verifiers = {}
+            for _, name in plan.login_roles() if password else ():
+                # libpq hashes the password here: the server, its logs and the dry run never see it.
+                verifiers[name] = driver.pgconn.encrypt_password(password.encode(), name.encode(), b"scram-sha-256").decode()
+            plan = roles.RolePlan(plan.prefix, plan.learners, plan.logins, schema, verifiers)
+            if dry_run:
+                typer.echo(roles.shown(plan), nl=False)
+                return
+            for statement in roles.statements(plan):
+                # Through the driver without parameters: the function bodies' '%' are not placeholders.
+                driver.execute(statement)
+    except (SQLAlchemyError, engine.dialect.loaded_dbapi.Error) as err:
+        _refuse(redact_url(f"ledger roles on {url} failed: {str(err).splitlines()[0]}"))
+    finally:
+        engine.dispose()
+    typer.echo(f"roles {', '.join(plan.group(kind) for kind in roles.GROUPS)} set up on {redact_url(url)}")
+    for kind, name in plan.login_roles():
+        typer.echo(f"  login {name} in {plan.group(kind)}" + (" (password set)" if name in plan.passwords else ""))
+
+
 @app.command("runs")
 def runs(ledger: str | None = LedgerOpt, config: Path | None = ConfigOpt) -> None:
     """List the runs in the ledger (read-only: a missing or outdated ledger is refused, never created or migrated)."""
