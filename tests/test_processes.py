@@ -11,9 +11,11 @@ from sqlalchemy import select
 from support import tiny_config
 
 from ddiloco.platform.compression import decode_delta
+from ddiloco.platform.fragments import shard_fragments
 from ddiloco.platform.invariants import check_run
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.models import FragmentVersion, Learner, Merge, Submission
+from ddiloco.platform.run_state import build_layout
 from ddiloco.platform.store import FragmentStore
 from ddiloco.synchronizer.merge import GlobalFragment, Member, MergePolicy, merge_fragment
 from ddiloco.synchronizer.outer import momentum_from_blob
@@ -160,3 +162,53 @@ def _versions_by(run: ProcessRun, holder: str) -> list:
     with run.ctx.transaction() as s:
         mine = (FragmentVersion.run_id == run.cfg.name, FragmentVersion.synchronizer.like(f"{holder}@%"))
         return list(s.scalars(select(FragmentVersion.version).where(*mine)))
+
+
+def test_a_killed_shard_is_taken_over_while_the_other_shard_keeps_publishing(tmp_path):
+    """Two shards, three synchronizer processes: SIGKILL one shard's holder mid-merge; the standby takes
+    that shard over within seconds, the other shard's holder keeps its lease and goes on publishing."""
+    cfg = process_config("shards")
+    cfg = cfg.model_copy(update={"synchronizer": cfg.synchronizer.model_copy(update={"shards": 2})})
+    run = ProcessRun(tmp_path, cfg)
+
+    def lease_of(label: str):
+        with run.ctx.transaction() as s:
+            return next((lease for lease in q.leases(s, "shards") if lease.holder.startswith(f"{label}@")), None)
+
+    try:
+        run.synchronizer("sync-a", faults="sync.mid_merge:3")  # stops dead in its third merge
+        held_a = wait_for(lambda: lease_of("sync-a"), 120, "sync-a to take a shard")
+        # The other two start together: whichever comes first takes the other shard, the last is the standby.
+        for name in ("sync-b", "sync-c", "us-0", "us-1"):
+            (run.synchronizer if name.startswith("sync") else run.learner)(name)
+        wait_for(lambda: lease_of("sync-b") or lease_of("sync-c"), 120, "a second synchronizer to take the other shard")
+        other, standby = ("sync-b", "sync-c") if lease_of("sync-b") else ("sync-c", "sync-b")
+        held_other = lease_of(other)
+        assert held_other.shard != held_a.shard
+        wait_for(lambda: run.fault_reached("sync-a", "sync.mid_merge"), 180, "sync-a to stop mid-merge")
+        before = len(_versions_by(run, other))
+        killed_at = time.time()
+        run.kill("sync-a")
+        first = wait_for(lambda: _versions_by(run, standby), 60, "the standby to publish", interval_s=0.05)
+        failover_s = time.time() - killed_at
+        assert failover_s < 5.0, f"shard {held_a.shard}'s next version came {failover_s:.1f}s after the kill"
+        taken = lease_of(standby)
+        assert (taken.shard, taken.token) == (held_a.shard, held_a.token + 1) and first
+        # The other shard never stopped: same holder, same token, versions published across the takeover.
+        wait_for(lambda: len(_versions_by(run, other)) > before, 30, f"{other} to keep publishing")
+        still = lease_of(other)
+        assert (still.shard, still.token) == (held_other.shard, held_other.token)
+        wait_for(lambda: len(_versions_by(run, standby)) >= 2, 120, "more merges by the standby")
+        with run.ctx.transaction() as s:
+            merges = list(s.scalars(select(Merge).where(Merge.run_id == "shards")))
+            publishers = set(s.execute(select(FragmentVersion.fragment, FragmentVersion.synchronizer)
+                                       .where(FragmentVersion.run_id == "shards", FragmentVersion.version > 0)).all())
+        assert check_run(run.ctx) == []  # dense versions, fencing, fates, blobs, accounting
+        listed = [m["submission"] for mg in merges for m in json.loads(mg.detail_json)["members"]]
+        assert len(listed) == len(set(listed)), "a submission was merged twice"
+        shard_of = {f: k for k, frags in enumerate(shard_fragments([f.nbytes for f in build_layout(run.ctx).fragments], 2))
+                    for f in frags}
+        for fragment, holder in publishers:
+            assert shard_of[fragment] == (held_other.shard if holder.startswith(f"{other}@") else held_a.shard), (fragment, holder)
+    finally:
+        run.stop_all()
