@@ -17,6 +17,7 @@ from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.models import FragmentVersion, Merge
 from ddiloco.platform.runtime import RunContext
 from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.ui import queries as uq
 
 
 def test_shards_split_the_fragments_by_bytes_deterministically():
@@ -110,3 +111,10 @@ def test_a_two_shard_run_trains_with_dense_versions_and_every_submission_merged_
         publishers = set(s.execute(select(FragmentVersion.fragment, FragmentVersion.synchronizer)
                                    .where(FragmentVersion.run_id == "two")).all())
     assert publishers == {(f, "sync-inprocess" if shard_of[f] == 0 else "sync-inprocess-1") for f in heads}
+    # The dashboard lists each shard's holder, and the run is healthy only with both leases live.
+    with run.ctx.reading() as s:
+        holders = uq.synchronizer_holders(s, "two")
+        snap = uq.health_snapshot(s, "two", run.ctx.now_dt())
+    assert set(zip(holders["shard"], holders["holder"], strict=True)) == {(0, "sync-inprocess"), (1, "sync-inprocess-1")}
+    assert holders["versions"].sum() == sum(heads.values()) + len(heads)
+    assert snap.sync.status == "active" and snap.sync.holder == "sync-inprocess, sync-inprocess-1"

@@ -3,6 +3,8 @@ SQLite and on PostgreSQL, and pure health decisions with time moved by editing t
 
 from __future__ import annotations
 
+import json
+import math
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -86,6 +88,9 @@ def test_learners_frame_matches_the_ledger(ro, run_ledger):
         # The newest loss reported: every exchange writes it to the row, a heartbeat row keeps it every heartbeat_s.
         assert row["loss"] == pytest.approx(lrow.loss) and lrow.last_heartbeat_at >= newest_history_at[lid]
         assert row["incarnation"] == lrow.incarnation
+        # Its upload link as its newest exchange reported it (a fixed cadence: fragments.adaptive is off here).
+        assert row["queue_depth"] == lrow.queue_depth and row["oldest_unsent_s"] == pytest.approx(lrow.oldest_unsent_s)
+        assert row["cadence"] == "every 4 steps, none" and row["cadence_reason"].startswith("fixed (fragments.adaptive is off)")
     # eu-1 was taken down for good; eu-0 runs at 0.4x the speed of the others.
     assert df.loc["eu-1", "status"] == liveness.DEAD and "no heartbeat for" in df.loc["eu-1", "reason"]
     assert df.loc["eu-0", "status"] == liveness.STRAGGLING and "the live median" in df.loc["eu-0", "reason"]
@@ -95,6 +100,21 @@ def test_learners_frame_matches_the_ledger(ro, run_ledger):
     assert (regions.loc["eu", "dead"], regions.loc["eu", "straggling"], regions.loc["us", "alive"]) == (1, 1, 2)
     assert regions["tokens_merged"].sum() == df["tokens_merged"].sum()
     assert regions["share_merged"].sum() == pytest.approx(1.0)
+
+
+def test_a_learners_link_report_is_read_field_by_field():
+    good = json.dumps({"adaptive": True, "every": 16, "codec": "int4", "reason": "uploads  need\n1.3", "since": 1_700_000_000.5,
+                       "up_bps": 250_000.0, "down_bps": None})
+    view = uq.link_view(good)
+    assert (view.cadence, view.reason, view.up_mbit_s) == ("every 16 steps, int4 (adaptive)", "uploads need 1.3", 2.0)
+    assert view.since == datetime(2023, 11, 14, 22, 13, 20, 500000, tzinfo=timezone.utc) and math.isnan(view.down_mbit_s)
+    # Whatever a learner wrote that is not a report shows as blank, never as an error.
+    hostile = [None, 7, "", "not json", "[1, 2]", "1e999", json.dumps({"every": True, "codec": 3, "since": -5, "up_bps": "fast"}),
+               json.dumps({"every": 2**40, "codec": "int8", "reason": ["x"], "since": 1e300}), "{" * 100_000]
+    for raw in hostile:
+        view = uq.link_view(raw)
+        assert view.cadence is None and view.reason is None and view.since is None and math.isnan(view.up_mbit_s), raw
+    assert len(uq.link_view(json.dumps({"reason": "x" * 5000})).reason) == uq.REASON_CHARS
 
 
 def test_overview_shows_the_run_summary(ro, run_ledger):
@@ -306,9 +326,9 @@ POLICY = h.HealthPolicy(dead_after_s=10, straggler_factor=2.0, stall_after_s=30)
 
 def test_synchronizer_and_run_health():
     lease = h.LeaseSnapshot("sync-a", 3, T0 - timedelta(minutes=5), T0 + timedelta(seconds=2))
-    active = h.synchronizer_verdict(lease, T0 - timedelta(seconds=1), T0)
+    active = h.synchronizer_verdict([lease], T0 - timedelta(seconds=1), T0)
     assert active.status == "active" and active.holder == "sync-a" and "token 3" in active.message
-    died = h.synchronizer_verdict(lease, T0 - timedelta(seconds=1), T0 + timedelta(seconds=12))
+    died = h.synchronizer_verdict([lease], T0 - timedelta(seconds=1), T0 + timedelta(seconds=12))
     assert died.status == "none" and "expired 10s ago" in died.message and "no standby" in died.message
     alive = {"a": liveness.Verdict(liveness.ALIVE, ""), "b": liveness.Verdict(liveness.ALIVE, "")}
     assert h.run_health("running", alive, active, POLICY).level == h.HEALTHY
@@ -318,14 +338,29 @@ def test_synchronizer_and_run_health():
     assert degraded.level == h.DEGRADED and degraded.reasons == ["1 of 3 learners dead"]
     all_dead = {"c": liveness.Verdict(liveness.DEAD, "")}
     assert "all 1 learners are dead" in h.run_health("running", all_dead, active, POLICY).reasons
-    stalled = h.synchronizer_verdict(lease, T0 - timedelta(seconds=31), T0)
+    stalled = h.synchronizer_verdict([lease], T0 - timedelta(seconds=31), T0)
     assert h.run_health("running", alive, stalled, POLICY).level == h.DOWN
     assert h.run_health("running", {}, active, POLICY).level == h.STARTING
-    never = h.synchronizer_verdict(None, None, T0)
+    never = h.synchronizer_verdict([], None, T0)
     assert h.run_health("running", {}, never, POLICY).level == h.STARTING
     assert h.run_health("running", alive, never, POLICY).level == h.DOWN
     assert h.run_health("finished", one_dead, died, POLICY).level == h.FINISHED
     assert h.run_health("failed", alive, active, POLICY).level == h.FAILED
+
+
+def test_a_sharded_run_is_healthy_only_while_every_shard_has_a_live_lease():
+    live = h.LeaseSnapshot("sync-a", 3, T0 - timedelta(minutes=5), T0 + timedelta(seconds=2), shard=0)
+    lapsed = h.LeaseSnapshot("sync-b", 1, T0 - timedelta(minutes=5), T0 - timedelta(seconds=10), shard=1)
+    renewed = h.LeaseSnapshot("sync-b", 1, lapsed.acquired_at, T0 + timedelta(seconds=1), shard=1)
+    both = h.synchronizer_verdict([live, renewed], T0, T0, shards=2)
+    assert both.status == "active" and both.holder == "sync-a, sync-b"
+    assert both.message.startswith("shard 0: sync-a holds the lease (token 3") and "shard 1: sync-b" in both.message
+    one = h.synchronizer_verdict([live, lapsed], T0, T0, shards=2)
+    assert one.status == "none" and one.message == (
+        "no active synchronizer: shard 1: the lease of sync-b (token 1) expired 10s ago and no standby has taken over")
+    assert h.run_health("running", {"a": liveness.Verdict(liveness.ALIVE, "")}, one, POLICY).level == h.DOWN
+    never = h.synchronizer_verdict([live], T0, T0, shards=2)  # shard 1 never held yet
+    assert never.status == "none" and "shard 1: no synchronizer has ever held its lease" in never.message
 
 
 def test_policy_comes_from_the_run_config_and_formatting():

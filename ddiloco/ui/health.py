@@ -8,7 +8,7 @@ stored status goes stale exactly when it matters most — when the synchronizer 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -94,6 +94,7 @@ class LeaseSnapshot:
     token: int
     acquired_at: datetime
     expires_at: datetime
+    shard: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,27 +107,38 @@ class SyncVerdict:
 
 
 def synchronizer_verdict(
-    lease: LeaseSnapshot | None, last_version_at: datetime | None, now: datetime, *, run_running: bool = True
+    leases: Sequence[LeaseSnapshot], last_version_at: datetime | None, now: datetime, *, run_running: bool = True,
+    shards: int = 1,
 ) -> SyncVerdict:
+    """Active when every one of the run's ``shards`` has a live lease; else which shard has none, and since when."""
     age = (now - last_version_at).total_seconds() if last_version_at is not None else None
-    if lease is None:
+    by_shard = {lease.shard: lease for lease in leases}
+    if not by_shard:
         return SyncVerdict("never", None, "no synchronizer has ever held this run's lease", age)
-    if lease.expires_at > now:
-        left = (lease.expires_at - now).total_seconds()
+    where = (lambda k: f"shard {k}: ") if shards > 1 else (lambda k: "")  # noqa: E731 - one shard reads as before
+    live = [by_shard[k] for k in range(shards) if k in by_shard and by_shard[k].expires_at > now]
+    if len(live) == shards:
         return SyncVerdict(
             "active",
-            lease.holder,
-            f"{lease.holder} holds the lease (token {lease.token}, renew due in {format_duration(left)})",
+            ", ".join(lease.holder for lease in live),
+            "; ".join(f"{where(lease.shard)}{lease.holder} holds the lease (token {lease.token}, renew due in "
+                      f"{format_duration((lease.expires_at - now).total_seconds())})" for lease in live),
             age,
         )
-    gone = (now - lease.expires_at).total_seconds()
     if not run_running:
-        return SyncVerdict("none", None, f"lease released by {lease.holder} {format_duration(gone)} ago (run ended)", age)
+        return SyncVerdict("none", None, "; ".join(
+            f"{where(lease.shard)}lease released by {lease.holder} {format_duration((now - lease.expires_at).total_seconds())} ago "
+            "(run ended)" for lease in by_shard.values()), age)
+    lapsed = [k for k in range(shards) if k not in {lease.shard for lease in live}]
     return SyncVerdict(
         "none",
         None,
-        f"no active synchronizer: the lease of {lease.holder} (token {lease.token}) expired {format_duration(gone)} ago "
-        "and no standby has taken over",
+        "; ".join(
+            f"no active synchronizer: {where(k)}the lease of {by_shard[k].holder} (token {by_shard[k].token}) expired "
+            f"{format_duration((now - by_shard[k].expires_at).total_seconds())} ago and no standby has taken over"
+            if k in by_shard else f"no active synchronizer: {where(k)}no synchronizer has ever held its lease"
+            for k in lapsed
+        ),
         age,
     )
 

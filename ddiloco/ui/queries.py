@@ -26,6 +26,7 @@ from sqlalchemy.exc import NoSuchModuleError
 from sqlalchemy.orm import Session
 
 from ddiloco.platform import liveness
+from ddiloco.platform.fragments import shard_fragments
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.engine import make_engine
 from ddiloco.platform.ledger.models import (
@@ -35,6 +36,7 @@ from ddiloco.platform.ledger.models import (
     Evaluation,
     Event,
     FragmentHead,
+    FragmentSpec,
     FragmentVersion,
     Heartbeat,
     Learner,
@@ -191,11 +193,16 @@ def learner_snapshots(session: Session, run_id: str) -> list[liveness.LearnerSna
     return [liveness.LearnerSnapshot(i, hb, st, int(step), float(sts or 0.0), status) for i, hb, st, step, sts, status in rows]
 
 
-def lease_snapshot(session: Session, run_id: str) -> h.LeaseSnapshot | None:
-    lease = session.get(SynchronizerLease, (run_id, 0))
-    if lease is None:
-        return None
-    return h.LeaseSnapshot(lease.holder, int(lease.token), lease.acquired_at, lease.expires_at)
+def lease_snapshots(session: Session, run_id: str) -> list[h.LeaseSnapshot]:
+    """Every shard's lease (one row per shard ever held: as many as the run has shards)."""
+    return [h.LeaseSnapshot(lease.holder, int(lease.token), lease.acquired_at, lease.expires_at, lease.shard)
+            for lease in q.leases(session, run_id)]
+
+
+def run_shards(info: RunInfo) -> int:
+    """The run's synchronizer shards, as its recorded config says (1 when it does not say)."""
+    shards = (info.config.get("synchronizer") or {}).get("shards", 1)
+    return shards if isinstance(shards, int) and not isinstance(shards, bool) and shards >= 1 else 1
 
 
 def last_version_at(session: Session, run_id: str) -> datetime | None:
@@ -220,7 +227,7 @@ def health_snapshot(session: Session, run_id: str, now: datetime) -> RunHealthSn
     policy = info.policy
     verdicts = liveness.learner_verdicts(learner_snapshots(session, run_id), as_of, policy)
     sync = h.synchronizer_verdict(
-        lease_snapshot(session, run_id), last_version_at(session, run_id), as_of, run_running=info.running
+        lease_snapshots(session, run_id), last_version_at(session, run_id), as_of, run_running=info.running, shards=run_shards(info)
     )
     return RunHealthSnapshot(info, as_of, verdicts, sync, h.run_health(info.status, verdicts, sync, policy))
 
@@ -472,29 +479,45 @@ def regions_frame(learners: pd.DataFrame) -> pd.DataFrame:
 
 
 def synchronizer_holders(session: Session, run_id: str, tokens: int = HOLDER_TOKENS) -> pd.DataFrame:
-    """The synchronizers that published for this run (the newest ``tokens`` fencing tokens): token, versions,
-    first and last publish. Per token and fragment the versions are one contiguous range (tokens never go
-    back), so a few index seeks per fragment find it — never a count over the versions."""
-    columns = ["holder", "token", "versions", "first_publish", "last_publish"]
-    newest = session.scalar(select(SynchronizerLease.token).where(SynchronizerLease.run_id == run_id, SynchronizerLease.shard == 0))
-    if newest is None:
+    """The synchronizers that published for this run (per shard, its newest ``tokens`` fencing tokens): shard,
+    holder, token, versions, first and last publish. Per token and fragment the versions are one contiguous
+    range (tokens never go back), so a few index seeks per fragment find it — never a count over the versions."""
+    columns = ["shard", "holder", "token", "versions", "first_publish", "last_publish"]
+    newest = dict(session.execute(select(SynchronizerLease.shard, SynchronizerLease.token).where(SynchronizerLease.run_id == run_id)).all())
+    if not newest:
         return pd.DataFrame(columns=columns)
+    shard_of = _fragment_shards(session, run_id)
     rows = []
-    for token in range(int(newest), max(0, int(newest) - tokens), -1):
-        ranges = [r for r in session.connection().execute(_token_ranges(run_id, token)).all() if r[0] is not None]
-        if ranges:
-            rows.append({
-                "holder": ranges[0][4],
-                "token": token,
-                "versions": sum(last - first + 1 for first, last, *_ in ranges),
-                "first_publish": min(r[2] for r in ranges),
-                "last_publish": max(r[3] for r in ranges),
-            })
-    return pd.DataFrame(sorted(rows, key=lambda r: r["token"]), columns=columns)
+    for shard, top in sorted(newest.items()):
+        for token in range(int(top), max(0, int(top) - tokens), -1):
+            ranges = [r for r in session.connection().execute(_token_ranges(run_id, token)).all()
+                      if r[0] is not None and shard_of.get(r[5], 0) == shard]
+            if ranges:
+                rows.append({
+                    "shard": shard,
+                    "holder": ranges[0][4],
+                    "token": token,
+                    "versions": sum(r[1] - r[0] + 1 for r in ranges),
+                    "first_publish": min(r[2] for r in ranges),
+                    "last_publish": max(r[3] for r in ranges),
+                })
+    return pd.DataFrame(sorted(rows, key=lambda r: (r["shard"], r["token"])), columns=columns)
+
+
+def _fragment_shards(session: Session, run_id: str) -> dict[int, int]:
+    """Each fragment's synchronizer shard, from the run's recorded config and fragment sizes ({} for one shard)."""
+    info = run_info(session, run_id)
+    shards = run_shards(info) if info is not None else 1
+    if shards == 1:
+        return {}
+    sizes = dict(session.execute(select(FragmentSpec.fragment, FragmentSpec.nbytes).where(FragmentSpec.run_id == run_id)).all())
+    if sorted(sizes) != list(range(len(sizes))) or shards > len(sizes):
+        return {}
+    return {f: k for k, frags in enumerate(shard_fragments([sizes[f] for f in range(len(sizes))], shards)) for f in frags}
 
 
 def _token_ranges(run_id: str, token: int) -> Any:
-    """Per fragment: (first version, last version, first publish, last publish, holder) under ``token``."""
+    """Per fragment: (first version, last version, first publish, last publish, holder, fragment) under ``token``."""
     fv = FragmentVersion
 
     def seek(column: Any, newest: bool) -> Any:
@@ -509,7 +532,7 @@ def _token_ranges(run_id: str, token: int) -> Any:
 
     return select(
         seek(fv.version, False), seek(fv.version, True), seek(fv.created_at, False), seek(fv.created_at, True),
-        seek(fv.synchronizer, False),
+        seek(fv.synchronizer, False), FragmentHead.fragment,
     ).where(FragmentHead.run_id == run_id)
 
 

@@ -197,12 +197,16 @@ def synchronizer_section(page: RunPage) -> None:
         if page.holders.empty:
             widgets.no_data("No synchronizer has published a version yet.")
         else:
+            active = set((sync.holder or "").split(", ")) if sync.status == "active" else set()
+            newest = page.holders.groupby("shard")["token"].transform("max")
             holders = page.holders.assign(
                 role=[
-                    "active" if sync.status == "active" and r.holder == sync.holder else "former (standby or gone)"
-                    for r in page.holders.itertuples()
+                    "active" if r.holder in active and r.token == top else "former (standby or gone)"
+                    for r, top in zip(page.holders.itertuples(), newest, strict=True)
                 ]
             )
+            if holders["shard"].max() == 0:  # one shard: the column says nothing
+                holders = holders.drop(columns="shard")
             st.dataframe(
                 holders,
                 hide_index=True,
