@@ -4,7 +4,12 @@ Everything is the real code (ledger queries, store, learner, synchronizer); only
 so tests and quality benchmarks are reproducible and need no processes. The simulation's knobs live
 here, in the event loop, not in the learner: a learner's step takes ``step_time_s / speed``
 simulated seconds, its link's I/O runs on the loop's thread between steps (:func:`sim_step`)
-instead of on background threads, and a failure schedule takes learners down and back."""
+instead of on background threads, and a failure schedule takes learners down and back.
+
+Uploads take no simulated time, unless a learner is given an upload bandwidth (``upload_bps``): then
+its link uploads one batch at a time, as the upload thread does, and a batch of ``n`` bytes is
+registered ``n / bandwidth`` simulated seconds after it was taken from the queue (meanwhile the
+learner trains on and its sends queue and coalesce). Downloads take no time either way."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ddiloco.learner_worker.dist import Dist
 from ddiloco.learner_worker.learner import Learner, StepReport
-from ddiloco.learner_worker.link import LearnerLink, Outgoing
+from ddiloco.learner_worker.link import LearnerLink, Outgoing, Upload
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.ledger import open_ledger
 from ddiloco.platform.runtime import RunContext
@@ -40,6 +45,31 @@ class Outage:
 
 
 @dataclass
+class LinkFigures:
+    """What a learner's upload queue went through in a run (over all its incarnations)."""
+
+    max_oldest_unsent_s: float = 0.0
+    """The longest an increment waited in its queue, seen at its steps."""
+    queue_s: float = 0.0
+    """Sum over its steps of the oldest increment's wait (divide by ``steps`` for the mean)."""
+    steps: int = 0
+    coalesced: int = 0
+    """Sends folded into one already queued."""
+    cadence_changes: int = 0
+    cadences: dict[str, int] = field(default_factory=dict)
+    """Steps spent at each cadence, keyed ``every/codec``."""
+
+    def observe(self, link: LearnerLink, now: float) -> None:
+        waited = link.oldest_unsent_s(now)
+        self.max_oldest_unsent_s = max(self.max_oldest_unsent_s, waited)
+        self.queue_s += waited
+        self.steps += 1
+        if link.cadence is not None:
+            key = f"{link.cadence.every}/{link.cadence.codec}"
+            self.cadences[key] = self.cadences.get(key, 0) + 1
+
+
+@dataclass
 class EvalPoint:
     t_s: float
     tokens: int
@@ -61,6 +91,7 @@ class InProcessRun:
     tokens_trained: int = 0
     """Every token a learner stepped on, including work lost when it went down (the ledger only
     knows what was reported before that)."""
+    links: dict[str, LinkFigures] = field(default_factory=dict)
 
     @property
     def elapsed_s(self) -> float:
@@ -83,8 +114,9 @@ def sim_learner(ctx: RunContext, learner_id: str, *, index: int | None = None, n
 
     ``index`` and ``num_learners`` default to the learner's place in the config."""
     place, region, _ = ctx.cfg.learners.resolve(learner_id)
+    # Transfers are timed on the simulated clock: instantaneous, unless the event loop models their time.
     return Learner(
-        ctx.cfg, learner_id, link=LearnerLink(ctx, learner_id, region), clock=ctx.now,
+        ctx.cfg, learner_id, link=LearnerLink(ctx, learner_id, region, elapsed=ctx.now), clock=ctx.now,
         # A simulation trains on the CPU whatever learners.device says: its figures are the same on every machine.
         dist=Dist.single(),
         index=place if index is None else index,
@@ -92,10 +124,11 @@ def sim_learner(ctx: RunContext, learner_id: str, *, index: int | None = None, n
     )
 
 
-def sim_step(learner: Learner, now: float, tamper: Callable[[Outgoing], None] | None = None) -> StepReport:
+def sim_step(learner: Learner, now: float, tamper: Callable[[Outgoing], None] | None = None, *, pump: bool = True) -> StepReport:
     """One simulated step: fetch newer versions, step, upload what was sent and heartbeat, all at ``now``.
 
-    ``tamper`` rewrites this step's queued submissions before they are uploaded (a hostile learner)."""
+    ``tamper`` rewrites this step's queued submissions before they are uploaded (a hostile learner);
+    without ``pump`` the sends stay queued (the caller models the upload's time)."""
     assert learner.link is not None
     learner.link.poll()
     report = learner.step(now)
@@ -103,7 +136,8 @@ def sim_step(learner: Learner, now: float, tamper: Callable[[Outgoing], None] | 
         for item in list(learner.link._outbox.queue):
             if isinstance(item, Outgoing):
                 tamper(item)
-    learner.link.pump()
+    if pump:
+        learner.link.pump()
     learner.heartbeat(now)
     return report
 
@@ -118,11 +152,13 @@ def run_inprocess(
     eval_every_tokens: int | None = None,
     max_steps_per_learner: int | None = None,
     adversaries: Mapping[str, float] | None = None,
+    upload_bps: Mapping[str, float] | None = None,
 ) -> InProcessRun:
     """Train until the learners together have trained ``total_tokens``; returns the run's handles.
 
     ``adversaries``: learner -> k; that learner sends -k times what it learned, with honest counts (an
-    attack the outlier check cannot see for small k, see ``merge.clip_factor``)."""
+    attack the outlier check cannot see for small k, see ``merge.clip_factor``). ``upload_bps``: learner ->
+    bytes per simulated second of its upload link (a learner not named uploads in no time)."""
     cfg = in_memory_config(cfg)
     clock = SimClock()
     ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
@@ -150,14 +186,33 @@ def run_inprocess(
     for lid in speeds:
         run.learners[lid] = new_learner(lid)
     down: dict[str, float] = {}
-    # Event queue of (time, order, kind, learner); kinds: step, sync, down, up.
+    # Event queue of (time, order, kind, learner); kinds: step, sync, down, up, uploaded.
     events: list[tuple[float, int, str, str]] = []
     seq = 0
+    bandwidth = dict(upload_bps or {})
+    in_flight: dict[str, tuple[LearnerLink, Upload, float]] = {}
+    run.links = {lid: LinkFigures() for lid in speeds}
 
     def push(t: float, kind: str, lid: str = "") -> None:
         nonlocal seq
         heapq.heappush(events, (t, seq, kind, lid))
         seq += 1
+
+    def start_upload(lid: str, t: float) -> None:
+        """The learner's link takes what is queued; it is registered once its bytes have crossed the link."""
+        link = run.learners[lid].link
+        up = link.begin_upload()
+        if up is None:
+            return
+        seconds = sum(sub.nbytes for sub in up.subs) / bandwidth[lid]
+        in_flight[lid] = (link, up, seconds)
+        push(t + seconds, "uploaded", lid)
+
+    def retire(lid: str) -> None:
+        """Fold a learner's link figures into the run's before it is replaced."""
+        link = run.learners[lid].link
+        run.links[lid].coalesced += link.coalesced
+        run.links[lid].cadence_changes += link.cadence_changes
 
     for lid in speeds:
         push(clock.t + step_time_s / speeds[lid], "step", lid)
@@ -184,8 +239,17 @@ def run_inprocess(
             if lid in down:
                 run.down_s += t - down.pop(lid)
                 run.bytes_sent += run.learners[lid].link.bytes_sent
+                retire(lid)
+                in_flight.pop(lid, None)  # a transfer of the old incarnation died with it
                 run.learners[lid] = new_learner(lid)
                 push(t + step_time_s / speeds[lid], "step", lid)
+        elif kind == "uploaded":
+            flight = in_flight.get(lid)
+            if flight is None or flight[0] is not run.learners[lid].link or lid in down:
+                continue  # the learner went down while its bytes were on the way
+            del in_flight[lid]
+            flight[0].finish_upload(flight[1], flight[2])
+            start_upload(lid, t)
         elif kind == "step":
             if lid in down:
                 continue  # it was taken down; "up" reschedules it
@@ -193,7 +257,10 @@ def run_inprocess(
             if max_steps_per_learner is not None and learner.step_count >= max_steps_per_learner:
                 continue
             k = (adversaries or {}).get(lid)
-            report = sim_step(learner, t, None if k is None else flip(k))
+            report = sim_step(learner, t, None if k is None else flip(k), pump=lid not in bandwidth)
+            run.links[lid].observe(learner.link, t)
+            if lid in bandwidth and lid not in in_flight:
+                start_upload(lid, t)
             if report.waiting:
                 push(t + poll_s, "step", lid)  # overlap 0: wait for the merge
                 continue
@@ -205,6 +272,8 @@ def run_inprocess(
                 run.evals.append(_evaluate(run, trained))
     for since in down.values():
         run.down_s += clock.t - since
+    for lid in run.learners:
+        retire(lid)
     # Let the synchronizer merge what is still pending, as a real run's end does.
     for each in syncs:
         each.poll_once(clock.t, drain=True)

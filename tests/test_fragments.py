@@ -267,6 +267,14 @@ def test_due_fragments_schedule(count: int, every: int, expected: dict[int, list
         assert due_fragments(step, count, every) == due, step
 
 
+def test_due_fragments_with_a_stride_spread_a_longer_period() -> None:
+    # Every 8 steps with 4 fragments and stride 2: fragment p at steps 2p mod 8.
+    assert {step: due_fragments(step, 4, 8, stride=2) for step in range(1, 9)} == {
+        1: [], 2: [1], 3: [], 4: [2], 5: [], 6: [3], 7: [], 8: [0]}
+    with pytest.raises(ValueError):
+        due_fragments(1, 4, 8, stride=0)
+
+
 def test_due_fragments_every_fragment_once_per_period() -> None:
     sent = [p for step in range(1, 25) for p in due_fragments(step, 24, 24)]
     assert sorted(sent) == list(range(24))

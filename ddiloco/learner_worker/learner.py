@@ -10,12 +10,14 @@ Once per inner step every rank runs the same sequence, so all ranks apply the sa
 same step, stop at the same step and skip the same steps:
 
 1. *agree* — a small ``all_reduce`` of an int64 vector: every rank votes whether to stop; rank 0
-   alone writes which fragments to apply (id, version) and which it still waits for (overlap 0).
+   alone writes which fragments to apply (id, version), which it still waits for (overlap 0) and
+   the send period in force (``fragments.adaptive``: its link's choice, see ``cadence.py``).
 2. *receive* — rank 0 broadcasts the arrived global tensors (one flat buffer); every rank folds them
    into its parameters (``merge.on_receipt``: overwrite, blend or rebase).
 3. *train* — one (DDP) step on this rank's batch; loss and tokens are summed over ranks.
 4. *send* — for each due fragment rank 0 stages the parameters to host memory and hands the
-   increment since the previous send to the link; every rank resets the fragment's counters.
+   increment since the previous send to the link (which encodes it with the codec in force); every
+   rank resets the fragment's counters.
 
 It never waits for anyone, except in the overlap-0 mode (synchronous DiLoCo)."""
 
@@ -31,14 +33,16 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ddiloco.learner_worker.cadence import Cadence, CadencePolicy, initial_cadence
 from ddiloco.learner_worker.device import HostStager, Staged, autocast, resolve_device
 from ddiloco.learner_worker.dist import Dist
 from ddiloco.learner_worker.link import Arrival, HeartbeatStats, Increment, LearnerLink, Outgoing, Resume, Tensors
 from ddiloco.learner_worker.schedule import lr_factor, param_groups, schedule_steps
-from ddiloco.platform.config import RunConfig
+from ddiloco.platform.compression import codec_nbytes
+from ddiloco.platform.config import RunConfig, codec_ladder
 from ddiloco.platform.data import Batch, build_dataset
 from ddiloco.platform.faults import fault_point
-from ddiloco.platform.fragments import due_fragments, fragment_views, partition_module
+from ddiloco.platform.fragments import Fragment, due_fragments, fragment_views, partition_module
 from ddiloco.platform.models import build_model, compute_loss
 from ddiloco.platform.spans import span
 
@@ -76,6 +80,8 @@ class FragmentState:
     snapshot: Tensors | Staged = field(default_factory=dict)
     c_steps: int = 0
     c_tokens: int = 0
+    last_sent: int | None = None
+    """The inner step of its last send (None: not sent yet)."""
 
     def host_snapshot(self) -> Tensors:
         return self.snapshot.wait() if isinstance(self.snapshot, Staged) else self.snapshot
@@ -125,6 +131,20 @@ class Control:
     """Fragments still awaited (overlap 0): while not empty, no rank trains."""
     arrived: dict[int, Arrival]
     """Rank 0 only: the downloaded tensors behind ``apply``."""
+    every: int = 0
+    """The send period rank 0 chose for this step (0: none was given, H)."""
+
+
+def cadence_policy(cfg: RunConfig, fragments: list[Fragment]) -> CadencePolicy:
+    """What an adaptive learner of this run may choose from: its fragments' encoded sizes per codec."""
+    f = cfg.fragments
+    codecs = codec_ladder(cfg.compression.codec, f.adaptive_min_codec)
+    sizes = tuple(
+        sum(codec_nbytes(pc.numel, c, cfg.compression.block_size) for frag in fragments for pc in frag.pieces) / len(fragments)
+        for c in codecs
+    )
+    return CadencePolicy(period=f.period, fragments=len(fragments), codecs=codecs, fragment_bytes=sizes,
+                         max_periods=f.adaptive_max_periods)
 
 
 class _LossModule(nn.Module):
@@ -172,6 +192,7 @@ class Learner:
         self.fragments = [FragmentState(fragment_views(self.params, f)) for f in parts]
         if link is not None:
             link.num_fragments = len(self.fragments)
+            link.cadence_policy = cadence_policy(cfg, parts) if cfg.fragments.adaptive else None
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model, cfg.inner.weight_decay), lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2)
         )
@@ -241,6 +262,8 @@ class Learner:
         if resume.data_batches:
             log.info("learner %s rank %s resumes its data at micro-batch %s", self.id, self.dist.rank, resume.data_batches)
         self._batches = self.train_stream()
+        if self.link is not None:
+            self.link.cadence = self.first_cadence(self.clock() if now is None else now)
         self._receive(self._agree(want_stop=False))
         missing = [p for p, f in enumerate(self.fragments) if f.base < 0]
         if missing:
@@ -248,6 +271,14 @@ class Learner:
         now = self.clock() if now is None else now
         self._last_step_at = now
         self.heartbeat(now, force=True)
+
+    def first_cadence(self, now: float) -> Cadence:
+        """Every H steps with the run's codec: where an adaptive learner starts, and what a fixed one keeps."""
+        policy = self.link.cadence_policy if self.link is not None else None
+        if policy is not None:
+            return initial_cadence(policy, now)
+        return Cadence(self.cfg.fragments.period, self.cfg.compression.codec,
+                       "fixed (fragments.adaptive is off): every H steps with compression.codec", now)
 
     def start_background_io(self) -> None:
         """Processes: rank 0 uploads, polls and heartbeats on background threads from now on."""
@@ -287,7 +318,8 @@ class Learner:
     def step(self, now: float | None = None, *, want_stop: bool = False) -> StepReport:
         """Agree with the other ranks, apply arrived fragments, run one inner step, send the fragments that are due."""
         now = self.clock() if now is None else now
-        control = self._agree(want_stop)
+        every = self.link.choose(now, self.last_step_s).every if self.link is not None else 0
+        control = self._agree(want_stop, every)
         if control.stop:
             if self.link is not None and control.arrived:
                 self.link.put_back(control.arrived)
@@ -319,7 +351,7 @@ class Learner:
         for frag in self.fragments:
             frag.c_steps += 1
             frag.c_tokens += tokens
-        sent = due_fragments(self.step_count, len(self.fragments), self.cfg.fragments.period)
+        sent = self.due(control.every)
         with span("learner.send", into=self.timings):
             for p in sent:
                 self.send(p, now)
@@ -327,6 +359,14 @@ class Learner:
         if every and self.step_count % every == 0 and self.link is not None:
             self.link.submit_state(self.optimizer_state_tensors(), self.step_count)
         return StepReport(self.step_count, loss, tokens, submitted=sent, received=received, compute_s=compute_s)
+
+    def due(self, every: int) -> list[int]:
+        """Fragments to send after this step: each every ``every`` steps (a multiple of H, the sends spread
+        out), and never two sends of one fragment fewer than H steps apart (the period may just have shrunk)."""
+        H = self.cfg.fragments.period
+        k = max(1, every // H)
+        due = due_fragments(self.step_count, len(self.fragments), k * H, stride=k)
+        return [p for p in due if self.fragments[p].last_sent is None or self.step_count - self.fragments[p].last_sent >= H]
 
     def train_step(self) -> tuple[float, int]:
         """One (DDP) AdamW step over ``grad_accum_steps`` micro-batches of this rank's stream:
@@ -363,12 +403,13 @@ class Learner:
 
     # --- agreeing and receiving -----------------------------------------------------------------
 
-    def _agree(self, want_stop: bool) -> Control:
-        """One small all-reduce: any rank may stop; rank 0 says what to apply and what is awaited."""
+    def _agree(self, want_stop: bool, every: int = 0) -> Control:
+        """One small all-reduce: any rank may stop; rank 0 says what to apply, what is awaited and the send period."""
         with span("learner.agree", into=self.timings):
             P = len(self.fragments)
-            vec = torch.zeros(1 + 3 * P, dtype=torch.int64)
+            vec = torch.zeros(2 + 3 * P, dtype=torch.int64)
             vec[0] = int(want_stop)
+            vec[1 + 3 * P] = every
             arrived: dict[int, Arrival] = {}
             if self.link is not None:
                 arrived, awaiting = self.link.take_arrivals()
@@ -383,6 +424,7 @@ class Learner:
             apply=[(p, values[1 + P + p]) for p in range(P) if values[1 + p]],
             awaiting={p for p in range(P) if values[1 + 2 * P + p]},
             arrived=arrived,
+            every=values[1 + 3 * P] or self.cfg.fragments.period,
         )
 
     def _receive(self, control: Control) -> list[int]:
@@ -435,6 +477,7 @@ class Learner:
     def send(self, p: int, now: float) -> None:
         """Rank 0: stage fragment ``p`` to host memory and queue its increment; other ranks: reset its counters."""
         frag = self.fragments[p]
+        frag.last_sent = self.step_count
         if self.link is None:
             frag.reset_counts()
             return
@@ -442,12 +485,15 @@ class Learner:
             staged = self.stager.stage(frag.tensors)
             base_version = frag.base
             increment, c_steps, c_tokens = frag.take_increment(staged)
+            # The new tokens a send accounts for are at most those its update carries (the synchronizer holds
+            # it to that): with steps that send nothing (H > P, a longer period) the rest waits for the next send.
+            tokens_new = min(self._tokens_unsubmitted, c_tokens)
             out = Outgoing(
                 fragment=p, base_version=base_version, parts=[increment], c_steps=c_steps, c_tokens=c_tokens,
-                tokens_new=self._tokens_unsubmitted, tokens_total=self.tokens_total, step=self.step_count, created_at=now,
+                tokens_new=tokens_new, tokens_total=self.tokens_total, step=self.step_count, created_at=now,
                 data_batches=self.batches_drawn,
             )
-            self._tokens_unsubmitted = 0
+            self._tokens_unsubmitted -= tokens_new
             self.link.submit(out, await_merge=self.cfg.fragments.overlap == 0)
 
     # --- optimizer state ------------------------------------------------------------------------

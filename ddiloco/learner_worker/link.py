@@ -8,17 +8,21 @@ own event loop instead. The training loop only ever reads the inbox and fills th
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import queue
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from ddiloco.learner_worker.cadence import Cadence, CadencePolicy, LinkRates, QueueState, choose_cadence, measure_window_s
 from ddiloco.learner_worker.device import Staged
 from ddiloco.platform.compression import encode_delta
 from ddiloco.platform.faults import fault_point
@@ -34,6 +38,8 @@ log = logging.getLogger("ddiloco.learner")
 
 UPLOAD_BATCH = 32
 """Most submissions registered in one ledger transaction by the upload thread."""
+CADENCE_EVENT = "link_cadence"
+"""The event a learner records when it changes its send period or codec."""
 
 Tensors = dict[str, torch.Tensor]
 Arrival = tuple[int, Tensors]
@@ -105,6 +111,48 @@ class Outgoing:
             self.data_batches = older.data_batches
 
 
+class LinkMeter:
+    """The transfers a link completed (the newest ``keep`` each way) and those under way, and the rates
+    they show over a window. Directions: ``up`` (submissions) and ``down`` (global versions)."""
+
+    def __init__(self, start: float, keep: int = 256) -> None:
+        self.start = start
+        self._lock = threading.Lock()
+        self._done: dict[str, deque[tuple[float, float, int]]] = {d: deque(maxlen=keep) for d in ("up", "down")}
+        self._active: dict[int, tuple[str, float]] = {}
+        self._next = 0
+
+    def begin(self, direction: str, now: float) -> int:
+        """A transfer starts at ``now``; the token ends it."""
+        with self._lock:
+            self._next += 1
+            self._active[self._next] = (direction, now)
+            return self._next
+
+    def end(self, token: int, nbytes: int, seconds: float, now: float) -> None:
+        """The transfer of ``token`` moved ``nbytes`` in ``seconds`` and ended at ``now`` (0 bytes: it failed)."""
+        with self._lock:
+            direction, _ = self._active.pop(token)
+            if nbytes > 0:
+                self._done[direction].append((now, max(0.0, seconds), nbytes))
+
+    def rates(self, now: float, window_s: float) -> LinkRates:
+        """Bytes/s while transferring and the busy share, each way, over the last ``window_s`` (a rate falls
+        back to the newest few transfers when none ended in the window: a slow link still has one)."""
+        span = max(1e-9, min(window_s, now - self.start))
+        out: dict[str, tuple[float | None, float]] = {}
+        with self._lock:
+            for d, done in self._done.items():
+                recent = [t for t in done if t[0] >= now - span]
+                busy = sum(min(sec, end - (now - span)) for end, sec, _ in recent)
+                busy += sum(min(now - t0, span) for dd, t0 in self._active.values() if dd == d)
+                sample = recent or list(done)[-4:]
+                seconds, nbytes = sum(t[1] for t in sample), sum(t[2] for t in sample)
+                rate = None if not sample else (nbytes / seconds if seconds > 0 else math.inf)
+                out[d] = (rate, min(1.0, busy / span))
+        return LinkRates(out["up"][0], out["down"][0], out["up"][1], out["down"][1], span)
+
+
 @dataclass(frozen=True)
 class HeartbeatStats:
     step: int
@@ -113,6 +161,16 @@ class HeartbeatStats:
     tokens_per_s: float
     step_time_s: float
     busy_s: float
+
+
+@dataclass
+class Upload:
+    """An upload begun by :meth:`LearnerLink.begin_upload`: its blobs are written, its rows not yet."""
+
+    outs: list[Outgoing]
+    subs: list[q.SubmissionIn]
+    token: int
+    """The link meter's transfer."""
 
 
 @dataclass
@@ -148,6 +206,12 @@ class LearnerLink:
     """Overlap 0: fragments sent whose merged version has not arrived yet."""
     num_fragments: int = 0
     """Set by the learner: the fragments of its model."""
+    cadence: Cadence | None = None
+    """The send period and codec in force (set by the learner; :meth:`choose` changes it when adaptive)."""
+    cadence_policy: CadencePolicy | None = None
+    """What an adaptive learner may choose from (None: the cadence is fixed)."""
+    elapsed: Callable[[], float] = time.perf_counter
+    """What transfers are timed with; a simulation times them on its own clock."""
 
     def __post_init__(self) -> None:
         self._lock = threading.Condition()
@@ -161,12 +225,17 @@ class LearnerLink:
         self._queued_since: dict[int, float] = {}
         self.coalesced = 0
         """Sends folded into one already queued (uploads not keeping pace with training)."""
+        self.cadence_changes = 0
+        """Times an adaptive learner changed its send period or codec."""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._last_heartbeat: float | None = None
         self._stats: Callable[[], HeartbeatStats] | None = None
         self._exchange_lock = threading.Lock()
         self._last_exchange = -float("inf")
+        self.meter = LinkMeter(self.ctx.now())
+        self._events: list[tuple[str, str]] = []
+        """Events for the next exchange to record (cadence changes)."""
 
     # --- joining ------------------------------------------------------------------------------
 
@@ -230,8 +299,18 @@ class LearnerLink:
             if self._stats is not None:
                 history = force_history or self._last_heartbeat is None or now - self._last_heartbeat >= self.ctx.cfg.learners.heartbeat_s
                 hb = self._stats()
-                beat = q.Beat(hb.step, hb.tokens, hb.loss, hb.tokens_per_s, hb.step_time_s, hb.busy_s, history=history)
-            result = self._commit_exchange(subs or [], beat, now)
+                waiting = self.queue_state(now)
+                beat = q.Beat(hb.step, hb.tokens, hb.loss, hb.tokens_per_s, hb.step_time_s, hb.busy_s, history=history,
+                              queue_depth=waiting.depth, oldest_unsent_s=round(waiting.oldest_unsent_s, 3),
+                              link_json=self.link_json(now, hb.step_time_s))
+            with self._lock:
+                events, self._events = self._events, []
+            try:
+                result = self._commit_exchange(subs or [], beat, now, events)
+            except BaseException:
+                with self._lock:
+                    self._events[:0] = events
+                raise
             self._last_exchange = now
             if beat is not None and beat.history and beat.loss is not None:
                 # Until the first loss exists a heartbeat row is not yet the one charts need: the next exchange writes one.
@@ -239,9 +318,11 @@ class LearnerLink:
         return self._receive(result.run_status, result.heads)
 
     @ledger_retry
-    def _commit_exchange(self, subs: list[q.SubmissionIn], beat: q.Beat | None, now: float) -> q.Exchange:
+    def _commit_exchange(self, subs: list[q.SubmissionIn], beat: q.Beat | None, now: float,
+                         events: list[tuple[str, str]]) -> q.Exchange:
         with self.ctx.transaction() as s:
-            return q.learner_exchange(s, self.ctx.run_id, self.learner_id, self.incarnation, subs, beat, to_datetime(now))
+            return q.learner_exchange(s, self.ctx.run_id, self.learner_id, self.incarnation, subs, beat, to_datetime(now),
+                                      events=events)
 
     def _receive(self, status: str | None, heads: dict[int, q.HeadRef]) -> list[int]:
         """Note the run's end; download every head newer than what the learner holds into the inbox."""
@@ -253,9 +334,14 @@ class LearnerLink:
             for p, row in sorted(heads.items()):
                 if p >= self.num_fragments or row.version <= self._delivered.get(p, -1):
                     continue
+                t0, token = self.elapsed(), self.meter.begin("down", self.ctx.now())
                 try:
                     tensors = read_version(store, row)
-                except StoreError as err:
+                    self.meter.end(token, row.nbytes, self.elapsed() - t0, self.ctx.now())
+                except BaseException as err:
+                    self.meter.end(token, 0, 0.0, self.ctx.now())
+                    if not isinstance(err, StoreError):
+                        raise
                     # A version whose blob was already collected: a newer one is published; take that next time.
                     log.warning("could not read fragment %s v%s: %s", p, row.version, err)
                     continue
@@ -330,8 +416,50 @@ class LearnerLink:
 
     def oldest_unsent_s(self, now: float) -> float:
         """Age of the oldest increment waiting in the outbox (0 when none waits)."""
+        return self.queue_state(now).oldest_unsent_s
+
+    def queue_state(self, now: float) -> QueueState:
+        """How many fragments wait in the outbox, and for how long the oldest has."""
         with self._lock:
-            return max((now - t for t in self._queued_since.values()), default=0.0)
+            return QueueState(len(self._queued), max((now - t for t in self._queued_since.values()), default=0.0))
+
+    # --- cadence ------------------------------------------------------------------------------
+
+    def choose(self, now: float, step_s: float) -> Cadence:
+        """The cadence from ``now`` on: fixed, or what :func:`choose_cadence` makes of the link (a change is
+        recorded as an event by the next exchange)."""
+        assert self.cadence is not None, "the learner sets the link's cadence"
+        policy = self.cadence_policy
+        if policy is None:
+            return self.cadence
+        old = self.cadence
+        rates = self.meter.rates(now, measure_window_s(old.every, step_s, policy.hold_periods))
+        new = choose_cadence(now, rates, self.queue_state(now), step_s, old, policy)
+        if new is not old:
+            self.cadence = new
+            if (new.every, new.codec) != (old.every, old.codec):
+                self.cadence_changes += 1
+                log.info("learner %s sends every %s steps with %s: %s", self.learner_id, new.every, new.codec, new.reason)
+                with self._lock:
+                    self._events.append((CADENCE_EVENT, f"every {new.every} steps with {new.codec} "
+                                                        f"(was every {old.every} with {old.codec}): {new.reason}"))
+        return new
+
+    def link_json(self, now: float, step_s: float) -> str | None:
+        """The link's measured rates and the cadence in force with its reason, as written to the ledger."""
+        c = self.cadence
+        if c is None:
+            return None
+        r = self.meter.rates(now, measure_window_s(c.every, step_s))
+
+        def num(x: float | None) -> float | None:
+            return None if x is None or not math.isfinite(x) else round(x, 1)
+
+        return json.dumps({
+            "adaptive": self.cadence_policy is not None, "every": c.every, "codec": c.codec, "reason": c.reason,
+            "since": round(c.since, 3), "up_bps": num(r.up_bps), "down_bps": num(r.down_bps),
+            "up_busy": round(r.up_busy, 3), "down_busy": round(r.down_busy, 3), "window_s": round(r.window_s, 1),
+        }, separators=(",", ":"))
 
     def submit_state(self, tensors: Tensors, step: int) -> None:
         """Queue AdamW's state for saving, in order with the uploads."""
@@ -368,25 +496,72 @@ class LearnerLink:
         """Write the blobs, then register them in one transaction: a row never points to a missing blob."""
         t0 = time.perf_counter()
         with span("learner.upload"):
-            cfg = self.ctx.cfg.compression
-            store = self.ctx.store(self.region)
-            subs = []
-            for out in outs:
-                tensors, meta = encode_delta(out.delta(), cfg.codec, cfg.block_size)
-                uid = f"i{self.incarnation}-s{out.step}-f{out.fragment}"
-                blob = store.put(submission_key(self.ctx.run_id, out.fragment, self.learner_id, uid), tensors, meta)
-                fault_point("learner.after_blob")
-                subs.append(
-                    q.SubmissionIn(
-                        uid=uid, fragment=out.fragment, base_version=out.base_version, c_steps=out.c_steps,
-                        c_tokens=out.c_tokens, tokens_new=out.tokens_new, tokens_total=out.tokens_total,
-                        blob_key=blob.key, sha256=blob.sha256, nbytes=blob.nbytes, codec=cfg.codec,
-                        data_batches=out.data_batches,
-                    )
-                )
+            token, started = self.meter.begin("up", self.ctx.now()), self.elapsed()
+            subs: list[q.SubmissionIn] = []
+            try:
+                subs = self.put_blobs(outs)
+            finally:
+                # The link's figure is the blobs' transfer; the registration is a ledger round trip.
+                self.meter.end(token, sum(sub.nbytes for sub in subs), self.elapsed() - started, self.ctx.now())
             self._register(subs)
         self.bytes_sent += sum(sub.nbytes for sub in subs)
         self.upload_s += time.perf_counter() - t0
+
+    def put_blobs(self, outs: list[Outgoing]) -> list[q.SubmissionIn]:
+        """Encode each submission with the codec in force and write its blob; what to register."""
+        cfg = self.ctx.cfg.compression
+        codec = self.cadence.codec if self.cadence is not None else cfg.codec
+        store = self.ctx.store(self.region)
+        subs = []
+        for out in outs:
+            tensors, meta = encode_delta(out.delta(), codec, cfg.block_size)
+            uid = f"i{self.incarnation}-s{out.step}-f{out.fragment}"
+            blob = store.put(submission_key(self.ctx.run_id, out.fragment, self.learner_id, uid), tensors, meta)
+            fault_point("learner.after_blob")
+            subs.append(
+                q.SubmissionIn(
+                    uid=uid, fragment=out.fragment, base_version=out.base_version, c_steps=out.c_steps,
+                    c_tokens=out.c_tokens, tokens_new=out.tokens_new, tokens_total=out.tokens_total,
+                    blob_key=blob.key, sha256=blob.sha256, nbytes=blob.nbytes, codec=codec,
+                    data_batches=out.data_batches,
+                )
+            )
+        return subs
+
+    def begin_upload(self) -> Upload | None:
+        """Take what is queued (as the upload thread would), save states and write the blobs: an upload whose
+        transfer a simulation times on its own clock, then ends with :meth:`finish_upload` (None: nothing queued)."""
+        items: list[object] = []
+        while len(items) < UPLOAD_BATCH:
+            try:
+                items.append(self._outbox.get_nowait())
+            except queue.Empty:
+                break
+        if not items:
+            return None
+        self._taken(items)
+        self._handle([item for item in items if isinstance(item, SavedState)])
+        outs = [item for item in items if isinstance(item, Outgoing)]
+        token = self.meter.begin("up", self.ctx.now())
+        try:
+            return Upload(outs, self.put_blobs(outs) if outs else [], token)
+        except Exception:  # noqa: BLE001 - the increments go out with the next send
+            log.exception("upload of fragments %s failed", [o.fragment for o in outs])
+            self._carry_over(outs)
+            return Upload([], [], token)
+
+    def finish_upload(self, up: Upload, seconds: float) -> None:
+        """End an upload begun by :meth:`begin_upload` whose blobs took ``seconds`` to cross: register them."""
+        self.meter.end(up.token, sum(sub.nbytes for sub in up.subs), seconds, self.ctx.now())
+        if not up.subs:
+            return
+        try:
+            self._register(up.subs)
+        except Exception:  # noqa: BLE001 - the increments go out with the next send
+            log.exception("registering fragments %s failed", [o.fragment for o in up.outs])
+            self._carry_over(up.outs)
+            return
+        self.bytes_sent += sum(sub.nbytes for sub in up.subs)
 
     def _register(self, subs: list[q.SubmissionIn]) -> None:
         """Register in the step's one exchange (which also heartbeats and polls)."""

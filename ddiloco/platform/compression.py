@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-CODECS = ("none", "bf16", "int8", "int4")
+from ddiloco.platform.config import CODECS
+
 FORMAT = "ddiloco-delta/1"
 _LEVELS = {"int8": 127, "int4": 7}
 _SEP = "::"
@@ -31,6 +32,16 @@ class CompressionError(ValueError):
 
 def _num_blocks(numel: int, block_size: int) -> int:
     return -(-numel // block_size)
+
+
+def codec_nbytes(numel: int, codec: str, block_size: int) -> int:
+    """Bytes of ``numel`` values encoded with ``codec``: the values and their per-block scales, no blob header."""
+    if codec == "none":
+        return 4 * numel
+    if codec == "bf16":
+        return 2 * numel
+    scales = 4 * _num_blocks(numel, block_size)
+    return (numel if codec == "int8" else -(-numel // 2)) + scales
 
 
 def _quantize(flat: torch.Tensor, block_size: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:

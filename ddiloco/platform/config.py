@@ -296,6 +296,15 @@ class FragmentsConfig(_Section):
     overlap: int = Field(2, ge=0, le=1 << 30)
     """tau: inner steps a learner may run past a send before the merged fragment is expected;
     0 makes a learner wait for the merge (the synchronous DiLoCo mode)."""
+    adaptive: bool = False
+    """Each learner chooses, from what its link delivers (bytes/s of its completed uploads and downloads),
+    how often it sends its fragments (every H steps or a multiple, never more often) and their codec
+    (``compression.codec`` or a cheaper one), so that its uploads keep pace with its training
+    (``learner_worker/cadence.py``). Every choice is recorded with its reason (heartbeats, events)."""
+    adaptive_max_periods: int = Field(4, ge=1, le=1 << 10)
+    """The longest send period an adaptive learner may choose, in periods H (at most merge.max_periods)."""
+    adaptive_min_codec: Literal["none", "bf16", "int8", "int4"] = "int4"
+    """The cheapest codec an adaptive learner may use; ``compression.codec`` itself keeps the codec fixed."""
 
     @property
     def period(self) -> int:
@@ -373,6 +382,16 @@ class OuterOptimizerConfig(_Section):
     Synchronous DiLoCo at the paper's settings uses 0.7."""
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
+
+
+CODECS = ("none", "bf16", "int8", "int4")
+"""The outer-gradient codecs, the most precise (and largest) first."""
+
+
+def codec_ladder(codec: str, cheapest: str) -> tuple[str, ...]:
+    """``codec`` and the cheaper codecs down to ``cheapest`` (just ``codec`` when ``cheapest`` is not cheaper)."""
+    a, b = CODECS.index(codec), CODECS.index(cheapest)
+    return CODECS[a : max(a, b) + 1]
 
 
 class CompressionConfig(_Section):
@@ -512,6 +531,18 @@ class RunConfig(BaseSettings):
             raise ValueError(
                 f"synchronizer.shards ({self.synchronizer.shards}) exceeds fragments.count ({self.fragments.count}): "
                 "some shard would hold no fragment"
+            )
+        if self.fragments.adaptive and self.fragments.adaptive_max_periods > self.merge.max_periods:
+            raise ValueError(
+                f"fragments.adaptive_max_periods ({self.fragments.adaptive_max_periods}) exceeds merge.max_periods "
+                f"({self.merge.max_periods}): an adaptive learner's honest updates would weigh less than they carry"
+            )
+        if self.fragments.adaptive and self.fragments.adaptive_min_codec not in codec_ladder(
+            self.compression.codec, self.fragments.adaptive_min_codec
+        ):
+            raise ValueError(
+                f"fragments.adaptive_min_codec ({self.fragments.adaptive_min_codec}) is more precise than compression.codec "
+                f"({self.compression.codec}): name compression.codec or a cheaper codec"
             )
         if self.synchronizer.lease_ttl_s <= self.synchronizer.poll_s:
             raise ValueError(

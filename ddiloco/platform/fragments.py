@@ -245,10 +245,12 @@ def shard_fragments(nbytes: Sequence[int], shards: int) -> list[tuple[int, ...]]
     return [tuple(sorted(m)) for m in members]
 
 
-def due_fragments(step: int, count: int, every: int) -> list[int]:
-    """Fragments due after ``step`` completed inner steps: p with (step - p) % every == 0."""
-    if count < 1 or every < 1:
-        raise ValueError(f"count and every must be >= 1, got count={count}, every={every}")
+def due_fragments(step: int, count: int, every: int, stride: int = 1) -> list[int]:
+    """Fragments due after ``step`` completed inner steps: p with (step - p * stride) % every == 0.
+
+    A period k times H spreads the sends with ``stride`` k: one fragment every k steps, not H in a row."""
+    if count < 1 or every < 1 or stride < 1:
+        raise ValueError(f"count, every and stride must be >= 1, got count={count}, every={every}, stride={stride}")
     if step <= 0:
         return []
-    return [p for p in range(count) if (step - p) % every == 0]
+    return [p for p in range(count) if (step - p * stride) % every == 0]

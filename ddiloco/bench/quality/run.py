@@ -197,6 +197,7 @@ def _run_decoupled(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
     from sqlalchemy import select
 
     from ddiloco.inprocess import run_inprocess
+    from ddiloco.platform.compression import codec_nbytes
     from ddiloco.platform.config import tokens_per_step
     from ddiloco.platform.ledger import queries as q
     from ddiloco.platform.ledger.models import Merge, Submission
@@ -218,7 +219,7 @@ def _run_decoupled(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
         subs = list(s.scalars(select(Submission).where(Submission.run_id == run.ctx.run_id)))
         merges = list(s.scalars(select(Merge).where(Merge.run_id == run.ctx.run_id)))
     sent = sum(sb.nbytes for sb in subs)
-    payload = sum(payload_bytes(numel[sb.fragment], sb.codec, cfg.compression.block_size) for sb in subs)
+    payload = sum(codec_nbytes(numel[sb.fragment], sb.codec, cfg.compression.block_size) for sb in subs)
     grace = [m.grace_window_s for m in merges if m.grace_window_s >= 0]
     return Row(
         model=spec.model,
@@ -243,16 +244,6 @@ def _run_decoupled(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
         knob=spec.knob,
         curve=[[e.tokens, e.t_s, e.val_loss, e.val_accuracy] for e in run.evals],
     )
-
-
-def payload_bytes(numel: int, codec: str, block_size: int) -> int:
-    """Encoded bytes of ``numel`` values: the tensor and its per-block scales, no blob header."""
-    if codec == "none":
-        return 4 * numel
-    if codec == "bf16":
-        return 2 * numel
-    scales = 4 * -(-numel // block_size)
-    return (numel if codec == "int8" else -(-numel // 2)) + scales
 
 
 def _run_data_parallel(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:

@@ -507,6 +507,16 @@ class Beat:
     step_time_s: float
     busy_s: float = 0.0
     history: bool = True
+    queue_depth: int | None = None
+    """Fragments with an increment waiting in the learner's upload queue."""
+    oldest_unsent_s: float | None = None
+    """How long the oldest of them has waited."""
+    link_json: str | None = None
+    """The link's measured rates and the send period and codec in force, with the reason (JSON)."""
+
+    def link_values(self) -> dict[str, Any]:
+        """The upload link's columns, as the learner row and a heartbeat row hold them."""
+        return {"queue_depth": self.queue_depth, "oldest_unsent_s": self.oldest_unsent_s, "link_json": self.link_json}
 
 
 class HeadRef(NamedTuple):
@@ -553,9 +563,11 @@ def learner_exchange(
     subs: Sequence[SubmissionIn],
     beat: Beat | None,
     now: datetime,
+    events: Sequence[tuple[str, str]] = (),
 ) -> Exchange:
     """A learner step's whole conversation with the ledger: register ``subs``, record ``beat`` and read the run's
-    status and every fragment's head — two statements (three when the beat is kept as a heartbeat row)."""
+    status and every fragment's head — two statements (three when the beat is kept as a heartbeat row; one more
+    when the learner has ``events`` to record, (kind, detail) each, as when it changes its send cadence)."""
     out, new, created = _insert_submissions(session, run_id, learner_id, subs, now)
     values = _registration_values(session, new, now)
     if beat is not None:
@@ -568,6 +580,7 @@ def learner_exchange(
             inc_tokens_trained=_greatest(session)(Learner.inc_tokens_trained, trained),
             busy_s=Learner.busy_s + beat.busy_s,
             status=case((Learner.status == "dead", "recovering"), else_=Learner.status),
+            **beat.link_values(),
         )
         if beat.loss is not None:
             values["loss"] = beat.loss
@@ -588,8 +601,12 @@ def learner_exchange(
         session.connection().execute(
             insert(Heartbeat.__table__).values(
                 run_id=run_id, learner_id=learner_id, incarnation=incarnation, at=now, step=beat.step, tokens=beat.tokens,
-                loss=beat.loss, tokens_per_s=beat.tokens_per_s, step_time_s=beat.step_time_s,
+                loss=beat.loss, tokens_per_s=beat.tokens_per_s, step_time_s=beat.step_time_s, **beat.link_values(),
             )
+        )
+    if events:
+        session.connection().execute(
+            insert(Event.__table__), [{"run_id": run_id, "at": now, "kind": k, "actor": learner_id, "detail": d} for k, d in events]
         )
     return Exchange(out, True, row[0], _parse_heads(row[1]))
 
