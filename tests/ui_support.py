@@ -183,4 +183,9 @@ def plant_markup(ledger: RunLedger) -> None:
         s.execute(update(SynchronizerLease).values(holder=PHISH))
         s.execute(update(FragmentVersion).where(FragmentVersion.run_id == ledger.run_id).values(synchronizer=PHISH))
         s.add(Event(run_id=ledger.run_id, at=ledger.end - timedelta(seconds=5), kind="chaos", actor=PHISH, detail=PHISH))
+        # A learner's link report: a hostile reason, and one that is not JSON at all.
+        s.execute(update(Learner).where(Learner.run_id == ledger.run_id, Learner.id == "us-0").values(
+            link_json=json.dumps({"adaptive": True, "every": 8, "codec": PHISH, "reason": PHISH, "up_bps": 1e6})))
+        s.execute(update(Learner).where(Learner.run_id == ledger.run_id, Learner.id == "us-1").values(link_json="<a href='x'>"))
+        s.add(Event(run_id=ledger.run_id, at=ledger.end - timedelta(seconds=4), kind="link_cadence", actor="us-0", detail=PHISH))
     engine.dispose()

@@ -216,6 +216,7 @@ EVENT_CATEGORIES = {
     "lease_acquired": "synchronizer",
     "synchronizer_launched": "synchronizer",
     "learner_joined": "learner",
+    "link_cadence": "learner",
 }
 CATEGORY_COLORS = {
     "failure": "red",

@@ -15,7 +15,7 @@ import functools
 import json
 import math
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -298,8 +298,8 @@ def stats_frame(groups: list[q.SubmissionGroup]) -> pd.DataFrame:
 
 
 def learner_rows(session: Session, run_id: str) -> list[Any]:
-    """The run's learners, region by region, with the newest loss each reported and its submission totals."""
-    # Named columns, not the entity: a ledger one migration behind the code still renders.
+    """The run's learners, region by region, with the newest loss each reported, its submission totals and its link."""
+    # Named columns, not the entity: only what the page shows is read.
     return list(
         session.connection().execute(
             select(
@@ -322,6 +322,9 @@ def learner_rows(session: Session, run_id: str) -> list[Any]:
                 Learner.submissions,
                 Learner.tokens_sent,
                 Learner.last_submission_at,
+                Learner.queue_depth,
+                Learner.oldest_unsent_s,
+                Learner.link_json,
             )
             .where(Learner.run_id == run_id)
             .order_by(Learner.region, Learner.id)
@@ -351,7 +354,63 @@ LEARNER_COLUMNS = [
     "loss",
     "incarnation",
     "flow_run_url",
+    "queue_depth",
+    "oldest_unsent_s",
+    "cadence",
+    "cadence_since",
+    "cadence_reason",
+    "up_mbit_s",
+    "down_mbit_s",
 ]
+
+LINK_JSON_MAX = 20_000
+"""A learner's link report longer than this is not parsed (a learner writes it: it may be anything)."""
+REASON_CHARS = 1_000
+
+
+@dataclass(frozen=True)
+class LinkView:
+    """What the learners table shows of a learner's link report (``learners.link_json``); blank when absent or malformed."""
+
+    cadence: str | None = None
+    """"every 16 steps, int4", with "(adaptive)" when the learner chose it."""
+    since: datetime | None = None
+    reason: str | None = None
+    up_mbit_s: float = math.nan
+    """What its completed uploads moved while they ran."""
+    down_mbit_s: float = math.nan
+
+
+def link_view(raw: object) -> LinkView:
+    """Read a learner's link report defensively: every field is checked for its type and range."""
+    if not isinstance(raw, str) or len(raw) > LINK_JSON_MAX:
+        return LinkView()
+    try:
+        d = json.loads(raw)
+    except ValueError:
+        return LinkView()
+    if not isinstance(d, dict):
+        return LinkView()
+
+    def number(key: str) -> float | None:
+        x = d.get(key)
+        ok = isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+        return float(x) if ok else None
+
+    every, codec = d.get("every"), d.get("codec")
+    cadence = None
+    if isinstance(every, int) and not isinstance(every, bool) and 0 < every < 1 << 31 and isinstance(codec, str):
+        cadence = f"every {every} steps, {codec[:16]}" + (" (adaptive)" if d.get("adaptive") is True else "")
+    reason = d.get("reason")
+    since = number("since")
+    up, down = number("up_bps"), number("down_bps")
+    return LinkView(
+        cadence=cadence,
+        since=datetime.fromtimestamp(since, UTC) if since is not None and since < 1e11 else None,
+        reason=" ".join(reason.split())[:REASON_CHARS] if isinstance(reason, str) else None,
+        up_mbit_s=up * 8 / 1e6 if up is not None else math.nan,
+        down_mbit_s=down * 8 / 1e6 if down is not None else math.nan,
+    )
 
 
 @dataclass(frozen=True)
@@ -408,6 +467,7 @@ def learners_frame(session: Session, run_id: str, now: datetime, learners: list[
     for row, snap in zip(learners, snaps):
         loss = row.loss
         fate = fates[row.id]
+        link = link_view(row.link_json)
         unsubmitted_dead = max(0, row.inc_tokens_trained - row.inc_tokens_submitted) if verdicts[row.id].status == liveness.DEAD else 0
         rows.append(
             {
@@ -430,6 +490,13 @@ def learners_frame(session: Session, run_id: str, now: datetime, learners: list[
                 "loss": float(loss) if loss is not None else math.nan,
                 "incarnation": int(row.incarnation),
                 "flow_run_url": row.flow_run_url,
+                "queue_depth": int(row.queue_depth) if row.queue_depth is not None else None,
+                "oldest_unsent_s": float(row.oldest_unsent_s) if row.oldest_unsent_s is not None else math.nan,
+                "cadence": link.cadence,
+                "cadence_since": link.since,
+                "cadence_reason": link.reason,
+                "up_mbit_s": link.up_mbit_s,
+                "down_mbit_s": link.down_mbit_s,
             }
         )
     return pd.DataFrame(rows, columns=LEARNER_COLUMNS)

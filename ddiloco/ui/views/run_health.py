@@ -132,7 +132,13 @@ def learners_section(page: RunPage) -> None:
             "tokens_trained",
             "tokens_merged",
             "loss",
+            "queue_depth",
+            "oldest_unsent_s",
+            "cadence",
+            "up_mbit_s",
+            "down_mbit_s",
             "reason",
+            "cadence_reason",
         ]
         + (["flow_run_url"] if df["flow_run_url"].notna().any() else [])
     ]
@@ -140,7 +146,8 @@ def learners_section(page: RunPage) -> None:
         table = table.assign(flow_run_url=table["flow_run_url"].map(widgets.safe_link))
     st.dataframe(
         widgets.styled(table).format(
-            {"tokens_per_s": "{:,.0f}", "loss": "{:.3f}", "tokens_trained": "{:,}", "tokens_merged": "{:,}", "step": "{:,}"},
+            {"tokens_per_s": "{:,.0f}", "loss": "{:.3f}", "tokens_trained": "{:,}", "tokens_merged": "{:,}", "step": "{:,}",
+             "queue_depth": "{:.0f}", "oldest_unsent_s": "{:.1f}", "up_mbit_s": "{:.3g}", "down_mbit_s": "{:.3g}"},
             na_rep="—",
         ),
         hide_index=True,
@@ -153,6 +160,12 @@ def learners_section(page: RunPage) -> None:
             "tokens_merged": st.column_config.NumberColumn("tokens merged"),
             "loss": st.column_config.NumberColumn("train loss"),
             "reason": st.column_config.TextColumn("why", width="large"),
+            "queue_depth": st.column_config.NumberColumn("upload queue", help="Fragments with an increment waiting to be uploaded"),
+            "oldest_unsent_s": st.column_config.NumberColumn("oldest unsent (s)", help="How long the oldest waiting increment has waited"),
+            "cadence": st.column_config.TextColumn("sends", help="How often each fragment is sent, and its codec"),
+            "up_mbit_s": st.column_config.NumberColumn("up Mbit/s", help="What the learner's completed uploads moved while they ran"),
+            "down_mbit_s": st.column_config.NumberColumn("down Mbit/s", help="The same for its downloads of global versions"),
+            "cadence_reason": st.column_config.TextColumn("why these sends", width="large"),
             "flow_run_url": st.column_config.LinkColumn("Prefect", display_text="flow run"),
         },
     )
