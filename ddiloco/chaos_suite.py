@@ -32,10 +32,11 @@ from sqlalchemy.engine import make_url
 
 from ddiloco.platform.compression import encode_delta
 from ddiloco.platform.config import RunConfig, build_config, tokens_per_step
+from ddiloco.platform.fragments import shard_fragments
 from ddiloco.platform.ids import submission_key
 from ddiloco.platform.invariants import check_run
 from ddiloco.platform.ledger import queries as q
-from ddiloco.platform.ledger.models import Base, FragmentVersion, Learner, Submission
+from ddiloco.platform.ledger.models import Base, FragmentSpec, FragmentVersion, Learner, Submission
 from ddiloco.platform.runtime import RunContext, to_datetime
 from ddiloco.platform.store import FragmentStore
 from ddiloco.testing.net import poll_until
@@ -105,7 +106,7 @@ def _wait(predicate: Callable[[], object], timeout_s: float) -> object:
     return poll_until(predicate, timeout_s, interval_s=0.2, transient=(Exception,))
 
 
-def suite_config(run_id: str, ledger_url: str, bucket: str) -> RunConfig:
+def suite_config(run_id: str, ledger_url: str, bucket: str, shards: int = 1) -> RunConfig:
     return build_config(
         {
             "name": run_id,
@@ -121,7 +122,7 @@ def suite_config(run_id: str, ledger_url: str, bucket: str) -> RunConfig:
             "quorum": {"min_count": 1},
             "grace": {"max_s": 1.0},
             "compression": {"codec": "int8"},
-            "synchronizer": {"poll_s": 0.2, "lease_ttl_s": 2.0, "eval_every_s": 1000.0,
+            "synchronizer": {"poll_s": 0.2, "lease_ttl_s": 2.0, "eval_every_s": 1000.0, "shards": shards,
                              "retention": {"keep_last": 1_000_000, "keep_submission_blobs": True}},
             "ledger": {"url": ledger_url, "idle_in_transaction_timeout_s": 2.0},
             "storage": {"url": f"s3://{bucket}/runs"},
@@ -130,8 +131,11 @@ def suite_config(run_id: str, ledger_url: str, bucket: str) -> RunConfig:
 
 
 class Suite:
-    def __init__(self, quick: bool, postgres_server_url: str, workdir: Path) -> None:
+    def __init__(self, quick: bool, postgres_server_url: str, workdir: Path, shards: int = 1) -> None:
         self.quick = quick
+        self.shards = shards
+        self.kills = 0
+        """Synchronizer kills so far: each kills the holder of the next shard in turn."""
         self.server_url = postgres_server_url
         self.workdir = workdir
         self.report = SuiteReport()
@@ -162,7 +166,7 @@ class Suite:
         self.secrets.append(str(url.password))
         self.s3 = self._stack.enter_context(S3Server())
         self._stack.enter_context(environment(self.s3.env(secret=self.secrets[0])))
-        self.cfg = suite_config(self.run_id, url.render_as_string(hide_password=False), self.s3.bucket("chaos"))
+        self.cfg = suite_config(self.run_id, url.render_as_string(hide_password=False), self.s3.bucket("chaos"), self.shards)
         self.ctx = RunContext.open(self.cfg, self.run_id)
         self._stack.callback(self.ctx.engine.dispose)
         self.monitor = ProgressMonitor(self.versions_total, every_s=0.25)
@@ -193,16 +197,22 @@ class Suite:
     def progressed_since(self, versions_before: int, by: int = 2) -> bool:
         return self.versions_total() >= versions_before + by
 
-    def holder(self) -> str | None:
+    def holder(self, shard: int = 0) -> str | None:
         with self.ctx.reading() as s:
-            lease = q.current_lease(s, self.run_id)
+            lease = q.current_lease(s, self.run_id, shard)
         return lease.holder if lease else None
 
-    def published_by_other_since(self, holder: str, since: float) -> bool:
-        """A synchronizer other than ``holder`` published a version at or after ``since`` (epoch s)."""
+    def shard_fragments(self, shard: int) -> tuple[int, ...]:
+        with self.ctx.reading() as s:
+            sizes = list(s.scalars(select(FragmentSpec.nbytes).where(FragmentSpec.run_id == self.run_id).order_by(FragmentSpec.fragment)))
+        return shard_fragments(sizes, self.shards)[shard]
+
+    def published_by_other_since(self, holder: str, since: float, fragments: tuple[int, ...] | None = None) -> bool:
+        """A synchronizer other than ``holder`` published a version (of one of ``fragments``) at or after ``since`` (epoch s)."""
+        mine = () if fragments is None else (FragmentVersion.fragment.in_(fragments),)
         with self.ctx.reading() as s:
             newest = s.scalar(select(func.max(FragmentVersion.created_at)).where(
-                FragmentVersion.run_id == self.run_id, FragmentVersion.synchronizer != holder))
+                FragmentVersion.run_id == self.run_id, FragmentVersion.synchronizer != holder, *mine))
         return newest is not None and newest.timestamp() >= since
 
     def crashed(self) -> list[str]:
@@ -289,10 +299,13 @@ class Suite:
 
     def kill_active_synchronizer(self, point: str) -> Injection:
         """Stop the lease holder at ``point``, SIGKILL it: a standby must take over and publish, and
-        nothing the dead one half-wrote may show."""
-        holder = self.holder()
+        nothing the dead one half-wrote may show. With shards, each kill takes the next shard's holder."""
+        shard = self.kills % self.shards
+        self.kills += 1
+        holder = self.holder(shard)
         if holder is None:
-            return Injection(0, 1, "no synchronizer held the lease")
+            return Injection(0, 1, f"no synchronizer held the lease of shard {shard}")
+        fragments = self.shard_fragments(shard)
         name = holder.split("@", 1)[0]
         self.cluster.arm(name, point)
         if not _wait(lambda: self.cluster.fault_reached(name, point), 60):
@@ -300,13 +313,14 @@ class Suite:
             return Injection(0, 1, f"{name} never reached {point}")
         killed_at, killed = time.time(), time.monotonic()
         self.cluster.signal(name, signal.SIGKILL)
-        ok = _wait(lambda: self.published_by_other_since(holder, killed_at), 60)
+        ok = _wait(lambda: self.published_by_other_since(holder, killed_at, fragments), 60)
         recover = time.monotonic() - killed
-        new_holder = self.holder() or "nobody"
+        new_holder = self.holder(shard) or "nobody"
         # Keep a standby in reserve for the next fault.
         self.spare_synchronizers += 1
         self.synchronizer(f"sync-spare{self.spare_synchronizers}")
-        return Injection(int(bool(ok)), 1, f"{name} killed at {point}; {new_holder.split('@')[0]} published "
+        where = f" (shard {shard})" if self.shards > 1 else ""
+        return Injection(int(bool(ok)), 1, f"{name}{where} killed at {point}; {new_holder.split('@')[0]} published "
                          f"{recover:.1f}s after the kill" if ok else f"no standby published within 60s of killing {name}", recover)
 
     def store_outage(self, seconds: float) -> Injection:
@@ -540,6 +554,8 @@ class Suite:
     def run(self) -> SuiteReport:
         started = time.monotonic()
         self.synchronizer("sync-a")
+        for k in range(1, self.shards):  # one holder per shard; each takes whichever shard is free
+            self.synchronizer(f"sync-a{k}")
         # Learners start at once (they wait for version 0 themselves), so process start-ups overlap.
         for lid, _, _ in self.cfg.learners.learner_ids():
             self.learner(lid)
@@ -588,13 +604,13 @@ def _interrupt(_signum: int, _frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def run_suite(*, quick: bool, postgres_url: str | None = None, workdir: Path | None = None) -> SuiteReport:
+def run_suite(*, quick: bool, postgres_url: str | None = None, workdir: Path | None = None, shards: int = 1) -> SuiteReport:
     workdir = workdir or Path(tempfile.mkdtemp(prefix="ddiloco-chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     if threading.current_thread() is threading.main_thread():
         # SIGTERM unwinds like Ctrl-C, so the run's processes and scratch database are cleaned up.
         signal.signal(signal.SIGTERM, _interrupt)
-    with Suite(quick, postgres_url or server_url(), workdir) as suite:
+    with Suite(quick, postgres_url or server_url(), workdir, shards) as suite:
         return suite.run()
 
 

@@ -732,6 +732,7 @@ def chaos_suite_command(
     json_path: Path | None = typer.Option(None, "--json", help="Write {faults: [...], invariants_ok} here."),
     postgres_url: str | None = typer.Option(None, help="Admin URL of the PostgreSQL server to create a scratch ledger on."),
     workdir: Path | None = typer.Option(None, help="Where process logs go (a temporary folder by default)."),
+    shards: int = typer.Option(1, "--shards", min=1, max=4, help="Synchronizer shards (each kill takes the next shard's holder)."),
     env_storage: bool = EnvStorageOpt,
 ) -> None:
     """Inject faults into a live run on PostgreSQL + S3 (moto) + OS processes and check the invariants after each."""
@@ -742,7 +743,7 @@ def chaos_suite_command(
     # The suite restarts database servers and kills processes: never against an exported production URL.
     _scratch_storage_only(env_storage, "the chaos suite")
     _setup_logging()
-    report = run_suite(quick=quick, postgres_url=postgres_url, workdir=workdir)
+    report = run_suite(quick=quick, postgres_url=postgres_url, workdir=workdir, shards=shards)
     table = Table("fault", "injected", "survived", "lost", "recover s", "detail")
     for f in report.faults:
         table.add_row(
