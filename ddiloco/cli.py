@@ -696,7 +696,8 @@ def deploy_command(
     base_job_template: Path | None = typer.Option(None, help="Base job template of new pools, e.g. infra/work-pools/kubernetes.json."),
     notify_block: str | None = typer.Option(None, help="TYPE/NAME of a Prefect notification block (e.g. slack-webhook/ops): "
                                             "create the alerts' automations, sending through it."),
-    stall_minutes: float = typer.Option(10.0, help="Alert when a run publishes no global version for this many minutes."),
+    stall_minutes: float = typer.Option(10.0, help="Alert when a run publishes no global version for this many minutes "
+                                         "(fractions allowed, at least 0.17: 10 s)."),
     relaunches_per_hour: int = typer.Option(3, help="Alert when a learner is relaunched more often than this within an hour."),
 ) -> None:
     """Create one work pool per region and the learner, synchronizer and training-run deployments (PREFECT_API_URL)."""

@@ -45,6 +45,20 @@ def test_relaunch_decisions_with_reasons():
     assert budget_reached(10, 10) and not budget_reached(9, 10)
 
 
+def test_alert_policy_takes_seconds_down_to_prefects_shortest_window():
+    import uuid
+    from datetime import timedelta
+
+    from ddiloco.flows.alerts import MIN_STALL_MINUTES, AlertPolicy, automations
+
+    stall, relaunch, _ = automations(uuid.uuid4(), AlertPolicy(stall_minutes=0.2, relaunches_per_hour=0))
+    assert stall.trigger.within == timedelta(seconds=12) and relaunch.trigger.threshold == 1
+    assert automations(uuid.uuid4(), AlertPolicy(MIN_STALL_MINUTES))[0].trigger.within == timedelta(seconds=10)
+    for bad in (0.1, 0.0, float("nan"), 7 * 24 * 60 + 1):
+        with pytest.raises(ValueError, match="--stall-minutes"):
+            AlertPolicy(stall_minutes=bad)
+
+
 def test_seeded_chaos_schedule_is_deterministic_and_within_the_run():
     cfg = tiny_config(chaos={"seed": 7, "random_events": 5})
     a, b = seeded_schedule(cfg, 100.0), seeded_schedule(cfg, 100.0)

@@ -14,6 +14,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prefect.events import Event
 
 log = logging.getLogger("ddiloco.flows")
 
@@ -22,22 +26,36 @@ RUN_RESOURCE = "ddiloco.run.{run_id}"
 LEARNER_RESOURCE = "ddiloco.learner.{run_id}.{learner_id}"
 
 
+MIN_STALL_MINUTES = 10 / 60
+"""Prefect's shortest window for a trigger on the absence of events (a proactive trigger): 10 seconds."""
+
+
 @dataclass(frozen=True)
 class AlertPolicy:
     stall_minutes: float = 10.0
-    """Alert when a run publishes no global version for this long."""
+    """Alert when a run publishes no global version for this long (fractions allowed: 0.5 is 30 seconds)."""
     relaunches_per_hour: int = 3
     """Alert when one learner is relaunched more often than this within an hour."""
 
     def __post_init__(self) -> None:
-        if not 0 < self.stall_minutes <= 7 * 24 * 60:
-            raise ValueError(f"--stall-minutes {self.stall_minutes}: expected a number of minutes in (0, 10080]")
+        if not MIN_STALL_MINUTES <= self.stall_minutes <= 7 * 24 * 60:
+            raise ValueError(f"--stall-minutes {self.stall_minutes}: expected a number of minutes in [{MIN_STALL_MINUTES:.3g} "
+                             "(10 s, Prefect's shortest window for an absence of events), 10080]")
         if not 0 <= self.relaunches_per_hour <= 10_000:
             raise ValueError(f"--relaunches-per-hour {self.relaunches_per_hour}: expected 0..10000")
 
 
+_last_event: dict[str, Event] = {}
+"""The last event this process emitted about each resource: the next one names it as the event it follows."""
+
+
 def emit(event: str, resource_id: str, **labels: str) -> None:
-    """A Prefect event for the automations; nothing without Prefect or a Prefect server to send it to."""
+    """A Prefect event for the automations; nothing without Prefect or a Prefect server to send it to.
+
+    Each event of a resource names the previous one as the event it ``follows``: the server evaluates
+    automations on a few events at once, and without that a run's last ``version.published`` could be
+    evaluated after its ``run.finished``, opening a window no event would ever close (a stall alert
+    minutes after every finished run)."""
     try:
         from prefect.events import emit_event
         from prefect.settings import PREFECT_API_URL
@@ -46,9 +64,12 @@ def emit(event: str, resource_id: str, **labels: str) -> None:
     if not PREFECT_API_URL.value():
         return  # Prefect's temporary server (the demo) has no automations: starting one for an event would cost seconds
     try:
-        emit_event(event=event, resource={"prefect.resource.id": resource_id, **labels})
+        sent = emit_event(event=event, resource={"prefect.resource.id": resource_id, **labels}, follows=_last_event.get(resource_id))
     except Exception as err:  # noqa: BLE001 - an alert's event must never stop a training run
         log.warning("could not emit Prefect event %s: %s", event, err)
+        return
+    if sent is not None:
+        _last_event[resource_id] = sent
 
 
 def automations(block_document_id: object, policy: AlertPolicy) -> list:
