@@ -1,5 +1,6 @@
 """infra/ must stay usable: the compose stack parses, prefect.yaml's deployments point at real flows
-with a valid cron schedule, and the work-pool variable files parse."""
+with a valid cron schedule, and the work-pool variable files parse; every command of the README's
+Orchestration section is run as typed by a named test, or says why it cannot run here."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from prefect.client.schemas.schedules import CronSchedule
 from sqlalchemy.engine import make_url
 
 from ddiloco.testing.compose import INFRA, dotenv, render_compose
+from ddiloco.testing.readme import fenced_commands, inline_commands, readme_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,6 +48,66 @@ def test_compose_takes_credentials_from_env_and_gives_prefect_and_the_ledger_the
     assert "--address 0.0.0.0" in dashboard["command"]
     port = dashboard["command"].split("--port ")[1].split()[0]
     assert dashboard["ports"] == [f"{port}:{port}"]
+
+
+def test_the_readmes_env_file_step_gives_compose_every_variable_and_stays_out_of_git(tmp_path):
+    """``cp infra/.env.example infra/.env`` as typed, in a copy of infra/ (it writes infra/.env)."""
+    cmd = readme_command("cp")
+    shutil.copytree(INFRA, tmp_path / "infra")
+    subprocess.run(cmd.argv, cwd=tmp_path, check=True)
+    compose = render_compose(tmp_path / "infra" / ".env")  # a variable compose needs and .env lacks is a KeyError
+    assert compose["services"]["worker-us"]["environment"]["DDILOCO_LEDGER__URL"].startswith("postgresql+psycopg://")
+    assert "infra/.env" in (ROOT / ".gitignore").read_text().splitlines()  # the README says git-ignored
+
+
+NEEDS_DOCKER = "not run here: needs a Docker daemon (this machine has none)"
+ORCHESTRATION_COMMANDS = {
+    # The start of a command the README's Orchestration section writes -> the test that runs it as typed (or how it
+    # differs), or why none can.
+    "cp infra/.env.example infra/.env": "test_infra.py::test_the_readmes_env_file_step_gives_compose_every_variable_and_stays_out_of_git",
+    "docker compose -f infra/compose.yaml up": NEEDS_DOCKER + "; each service's command runs as a process in "
+                                                               "test_prefect_integration.py::test_compose_services_come_up_on_one_postgres_in_their_own_databases",
+    "docker compose -f infra/compose.yaml exec worker-us ddiloco deploy":
+        "test_prefect_integration.py::test_the_readmes_three_region_deploy_in_the_worker_environment",
+    "docker compose -f infra/compose.yaml exec worker-us prefect deployment run":
+        "test_prefect_integration.py::test_training_run_from_the_readmes_deployment_run_on_two_region_pools",
+    "prefect work-pool create": "test_prefect_integration.py::test_the_readmes_kubernetes_commands_make_the_region_pools_from_the_template",
+    "ddiloco deploy -c examples/multi-region.yaml --pool-type kubernetes":
+        "test_prefect_integration.py::test_the_readmes_kubernetes_commands_make_the_region_pools_from_the_template",
+    "ddiloco demo": "not run by the suite: the README's 3-minute demo ('Try it'); the flow it runs, a learner killed and relaunched, "
+                    "is test_flows.py::test_training_run_supervises_relaunches_and_finishes",
+    "ddiloco deploy": "test_prefect_integration.py::test_the_readmes_three_region_deploy_in_the_worker_environment",
+    "ddiloco deploy --secret-block": "test_prefect_integration.py::test_deployments_carry_secret_names_and_the_alerts_fire",
+    "ddiloco deploy --notify-block": "test_prefect_integration.py::test_deployments_carry_secret_names_and_the_alerts_fire",
+    "ddiloco config": "test_secrets.py::test_config_command_masks_the_ledger_password_and_store_secrets",
+    "ddiloco ledger upgrade": "test_prefect_integration.py::test_compose_services_come_up_on_one_postgres_in_their_own_databases",
+    "ddiloco ledger roles": "test_ledger_roles.py::test_login_passwords_are_stored_as_scram_verifiers_only (its fixture runs these "
+                            "arguments with a scratch ledger on the local PostgreSQL for db, and a prefix of its own)",
+    "prefect server start": "test_prefect_integration.py::test_compose_services_come_up_on_one_postgres_in_their_own_databases",
+    "prefect deployment run": "test_prefect_integration.py::test_training_run_from_the_readmes_deployment_run_on_two_region_pools",
+    "prefect worker start --pool region-":
+        "test_prefect_integration.py::test_training_run_from_the_readmes_deployment_run_on_two_region_pools",
+    "docker build": NEEDS_DOCKER,
+    "docker compose": NEEDS_DOCKER,
+    "DDILOCO_IMAGE=": NEEDS_DOCKER + ", nor prefect-docker and a registry to push to",
+    "prefect deploy --all": NEEDS_DOCKER + ", nor prefect-docker and a registry to push to",
+}
+
+
+def test_every_orchestration_command_of_the_readme_has_a_test_or_says_why_not():
+    commands = [c.line for c in fenced_commands()] + inline_commands()
+    used = set()
+    for command in commands:
+        keys = [k for k in ORCHESTRATION_COMMANDS if command.startswith(k)]
+        assert keys, f"README command {command!r} has no test: run it as typed in one, and name that test here"
+        used.add(max(keys, key=len))
+    assert used == set(ORCHESTRATION_COMMANDS), f"no longer in the README: {set(ORCHESTRATION_COMMANDS) - used}"
+    for key in used:
+        where = ORCHESTRATION_COMMANDS[key]
+        if where.startswith("not run"):
+            continue
+        path, name = where.split(" ", 1)[0].split("::")
+        assert f"\ndef {name}(" in (ROOT / "tests" / path).read_text(), f"{key!r}: {where} does not exist"
 
 
 def test_prefect_yaml_deployments_resolve_to_flows_and_the_cron_is_valid():

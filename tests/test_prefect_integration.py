@@ -1,7 +1,8 @@
 """The real thing, as infra/compose.yaml runs it: a Prefect server on PostgreSQL (its own database,
 beside the ledger's on the same server), work pools from infra/work-pools' templates, deployments that
-carry secret names and never values, the alerts' automations firing a real notification, and a
-training-run triggered through the API exactly as the UI's Run button does.
+carry secret names and never values, each of the alerts' automations firing a real notification, and a
+training-run triggered with ``prefect deployment run``. The README's Orchestration commands run as its
+text writes them (ddiloco.testing.readme reads them from the README).
 
 One Prefect server serves the module. Docker cannot run here (no daemon), so the compose services'
 commands run as processes, with the compose file's own URLs pointed at this machine's PostgreSQL and S3."""
@@ -10,14 +11,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
-import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -29,15 +31,20 @@ from typer.testing import CliRunner
 from ddiloco.cli import app
 from ddiloco.platform.ledger import open_ledger, session_factory
 from ddiloco.platform.ledger import queries as q
-from ddiloco.testing.compose import INFRA, localize_url, render_compose, service_command
-from ddiloco.testing.net import free_port
+from ddiloco.testing.compose import INFRA, dotenv, localize_url, render_compose, service_command
+from ddiloco.testing.net import Webhook, free_port
 from ddiloco.testing.postgres import scratch_database
 from ddiloco.testing.prefect import PrefectServer, healthy, prefect_server
 from ddiloco.testing.processes import stop_processes, write_config
+from ddiloco.testing.readme import README, readme_command
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.responses import DeploymentResponse
 
 pytestmark = [pytest.mark.slow, pytest.mark.postgres]
 
 PASSWORD = "pw-planted-in-the-block-5e2d"
+ROOT = README.parent
 
 
 @dataclass
@@ -143,93 +150,184 @@ def test_region_pools_from_the_templates_are_accepted_by_the_server(stack):
         ensure_pool("tpl-broken", "kubernetes", broken)
 
 
-def test_the_readmes_work_pool_command_takes_the_kubernetes_template(stack, tmp_path):
-    """The README's own command line, as a user types it: ``prefect work-pool create ... --base-job-template``."""
+REGIONS = ("us", "eu", "asia")
+"""examples/multi-region.yaml's regions, which the README's commands make pools for."""
+
+
+def delete_region_pools() -> None:
+    """No ``region-*`` pools of the README's regions, as on a fresh server."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        for region in REGIONS:
+            try:
+                client.delete_work_pool(f"region-{region}")
+            except ObjectNotFound:
+                pass
+
+
+def test_the_readmes_kubernetes_commands_make_the_region_pools_from_the_template(stack, tmp_path, monkeypatch):
+    """The README's cloud-pool commands as typed: ``prefect work-pool create region-us --type kubernetes
+    --base-job-template …`` through Prefect's CLI, then ``ddiloco deploy … --pool-type kubernetes --base-job-template …``,
+    which makes the other regions' pools from the same template (pools need no cluster; only their workers do)."""
     from prefect.client.orchestration import get_client
 
     from ddiloco.flows.deploy import read_job_template
 
-    path = INFRA / "work-pools" / "kubernetes.json"
-    proc = stack.server.spawn([sys.executable, "-m", "prefect", "work-pool", "create", "region-cli", "--type", "kubernetes",
-                               "--base-job-template", str(path)], tmp_path / "work-pool-create.log")
-    assert proc.wait(timeout=120) == 0, (tmp_path / "work-pool-create.log").read_text()[-2000:]
-    with get_client(sync_client=True) as client:
-        pool = client.read_work_pool("region-cli")
-    assert pool.type == "kubernetes" and pool.base_job_template == read_job_template(path)
+    create = readme_command("prefect", "work-pool", "create")
+    deploy_k8s = readme_command("ddiloco", "deploy", "-c", "examples/multi-region.yaml", "--pool-type")
+    template = read_job_template(INFRA / "work-pools" / "kubernetes.json")
+    delete_region_pools()
+    try:
+        proc = stack.server.spawn([sys.executable, "-m", *create.argv], tmp_path / "work-pool-create.log", cwd=ROOT)
+        assert proc.wait(timeout=120) == 0, (tmp_path / "work-pool-create.log").read_text()[-2000:]
+        monkeypatch.chdir(ROOT)  # the README's paths are relative to a checkout
+        out = CliRunner().invoke(app, deploy_k8s.argv[1:])
+        assert out.exit_code == 0, out.output
+        with get_client(sync_client=True) as client:
+            pools = {p.name: p for p in client.read_work_pools()}
+            asia = client.read_deployment_by_name("ddiloco-learner/learner-asia")
+        for region in REGIONS:
+            assert pools[f"region-{region}"].type == "kubernetes", region
+            assert pools[f"region-{region}"].base_job_template == template, region
+        assert asia.work_pool_name == "region-asia"
+    finally:
+        delete_region_pools()  # the module's other tests deploy these regions on process pools
 
 
-class Webhook:
-    """A local HTTP endpoint that records what a notification block posts to it."""
-
-    def __init__(self) -> None:
-        received = self.received = []
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - the http.server name
-                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
-def test_deployments_carry_secret_names_and_the_alerts_fire(stack, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def ops(stack) -> Iterator[Webhook]:
+    """The notification block the README's deploy names, ``custom-webhook/ops``, posting to a local webhook."""
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
-    from prefect.blocks.system import Secret
-    from prefect.client.orchestration import get_client
-
-    from ddiloco.flows import alerts
-    from ddiloco.flows.deploy import deploy
 
     hook = Webhook()
     CustomWebhookNotificationBlock(name="ops", url=hook.url, allow_private_urls=True,
                                    json_data={"subject": "{{subject}}", "body": "{{body}}"}).save("ops", overwrite=True)
+    yield hook
+    hook.close()
+
+
+def deployment_text(d: DeploymentResponse) -> str:
+    """What a deployment stores that a worker hands to its flow runs."""
+    return json.dumps({"job_variables": d.job_variables, "parameters": d.parameters, "pull_steps": d.pull_steps})
+
+
+def deployments_by_name() -> dict[str, DeploymentResponse]:
+    """The server's deployments by ``flow/deployment`` name, as ``prefect deployment run`` names them."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return {f"{client.read_flow(d.flow_id).name}/{d.name}": d for d in client.read_deployments()}
+
+
+def test_the_readmes_three_region_deploy_in_the_worker_environment(stack, ops, s3_endpoint, monkeypatch):
+    """``docker compose … exec worker-us ddiloco deploy -c examples/multi-region.yaml --cron … --notify-block
+    custom-webhook/ops`` as typed, in worker-us's environment (its credentials): a process pool per region, the
+    deployments, the nightly schedule and the three alerts; no credential in a deployment or the output. In this
+    process (the ``ddiloco`` command's own app): a fresh one would spend 10-30 s importing on 2 busy cores."""
+    from prefect.client.orchestration import get_client
+
+    from ddiloco.flows import alerts
+
+    cmd = readme_command("ddiloco", "deploy", "-c", "examples/multi-region.yaml", "--cron")
+    assert cmd.service == "worker-us"
+    credentials = [v for k, v in dotenv(INFRA / ".env.example").items() if k.endswith(("PASSWORD", "SECRET_KEY"))]
+    env = compose_env(stack, cmd.service, s3_endpoint)
+    assert all(any(c in v for v in env.values()) for c in credentials)  # the worker holds them: they must not spread
+    delete_region_pools()
+    monkeypatch.chdir(ROOT)  # the README's paths are relative to a checkout, as in the image's /app
+    result = CliRunner().invoke(app, cmd.argv[1:], env=env)
+    output = result.output
+    assert result.exit_code == 0, output
+    assert "work pools: region-us, region-eu, region-asia" in output and "-> custom-webhook/ops" in output, output
+    deployments = deployments_by_name()
+    with get_client(sync_client=True) as client:
+        pools = {p.name: p.type for p in client.read_work_pools()}
+        automations = {a.name: a for a in client.read_automations() if a.name.startswith(alerts.PREFIX)}
+        block = client.read_block_document_by_name(name="ops", block_type_slug="custom-webhook")
+    assert {pools[f"region-{r}"] for r in REGIONS} == {"process"}
+    assert {f"ddiloco-learner/learner-{r}" for r in REGIONS} <= set(deployments)
+    nightly = deployments["ddiloco-training-run/training-run"]
+    assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
+    assert nightly.parameters["config"]["name"] == "multi-region" and nightly.work_pool_name == "region-us"
+    assert len(automations) == 3
+    assert {a.actions[0].block_document_id for a in automations.values()} == {block.id}
+    for name, d in deployments.items():
+        assert not [c for c in credentials if c in deployment_text(d)], f"deployment {name} holds a credential"
+    assert not [c for c in credentials if c in output]
+
+
+def test_deployments_carry_secret_names_and_the_alerts_fire(stack, ops, tmp_path, monkeypatch):
+    """Deployments name Secret blocks, never values; each of the three automations fires into the notification block
+    on the events or state that trigger it for real (the supervisor's events through ``alerts.emit``, a flow run Crashed)."""
+    from prefect.blocks.system import Secret
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    from ddiloco.flows import alerts
+    from ddiloco.flows.deploy import deploy
+    from ddiloco.flows.training import training_run
+
     ledger_url = f"postgresql+psycopg://ddiloco:{PASSWORD}@db.internal:5432/ddiloco"
     Secret(value=ledger_url).save("ddiloco-ledger-url", overwrite=True)
     cfg = tiny_config(name="alerts", ledger={"url": ledger_url}, storage={"url": "s3://ddiloco-runs/run", "secrets": {"secret": PASSWORD}})
     plan = deploy(cfg, secret_blocks={"DDILOCO_LEDGER__URL": "ddiloco-ledger-url"}, notify_block="custom-webhook/ops",
                   alert_policy=alerts.AlertPolicy(stall_minutes=30, relaunches_per_hour=1))
     assert len(plan.automations) == 3
+    deployments = deployments_by_name()
     with get_client(sync_client=True) as client:
-        deployments = client.read_deployments()
         automations = {a.name: a for a in client.read_automations()}
-    assert len(deployments) >= 3
-    for d in deployments:
-        stored = json.dumps({"job_variables": d.job_variables, "parameters": d.parameters, "pull_steps": d.pull_steps})
-        assert PASSWORD not in stored, f"deployment {d.name} holds the password"
+    assert len(plan.deployments) >= 3 and set(plan.deployments) <= set(deployments)
+    for name, d in deployments.items():
+        assert PASSWORD not in deployment_text(d), f"deployment {name} holds the password"
+    for d in (deployments[name] for name in plan.deployments):
         assert d.job_variables["env"]["DDILOCO_LEDGER__URL"] == "{{ prefect.blocks.secret.ddiloco-ledger-url }}"
         assert d.job_variables["env"]["PREFECT_LOGGING_EXTRA_LOGGERS"] == "ddiloco"
     assert set(plan.automations) <= set(automations)
-    # Again through the CLI, the password in its environment: the automations are updated in place, not doubled.
+    # Again through the CLI, the password in its environment: the automations are updated in place, not doubled,
+    # with a stall window of 12 s so that alert can fire within the test (Prefect's shortest proactive window is 10 s).
     monkeypatch.setenv("DDILOCO_LEDGER__URL", ledger_url)
     out = CliRunner().invoke(app, ["deploy", "-c", str(write_config(cfg, tmp_path / "alerts.yaml")), "--cron", "0 2 * * *",
                                    "--secret-block", "DDILOCO_LEDGER__URL=ddiloco-ledger-url", "--notify-block", "custom-webhook/ops",
-                                   "--stall-minutes", "30", "--relaunches-per-hour", "1"])
+                                   "--stall-minutes", "0.2", "--relaunches-per-hour", "1"])
     assert out.exit_code == 0, out.output
     assert "alerts: ddiloco: no new global version" in out.output and PASSWORD not in out.output
     with get_client(sync_client=True) as client:
         assert len([a for a in client.read_automations() if a.name.startswith(alerts.PREFIX)]) == 3
-        deployments = client.read_deployments()
-    assert not [d.name for d in deployments if PASSWORD in json.dumps({"v": d.job_variables, "p": d.parameters})]
+    assert not [name for name, d in deployments_by_name().items() if PASSWORD in deployment_text(d)]
 
+    # No new version: a run that published once and then nothing fires; a run that finished does not.
+    stalled, finished = (alerts.RUN_RESOURCE.format(run_id=r) for r in ("alerts-stalled", "alerts-finished"))
+    for event, run in (("ddiloco.run.started", finished), ("ddiloco.run.finished", finished),
+                       ("ddiloco.run.started", stalled), ("ddiloco.version.published", stalled)):
+        alerts.emit(event, run)
+    # Relaunched repeatedly: one more relaunch of a learner within the hour than the policy allows.
     learner = alerts.LEARNER_RESOURCE.format(run_id="alerts", learner_id="eu-0")
-    for _ in range(2):  # one more relaunch within the hour than the policy allows
+    for _ in range(2):
         alerts.emit("ddiloco.learner.relaunched", learner, **{"ddiloco.run": "alerts"})
-    got = wait_for(lambda: [m for m in hook.received if "relaunched repeatedly" in m["subject"]], 90, "the relaunch alert's notification")
-    assert learner in got[0]["body"]
-    hook.server.shutdown()
+    # Crashed: the state a worker reports when a flow run's process dies, here set through the API.
+    with get_client(sync_client=True) as client:
+        crashed = client.create_flow_run(training_run, name="alerts-crashed-run")
+        client.set_flow_run_state(crashed.id, Crashed(message="process exited with SIGKILL"), force=True)
+
+    got = wait_for(lambda: ops.posts(subject="relaunched repeatedly", body=learner), 90, "the relaunch alert's notification")
+    assert len(got) == 1
+    wait_for(lambda: ops.posts(subject="flow run crashed", body="alerts-crashed-run"), 90, "the crash alert's notification")
+    wait_for(lambda: ops.posts(subject="no new global version", body=stalled), 90, "the stall alert's notification")
+    assert not ops.posts(subject="no new global version", body=finished)  # its window closed no later than the stalled one's
 
 
-def test_training_run_from_the_api_on_two_region_pools(stack, tmp_path):
+def test_training_run_from_the_readmes_deployment_run_on_two_region_pools(stack, ops, tmp_path):
+    """``prefect deployment run ddiloco-training-run/training-run`` as the README types it, through Prefect's CLI; a
+    worker per region pool runs the learners; a learner SIGKILLed is relaunched, and its crash and relaunch reach the
+    alerts' notification block from the real worker and supervisor."""
     from prefect.blocks.system import Secret
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
+    from ddiloco.flows import alerts
     from ddiloco.flows.deploy import deploy
 
     cfg = tiny_config(
@@ -245,20 +343,23 @@ def test_training_run_from_the_api_on_two_region_pools(stack, tmp_path):
     )
     # The ledger URL is a secret: the deployments name its block, the workers read it when they start a flow run.
     Secret(value=cfg.ledger.url.get_secret_value()).save("pools-ledger-url", overwrite=True)
-    plan = deploy(cfg, secret_blocks={"DDILOCO_LEDGER__URL": "pools-ledger-url"})
+    # Alert on any relaunch: the one this test causes must reach the webhook.
+    plan = deploy(cfg, secret_blocks={"DDILOCO_LEDGER__URL": "pools-ledger-url"}, notify_block="custom-webhook/ops",
+                  alert_policy=alerts.AlertPolicy(relaunches_per_hour=0))
     assert plan.pools == ["region-us", "region-eu"]
     workers = [stack.server.spawn([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"],
                                   tmp_path / f"worker-{pool}.log", cwd=tmp_path) for pool in plan.pools]
-    parameters = {
-        "config": cfg.model_dump(mode="json", exclude={"ledger", "storage"}),
-        "launcher": "work-pools",
-        "run_id": "pools",
-        "seconds": 30.0,
-    }
-    triggered = time.time()
+    run_command = readme_command("prefect", "deployment", "run")
     with get_client(sync_client=True) as client:
-        deployment = client.read_deployment_by_name("ddiloco-training-run/training-run")
-        flow_run = client.create_flow_run_from_deployment(deployment.id, parameters=parameters)
+        deployment = client.read_deployment_by_name(run_command.argv[-1])
+        assert deployment.parameters == {"config": cfg.model_dump(mode="json", exclude={"ledger", "storage"}), "launcher": "work-pools"}
+        # A default a user can set in the UI: the run is time-boxed, so the killed learner's relaunch is inside it.
+        client.update_deployment(deployment.id, DeploymentUpdate(parameters={**deployment.parameters, "seconds": 30.0}))
+    triggered = time.time()
+    cli = subprocess.run([sys.executable, "-m", *run_command.argv], env=stack.server.env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", cli.stdout).group(1)
     engine = open_ledger(cfg.ledger.url)
     sessions = session_factory(engine)
 
@@ -286,7 +387,7 @@ def test_training_run_from_the_api_on_two_region_pools(stack, tmp_path):
 
     def finished():
         with get_client(sync_client=True) as client:
-            state = client.read_flow_run(flow_run.id).state
+            state = client.read_flow_run(flow_run_id).state
         return state if state and state.is_final() else None
 
     state = wait_for(finished, 300, "the training run to finish")
@@ -297,6 +398,10 @@ def test_training_run_from_the_api_on_two_region_pools(stack, tmp_path):
         acct = q.token_accounting(s, "pools")
     assert run.status == "finished"
     assert "learner_relaunched" in kinds
+    # The worker reported the killed learner's flow run Crashed and the supervisor relaunched it: both alerts fired.
+    wait_for(lambda: ops.posts(subject="flow run crashed", body=f"pools-{victim.id}"), 60, "the crash alert for the killed learner")
+    relaunched_learner = alerts.LEARNER_RESOURCE.format(run_id="pools", learner_id=victim.id)
+    wait_for(lambda: ops.posts(subject="relaunched repeatedly", body=relaunched_learner), 60, "the relaunch alert for the killed learner")
     with get_client(sync_client=True) as client:
         learner_runs = [r.id for r in client.read_flow_runs() if r.name.startswith("pools-us-")]
         logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=learner_runs)))

@@ -1,10 +1,13 @@
-"""Ports and waits: a free loopback port, and polling a condition with a deadline."""
+"""Ports and waits: a free loopback port, polling a condition with a deadline, and a local webhook that records what is posted to it."""
 
 from __future__ import annotations
 
+import json
 import socket
+import threading
 import time
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -57,3 +60,32 @@ def wait_for(
     if not value:
         raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
     return value
+
+
+class Webhook:
+    """A local HTTP endpoint that records the JSON bodies posted to it (e.g. by a notification block)."""
+
+    def __init__(self) -> None:
+        received: list[dict] = []
+        self.received = received
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - the http.server name
+                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def posts(self, **contains: str) -> list[dict]:
+        """The bodies so far whose every named field contains the given text."""
+        return [body for body in list(self.received) if all(text in str(body.get(k, "")) for k, text in contains.items())]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
