@@ -3,6 +3,7 @@ evaluations of published versions on its own cadence, in its own OS process."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +17,10 @@ from ddiloco.inprocess import SimClock, in_memory_config, sim_learner, sim_step
 from ddiloco.platform import spans
 from ddiloco.platform.ledger import open_ledger
 from ddiloco.platform.ledger import queries as q
-from ddiloco.platform.runtime import RunContext, to_datetime
+from ddiloco.platform.runtime import RunContext, to_datetime, to_timestamp
 from ddiloco.synchronizer.evaluation import evaluate_global, newest_params
 from ddiloco.synchronizer.evaluator import Evaluator
+from ddiloco.synchronizer.series import TENSORBOARD_ENV, TensorBoardSeries, series_from_env
 from ddiloco.synchronizer.service import Synchronizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +32,16 @@ SECTIONS = dict(
 )
 
 
-def test_the_synchronizer_pass_never_evaluates_and_the_evaluator_records_published_versions() -> None:
+def scalars(logdir: Path) -> dict[str, list[tuple[int, float, float]]]:
+    """The TensorBoard scalars under ``logdir``: tag -> [(step, value, wall time)], as TensorBoard reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    return {tag: [(e.step, e.value, e.wall_time) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_the_synchronizer_pass_never_evaluates_and_the_evaluator_records_published_versions(tmp_path: Path) -> None:
     cfg = in_memory_config(tiny_config(name="evaluator", **SECTIONS))
     clock = SimClock()
     ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
@@ -43,7 +54,7 @@ def test_the_synchronizer_pass_never_evaluates_and_the_evaluator_records_publish
             clock.t += 1.0
             sim_step(learner, clock.t)
             sync.poll_once(clock.t)
-    evaluator = Evaluator(ctx)
+    evaluator = Evaluator(ctx, series=TensorBoardSeries(tmp_path / "tb"))
     with ctx.reading() as s:
         assert q.evaluations(s, ctx.run_id) == []
         published = q.latest_version_numbers(s, ctx.run_id)
@@ -65,6 +76,12 @@ def test_the_synchronizer_pass_never_evaluates_and_the_evaluator_records_publish
     assert evals[1].versions_total > evals[0].versions_total and evals[1].tokens > evals[0].tokens
     # What it recorded is the newest published model's loss.
     assert later == pytest.approx(evaluate_global(cfg, newest_params(ctx))[0], rel=1e-6)
+    # And the same series went to TensorBoard, against the tokens merged, at the evaluations' times.
+    series = scalars(tmp_path / "tb")
+    assert [(step, pytest.approx(value)) for step, value, _ in series["eval/val_loss"]] == [(e.tokens, e.val_loss) for e in evals]
+    assert [(step, value) for step, value, _ in series["eval/versions_total"]] == [(e.tokens, e.versions_total) for e in evals]
+    assert [at for _, _, at in series["eval/val_loss"]] == pytest.approx([to_timestamp(e.at) for e in evals])
+    assert "eval/val_accuracy" not in series and all(e.val_accuracy is None for e in evals)  # a language model has none
 
 
 def test_the_evaluator_refuses_a_cadence_that_is_not_positive_and_a_device_that_is_no_device() -> None:
@@ -98,8 +115,27 @@ def test_ddiloco_evaluate_is_its_own_process_and_stops_when_the_run_has_ended(tm
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     proc = subprocess.run([sys.executable, "-m", "ddiloco", "evaluate", "--config", str(config), "--run", cfg.name],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+                          env={**os.environ, TENSORBOARD_ENV: str(tmp_path / "tb")})
     assert proc.returncode == 0, proc.stderr[-2000:]
     with ctx.reading() as s:
         evals = q.evaluations(s, ctx.run_id)
     assert len(evals) == 1 and evals[0].versions_total == 0  # version 0 of every fragment, evaluated once
+    # DDILOCO_TENSORBOARD_DIR: the process wrote that evaluation to TensorBoard under the run's name.
+    assert [(step, pytest.approx(value)) for step, value, _ in scalars(tmp_path / "tb" / cfg.name)["eval/val_loss"]] == [
+        (evals[0].tokens, evals[0].val_loss)]
+
+
+def test_the_tensorboard_series_follows_its_variable_and_names_a_missing_package(monkeypatch, tmp_path: Path) -> None:
+    assert series_from_env("r", {}) is None and series_from_env("r", {TENSORBOARD_ENV: ""}) is None
+    series = series_from_env("r", {TENSORBOARD_ENV: str(tmp_path / "tb")})
+    series.add(tokens=4096, versions_total=3, val_loss=1.5, val_accuracy=0.25, at=1.7e9)
+    series.close()
+    assert scalars(tmp_path / "tb" / "r") == {"eval/val_loss": [(4096, 1.5, 1.7e9)], "eval/val_accuracy": [(4096, 0.25, 1.7e9)],
+                                              "eval/versions_total": [(4096, 3.0, 1.7e9)]}
+    with pytest.raises(ValueError, match="run id '../r' is not a valid id"):
+        series_from_env("../r", {TENSORBOARD_ENV: str(tmp_path / "tb")})
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if tensorboard were not installed
+    with pytest.raises(ValueError, match=r"DDILOCO_TENSORBOARD_DIR is set .* pip install 'ddiloco\[tensorboard\]'"):
+        series_from_env("r", {TENSORBOARD_ENV: str(tmp_path / "none")})
+    assert not (tmp_path / "none").exists()

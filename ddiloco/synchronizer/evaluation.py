@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +17,9 @@ from ddiloco.platform.run_state import read_version
 from ddiloco.platform.runtime import RunContext, to_datetime
 from ddiloco.platform.spans import span
 from ddiloco.synchronizer.merge import GlobalFragment
+
+if TYPE_CHECKING:
+    from ddiloco.synchronizer.series import TensorBoardSeries
 
 
 def newest_params(ctx: RunContext, cache: Mapping[int, GlobalFragment] | None = None) -> dict[str, torch.Tensor]:
@@ -70,8 +74,10 @@ def evaluate_and_record(
     *,
     cache: Mapping[int, GlobalFragment] | None = None,
     model: torch.nn.Module | None = None,
+    series: TensorBoardSeries | None = None,
 ) -> tuple[float, float | None]:
-    """Evaluate the newest global model and record the result (with the merged tokens) in the ledger."""
+    """Evaluate the newest global model and record the result (with the merged tokens) in the ledger,
+    and in ``series`` once recorded."""
     with span("sync.eval"):
         loss, acc = evaluate_global(ctx.cfg, newest_params(ctx, cache), model=model)
         with ctx.transaction() as s:
@@ -80,4 +86,6 @@ def evaluate_and_record(
             q.record_evaluation(
                 s, ctx.run_id, now=to_datetime(now), tokens=acct.merged, versions_total=versions, val_loss=loss, val_accuracy=acc
             )
+    if series is not None:
+        series.add(tokens=acct.merged, versions_total=versions, val_loss=loss, val_accuracy=acc, at=now)
     return loss, acc

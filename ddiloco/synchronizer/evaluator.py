@@ -6,7 +6,8 @@ each result in the ledger as evaluations have always been recorded (the dashboar
 summary read them). The synchronizer never evaluates: at real model sizes an evaluation takes
 minutes, which inside a merge pass would stall merges and trip the synchronizer's watchdog.
 
-Several evaluators on one run each record what they evaluate; one per run is the intended setup."""
+Several evaluators on one run each record what they evaluate; one per run is the intended setup.
+With ``DDILOCO_TENSORBOARD_DIR`` set, each evaluation also goes to TensorBoard (``series``)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.models import build_model
 from ddiloco.platform.runtime import RunContext
 from ddiloco.synchronizer.evaluation import evaluate_and_record
+from ddiloco.synchronizer.series import TensorBoardSeries, series_from_env
 
 log = logging.getLogger("ddiloco.evaluator")
 
@@ -26,8 +28,12 @@ log = logging.getLogger("ddiloco.evaluator")
 class Evaluator:
     """Evaluates newly published versions on its own cadence; holds no training state."""
 
-    def __init__(self, ctx: RunContext, *, every_s: float | None = None, device: str = "cpu") -> None:
+    def __init__(
+        self, ctx: RunContext, *, every_s: float | None = None, device: str = "cpu", series: TensorBoardSeries | None = None
+    ) -> None:
         self.ctx = ctx
+        self.series = series
+        """Where each evaluation also goes once recorded (TensorBoard), if anywhere."""
         self.every_s = ctx.cfg.synchronizer.eval_every_s if every_s is None else every_s
         if not self.every_s > 0:
             raise ValueError(f"the evaluator's cadence must be > 0 seconds, got {self.every_s}")
@@ -57,7 +63,7 @@ class Evaluator:
         versions = self.published()
         if not versions or versions == self.evaluated:
             return None
-        result = evaluate_and_record(self.ctx, self.ctx.now() if now is None else now, model=self.model)
+        result = evaluate_and_record(self.ctx, self.ctx.now() if now is None else now, model=self.model, series=self.series)
         self.evaluated = versions
         log.info("evaluated versions %s: val loss %.4f", sum(versions.values()), result[0])
         return result
@@ -96,5 +102,11 @@ def run_evaluator(ctx: RunContext, stop: threading.Event | None = None, device: 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
-    log.info("evaluator started for run %s (every %.0fs)", ctx.run_id, ctx.cfg.synchronizer.eval_every_s)
-    return Evaluator(ctx, device=device).run(stop)
+    series = series_from_env(ctx.run_id)
+    log.info("evaluator started for run %s (every %.0fs%s)", ctx.run_id, ctx.cfg.synchronizer.eval_every_s,
+             f", TensorBoard series in {series.logdir}" if series else "")
+    try:
+        return Evaluator(ctx, device=device, series=series).run(stop)
+    finally:
+        if series is not None:
+            series.close()
