@@ -20,7 +20,7 @@ from rich.table import Table
 from ddiloco.platform.config import ChaosEvent, RunConfig, build_config
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.runtime import RunContext
-from ddiloco.platform.summary import RunSummary, run_summary
+from ddiloco.platform.summary import RunSummary, breakdown_line, run_summary
 
 PREFECT_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -168,6 +168,10 @@ def summary_table(result: RunSummary) -> Table:
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     table.add_row("validation loss start -> end", f"{fmt(result.val_loss_start)} -> {fmt(result.val_loss_end)}")
     table.add_row("goodput", f"{result.goodput:.1%}")
+    table.add_row(
+        "  of the availability bound", f"{result.goodput_of_bound:.1%} (learners available {result.availability_bound:.1%} of the time)"
+    )
+    table.add_row("  learner-seconds by where they went", breakdown_line(result))
     table.add_row("longest gap between versions", f"{result.longest_version_gap_s:.1f} s")
     less = f" ({result.bytes_data_parallel / result.bytes_sent:.0f}x less)" if result.bytes_sent else ""
     table.add_row("bytes sent vs data-parallel", f"{result.bytes_sent / 1e6:.1f} MB vs {result.bytes_data_parallel / 1e6:.1f} MB{less}")

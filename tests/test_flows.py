@@ -112,6 +112,14 @@ def test_training_run_supervises_relaunches_and_finishes(prefect_harness, tmp_pa
     assert kinds["chaos"].startswith("SIGKILL learner eu-0")
     # The supervisor saw the process end and relaunched it (rejoining is covered in test_processes).
     assert kinds["learner_relaunched"] == "eu-0: its process or flow run ended"
+    # It recorded each launch and the exit it saw, the timeline the summary accounts the learners' seconds by.
+    exits = [(e.actor, e.detail) for e in events if e.kind == q.LEARNER_EXITED]
+    launches = sorted((e.at, e.actor) for e in events if e.kind == q.LEARNER_LAUNCHED)
+    assert exits == [("eu-0", "its process or flow run ended")]
+    assert sorted(a for _, a in launches) == ["eu-0", "eu-0", "us-0"]
+    exited_at = next(e.at for e in events if e.kind == q.LEARNER_EXITED)
+    assert launches[0][0] < exited_at <= launches[-1][0] and launches[-1][1] == "eu-0"
+    assert sum(summary["time_breakdown"].values()) == pytest.approx(summary["learner_s"])
     with get_client(sync_client=True) as client:
         keys = {a.key for a in client.read_artifacts()}
     assert "summary-flowrun" in keys and "loss-flowrun" in keys

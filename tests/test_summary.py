@@ -12,8 +12,8 @@ from ddiloco.platform.config import DataConfig, ModelConfig, build_config, token
 from ddiloco.platform.data import build_dataset
 from ddiloco.platform.ledger import open_ledger, session_factory
 from ddiloco.platform.ledger import queries as q
-from ddiloco.platform.ledger.queries import RunAggregates, TokenAccounting
-from ddiloco.platform.summary import DP_BYTES_PER_PARAM, run_summary, summarize
+from ddiloco.platform.ledger.queries import EXITED, JOINED, LAUNCHED, READY, SILENT, Moment, RunAggregates, TokenAccounting
+from ddiloco.platform.summary import DP_BYTES_PER_PARAM, TIME_BUCKETS, breakdown_line, learner_states, run_summary, summarize
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 GPT = {"kind": "gpt", "seq_len": 64}
@@ -68,6 +68,66 @@ def test_goodput_is_the_merged_share_times_the_busy_share():
     # Busier than allocated (clock skew) caps at 1; nothing trained is no goodput.
     assert summarize(aggregates(busy_s=500.0), at(100)).goodput == pytest.approx(0.64)
     assert summarize(aggregates(tokens=TokenAccounting(0, 0, 0, 0, 0, 0)), at(100)).goodput == 0.0
+
+
+def test_without_timelines_every_second_not_busy_is_idle_and_busy_seconds_split_by_token_fate():
+    s = summarize(aggregates(), at(100))
+    # 150 busy of 200 learner-seconds; of 6400 tokens 4096 merged, 1024 rejected, 512 lost, 256 + 512 pending or unsent.
+    assert s.learner_s == 200.0
+    assert s.time_breakdown == pytest.approx(
+        {"merged": 96.0, "down": 0.0, "start_up": 0.0, "restart": 0.0, "idle": 50.0, "rejected": 24.0, "lost": 12.0, "unmerged": 18.0}
+    )
+    assert list(s.time_breakdown) == list(TIME_BUCKETS)
+    assert (s.availability_bound, s.goodput_of_bound) == (1.0, pytest.approx(s.goodput))
+    # Busy seconds with nothing trained merged nothing.
+    assert summarize(aggregates(tokens=TokenAccounting(0, 0, 0, 0, 0, 0)), at(100)).time_breakdown["unmerged"] == 150.0
+
+
+def moments(*pairs: tuple[float, str]) -> list[Moment]:
+    return [Moment(at(t), kind) for t, kind in pairs]
+
+
+def test_a_learners_seconds_follow_its_launches_first_steps_and_exits():
+    # Launched at 0, joined at 4, first step at 5; killed at 40, relaunched at 60, registered at 63, stepping from 64.
+    timeline = moments((0, LAUNCHED), (4, JOINED), (5, READY), (40, EXITED), (60, LAUNCHED), (63, JOINED), (64, READY))
+    assert learner_states(timeline, at(0), at(100)) == {"start_up": 5.0, "up": 71.0, "down": 20.0, "restart": 4.0}
+    # Only [start, end] counts: a run summarised at 50 s has seen 10 s of the outage.
+    assert learner_states(timeline, at(0), at(50)) == {"start_up": 5.0, "up": 35.0, "down": 10.0, "restart": 0.0}
+    # Its last heartbeat (38) ends it only when no exit was seen: the exit at 40 wins; without it, it went silent at 38.
+    with_silence = sorted(timeline + moments((38, SILENT)), key=lambda m: m.at)
+    assert learner_states(with_silence, at(0), at(100))["down"] == 20.0
+    silent = moments((0, LAUNCHED), (4, JOINED), (5, READY), (38, SILENT), (60, LAUNCHED), (63, JOINED), (64, READY))
+    assert learner_states(silent, at(0), at(100)) == {"start_up": 5.0, "up": 69.0, "down": 22.0, "restart": 4.0}
+    # No launches recorded (a learner started by hand): down until its replacement registered, restart until it stepped.
+    by_hand = moments((4, JOINED), (5, READY), (38, SILENT), (63, JOINED), (64, READY))
+    assert learner_states(by_hand, at(0), at(100)) == {"start_up": 5.0, "up": 69.0, "down": 25.0, "restart": 1.0}
+    # A hung learner relaunched without an exit of its own: restarting from the relaunch.
+    hung = moments((0, LAUNCHED), (4, JOINED), (5, READY), (60, LAUNCHED), (63, JOINED), (64, READY))
+    assert learner_states(hung, at(0), at(100)) == {"start_up": 5.0, "up": 91.0, "down": 0.0, "restart": 4.0}
+    # A process that died before its first step and was relaunched is still starting up; one that never got there, all along.
+    failed = moments((0, LAUNCHED), (3, EXITED), (4, LAUNCHED), (9, JOINED), (10, READY))
+    assert learner_states(failed, at(0), at(100)) == {"start_up": 9.0, "up": 90.0, "down": 1.0, "restart": 0.0}
+    assert learner_states(moments((0, LAUNCHED), (4, JOINED)), at(0), at(100))["start_up"] == 100.0
+
+
+def test_the_breakdown_sums_to_the_learner_seconds_and_the_bound_leaves_out_the_down_time():
+    timelines = {
+        "a": moments((0, LAUNCHED), (4, JOINED), (5, READY), (40, EXITED), (60, LAUNCHED), (63, JOINED), (64, READY)),
+        "b": moments((0, LAUNCHED), (2, JOINED), (3, READY)),
+    }
+    agg = aggregates(timelines=timelines, busy_s=155.0, tokens=TokenAccounting(6400, 6400, 0, 0, 0, 0))
+    s = summarize(agg, at(100))
+    # Up 71 + 97 = 168 s, of which 155 stepping (all merged): 13 s idle.
+    assert s.time_breakdown == pytest.approx(
+        {"merged": 155.0, "down": 20.0, "start_up": 8.0, "restart": 4.0, "idle": 13.0, "rejected": 0.0, "lost": 0.0, "unmerged": 0.0}
+    )
+    assert sum(s.time_breakdown.values()) == pytest.approx(s.learner_s) == 200.0
+    assert s.goodput == pytest.approx(155 / 200)
+    assert s.availability_bound == pytest.approx(180 / 200)
+    assert s.goodput_of_bound == pytest.approx(155 / 180)
+    assert breakdown_line(s) == (
+        "merged 155 s (77.5%), down 20 s (10.0%), start-up 8 s (4.0%), restart 4 s (2.0%), idle 13 s (6.5%) of 200 s"
+    )
 
 
 def test_the_longest_gap_counts_from_the_first_merge_to_now_or_the_end():
@@ -148,3 +208,64 @@ def test_a_vision_runs_data_parallel_baseline_counts_examples_not_seq_len(tmp_pa
     # Data-parallel would have sent a float32 gradient of all 1000 parameters at each of the 10 steps.
     assert summary.tokens == 80
     assert summary.bytes_data_parallel == 10 * 1000 * 4
+
+
+def test_a_ledgers_launches_registrations_heartbeats_and_exits_give_the_breakdown(ledger_url):
+    engine = open_ledger(ledger_url)
+    S = session_factory(engine)
+
+    def beat(s, lid: str, incarnation: int, t: float, busy: float) -> None:
+        q.record_heartbeat(s, "r", lid, incarnation, now=at(t), step=int(t), tokens=0, loss=None, tokens_per_s=0.0, step_time_s=0.1,
+                           busy_s=busy)
+
+    with S.begin() as s:
+        q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=10, now=T0)
+        for lid in ("a", "b"):
+            q.record_event(s, "r", q.LEARNER_LAUNCHED, lid, "launched", T0)
+        # b joins at 2 and steps from 3 to the end, 95 s of it busy.
+        q.register_learner(s, "r", "b", "us", at(2))
+        beat(s, "b", 0, 3, 0.0)
+        beat(s, "b", 0, 99, 95.0)
+        # a joins at 4, steps from 5, is last heard of at 38, exits at 40; relaunched at 60, it registers at 63 and steps from 64.
+        q.register_learner(s, "r", "a", "us", at(4))
+        beat(s, "a", 0, 5, 0.0)
+        beat(s, "a", 0, 38, 30.0)
+        q.record_event(s, "r", q.LEARNER_EXITED, "a", "its process or flow run ended", at(40))
+        q.record_event(s, "r", q.LEARNER_LAUNCHED, "a", "relaunched", at(60))
+        q.register_learner(s, "r", "a", "us", at(63))
+        beat(s, "a", 1, 64, 0.0)
+        beat(s, "a", 1, 99, 30.0)
+        q.record_event(s, "r", "learner_dead", "b", "not a timeline event", at(70))
+        q.set_run_status(s, "r", "finished", at(100))
+    with S() as s:
+        summary = run_summary(s, "r", at(1000))
+        timeline = q.run_aggregates(s, "r").timelines["a"]
+    engine.dispose()
+    assert [(m.kind, (m.at - T0).total_seconds()) for m in timeline] == [
+        ("launched", 0.0), ("joined", 4.0), ("ready", 5.0), ("silent", 38.0), ("exited", 40.0), ("launched", 60.0), ("joined", 63.0),
+        ("ready", 64.0),
+    ]
+    # Up 35 + 36 + 97 = 168 s, 155 of them busy; nothing was submitted, so the busy seconds' tokens are all unmerged.
+    assert summary.time_breakdown == pytest.approx(
+        {"merged": 0.0, "down": 20.0, "start_up": 8.0, "restart": 4.0, "idle": 13.0, "rejected": 0.0, "lost": 0.0, "unmerged": 155.0}
+    )
+    assert summary.availability_bound == pytest.approx(0.9)
+
+
+def test_a_ledger_without_launch_events_counts_from_registrations_and_last_heartbeats(tmp_path):
+    engine = open_ledger(f"sqlite:///{tmp_path}/ledger.db")
+    with session_factory(engine).begin() as s:
+        q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=10, now=T0)
+        q.register_learner(s, "r", "a", "us", at(4))
+        for t, inc in ((5, 0), (38, 0), (64, 1), (80, 1)):
+            if t == 64:
+                q.register_learner(s, "r", "a", "us", at(63))
+            q.record_heartbeat(s, "r", "a", inc, now=at(t), step=1, tokens=0, loss=None, tokens_per_s=0.0, step_time_s=0.1)
+        # The learner is dead at the end: down from its last heartbeat (80).
+        s.get(q.Learner, ("r", "a")).status = "dead"
+        q.set_run_status(s, "r", "finished", at(100))
+    with session_factory(engine)() as s:
+        summary = run_summary(s, "r", at(100))
+    engine.dispose()
+    spent = summary.time_breakdown
+    assert (spent["start_up"], spent["down"], spent["restart"], spent["idle"]) == (5.0, 25.0 + 20.0, 1.0, 33.0 + 16.0)

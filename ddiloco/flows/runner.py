@@ -100,7 +100,8 @@ def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext
     learners: dict[str, Handle] = {}
     regions = {lid: region for lid, region, _ in cfg.learners.learner_ids()}
     for lid, region in regions.items():
-        learners[lid] = launcher.start_learner(lid, region)
+        learners[lid] = _launch_learner(ctx, launcher, lid, region, "launched")
+    exited: set[str] = set()  # learners whose current process was seen to end (recorded once)
     schedule = seeded_schedule(cfg, seconds or 0.0)
     published = 0  # global versions published, summed over fragments
     held: dict[str, float] = {}  # learners a chaos kill keeps down until this elapsed time
@@ -132,13 +133,20 @@ def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext
             hb = to_timestamp(row.last_heartbeat_at) if row and row.last_heartbeat_at else None
             if hb is not None and row.started_at and to_timestamp(row.started_at) < h.started_at - 1.0:
                 hb = None  # that heartbeat belongs to the incarnation before the relaunch
-            views.append(LearnerView(lid, launcher.is_running(h), h.started_at, hb))
+            running = launcher.is_running(h)
+            if not running and lid not in exited:
+                exited.add(lid)
+                _record_exit(ctx, lid, "its process or flow run ended")
+            views.append(LearnerView(lid, running, h.started_at, hb))
         decisions = relaunch_decisions(now, views, dead_after_s=lcfg.dead_after_s, startup_grace_s=lcfg.startup_grace_s)
         for lid, reason in decisions.items():
             if held.get(lid, 0.0) > elapsed:
                 continue
+            if lid not in exited:
+                _record_exit(ctx, lid, f"stopped by the supervisor: {reason}")
+            exited.discard(lid)
             launcher.stop(learners[lid], kill=True)
-            learners[lid] = launcher.start_learner(lid, regions[lid])
+            learners[lid] = _launch_learner(ctx, launcher, lid, regions[lid], f"relaunched: {reason}")
             with ctx.transaction() as s:
                 q.record_event(s, run_id, "learner_relaunched", "supervisor", f"{lid}: {reason}", ctx.now_dt())
             log.info("relaunched learner %s: %s", lid, reason)
@@ -160,6 +168,19 @@ def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext
         if budget_reached(acct.merged, cfg.token_budget) or (seconds is not None and t0 is not None and elapsed >= seconds):
             break
         time.sleep(SUPERVISE_EVERY_S)
+
+
+def _launch_learner(ctx: RunContext, launcher: Launcher, lid: str, region: str, why: str) -> Handle:
+    """Start a learner's process and record when (its timeline's launch: see ``summary.time_breakdown``)."""
+    handle = launcher.start_learner(lid, region)
+    with ctx.transaction() as s:
+        q.record_event(s, ctx.run_id, q.LEARNER_LAUNCHED, lid, why, ctx.now_dt())
+    return handle
+
+
+def _record_exit(ctx: RunContext, lid: str, why: str) -> None:
+    with ctx.transaction() as s:
+        q.record_event(s, ctx.run_id, q.LEARNER_EXITED, lid, why, ctx.now_dt())
 
 
 def finish_run(ctx: RunContext) -> RunSummary:

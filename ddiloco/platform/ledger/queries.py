@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
@@ -199,7 +199,7 @@ def register_learner(
             )
         )
         session.flush()
-        record_event(session, run_id, "learner_joined", learner_id, f"region {region}", now)
+        record_event(session, run_id, LEARNER_JOINED, learner_id, f"region {region}", now)
         return 0
     lost = max(0, learner.inc_tokens_trained - learner.inc_tokens_submitted)
     learner.tokens_trained += learner.inc_tokens_trained
@@ -214,7 +214,7 @@ def register_learner(
     learner.last_heartbeat_at = now
     session.flush()
     record_event(
-        session, run_id, "learner_restarted", learner_id, f"incarnation {learner.incarnation}; {lost} unsubmitted tokens lost", now
+        session, run_id, LEARNER_RESTARTED, learner_id, f"incarnation {learner.incarnation}; {lost} unsubmitted tokens lost", now
     )
     return learner.incarnation
 
@@ -1072,6 +1072,14 @@ def mark_blobs_deleted(session: Session, versions: Iterable[FragmentVersion], su
 # --- events and evaluations ----------------------------------------------------------------------
 
 
+LEARNER_JOINED = "learner_joined"
+LEARNER_RESTARTED = "learner_restarted"
+LEARNER_LAUNCHED = "learner_launched"
+"""A supervisor started a learner's process (its actor is the learner)."""
+LEARNER_EXITED = "learner_exited"
+"""A supervisor saw a learner's process end, or ended it (its actor is the learner)."""
+
+
 def record_event(session: Session, run_id: str, kind: str, actor: str | None, detail: str, now: datetime) -> None:
     session.add(Event(run_id=run_id, at=now, kind=kind, actor=actor, detail=detail))
 
@@ -1185,6 +1193,8 @@ class RunAggregates:
     learners: int
     busy_s: float
     """Learner time spent training, summed over learners."""
+    timelines: dict[str, list[Moment]] = field(default_factory=dict)
+    """Each learner's launches, registrations, first heartbeats and exits (``learner_timelines``)."""
 
 
 class SubmissionGroup(NamedTuple):
@@ -1258,4 +1268,55 @@ def run_aggregates(session: Session, run_id: str) -> RunAggregates:
         parameters=int(session.scalar(parameters) or 0),
         learners=len(rows),
         busy_s=float(sum(r.busy_s for r in rows)),
+        timelines=learner_timelines(session, run_id, rows),
     )
+
+
+# --- where each learner's seconds went ---------------------------------------------------------------
+
+LAUNCHED, JOINED, READY, SILENT, EXITED = "launched", "joined", "ready", "silent", "exited"
+"""A learner timeline's moments: its process was launched; an incarnation registered; it was ready to step (its first
+heartbeat); it was last heard of (its last heartbeat, when no exit was seen); its process ended."""
+_TIMELINE_KINDS = {LEARNER_LAUNCHED: LAUNCHED, LEARNER_JOINED: JOINED, LEARNER_RESTARTED: JOINED, LEARNER_EXITED: EXITED}
+# At one instant the old incarnation ends before the next one is launched, registers and steps.
+_MOMENT_ORDER = {SILENT: 0, EXITED: 1, LAUNCHED: 2, JOINED: 3, READY: 4}
+
+
+class Moment(NamedTuple):
+    at: datetime
+    kind: str
+
+
+def learner_timelines(session: Session, run_id: str, rows: Sequence[Learner]) -> dict[str, list[Moment]]:
+    """Each learner's moments in time order: the run's launch, registration and exit events, then per incarnation its
+    first heartbeat and (before a later one) its last: index seeks, never a pass over the heartbeat history."""
+    out: dict[str, list[Moment]] = {r.id: [] for r in rows}
+    found = session.execute(
+        select(Event.actor, Event.kind, Event.at)
+        .where(Event.run_id == run_id, Event.kind.in_(list(_TIMELINE_KINDS)))
+        .order_by(Event.at, Event.id)
+    )
+    for actor, kind, at in found:
+        if actor in out:
+            out[actor].append(Moment(at, _TIMELINE_KINDS[kind]))
+    hb = Heartbeat
+    for r in rows:
+        moments = out[r.id]
+        # Incarnation k registered at the k-th join (a ledger without those events: the current one, at its row's start).
+        joins = list(enumerate(m.at for m in moments if m.kind == JOINED)) or [(r.incarnation, r.started_at)]
+        if not any(m.kind == JOINED for m in moments):
+            moments.append(Moment(r.started_at, JOINED))
+        for k, (incarnation, joined) in enumerate(joins):
+            after = joins[k + 1][1] if k + 1 < len(joins) else None
+            beats = select(hb.at).where(hb.run_id == run_id, hb.learner_id == r.id, hb.at >= joined, hb.incarnation == incarnation)
+            if after is not None:
+                beats = beats.where(hb.at < after)
+            first = session.scalar(beats.order_by(hb.at).limit(1))
+            if first is not None:
+                moments.append(Moment(first, READY))
+            if after is not None and first is not None:
+                moments.append(Moment(session.scalar(beats.order_by(hb.at.desc()).limit(1)), SILENT))
+        if r.status == liveness.DEAD and r.last_heartbeat_at is not None:
+            moments.append(Moment(r.last_heartbeat_at, SILENT))  # the current incarnation, as last heard of
+        moments.sort(key=lambda m: (m.at, _MOMENT_ORDER[m.kind]))
+    return out

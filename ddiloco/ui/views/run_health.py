@@ -8,6 +8,7 @@ import math
 import streamlit as st
 
 from ddiloco.platform import liveness
+from ddiloco.platform.summary import breakdown_line
 from ddiloco.ui import charts, loaders, widgets
 from ddiloco.ui import health as h
 from ddiloco.ui.queries import RunPage
@@ -77,7 +78,12 @@ def header(page: RunPage) -> None:
         f"{s.tokens_lost:,} lost · {s.tokens_in_flight:,} in flight" + (f" · budget {budget:,}" if budget else ""),
     )
     cols[1].metric("Global versions", f"{sum(s.versions.values()):,}")
-    cols[2].metric("Goodput", f"{s.goodput:.1%}", help="Share of allocated learner time that produced merged progress")
+    cols[2].metric(
+        "Goodput",
+        f"{s.goodput:.1%}",
+        help=f"Share of allocated learner time that produced merged progress: {s.goodput_of_bound:.1%} of the "
+        f"{s.availability_bound:.1%} the learners were available. Learner-seconds: {breakdown_line(s)}",
+    )
     cols[3].metric(
         "Max downtime",
         liveness.format_duration(s.longest_version_gap_s),
