@@ -45,17 +45,19 @@ class AlertPolicy:
             raise ValueError(f"--relaunches-per-hour {self.relaunches_per_hour}: expected 0..10000")
 
 
+CLOSING_EVENTS = frozenset({"ddiloco.run.finished"})
+"""Events the server must evaluate after the previous event of their resource. It evaluates a few events
+at once: a run's last ``version.published``, sent a moment before ``run.finished``, could be evaluated
+after it and open a stall window nothing would close (a stall alert after every finished run). Other
+events need no order (a late ``version.published`` is ignored, relaunches are counted), and a follower
+of an event the server never saw (one sent before it restarted) would wait 15 minutes to be evaluated."""
+
 _last_event: dict[str, Event] = {}
-"""The last event this process emitted about each resource: the next one names it as the event it follows."""
+"""The last event this process emitted about each resource: a closing event names it as the one it follows."""
 
 
 def emit(event: str, resource_id: str, **labels: str) -> None:
-    """A Prefect event for the automations; nothing without Prefect or a Prefect server to send it to.
-
-    Each event of a resource names the previous one as the event it ``follows``: the server evaluates
-    automations on a few events at once, and without that a run's last ``version.published`` could be
-    evaluated after its ``run.finished``, opening a window no event would ever close (a stall alert
-    minutes after every finished run)."""
+    """A Prefect event for the automations; nothing without Prefect or a Prefect server to send it to."""
     try:
         from prefect.events import emit_event
         from prefect.settings import PREFECT_API_URL
@@ -63,8 +65,9 @@ def emit(event: str, resource_id: str, **labels: str) -> None:
         return
     if not PREFECT_API_URL.value():
         return  # Prefect's temporary server (the demo) has no automations: starting one for an event would cost seconds
+    follows = _last_event.get(resource_id) if event in CLOSING_EVENTS else None
     try:
-        sent = emit_event(event=event, resource={"prefect.resource.id": resource_id, **labels}, follows=_last_event.get(resource_id))
+        sent = emit_event(event=event, resource={"prefect.resource.id": resource_id, **labels}, follows=follows)
     except Exception as err:  # noqa: BLE001 - an alert's event must never stop a training run
         log.warning("could not emit Prefect event %s: %s", event, err)
         return
