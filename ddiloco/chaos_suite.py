@@ -53,6 +53,10 @@ SYNC_POINTS = ("sync.mid_merge", "sync.before_commit", "sync.renew_lease")
 # up and the backends are up: a standby takes over within one lease TTL plus a poll, and a learner
 # sends every few steps; the rest is slack for a loaded 2-core machine.
 MAX_VERSION_GAP_S = 12.0
+BACKLOG_SLACK = 8
+"""Pending submissions above twice the steady backlog that still count as drained (a pass's worth at 4 learners)."""
+BACKLOG_DRAIN_S = 15.0
+"""A new holder must bring a shard's backlog back to its steady level within this long of its first publish."""
 # After a backend comes back, clients retry with exponential backoff: gaps this close to an outage
 # are the outage's, not the run's.
 BACKEND_RECOVERY_S = 20.0
@@ -306,6 +310,7 @@ class Suite:
         if holder is None:
             return Injection(0, 1, f"no synchronizer held the lease of shard {shard}")
         fragments = self.shard_fragments(shard)
+        steady = self.backlog(fragments)
         name = holder.split("@", 1)[0]
         self.cluster.arm(name, point)
         if not _wait(lambda: self.cluster.fault_reached(name, point), 60):
@@ -316,12 +321,26 @@ class Suite:
         ok = _wait(lambda: self.published_by_other_since(holder, killed_at, fragments), 60)
         recover = time.monotonic() - killed
         new_holder = self.holder(shard) or "nobody"
+        # What piled up while the shard had no holder must drain to the steady level within seconds.
+        published, peak = time.monotonic(), self.backlog(fragments)
+        bound = max(2 * steady, steady + BACKLOG_SLACK)
+        drained = bool(ok) and _wait(lambda: self.backlog(fragments) <= bound, BACKLOG_DRAIN_S)
+        drain_s = time.monotonic() - published
         # Keep a standby in reserve for the next fault.
         self.spare_synchronizers += 1
         self.synchronizer(f"sync-spare{self.spare_synchronizers}")
         where = f" (shard {shard})" if self.shards > 1 else ""
-        return Injection(int(bool(ok)), 1, f"{name}{where} killed at {point}; {new_holder.split('@')[0]} published "
-                         f"{recover:.1f}s after the kill" if ok else f"no standby published within 60s of killing {name}", recover)
+        if not ok:
+            return Injection(0, 1, f"no standby published within 60s of killing {name}", recover)
+        backlog = (f"backlog {steady} before, {peak} at takeover, <= {bound} {drain_s:.1f}s later" if drained
+                   else f"backlog {steady} before, {peak} at takeover, still above {bound} after {BACKLOG_DRAIN_S:.0f}s")
+        return Injection(int(drained), 1, f"{name}{where} killed at {point}; {new_holder.split('@')[0]} published "
+                         f"{recover:.1f}s after the kill; {backlog}", recover)
+
+    def backlog(self, fragments: tuple[int, ...]) -> int:
+        """Pending submissions of ``fragments``."""
+        with self.ctx.reading() as s:
+            return sum(n for f, n in q.pending_counts(s, self.run_id).items() if f in fragments)
 
     def store_outage(self, seconds: float) -> Injection:
         versions = self.versions_total()
@@ -390,6 +409,28 @@ class Suite:
             enc, meta = encode_delta(tensors, "none")
             return store.put(submission_key(self.run_id, fragment, lid, uid), enc, meta)
 
+        # Blobs first, rows after, in one short transaction: store I/O inside it could outlast the
+        # ledger's idle-in-transaction timeout on a loaded machine.
+        planned: list[tuple[str, str, object, dict, str]] = []  # (case, uid, blob, register kwargs, reason needle)
+        b = put(good, "bad-corrupt")
+        store.fs.pipe_file(store.path(b.key), b"\x00" * 64)
+        # Read no further than the registered size: a blob of another size is refused before its checksum.
+        planned.append(("corrupt blob", "bad-corrupt", b, {}, "registered"))
+        b = put(good, "bad-truncated")
+        data = store.get_bytes(b.key)
+        store.fs.pipe_file(store.path(b.key), data[: len(data) // 2])
+        planned.append(("truncated blob", "bad-truncated", b, {}, "registered"))
+        planned.append(("sha256 mismatch", "bad-sha", put(good, "bad-sha"), {"sha": "0" * 64}, "sha256"))
+        planned.append(("wrong shapes", "bad-shape", put({n: torch.zeros(3) for n in shapes}, "bad-shape"), {}, "bad update"))
+        planned.append(("wrong dtype", "bad-dtype", put({n: t.to(torch.float64) for n, t in good.items()}, "bad-dtype"), {}, ""))
+        planned.append(("NaN values", "bad-nan", put({n: torch.full(sh, float("nan")) for n, sh in shapes.items()}, "bad-nan"), {},
+                        "non-finite"))
+        planned.append(("Inf values", "bad-inf", put({n: torch.full(sh, float("inf")) for n, sh in shapes.items()}, "bad-inf"), {},
+                        "non-finite"))
+        planned.append(("huge norm", "bad-huge", put({n: torch.full(sh, 1e6) for n, sh in shapes.items()}, "bad-huge"), {},
+                        "norm outlier"))
+        planned.append(("unknown fragment", "bad-frag", put(good, "bad-frag", fragment=999), {"fragment": 999}, "does not exist"))
+        planned.append(("unknown learner", "bad-ghost", put(good, "bad-ghost", lid="ghost"), {"lid": "ghost"}, "unknown learner"))
         cases: dict[str, tuple[str, str]] = {}
         with self.ctx.transaction() as s:
             base = q.latest_version_numbers(s, self.run_id)[0]
@@ -399,30 +440,8 @@ class Suite:
                                      sha or blob.sha256, blob.nbytes, "none")
                 return q.register_submission(s, self.run_id, lid, learner.incarnation, sub, now)[0]
 
-            b = put(good, "bad-corrupt")
-            store.fs.pipe_file(store.path(b.key), b"\x00" * 64)
-            # Read no further than the registered size: a blob of another size is refused before its checksum.
-            cases["corrupt blob"] = (register("bad-corrupt", b), "registered")
-            b = put(good, "bad-truncated")
-            data = store.get_bytes(b.key)
-            store.fs.pipe_file(store.path(b.key), data[: len(data) // 2])
-            cases["truncated blob"] = (register("bad-truncated", b), "registered")
-            b = put(good, "bad-sha")
-            cases["sha256 mismatch"] = (register("bad-sha", b, sha="0" * 64), "sha256")
-            b = put({n: torch.zeros(3) for n in shapes}, "bad-shape")
-            cases["wrong shapes"] = (register("bad-shape", b), "bad update")
-            b = put({n: t.to(torch.float64) for n, t in good.items()}, "bad-dtype")
-            cases["wrong dtype"] = (register("bad-dtype", b), "")
-            b = put({n: torch.full(sh, float("nan")) for n, sh in shapes.items()}, "bad-nan")
-            cases["NaN values"] = (register("bad-nan", b), "non-finite")
-            b = put({n: torch.full(sh, float("inf")) for n, sh in shapes.items()}, "bad-inf")
-            cases["Inf values"] = (register("bad-inf", b), "non-finite")
-            b = put({n: torch.full(sh, 1e6) for n, sh in shapes.items()}, "bad-huge")
-            cases["huge norm"] = (register("bad-huge", b), "norm outlier")
-            b = put(good, "bad-frag", fragment=999)
-            cases["unknown fragment"] = (register("bad-frag", b, fragment=999), "does not exist")
-            b = put(good, "bad-ghost", lid="ghost")
-            cases["unknown learner"] = (register("bad-ghost", b, lid="ghost"), "unknown learner")
+            for case, uid, blob, kwargs, needle in planned:
+                cases[case] = (register(uid, blob, **kwargs), needle)
         # The same id again with other content: refused, never a silent no-op (its own transaction).
         try:
             with self.ctx.transaction() as s:
