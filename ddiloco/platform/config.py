@@ -365,6 +365,18 @@ class MergeConfig(_Section):
     """Robust option (off: null): scale each learner's update down to at most this multiple of the
     fragment's recent median norm per step (times its steps, up to one send period) before merging,
     so an update under the outlier bar still moves the merge no more than an honest one could."""
+    robust: Literal["none", "trimmed_mean", "median", "drop_opposed"] = "none"
+    """Robust option beside ``method`` (off: none), one vote per learner so a claimed weight buys
+    nothing. trimmed_mean / median: in every coordinate the most extreme learners are dropped by count
+    (``trim_fraction`` of them at each end, at least one / all but the middle one or two), the rest
+    merged by ``method`` with their token weights, RDA's norm the trimmed mean of the norms.
+    drop_opposed: a learner whose update points against the others' (negative mean cosine with them)
+    is merged with no weight, at most ``trim_fraction`` of the learners (at least one). A merge of fewer
+    than 3 learners cannot be judged so: it merges by ``method`` after ``clip_factor``'s clipping (if
+    set), and its record says so. docs/quality.md measures each against a hostile learner."""
+    trim_fraction: float = Field(0.25, gt=0, lt=0.5)
+    """robust: the share of a merge's learners trimmed at each end of every coordinate (trimmed_mean),
+    or the most it may drop (drop_opposed); rounded down, at least one, always fewer than half."""
     max_periods: int = Field(8, ge=1, le=1 << 20)
     """The most send periods (``fragments.every`` steps) that one learner's pending updates of a
     fragment weigh as in a merge: more steps are not rejected (a learner carries the increments of
