@@ -39,16 +39,24 @@ def quality_command(
     render: Path | None = typer.Option(
         None, "--render", help="Train nothing: redo the plots (and with --publish the docs page) from this results file."
     ),
+    add_to_published: bool = typer.Option(
+        False, "--add-to-published", help="With --only at full scale: also add these rows to the published results as a "
+        "targeted run, apart from the full run's rows (which are kept), and show them in the docs page's generated block; "
+        "a targeted run of the same rows is replaced."
+    ),
 ) -> None:
     """Decoupled DiLoCo vs synchronous DiLoCo vs data-parallel: same model, tokens and seed; prints the
     table and PASS/FAIL lines, writes the results and plots where it says (never over the published
-    ones unless --publish)."""
+    ones unless --publish; --add-to-published adds its rows beside them)."""
     from ddiloco.bench.quality import plan as P
-    from ddiloco.bench.quality.output import checkout, destination
+    from ddiloco.bench.quality.output import add_targeted, checkout, destination
 
     found = checkout(repo if repo is not None else Path.cwd())
     if repo is not None and found is None:
         raise typer.BadParameter(f"{repo} is not a ddiloco checkout (ddiloco/, docs/quality.md, benchmarks/results/)", param_hint="--repo")
+    if add_to_published and (render is not None or publish or quick or not only or found is None):
+        raise typer.BadParameter("adds a targeted run to the published results: it needs --only at full scale (no --quick, "
+                                 "--publish or --render) and a ddiloco checkout", param_hint="--add-to-published")
     if render is not None:
         data = json.loads(render.read_text())
         full = data["scale"]["name"] == P.FULL.name
@@ -70,11 +78,15 @@ def quality_command(
     print(f"results go to {dest.results}", flush=True)
     if render is not None:
         _write_rescored(data, dest)
-    else:
-        _run_benchmark(specs, scale, quick, jobs, dest)
+        return
+    result = _run_benchmark(specs, scale, quick, jobs, dest)
+    if add_to_published:
+        assert found is not None
+        for path in add_targeted(result, found):
+            print(f"wrote {path}")
 
 
-def _run_benchmark(specs: list[RunSpec], scale: Scale, quick: bool, jobs: int, dest: Destination) -> None:
+def _run_benchmark(specs: list[RunSpec], scale: Scale, quick: bool, jobs: int, dest: Destination) -> dict[str, Any]:
     from datetime import datetime, timezone
 
     from ddiloco.bench.provenance import git_state, machine_info
@@ -92,6 +104,7 @@ def _run_benchmark(specs: list[RunSpec], scale: Scale, quick: bool, jobs: int, d
     print("\n".join(report.summary_lines(result, rows)))
     for path in output.write(result, rows, dest):
         print(f"wrote {path}")
+    return result
 
 
 def _write_rescored(data: dict[str, Any], dest: Destination) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from ddiloco.bench.provenance import json_safe
 from ddiloco.bench.quality.plan import MODELS
-from ddiloco.bench.quality.report import docs_block, with_docs_block
+from ddiloco.bench.quality.report import docs_block, rows_from_json, with_docs_block, with_targeted
 from ddiloco.bench.quality.run import Row
 
 PUBLISHED_RESULTS = Path("benchmarks") / "results" / "quality.json"
@@ -73,6 +73,16 @@ def write(result: dict[str, Any], rows: Sequence[Row], dest: Destination) -> lis
         dest.docs_page.write_text(with_docs_block(dest.docs_page.read_text(), docs_block(result, rows)))
         written.append(dest.docs_page)
     return written
+
+
+def add_targeted(result: dict[str, Any], repo: Path) -> list[Path]:
+    """Add a run of a few rows to ``repo``'s published results as a targeted run (the full run's rows
+    and plots stay as they are) and rewrite the docs page's generated block; returns what was written."""
+    results, page = repo / PUBLISHED_RESULTS, repo / DOCS_PAGE
+    merged = with_targeted(json.loads(results.read_text()), json_safe(result))
+    results.write_text(json.dumps(merged, indent=1) + "\n")
+    page.write_text(with_docs_block(page.read_text(), docs_block(merged, rows_from_json(merged))))
+    return [results, page]
 
 
 STYLE = {

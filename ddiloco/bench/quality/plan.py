@@ -280,19 +280,62 @@ def schedule_specs(model: str, scale: Scale) -> list[RunSpec]:
 
 
 ATTACK_K = 3.0
-"""The hostile learner's update is -3x its own: under the outlier bar (10x), so only clipping can temper it."""
+"""The hostile learner's update is -3x its own: under the outlier bar (10x), so nothing rejects it."""
+
+ROBUST_GATE = 0.01
+"""Issue #16's gate for a robust option: with one hostile learner the validation loss stays within
+this of the same run (same options) without it, and every fragment keeps publishing."""
+
+ROBUST_PUBLISH_SHARE = 0.9
+"""'Every fragment keeps publishing': the fragment merged least often has at least this share of the
+merges of the same run's least-merged fragment without the hostile learner."""
+
+ROBUST_OPTIONS = (
+    ("clip2", {"merge": {"clip_factor": 2.0}}, "merge.clip_factor=2"),
+    ("trim", {"merge": {"robust": "trimmed_mean"}}, "merge.robust=trimmed_mean"),
+    ("trim_clip2", {"merge": {"robust": "trimmed_mean", "clip_factor": 2.0}}, "merge.robust=trimmed_mean and clip_factor=2"),
+    ("drop", {"merge": {"robust": "drop_opposed"}}, "merge.robust=drop_opposed"),
+)
+"""(tag, overrides, knob) of each robust option the benchmark measures. At M = 4 the median is the
+trimmed mean (both keep the middle two of four), so it has rows at M = 8 only."""
+M8_ROBUST = (("median", {"merge": {"robust": "median"}}, "merge.robust=median"), ROBUST_OPTIONS[1], ROBUST_OPTIONS[3])
 
 
-def robust_specs(model: str, scale: Scale) -> list[RunSpec]:
-    """merge.clip_factor 2 (robust option) on honest learners, and one hostile learner with and without it."""
-    clip = {"merge": {"clip_factor": 2.0}}
-    return [
-        RunSpec(model, "ablation_clip2", "ablation", clip, base="decoupled", knob="merge.clip_factor=2 (vs off), honest learners"),
-        RunSpec(model, "attack_flip3", "ablation", base="decoupled", adversary=ATTACK_K,
-                knob=f"one learner sends -{ATTACK_K:g}x its update (vs all honest)"),
-        RunSpec(model, "attack_flip3_clip2", "ablation", clip, base="attack_flip3", adversary=ATTACK_K,
-                knob=f"merge.clip_factor=2 (vs off), one learner sending -{ATTACK_K:g}x"),
-    ]
+def robust_specs(model: str, scale: Scale, quick: bool = False) -> list[RunSpec]:
+    """Each robust option on honest learners (``ablation_<tag>``: its cost) and with one hostile learner
+    (``attack_flip3_<tag>``: its effect); at full scale also at M = 8 (``m8_``)."""
+    flip = f"one learner sending -{ATTACK_K:g}x"
+    out = [RunSpec(model, "attack_flip3", "ablation", base="decoupled", adversary=ATTACK_K,
+                   knob=f"one learner sends -{ATTACK_K:g}x its update (vs all honest)")]
+    for tag, ov, knob in ROBUST_OPTIONS:
+        out += [RunSpec(model, f"ablation_{tag}", "ablation", ov, base="decoupled", knob=f"{knob} (vs off), honest learners"),
+                RunSpec(model, f"attack_flip3_{tag}", "ablation", ov, base="attack_flip3", adversary=ATTACK_K,
+                        knob=f"{knob} (vs off), {flip}")]
+    if quick:
+        return out
+    M, m8 = M_LARGE, f"M = {M_LARGE}"
+    out.append(RunSpec(model, "m8_attack_flip3", "ablation", base="m8_decoupled", adversary=ATTACK_K, learners=M,
+                       knob=f"one learner sends -{ATTACK_K:g}x its update (vs all honest), {m8}"))
+    for tag, ov, knob in M8_ROBUST:
+        out += [RunSpec(model, f"m8_ablation_{tag}", "ablation", ov, base="m8_decoupled", learners=M,
+                        knob=f"{knob} (vs off), honest learners, {m8}"),
+                RunSpec(model, f"m8_attack_flip3_{tag}", "ablation", ov, base="m8_attack_flip3", adversary=ATTACK_K, learners=M,
+                        knob=f"{knob} (vs off), {flip}, {m8}")]
+    return out
+
+
+def robust_gate_pairs(rows: Sequence[str]) -> list[tuple[str, str]]:
+    """(row with the hostile learner, the same options without it) for every attack row in ``rows``."""
+    out = []
+    for r in rows:
+        prefix, sep, rest = r.partition("attack_flip3")
+        if not sep or prefix not in ("", f"m{M_LARGE}_"):
+            continue
+        honest = f"{prefix}decoupled" if not rest else f"{prefix}ablation{rest}"
+        if honest in rows:
+            out.append((r, honest))
+    return out
+
 
 
 RECEIPT_ROWS = {"dense": ("", "stragglers", "failures"), "moe": ("",), "vision": ("stragglers", "failures")}
@@ -339,7 +382,7 @@ def plan(models: Sequence[str], scale: Scale, quick: bool, ablations: bool = Tru
     if ablations:
         specs += reference_specs(extra, scale)
         specs += ablation_specs(extra, scale)
-        specs += robust_specs(extra, scale)
+        specs += robust_specs(extra, scale, quick)
         if not quick:
             specs += noise_specs(extra, scale)
             if "llama" in models and extra != "llama":

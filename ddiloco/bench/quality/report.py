@@ -7,7 +7,17 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from ddiloco.bench.quality.plan import GOAL_COMM_RATIO, GOAL_PREFIXES, GOALS_VS_DILOCO, MODELS, Scale, row_outages
+from ddiloco.bench.quality.plan import (
+    GOAL_COMM_RATIO,
+    GOAL_PREFIXES,
+    GOALS_VS_DILOCO,
+    MODELS,
+    ROBUST_GATE,
+    ROBUST_PUBLISH_SHARE,
+    Scale,
+    robust_gate_pairs,
+    row_outages,
+)
 from ddiloco.bench.quality.run import Row
 
 BEGIN, END = "<!-- quality:begin (written by `ddiloco bench quality --publish`) -->", "<!-- quality:end -->"
@@ -65,6 +75,27 @@ def goals(rows: Sequence[Row]) -> list[dict[str, Any]]:
                         "figure": f"{dp.bytes_per_token:.1f} / {int4.bytes_per_token:.3f} B/token = {ratio:.0f}x "
                                   f"(payload only, without blob headers: {payload:.0f}x{cost})",
                         "value": ratio})
+    out += robust_goals(rows)
+    return out
+
+
+def robust_goals(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """Issue #16's gate per attack row: within ROBUST_GATE of the same options without the hostile
+    learner, and every fragment still publishing (:data:`ROBUST_PUBLISH_SHARE`)."""
+    out = []
+    for m in MODELS:
+        for attacked, honest in robust_gate_pairs([r.regime for r in rows if r.model == m]):
+            a, h = find(rows, m, attacked), find(rows, m, honest)
+            assert a is not None and h is not None
+            gap = a.val_loss / h.val_loss - 1
+            publishing = None
+            if a.fewest_versions is not None and h.fewest_versions is not None:
+                publishing = a.fewest_versions >= ROBUST_PUBLISH_SHARE * h.fewest_versions
+            merges = "" if publishing is None else f"; fewest merges of a fragment {a.fewest_versions} vs {h.fewest_versions}"
+            out.append({"goal": f"{m}: {attacked} within {100 * ROBUST_GATE:.0f}% of {honest}'s val loss (one hostile learner "
+                                f"vs none, same options), every fragment publishing",
+                        "pass": gap <= ROBUST_GATE and publishing is not False,
+                        "figure": f"{a.val_loss:.4f} vs {h.val_loss:.4f} ({100 * gap:+.2f}%){merges}", "value": gap})
     return out
 
 
@@ -225,9 +256,25 @@ def results(rows: Sequence[Row], *, scale: Scale, jobs: int, date: str, total_re
 
 
 def rescored(data: dict[str, Any]) -> dict[str, Any]:
-    """A results file with its goals, notes and ablation lines worked out again from its rows."""
+    """A results file with its goals, notes and ablation lines worked out again from its rows (and its targeted runs')."""
     rows = rows_from_json(data)
-    return {**data, "goals": goals(rows), "ablations": ablation_lines(rows), "notes": notes(rows)}
+    targeted = [{**t, "goals": goals(rows_from_json(t)), "ablations": ablation_lines(rows_from_json(t))}
+                for t in data.get("targeted", [])]
+    return {**data, "goals": goals(rows), "ablations": ablation_lines(rows), "notes": notes(rows),
+            **({"targeted": targeted} if targeted else {})}
+
+
+TARGETED_KEYS = ("date", "commit", "dirty", "machine", "jobs", "total_real_s", "cpu_s", "scale", "rows", "goals", "ablations")
+
+
+def with_targeted(published: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """``published`` with ``result`` (a run of a few rows) added as a targeted run, its rows apart
+    from the full run's: another machine or interpreter reads another corpus, so they are compared
+    only with each other. A targeted run of the same rows is replaced; the full run's rows are kept."""
+    entry = {k: result[k] for k in TARGETED_KEYS if k in result}
+    names = {(r["model"], r["regime"]) for r in entry["rows"]}
+    kept = [t for t in published.get("targeted", []) if {(r["model"], r["regime"]) for r in t["rows"]} != names]
+    return {**published, "targeted": [*kept, entry]}
 
 
 # --- text ----------------------------------------------------------------------------------------
@@ -293,13 +340,10 @@ def docs_block(result: dict[str, Any], rows: Sequence[Row]) -> str:
         "Goals:",
         "",
     ]
-    lines += [f"- **{'PASS' if g['pass'] else 'FAIL'}** {g['goal']}: {g['figure']}" for g in result["goals"]]
+    lines += goal_lines(result["goals"])
     lines += ["", "Notes:", ""] + [f"- {n}" for n in result.get("notes", [])]
-    lines += ["", "Ablations, sweep, references and seed noise (each row changes one thing of its base row):", "",
-              "| model | row | what changes | val loss | base row | base val loss | change | lower loss |",
-              "| --- | --- | --- | ---: | --- | ---: | ---: | --- |"]
-    lines += [f"| {a['model']} | {a['row']} | {a['knob']} | {a['val_loss']:.4f} | {a['base']} | {a['base_val_loss']:.4f} | "
-              f"{100 * a['delta']:+.2f}% | {a['lower']} |" for a in result["ablations"]]
+    lines += ["", "Ablations, sweep, references and seed noise (each row changes one thing of its base row):", ""]
+    lines += ablation_table(result["ablations"])
     tb = result.get("time_breakdown") or {}
     if tb:
         intro = (
@@ -309,8 +353,39 @@ def docs_block(result: dict[str, Any], rows: Sequence[Row]) -> str:
         )
         lines += ["", intro, "", "| part | share | seconds |", "| --- | ---: | ---: |"]
         lines += [f"| {k} | {100 * v:.1f}% | {tb['seconds'][k]:.1f} |" for k, v in sorted(tb["share"].items(), key=lambda kv: -kv[1])]
+    for t in result.get("targeted", []):
+        lines += ["", *targeted_block(t)]
     lines += ["", END]
     return "\n".join(lines)
+
+
+def targeted_block(t: dict[str, Any]) -> list[str]:
+    """A targeted run's part of the docs block: where it ran, its table, goals and ablation lines."""
+    m, rows = t["machine"], rows_from_json(t)
+    names = ", ".join(f"`{r.regime}`" for r in rows)
+    lines = [
+        f"Targeted run of {t['date'][:10]} on commit `{(t.get('commit') or 'unknown')[:10]}`"
+        f"{' (with uncommitted changes)' if t.get('dirty') else ''}, {m['cores']} cores (load average {m['load_avg_1m']} at the "
+        f"end), Python {m['python']}, torch {m['torch']}, {t['jobs']} worker process(es), {t['total_real_s']:.0f} s: {names} "
+        f"({t['scale']['learners']} learners x {t['scale']['steps']} steps). Its corpus is that interpreter's standard library, "
+        "so compare these rows with each other, not with the table above.",
+        "",
+        format_table(rows, markdown=True),
+        "",
+    ]
+    return [*lines, *goal_lines(t["goals"]), "", *ablation_table(t["ablations"])]
+
+
+def goal_lines(goal_list: Sequence[dict[str, Any]]) -> list[str]:
+    return [f"- **{'PASS' if g['pass'] else 'FAIL'}** {g['goal']}: {g['figure']}" for g in goal_list]
+
+
+def ablation_table(ablations: Sequence[dict[str, Any]]) -> list[str]:
+    """The markdown table of ablation lines, header included."""
+    lines = ["| model | row | what changes | val loss | base row | base val loss | change | lower loss |",
+             "| --- | --- | --- | ---: | --- | ---: | ---: | --- |"]
+    return lines + [f"| {a['model']} | {a['row']} | {a['knob']} | {a['val_loss']:.4f} | {a['base']} | {a['base_val_loss']:.4f} | "
+                     f"{100 * a['delta']:+.2f}% | {a['lower']} |" for a in ablations]
 
 
 def with_docs_block(page: str, block: str) -> str:

@@ -6,8 +6,10 @@ Where a row's real seconds go comes from the timing spans in the code itself
 
 from __future__ import annotations
 
+import json
 import math
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
@@ -49,6 +51,13 @@ class Row:
     """[tokens, simulated seconds, val loss, val accuracy] per evaluation."""
     profile: dict[str, float] = field(default_factory=dict)
     """Real seconds and calls per profile key (:data:`PROFILE_KEYS`)."""
+    fewest_versions: int | None = None
+    """Merges of the fragment merged least often (every fragment kept publishing when it is near
+    ``merges`` / fragments); None for data-parallel."""
+    robust_applied: int | None = None
+    """Merges a ``merge.robust`` rule judged (the rest had too few learners and fell back); None without one."""
+    robust_dropped: int | None = None
+    """Learners' updates ``merge.robust: drop_opposed`` merged with no weight, over the run."""
     bytes_per_val_token: float | None = None
     """UTF-8 bytes of text per validation target token (1 for byte-level models, None for images):
     ``val_loss / bytes_per_val_token`` is nats per byte, comparable across tokenizers."""
@@ -189,6 +198,8 @@ def _knobs(cfg: RunConfig, spec: RunSpec, scale: Scale) -> dict[str, Any]:
         "speeds": list(spec.speeds) if spec.speeds else None,
         "failures": spec.failures,
         "clip_factor": cfg.merge.clip_factor,
+        "robust": cfg.merge.robust,
+        "trim_fraction": cfg.merge.trim_fraction if cfg.merge.robust == "trimmed_mean" else None,
         "adversary": spec.adversary or None,
     }
 
@@ -221,6 +232,8 @@ def _run_decoupled(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
     sent = sum(sb.nbytes for sb in subs)
     payload = sum(codec_nbytes(numel[sb.fragment], sb.codec, cfg.compression.block_size) for sb in subs)
     grace = [m.grace_window_s for m in merges if m.grace_window_s >= 0]
+    per_fragment = Counter(m.fragment for m in merges)
+    robust = [json.loads(m.detail_json).get("robust") for m in merges] if cfg.merge.robust != "none" else None
     return Row(
         model=spec.model,
         regime=spec.regime,
@@ -243,6 +256,9 @@ def _run_decoupled(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
         base=spec.base,
         knob=spec.knob,
         curve=[[e.tokens, e.t_s, e.val_loss, e.val_accuracy] for e in run.evals],
+        fewest_versions=min(per_fragment.get(f, 0) for f in numel),
+        robust_applied=None if robust is None else sum(1 for r in robust if r["applied"]),
+        robust_dropped=None if robust is None else sum(len(r.get("dropped", ())) for r in robust),
     )
 
 
