@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from ddiloco.flows.launchers import warm_up
 from ddiloco.platform.config import ChaosEvent, RunConfig, build_config
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.runtime import RunContext
@@ -78,6 +79,8 @@ def run_demo(opts: DemoOptions, console: Console | None = None) -> RunSummary:
     console = console or Console()
     for key, value in PREFECT_DEFAULTS.items():
         os.environ.setdefault(key, value)
+    # The fork server the run's processes start from imports torch while Prefect's temporary server starts.
+    warm_up()
     try:
         from ddiloco.flows.training import training_run
     except ModuleNotFoundError as err:

@@ -3,6 +3,7 @@ deployment runs in each region's work pool. The supervisor only sees this narrow
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Protocol
 
@@ -30,11 +32,69 @@ def secret_env(cfg: RunConfig) -> dict[str, str]:
     return env
 
 
+WARM_PRELOAD = "ddiloco.flows._forkserver_preload"
+
+
+def warm_up() -> bool:
+    """Start the fork server warm launches fork from (it imports torch and ddiloco in the background, once);
+    False where processes cannot be forked warm (not Linux): launches then start cold."""
+    if not sys.platform.startswith("linux"):
+        return False
+    multiprocessing.get_context("forkserver").set_forkserver_preload([WARM_PRELOAD])
+    forkserver.ensure_running()
+    return True
+
+
+def _run_command(args: list[str], log_path: str, env: dict[str, str]) -> None:
+    """In a forked child: what ``python -m ddiloco <args>`` does, its output appended to ``log_path``."""
+    out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.close(out)
+    os.environ.clear()
+    os.environ.update(env)
+    from ddiloco.cli import app
+
+    app(args=args, prog_name="ddiloco")
+
+
+class WarmProcess:
+    """A ``ddiloco`` command forked from the warm fork server, with the part of ``subprocess.Popen`` launchers use."""
+
+    def __init__(self, args: list[str], log_path: Path, env: Mapping[str, str]) -> None:
+        self._process = multiprocessing.get_context("forkserver").Process(
+            target=_run_command, args=(list(args), str(log_path), dict(env)), name=log_path.stem
+        )
+        self._process.start()
+        self.pid = self._process.pid
+        self.args = args
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self._process.exitcode
+
+
 @dataclass
 class Handle:
     name: str
     started_at: float
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen | WarmProcess | None = None
     flow_run_id: str | None = None
 
 
@@ -53,7 +113,10 @@ class Launcher(Protocol):
 
 
 class SubprocessLauncher:
-    """Every process on this machine: the embedded default and ``ddiloco demo``."""
+    """Every process on this machine: the embedded default and ``ddiloco demo``.
+
+    Learners, synchronizers and the evaluator start warm where they can (``warm_up``): forked from a server
+    that has imported torch and ddiloco once, so a launch or relaunch costs a fork, not seconds of imports."""
 
     def __init__(self, config_path: Path, run_id: str, logdir: Path, secrets: Mapping[str, str] | None = None) -> None:
         self.config_path = config_path
@@ -63,29 +126,33 @@ class SubprocessLauncher:
         self.handles: list[Handle] = []
         self.env = {**os.environ, **secrets} if secrets else None
 
-    def spawn(self, name: str, args: list[str], *, env: Mapping[str, str] | None = None, wrap: Sequence[str] = ()) -> Handle:
+    def spawn(
+        self, name: str, args: list[str], *, env: Mapping[str, str] | None = None, wrap: Sequence[str] = (), warm: bool = False
+    ) -> Handle:
         """``ddiloco <args>`` for this run, logging to ``<logdir>/<name>.log``; ``wrap`` prefixes the
-        command line (``ip netns exec <ns>``), ``env`` replaces the inherited environment."""
-        log = open(self.logdir / f"{name}.log", "ab")
-        proc = subprocess.Popen(
-            [*wrap, sys.executable, "-m", "ddiloco", *args, "--config", str(self.config_path), "--run", self.run_id],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env if env is not None else self.env,
-        )
+        command line (``ip netns exec <ns>``), ``env`` replaces the inherited environment; ``warm`` forks it
+        from the warm fork server (when there is one and nothing wraps it)."""
+        args = [*args, "--config", str(self.config_path), "--run", self.run_id]
+        env = env if env is not None else self.env
+        if warm and not wrap and warm_up():
+            proc: subprocess.Popen | WarmProcess = WarmProcess(args, self.logdir / f"{name}.log", os.environ if env is None else env)
+        else:
+            log = open(self.logdir / f"{name}.log", "ab")
+            proc = subprocess.Popen(
+                [*wrap, sys.executable, "-m", "ddiloco", *args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            )
         handle = Handle(name=name, started_at=time.time(), process=proc)
         self.handles.append(handle)
         return handle
 
     def start_learner(self, learner_id: str, region: str) -> Handle:
-        return self.spawn(learner_id, ["learner", "--learner", learner_id])
+        return self.spawn(learner_id, ["learner", "--learner", learner_id], warm=True)
 
     def start_synchronizer(self, label: str) -> Handle:
-        return self.spawn(label, ["synchronizer", "--label", label])
+        return self.spawn(label, ["synchronizer", "--label", label], warm=True)
 
     def start_evaluator(self) -> Handle:
-        return self.spawn("evaluator", ["evaluate"])
+        return self.spawn("evaluator", ["evaluate"], warm=True)
 
     def is_running(self, handle: Handle) -> bool:
         return handle.process is not None and handle.process.poll() is None

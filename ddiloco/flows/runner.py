@@ -93,15 +93,17 @@ def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext
     """Start every process, relaunch what dies, apply the chaos schedule; return when the budget or the time is up."""
     run_resource = alerts.RUN_RESOURCE.format(run_id=run_id)
     syncs: list[Handle] = [launcher.start_synchronizer("sync-a")]
-    _wait(lambda: _versions_ready(ctx), 300, "the synchronizer to publish version 0")
-    labels = iter(f"sync-{c}" for c in "bcdefghijklmnopqrstuvwxyz")
-    syncs.append(launcher.start_synchronizer(next(labels)))
-    evaluator = launcher.start_evaluator()  # evaluation runs in its own process, never in a merge pass
+    # Learners start with the synchronizer, not after its version 0: their start-up overlaps its own, and
+    # each joins as soon as version 0 is out.
     learners: dict[str, Handle] = {}
     regions = {lid: region for lid, region, _ in cfg.learners.learner_ids()}
     for lid, region in regions.items():
         learners[lid] = _launch_learner(ctx, launcher, lid, region, "launched")
     exited: set[str] = set()  # learners whose current process was seen to end (recorded once)
+    _wait(lambda: _versions_ready(ctx), 300, "the synchronizer to publish version 0")
+    labels = iter(f"sync-{c}" for c in "bcdefghijklmnopqrstuvwxyz")
+    syncs.append(launcher.start_synchronizer(next(labels)))
+    evaluator = launcher.start_evaluator()  # evaluation runs in its own process, never in a merge pass
     schedule = seeded_schedule(cfg, seconds or 0.0)
     published = 0  # global versions published, summed over fragments
     held: dict[str, float] = {}  # learners a chaos kill keeps down until this elapsed time
@@ -115,6 +117,10 @@ def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext
             if result.retry:
                 break  # its target is still starting: try again on the next pass
             schedule.pop(0)
+            if result.applied and event.action == "kill_learner" and event.target in learners and event.target not in exited:
+                # SIGKILL ends it now: its down time starts here, not when a later pass sees the process gone.
+                exited.add(event.target)
+                _record_exit(ctx, event.target, result.detail)
             if result.applied and event.action == "kill_learner" and event.target and event.duration_s > 0:
                 held[event.target] = elapsed + event.duration_s
         now = time.time()
