@@ -55,8 +55,8 @@ def test_a_fast_link_keeps_every_h_steps_and_the_run_codec():
 
 
 def test_nothing_changes_before_the_choice_was_held_for_its_window_or_anything_was_measured():
-    assert measure_window_s(8, STEP_S) == 5.0  # two periods are 4 s: the floor
-    assert measure_window_s(32, 1.0) == 64.0
+    assert measure_window_s(8, STEP_S) == 5.0  # a period is 2 s: the floor
+    assert measure_window_s(32, 1.0) == 32.0
     saturated = rates(50_000.0)
     assert choose_cadence(T0 + 4.9, saturated, EMPTY, STEP_S, START, POLICY) is START
     assert choose_cadence(LATER, rates(None), EMPTY, STEP_S, START, POLICY) is START
@@ -90,6 +90,14 @@ def test_saturated_downloads_lengthen_the_period_and_keep_the_codec():
     got = choose_cadence(LATER, rates(10_000_000.0, down_busy=0.9), EMPTY, STEP_S, START, POLICY)
     assert (got.every, got.codec) == (16, "int8")
     assert "downloads 0.90 of the link, over 0.7" in got.reason and "every 16 steps with int8: uploads 0.01, downloads 0.45" in got.reason
+
+
+def test_saturated_downloads_count_double_what_was_measured():
+    # Busy all the time at every 8 steps: the demand is at least 2.0, so every 24 steps (0.67) is the first under 0.7.
+    got = choose_cadence(LATER, rates(10_000_000.0, down_busy=1.0), EMPTY, STEP_S, START, POLICY)
+    assert (got.every, got.codec) == (24, "int8")
+    assert "downloads 2.00 of the link, over 0.7" in got.reason
+    assert got.reason.endswith("every 24 steps with int8: uploads 0.01, downloads 0.67 of the link")
 
 
 def test_a_queue_behind_by_more_than_a_period_halves_the_bytes_per_step_whatever_the_figures():

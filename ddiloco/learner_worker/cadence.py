@@ -16,6 +16,9 @@ from dataclasses import dataclass
 
 MIN_WINDOW_S = 5.0
 """Shortest window the link's rates are measured over (seconds of the learner's clock)."""
+SATURATED = 0.95
+"""A busy share at least this high says the link is saturated: what it was asked to carry is unknown,
+at least this share, so the measured share is taken as half of it (as TCP halves its window)."""
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,9 @@ class CadencePolicy:
     """Share of the link a choice may plan to use (the rest absorbs bursts and measurement error)."""
     relax: float = 0.35
     """A dearer choice is taken back only when it would use less than this share: no flapping."""
-    hold_periods: float = 2.0
-    """A choice is kept at least this many of its own send periods, so that measurements of it come in."""
+    hold_periods: float = 1.0
+    """A choice is kept at least this many of its own send periods (every fragment sent once), so that
+    measurements of it come in; its link is measured over as long."""
 
     def __post_init__(self) -> None:
         if not self.codecs or len(self.codecs) != len(self.fragment_bytes):
@@ -94,7 +98,7 @@ class CadencePolicy:
         return measure_window_s(every, step_s, self.hold_periods)
 
 
-def measure_window_s(every: int, step_s: float, periods: float = 2.0) -> float:
+def measure_window_s(every: int, step_s: float, periods: float = 1.0) -> float:
     """The window a link's rates are measured over: ``periods`` send periods, at least :data:`MIN_WINDOW_S`."""
     return max(MIN_WINDOW_S, periods * every * max(0.0, step_s))
 
@@ -116,9 +120,9 @@ def choose_cadence(
     """The cadence to use from ``now``: ``current`` itself when it stands, else a new one saying why.
 
     Uploads are predicted from the measured rate (bytes per choice over the time it has); downloads
-    (float32 global versions, the same whatever the codec) from their measured share of the link,
-    taken to scale with the send period, as the versions a run publishes do when its learners send
-    less often. A queue whose oldest increment waited longer than a send period is behind whatever the
+    (float32 global versions, the same whatever the codec) from their measured share of the link
+    (twice it when saturated), taken to scale with the send period, as the versions a run publishes
+    do when its learners send less often. A queue whose oldest increment waited longer than a send period is behind whatever the
     figures say: the first choice with half the bytes per step. A cheaper choice is taken once the current one has been held for
     its window; a dearer one only when it would use less than ``relax`` of the link."""
     ladder = policy.ladder()
@@ -137,9 +141,11 @@ def choose_cadence(
     if rates.up_bps is None:
         return current
 
+    down_busy = rates.down_busy * (2 if rates.down_busy >= SATURATED else 1)
+
     def need(rung: tuple[int, str]) -> tuple[float, float]:
         up = upload_share(policy, rung[0], rung[1], step_s, rates.up_bps or math.inf)
-        return up, rates.down_busy * current.every / rung[0]
+        return up, down_busy * current.every / rung[0]
 
     def say(rung: tuple[int, str]) -> str:
         up, down = need(rung)
