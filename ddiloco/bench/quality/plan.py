@@ -119,6 +119,9 @@ class RunSpec:
     """M for this row when it differs from the scale's (steps then shrink so the tokens stay equal)."""
     adversary: float = 0.0
     """k > 0: the second learner sends -k times what it learned, with honest counts (a hostile learner)."""
+    upload_shares: tuple[float, ...] | None = None
+    """Each learner's upload bandwidth as a share of what sending every fragment every H steps with the
+    run's codec takes (:func:`ddiloco.bench.quality.run.upload_demand`); None: uploads take no time."""
 
 
 def spec_scale(spec: RunSpec, scale: Scale) -> Scale:
@@ -337,6 +340,40 @@ def robust_gate_pairs(rows: Sequence[str]) -> list[tuple[str, str]]:
     return out
 
 
+LINK_SLOW = 0.2
+"""The slow learner's upload link: a fifth of what its fixed sends take (a tenth of the others')."""
+LINK_WIDE = 2.0
+"""The other learners' upload links when one is slow: twice what their sends take."""
+LINK_THIN = 0.4
+"""Every learner's upload link in the thin-link rows."""
+ADAPTIVE_PAIRS = (("link_slow_adaptive", "link_slow_fixed"), ("link_thin_adaptive", "link_thin_fixed"),
+                  ("ablation_adaptive", "decoupled"))
+"""(adaptive row, the same with a fixed cadence) that issue #18's goal compares."""
+ADAPTIVE_GOAL = 0.005
+"""An adaptive row's validation loss is at most this much above its fixed row's."""
+
+
+def link_specs(model: str, scale: Scale) -> list[RunSpec]:
+    """fragments.adaptive (each learner chooses its send period and codec from its link) against a fixed
+    cadence, on the simulated upload links of ``run_inprocess``: one learner at a tenth of the others'
+    bandwidth, every learner on a thin link, and links that take no time."""
+    M = scale.learners
+    adaptive = {"fragments": {"adaptive": True}}
+    slow = (LINK_WIDE,) * (M - 1) + (LINK_SLOW,)
+    thin = (LINK_THIN,) * M
+    what_slow = f"one learner's uploads at {LINK_SLOW:g}x what every H steps in the run's codec takes, the others' at {LINK_WIDE:g}x"
+    what_thin = f"every learner's uploads at {LINK_THIN:g}x what every H steps in the run's codec takes"
+    return [
+        RunSpec(model, "link_slow_fixed", "ablation", base="decoupled", upload_shares=slow, knob=f"{what_slow} (vs unlimited)"),
+        RunSpec(model, "link_slow_adaptive", "ablation", adaptive, base="link_slow_fixed", upload_shares=slow,
+                knob=f"fragments.adaptive (vs fixed), {what_slow}"),
+        RunSpec(model, "link_thin_fixed", "ablation", base="decoupled", upload_shares=thin, knob=f"{what_thin} (vs unlimited)"),
+        RunSpec(model, "link_thin_adaptive", "ablation", adaptive, base="link_thin_fixed", upload_shares=thin,
+                knob=f"fragments.adaptive (vs fixed), {what_thin}"),
+        RunSpec(model, "ablation_adaptive", "ablation", adaptive, base="decoupled",
+                knob="fragments.adaptive (vs fixed), uploads that take no time"),
+    ]
+
 
 RECEIPT_ROWS = {"dense": ("", "stragglers", "failures"), "moe": ("",), "vision": ("stragglers", "failures")}
 """Where the rebase rows run: the base rows (``decoupled`` and its stragglers and outages variants) per model."""
@@ -383,6 +420,7 @@ def plan(models: Sequence[str], scale: Scale, quick: bool, ablations: bool = Tru
         specs += reference_specs(extra, scale)
         specs += ablation_specs(extra, scale)
         specs += robust_specs(extra, scale, quick)
+        specs += link_specs(extra, scale)
         if not quick:
             specs += noise_specs(extra, scale)
             if "llama" in models and extra != "llama":

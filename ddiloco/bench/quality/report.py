@@ -8,6 +8,8 @@ from dataclasses import asdict
 from typing import Any
 
 from ddiloco.bench.quality.plan import (
+    ADAPTIVE_GOAL,
+    ADAPTIVE_PAIRS,
     GOAL_COMM_RATIO,
     GOAL_PREFIXES,
     GOALS_VS_DILOCO,
@@ -76,6 +78,28 @@ def goals(rows: Sequence[Row]) -> list[dict[str, Any]]:
                                   f"(payload only, without blob headers: {payload:.0f}x{cost})",
                         "value": ratio})
     out += robust_goals(rows)
+    out += adaptive_goals(rows)
+    return out
+
+
+def adaptive_goals(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """Issue #18: an adaptive row at most ADAPTIVE_GOAL above its fixed row's validation loss, and below it
+    where the fixed learners' upload queue grew (an increment waited longer than a send period)."""
+    out = []
+    for m in MODELS:
+        for adaptive, fixed in ADAPTIVE_PAIRS:
+            a, f = find(rows, m, adaptive), find(rows, m, fixed)
+            if a is None or f is None:
+                continue
+            gap = a.val_loss / f.val_loss - 1
+            out.append({"goal": f"{m}: {adaptive} within {100 * ADAPTIVE_GOAL:.1f}% of {fixed}'s val loss", "pass": gap <= ADAPTIVE_GOAL,
+                        "figure": f"{a.val_loss:.4f} vs {f.val_loss:.4f} ({100 * gap:+.2f}%)", "value": gap})
+            period = f.knobs.get("every", 0)
+            waited = max((x["max_oldest_unsent_s"] for x in (f.links or {}).values()), default=0.0)
+            if waited > period:
+                out.append({"goal": f"{m}: {adaptive} below {fixed}'s val loss (its upload queue grew: an increment waited "
+                                    f"{waited:.0f} s, more than a send period of {period} s)",
+                            "pass": gap < 0, "figure": f"{a.val_loss:.4f} vs {f.val_loss:.4f} ({100 * gap:+.2f}%)", "value": gap})
     return out
 
 

@@ -58,6 +58,9 @@ class Row:
     """Merges a ``merge.robust`` rule judged (the rest had too few learners and fell back); None without one."""
     robust_dropped: int | None = None
     """Learners' updates ``merge.robust: drop_opposed`` merged with no weight, over the run."""
+    links: dict[str, dict[str, Any]] | None = None
+    """Per learner, what its upload queue went through (``inprocess.LinkFigures``) in a row with simulated
+    upload links; None without."""
     bytes_per_val_token: float | None = None
     """UTF-8 bytes of text per validation target token (1 for byte-level models, None for images):
     ``val_loss / bytes_per_val_token`` is nats per byte, comparable across tokenizers."""
@@ -201,6 +204,8 @@ def _knobs(cfg: RunConfig, spec: RunSpec, scale: Scale) -> dict[str, Any]:
         "robust": cfg.merge.robust,
         "trim_fraction": cfg.merge.trim_fraction if cfg.merge.robust == "trimmed_mean" else None,
         "adversary": spec.adversary or None,
+        "adaptive": cfg.fragments.adaptive,
+        "upload_shares": list(spec.upload_shares) if spec.upload_shares else None,
     }
 
 
@@ -218,7 +223,12 @@ def _run_decoupled(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
     ids = [lid for lid, _, _ in cfg.learners.learner_ids()]
     outages = row_outages(ids, scale, spec.failures, spec.seed) if spec.failures > 0 else None
     adversaries = {ids[1]: spec.adversary} if spec.adversary > 0 else None
+    upload_bps = None
+    if spec.upload_shares:
+        demand = upload_demand(cfg)
+        upload_bps = {lid: share * demand for lid, share in zip(ids, spec.upload_shares, strict=True)}
     run = run_inprocess(cfg, total_tokens=total, step_time_s=1.0, outages=outages, eval_every_tokens=max(1, total // scale.evals),
+                        upload_bps=upload_bps,
                         adversaries=adversaries)
     final = run.evals[-1]
     elapsed = run.elapsed_s
@@ -256,10 +266,28 @@ def _run_decoupled(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
         base=spec.base,
         knob=spec.knob,
         curve=[[e.tokens, e.t_s, e.val_loss, e.val_accuracy] for e in run.evals],
+        links=None if upload_bps is None else {lid: _link_json(f, upload_bps[lid]) for lid, f in run.links.items()},
         fewest_versions=min(per_fragment.get(f, 0) for f in numel),
         robust_applied=None if robust is None else sum(1 for r in robust if r["applied"]),
         robust_dropped=None if robust is None else sum(len(r.get("dropped", ())) for r in robust),
     )
+
+
+def upload_demand(cfg: RunConfig, step_time_s: float = 1.0) -> float:
+    """Bytes per second a learner's uploads take when it sends every fragment every H steps with the run's
+    codec (payload: values and scales, without blob headers), at ``step_time_s`` per step."""
+    from ddiloco.platform.compression import codec_nbytes
+    from ddiloco.platform.models import build_model
+
+    model = build_model(cfg.model, seed=cfg.seed)
+    c = cfg.compression
+    return sum(codec_nbytes(p.numel(), c.codec, c.block_size) for p in model.parameters()) / (cfg.fragments.period * step_time_s)
+
+
+def _link_json(f: Any, bandwidth: float) -> dict[str, Any]:
+    return {"upload_bps": round(bandwidth, 1), "max_oldest_unsent_s": round(f.max_oldest_unsent_s, 2),
+            "mean_oldest_unsent_s": round(f.queue_s / max(1, f.steps), 2), "coalesced": f.coalesced,
+            "cadence_changes": f.cadence_changes, "steps_per_cadence": dict(sorted(f.cadences.items()))}
 
 
 def _run_data_parallel(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
