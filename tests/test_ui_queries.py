@@ -372,5 +372,6 @@ def test_policy_comes_from_the_run_config_and_formatting():
     assert (
         h.event_category("chaos") == "chaos"
         and h.event_category("run_failed") == "failure"
+        and h.event_category("learner_exited") == "failure"
         and h.event_category("zzz") == "other"
     )

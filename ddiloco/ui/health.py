@@ -208,6 +208,7 @@ def run_health(run_status: str, verdicts: dict[str, Verdict], sync: SyncVerdict,
 
 EVENT_CATEGORIES = {
     "learner_dead": "failure",
+    "learner_exited": "failure",
     "run_failed": "failure",
     "learner_restarted": "restart",
     "learner_relaunched": "restart",
@@ -216,6 +217,7 @@ EVENT_CATEGORIES = {
     "lease_acquired": "synchronizer",
     "synchronizer_launched": "synchronizer",
     "learner_joined": "learner",
+    "learner_launched": "learner",
     "link_cadence": "learner",
 }
 CATEGORY_COLORS = {
