@@ -30,6 +30,18 @@ def member(submission: int, learner: str, w: list[float], c_steps: int = 1, c_to
     return Member(submission, learner, delta, norm_of(delta), c_steps, c_tokens, 0)
 
 
+def flat_members(ws: MergeWorkspace, shapes: dict, members: list[Member]) -> list[Member]:
+    """The same members decoded into the workspace's rows, as the synchronizer's fetch leaves them."""
+    layout = FlatLayout.of(shapes)
+    flat = []
+    for m, row in zip(members, ws.rows(layout, len(members)), strict=True):
+        for n, view in layout.views(row).items():
+            view.copy_(m.delta[n])
+        sq = torch.tensor([float(v.double().pow(2).sum()) for v in layout.views(row).values()], dtype=torch.float64)
+        flat.append(Member(m.submission, m.learner, FlatDelta(layout, row, sq), m.norm, m.c_steps, m.c_tokens, m.base_version))
+    return flat
+
+
 def merged(members: list[Member], policy: MergePolicy, workspace: MergeWorkspace | None = None) -> torch.Tensor:
     current = GlobalFragment(0, {"w": torch.zeros(len(members[0].delta["w"]))}, None)
     return -merge_fragment(current, members, policy, live_learners=4, workspace=workspace).params["w"]
@@ -219,14 +231,7 @@ def test_flat_robust_engine_matches_the_float64_reference(rule: str, chunk: int 
     want = reference(members, current, policy)
     ws = MergeWorkspace("cpu")
     ws.chunk = chunk  # 4 or 5: several chunks per tensor, some ending mid-tensor; None: whole tensors, as on a GPU
-    layout = FlatLayout.of(shapes)
-    rows = ws.rows(layout, len(members))
-    flat = []
-    for m, row in zip(members, rows, strict=True):
-        for n, view in layout.views(row).items():
-            view.copy_(m.delta[n])
-        sq = torch.tensor([float(v.double().pow(2).sum()) for v in layout.views(row).values()], dtype=torch.float64)
-        flat.append(Member(m.submission, m.learner, FlatDelta(layout, row, sq), m.norm, m.c_steps, m.c_tokens, m.base_version))
+    flat = flat_members(ws, shapes, members)
     for ms in (members, flat):
         out = merge_fragment(current, ms, policy, live_learners=len(set(learners)), workspace=ws)
         for n in want:
@@ -260,14 +265,7 @@ def test_drop_opposed_on_flat_rows_equals_the_merge_without_the_attacker(chunk: 
         members.append(Member(i, lid, delta, norm_of(delta), 2, 64, 1))
     ws = MergeWorkspace("cpu")
     ws.chunk = chunk
-    layout = FlatLayout.of(shapes)
-    rows = ws.rows(layout, len(members))
-    flat = []
-    for m, row in zip(members, rows, strict=True):
-        for n, view in layout.views(row).items():
-            view.copy_(m.delta[n])
-        sq = torch.tensor([float(v.double().pow(2).sum()) for v in layout.views(row).values()], dtype=torch.float64)
-        flat.append(Member(m.submission, m.learner, FlatDelta(layout, row, sq), m.norm, m.c_steps, m.c_tokens, m.base_version))
+    flat = flat_members(ws, shapes, members)
     out = merge_fragment(current, flat, MergePolicy(robust="drop_opposed", **SGD), live_learners=4, workspace=ws)
     assert [d["learner"] for d in out.detail["robust"]["dropped"]] == ["d"]
     want = merge_fragment(current, members[:4], MergePolicy(**SGD), live_learners=4)
