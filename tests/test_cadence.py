@@ -262,3 +262,40 @@ def test_a_longer_period_spreads_the_sends_and_a_shorter_one_never_resends_a_fra
     # Back to every 4 steps (p at p mod 4): fragment 1 was sent at step 10, so not at 13; again at 17.
     assert steps(11, 17, 4) == {11: [3], 12: [0], 13: [], 14: [2], 15: [3], 16: [0], 17: [1]}
     ctx.engine.dispose()
+
+
+def test_the_upload_thread_registers_a_slow_batch_as_it_goes():
+    """Four queued sends taken as one batch: on a fast link one transaction registers them all; when the blobs
+    take long to cross, what is written is registered every REGISTER_WITHIN_S, not after the whole batch."""
+    from support import sim_run
+
+    from ddiloco.inprocess import SimClock, sim_learner, sim_step
+    from ddiloco.learner_worker.link import REGISTER_WITHIN_S
+    from ddiloco.platform.ledger.models import Submission
+
+    registered_at = []
+    for tick in (0.0, 0.25 * REGISTER_WITHIN_S):
+        _cfg, clock, ctx, _sync = sim_run(fragments={"count": 4})
+        learner = sim_learner(ctx, "us-0")
+        learner.start(clock.t)
+        for _ in range(4):  # one fragment is due a step: four sends wait in the queue
+            clock.t += 1.0
+            sim_step(learner, clock.t, pump=False)
+        link = learner.link
+
+        def transfer_clock(tick: float = tick, clock: SimClock = clock) -> float:
+            """A slow link: every reading of the transfer clock finds the simulated time ``tick`` later."""
+            clock.t += tick
+            return clock.t
+
+        link.elapsed = transfer_clock
+        items = [link._outbox.get_nowait() for _ in range(4)]
+        link._taken(items)
+        link._handle(items)
+        with ctx.reading() as s:
+            registered_at.append(s.scalars(select(Submission.created_at).where(Submission.learner_id == "us-0")).all())
+        ctx.engine.dispose()
+    fast, slow = registered_at
+    assert len(fast) == len(slow) == 4
+    assert len(set(fast)) == 1  # one transaction
+    assert len(set(slow)) == 2 and slow[0] < slow[-1]  # two blobs, then the other two

@@ -38,6 +38,9 @@ log = logging.getLogger("ddiloco.learner")
 
 UPLOAD_BATCH = 32
 """Most submissions registered in one ledger transaction by the upload thread."""
+REGISTER_WITHIN_S = 1.0
+"""A written blob waits at most about this long for its ledger row: the upload registers what it has written
+once its batch has taken this long, so on a slow link an increment does not grow stale behind the others."""
 CADENCE_EVENT = "link_cadence"
 """The event a learner records when it changes its send period or codec."""
 
@@ -485,26 +488,37 @@ class LearnerLink:
                     log.exception("saving the optimizer state failed")
         outs = [item for item in items if isinstance(item, Outgoing)]
         if outs:
+            registered: list[Outgoing] = []
             try:
-                self.upload(outs)
+                self.upload(outs, registered)
             except Exception:  # noqa: BLE001 - the increments go out with the next send
                 log.exception("upload of fragments %s failed after retries", [o.fragment for o in outs])
-                self._carry_over(outs)
+                self._carry_over([o for o in outs if not any(o is r for r in registered)])
         return any(item is None for item in items)
 
-    def upload(self, outs: list[Outgoing]) -> None:
-        """Write the blobs, then register them in one transaction: a row never points to a missing blob."""
+    def upload(self, outs: list[Outgoing], registered: list[Outgoing] | None = None) -> None:
+        """Write the blobs and register them: a row never points to a missing blob. A fast batch is one
+        transaction; on a slow link what is written is registered every :data:`REGISTER_WITHIN_S` (appended to
+        ``registered``, so that a failure carries over only the rest)."""
         t0 = time.perf_counter()
+        done = [] if registered is None else registered
         with span("learner.upload"):
-            token, started = self.meter.begin("up", self.ctx.now()), self.elapsed()
-            subs: list[q.SubmissionIn] = []
-            try:
-                subs = self.put_blobs(outs)
-            finally:
-                # The link's figure is the blobs' transfer; the registration is a ledger round trip.
-                self.meter.end(token, sum(sub.nbytes for sub in subs), self.elapsed() - started, self.ctx.now())
-            self._register(subs)
-        self.bytes_sent += sum(sub.nbytes for sub in subs)
+            written: list[tuple[Outgoing, q.SubmissionIn]] = []
+            since = self.elapsed()
+            for i, out in enumerate(outs):
+                token, started = self.meter.begin("up", self.ctx.now()), self.elapsed()
+                subs: list[q.SubmissionIn] = []
+                try:
+                    subs = self.put_blobs([out])
+                finally:
+                    # The link's figure is the blob's transfer; the registration is a ledger round trip.
+                    self.meter.end(token, sum(sub.nbytes for sub in subs), self.elapsed() - started, self.ctx.now())
+                written.append((out, subs[0]))
+                if i == len(outs) - 1 or self.elapsed() - since >= REGISTER_WITHIN_S:
+                    self._register([sub for _, sub in written])
+                    done += [o for o, _ in written]
+                    self.bytes_sent += sum(sub.nbytes for _, sub in written)
+                    written, since = [], self.elapsed()
         self.upload_s += time.perf_counter() - t0
 
     def put_blobs(self, outs: list[Outgoing]) -> list[q.SubmissionIn]:
@@ -529,10 +543,12 @@ class LearnerLink:
         return subs
 
     def begin_upload(self) -> Upload | None:
-        """Take what is queued (as the upload thread would), save states and write the blobs: an upload whose
-        transfer a simulation times on its own clock, then ends with :meth:`finish_upload` (None: nothing queued)."""
+        """Take the oldest queued submission (saving any state queued before it) and write its blob: an upload
+        whose transfer a simulation times on its own clock, then ends with :meth:`finish_upload` (None: nothing
+        queued). One blob at a time: a blob whose transfer takes :data:`REGISTER_WITHIN_S` or longer is registered
+        on its own by the upload thread too."""
         items: list[object] = []
-        while len(items) < UPLOAD_BATCH:
+        while not any(isinstance(item, Outgoing) for item in items):
             try:
                 items.append(self._outbox.get_nowait())
             except queue.Empty:
