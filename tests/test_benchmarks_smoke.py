@@ -1,6 +1,6 @@
 """Each benchmark's --quick mode runs, and writes JSON with the expected keys and sane values.
 
-The three run in parallel (one fixture starts them all), so the module takes about as long as the
+They run in parallel (one fixture starts them all), so the module takes about as long as the
 slowest, the failover run with its four processes.
 
 Not a performance test: figures on a small shared machine vary, so only their shape and sanity
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
 
-NAMES = ("learner_overhead", "merge_throughput", "failover")
+NAMES = ("learner_overhead", "merge_throughput", "failover", "sync_sustain")
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +127,19 @@ def test_failover_quick(quick_runs):
     assert k["takeover_s"] >= k["lease_left_s"] - 0.5
     assert k["tokens_per_s_before"]["reported"] > 0 and k["tokens_per_s_after"]["reported"] > 0
     assert d["summary"]["failover_max_s"] == max(d["summary"]["failover_s"])
+
+
+def test_sync_sustain_quick(quick_runs):
+    d = load(quick_runs, "sync_sustain")
+    (p,) = d["points"]
+    assert (p["shards"], p["learners"], p["store"]) == (1, 2, "file")
+    # The simulated learners submitted on schedule and the real synchronizer merged their submissions.
+    assert p["submissions"] > 0 and p["merges"] > 0 and p["driver"]["failed"] == 0
+    assert p["driver"]["lag_s_median"] is not None and p["driver"]["lag_s_median"] < 1.0
+    assert p["staleness_median"] is not None and 0 <= p["staleness_median"] <= 4
+    assert p["rejected_share"] == 0.0
+    assert p["backlog"]["samples"] >= 2 and p["backlog"]["bound"] == 10
+    (sync,) = p["synchronizers"]
+    assert sync is not None and positive(sync["pass"]) and positive(sync["publish"])
+    assert isinstance(p["keeps_up"], bool) and isinstance(p["conclusive"], bool)
+    assert d["goal"]["one_shard_min"] == 16 and d["goal"]["scaling_min"] == 1.7
