@@ -164,7 +164,7 @@ def test_adaptive_bounds_are_checked_against_the_merge_and_the_codec():
     with pytest.raises(ConfigError, match="adaptive_min_codec"):
         tiny_config(fragments={"count": 4, "adaptive": True, "adaptive_min_codec": "int8"}, compression={"codec": "int4"})
     # Off, they are not judged; on, a period cap at merge.max_periods is fine.
-    tiny_config(fragments={"count": 4, "adaptive_max_periods": 9}, merge={"max_periods": 8})
+    tiny_config(fragments={"count": 4, "adaptive": False, "adaptive_max_periods": 9}, merge={"max_periods": 8})
     assert build_config({"fragments": {"adaptive": True, "adaptive_max_periods": 8}}).fragments.adaptive
 
 

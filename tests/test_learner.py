@@ -131,7 +131,8 @@ def test_a_slow_link_queues_one_blob_per_fragment_and_loses_no_token():
     from ddiloco.platform.ledger.models import Submission
     from ddiloco.platform.store import FragmentStore
 
-    cfg, clock, ctx, sync = sim_run(learners={"regions": [{"name": "us", "learners": 1}]})
+    # A fixed cadence: an adaptive learner would answer the backlog with a cheaper codec and a longer period.
+    cfg, clock, ctx, sync = sim_run(learners={"regions": [{"name": "us", "learners": 1}]}, fragments={"count": 4, "adaptive": False})
     learner = sim_learner(ctx, "us-0")
     learner.start(clock.t)
     P = cfg.fragments.count

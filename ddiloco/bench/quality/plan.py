@@ -347,7 +347,7 @@ LINK_WIDE = 2.0
 LINK_THIN = 0.4
 """Every learner's upload link in the thin-link rows."""
 ADAPTIVE_PAIRS = (("link_slow_adaptive", "link_slow_fixed"), ("link_thin_adaptive", "link_thin_fixed"),
-                  ("ablation_adaptive", "decoupled"))
+                  ("decoupled", "ablation_fixed_cadence"))
 """(adaptive row, the same with a fixed cadence) that issue #18's goal compares."""
 ADAPTIVE_GOAL = 0.005
 """An adaptive row's validation loss is at most this much above its fixed row's."""
@@ -356,22 +356,25 @@ ADAPTIVE_GOAL = 0.005
 def link_specs(model: str, scale: Scale) -> list[RunSpec]:
     """fragments.adaptive (each learner chooses its send period and codec from its link) against a fixed
     cadence, on the simulated upload links of ``run_inprocess``: one learner at a tenth of the others'
-    bandwidth, every learner on a thin link, and links that take no time."""
+    bandwidth, every learner on a thin link, and links that take no time (the default, adaptive, is every
+    other row of the plan)."""
     M = scale.learners
-    adaptive = {"fragments": {"adaptive": True}}
+    adaptive, fixed = {"fragments": {"adaptive": True}}, {"fragments": {"adaptive": False}}
     slow = (LINK_WIDE,) * (M - 1) + (LINK_SLOW,)
     thin = (LINK_THIN,) * M
     what_slow = f"one learner's uploads at {LINK_SLOW:g}x what every H steps in the run's codec takes, the others' at {LINK_WIDE:g}x"
     what_thin = f"every learner's uploads at {LINK_THIN:g}x what every H steps in the run's codec takes"
     return [
-        RunSpec(model, "link_slow_fixed", "ablation", base="decoupled", upload_shares=slow, knob=f"{what_slow} (vs unlimited)"),
+        RunSpec(model, "link_slow_fixed", "ablation", fixed, base="ablation_fixed_cadence", upload_shares=slow,
+                knob=f"{what_slow} (vs unlimited)"),
         RunSpec(model, "link_slow_adaptive", "ablation", adaptive, base="link_slow_fixed", upload_shares=slow,
                 knob=f"fragments.adaptive (vs fixed), {what_slow}"),
-        RunSpec(model, "link_thin_fixed", "ablation", base="decoupled", upload_shares=thin, knob=f"{what_thin} (vs unlimited)"),
+        RunSpec(model, "link_thin_fixed", "ablation", fixed, base="ablation_fixed_cadence", upload_shares=thin,
+                knob=f"{what_thin} (vs unlimited)"),
         RunSpec(model, "link_thin_adaptive", "ablation", adaptive, base="link_thin_fixed", upload_shares=thin,
                 knob=f"fragments.adaptive (vs fixed), {what_thin}"),
-        RunSpec(model, "ablation_adaptive", "ablation", adaptive, base="decoupled",
-                knob="fragments.adaptive (vs fixed), uploads that take no time"),
+        RunSpec(model, "ablation_fixed_cadence", "ablation", fixed, base="decoupled",
+                knob="fragments.adaptive=false (vs the default, adaptive), uploads that take no time"),
     ]
 
 
