@@ -32,11 +32,27 @@ def test_the_robust_rows_run_by_name_with_their_options():
     assert not [s for s in P.plan(["dense"], P.QUICK, quick=True) if "attack" in s.regime]
 
 
+def test_drop_opposed_has_rows_under_stragglers_and_outages_against_the_same_row_with_robust_off():
+    names = ["ablation_drop_stragglers", "ablation_drop_failures", "attack_flip3_stragglers", "attack_flip3_drop_stragglers"]
+    by_name = {s.regime: s for s in P.select(P.plan(["dense"], P.FULL, quick=False), names)}
+    for name, base, speeds, failures, adversary in (
+            ("ablation_drop_stragglers", "decoupled_stragglers", P.STRAGGLER_SPEEDS, 0.0, 0.0),
+            ("ablation_drop_failures", "decoupled_failures", None, P.FAILURE_FRACTION, 0.0),
+            ("attack_flip3_stragglers", "decoupled_stragglers", P.STRAGGLER_SPEEDS, 0.0, P.ATTACK_K),
+            ("attack_flip3_drop_stragglers", "attack_flip3_stragglers", P.STRAGGLER_SPEEDS, 0.0, P.ATTACK_K)):
+        s = by_name[name]
+        assert (s.base, s.speeds, s.failures, s.adversary, s.learners) == (base, speeds, failures, adversary, None), name
+        assert P.build_run_config(s, P.FULL, quick=False).merge.robust == ("drop_opposed" if "drop" in name else "none"), name
+
+
 def test_each_attack_row_is_paired_with_the_same_options_without_the_attacker():
     names = ["decoupled", "attack_flip3", "ablation_trim", "attack_flip3_trim", "attack_flip3_clip2", "m8_decoupled",
-             "m8_attack_flip3", "m8_ablation_median", "m8_attack_flip3_median"]
+             "m8_attack_flip3", "m8_ablation_median", "m8_attack_flip3_median", "decoupled_stragglers", "attack_flip3_stragglers",
+             "ablation_drop_stragglers", "attack_flip3_drop_stragglers", "attack_flip3_failures"]
     assert P.robust_gate_pairs(names) == [("attack_flip3", "decoupled"), ("attack_flip3_trim", "ablation_trim"),
-                                          ("m8_attack_flip3", "m8_decoupled"), ("m8_attack_flip3_median", "m8_ablation_median")]
+                                          ("m8_attack_flip3", "m8_decoupled"), ("m8_attack_flip3_median", "m8_ablation_median"),
+                                          ("attack_flip3_stragglers", "decoupled_stragglers"),
+                                          ("attack_flip3_drop_stragglers", "ablation_drop_stragglers")]
 
 
 def test_the_gate_needs_the_loss_within_one_percent_and_every_fragment_publishing():

@@ -306,7 +306,8 @@ M8_ROBUST = (("median", {"merge": {"robust": "median"}}, "merge.robust=median"),
 
 def robust_specs(model: str, scale: Scale, quick: bool = False) -> list[RunSpec]:
     """Each robust option on honest learners (``ablation_<tag>``: its cost) and with one hostile learner
-    (``attack_flip3_<tag>``: its effect); at full scale also at M = 8 (``m8_``)."""
+    (``attack_flip3_<tag>``: its effect); at full scale also drop_opposed where honest learners are out of
+    step (``_stragglers``, ``_failures``: merges of one or two learners, which cannot vote) and at M = 8 (``m8_``)."""
     flip = f"one learner sending -{ATTACK_K:g}x"
     out = [RunSpec(model, "attack_flip3", "ablation", base="decoupled", adversary=ATTACK_K,
                    knob=f"one learner sends -{ATTACK_K:g}x its update (vs all honest)")]
@@ -316,6 +317,18 @@ def robust_specs(model: str, scale: Scale, quick: bool = False) -> list[RunSpec]
                         knob=f"{knob} (vs off), {flip}")]
     if quick:
         return out
+    S = STRAGGLER_SPEEDS[: scale.learners]
+    tag, ov, knob = ROBUST_OPTIONS[3]
+    out += [
+        RunSpec(model, f"ablation_{tag}_stragglers", "ablation", ov, speeds=S, base="decoupled_stragglers",
+                knob=f"{knob} (vs off), honest learners, stragglers"),
+        RunSpec(model, f"ablation_{tag}_failures", "ablation", ov, failures=FAILURE_FRACTION, base="decoupled_failures",
+                knob=f"{knob} (vs off), honest learners, outages"),
+        RunSpec(model, "attack_flip3_stragglers", "ablation", speeds=S, base="decoupled_stragglers", adversary=ATTACK_K,
+                knob=f"one learner sends -{ATTACK_K:g}x its update (vs all honest), stragglers"),
+        RunSpec(model, f"attack_flip3_{tag}_stragglers", "ablation", ov, speeds=S, base="attack_flip3_stragglers",
+                adversary=ATTACK_K, knob=f"{knob} (vs off), {flip}, stragglers"),
+    ]
     M, m8 = M_LARGE, f"M = {M_LARGE}"
     out.append(RunSpec(model, "m8_attack_flip3", "ablation", base="m8_decoupled", adversary=ATTACK_K, learners=M,
                        knob=f"one learner sends -{ATTACK_K:g}x its update (vs all honest), {m8}"))
@@ -334,7 +347,11 @@ def robust_gate_pairs(rows: Sequence[str]) -> list[tuple[str, str]]:
         prefix, sep, rest = r.partition("attack_flip3")
         if not sep or prefix not in ("", f"m{M_LARGE}_"):
             continue
-        honest = f"{prefix}decoupled" if not rest else f"{prefix}ablation{rest}"
+        options, faults = rest, ""
+        for kind in ("_stragglers", "_failures"):
+            if rest.endswith(kind):
+                options, faults = rest[: -len(kind)], kind
+        honest = f"{prefix}decoupled{faults}" if not options else f"{prefix}ablation{options}{faults}"
         if honest in rows:
             out.append((r, honest))
     return out
