@@ -24,7 +24,8 @@ import torch
 
 from ddiloco.learner_worker.cadence import Cadence, CadencePolicy, LinkRates, QueueState, choose_cadence, measure_window_s
 from ddiloco.learner_worker.device import Staged
-from ddiloco.platform.compression import encode_delta
+from ddiloco.platform.compact import CompactError, CompactRef, Ref, plan_download
+from ddiloco.platform.compression import CompactBase, CompressionError, apply_encoded, encode_delta
 from ddiloco.platform.faults import fault_point
 from ddiloco.platform.ids import learner_state_key, submission_key
 from ddiloco.platform.ledger import queries as q
@@ -32,7 +33,7 @@ from ddiloco.platform.ledger.models import Learner as LearnerRow
 from ddiloco.platform.run_state import read_version
 from ddiloco.platform.runtime import RunContext, ledger_retry, to_datetime
 from ddiloco.platform.spans import span
-from ddiloco.platform.store import StoreError
+from ddiloco.platform.store import FragmentStore, StoreError
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -204,6 +205,8 @@ class LearnerLink:
     run_finished: bool = False
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_if_whole: int = 0
+    """What the versions received would have cost downloaded whole (float32): ``bytes_received``'s baseline."""
     upload_s: float = 0.0
     awaiting: set[int] = field(default_factory=set)
     """Overlap 0: fragments sent whose merged version has not arrived yet."""
@@ -221,6 +224,9 @@ class LearnerLink:
         self._inbox: dict[int, Arrival] = {}
         self._delivered: dict[int, int] = {}
         """Newest version put in the inbox per fragment: what the learner holds or is about to."""
+        self._bases: dict[int, CompactBase] = {}
+        """Per fragment, the base of the compact downloads this learner holds (as the synchronizer does)."""
+        self._receive_lock = threading.Lock()
         self._outbox: queue.Queue = queue.Queue()
         self._carry: dict[int, Outgoing] = {}
         self._queued: dict[int, Outgoing] = {}
@@ -333,14 +339,15 @@ class LearnerLink:
             self.run_finished = True
         store = self.ctx.store()
         got = []
-        with span("learner.poll"):
+        # One thread downloads at a time: the bases change with each download, and a version is fetched once.
+        with span("learner.poll"), self._receive_lock:
             for p, row in sorted(heads.items()):
                 if p >= self.num_fragments or row.version <= self._delivered.get(p, -1):
                     continue
                 t0, token = self.elapsed(), self.meter.begin("down", self.ctx.now())
                 try:
-                    tensors = read_version(store, row)
-                    self.meter.end(token, row.nbytes, self.elapsed() - t0, self.ctx.now())
+                    tensors, nbytes = self._download(store, row)
+                    self.meter.end(token, nbytes, self.elapsed() - t0, self.ctx.now())
                 except BaseException as err:
                     self.meter.end(token, 0, 0.0, self.ctx.now())
                     if not isinstance(err, StoreError):
@@ -354,10 +361,50 @@ class LearnerLink:
                         continue  # the other thread's exchange brought it (or a newer one) meanwhile
                     self._inbox[p] = (row.version, tensors)
                     self._delivered[p] = row.version
-                    self.bytes_received += row.nbytes
+                    self.bytes_received += nbytes
+                    self.bytes_if_whole += row.nbytes
                     self._lock.notify_all()
                 got.append(p)
         return got
+
+    def _download(self, store: FragmentStore, row: q.HeadRef) -> tuple[Tensors, int]:
+        """A version's tensors and the bytes fetched for them: by its compact form when the run publishes one (the
+        blobs :func:`plan_download` picks; within the download codec's bound of the full blob), else the full blob."""
+        try:
+            ref = CompactRef.parse(row.compact_json)
+        except CompactError as err:
+            log.warning("fragment %s v%s: %s; downloading it whole", row.fragment, row.version, err)
+            ref = None
+        held = self._bases.get(row.fragment)
+        plan = plan_download(held.version if held else None, ref)
+        if ref is None or plan == ("full",):
+            return read_version(store, row), row.nbytes
+        fetched = 0
+
+        def get(blob: Ref) -> tuple[Tensors, dict[str, str]]:
+            nonlocal fetched
+            tensors, meta = store.get_with_metadata(blob.key, blob.sha256, blob.nbytes)
+            fetched += blob.nbytes
+            return tensors, meta
+
+        try:
+            if plan[0] == "base":
+                base = CompactBase(ref.base, {n: t.to(torch.float32) for n, t in get(ref.base_blob)[0].items()})
+            elif plan[0] == "step":
+                assert held is not None and ref.step is not None
+                base = CompactBase(ref.base, apply_encoded(held.tensors, *get(ref.step)))
+            else:
+                assert held is not None
+                base = held
+            tensors = apply_encoded(base.tensors, *get(ref.delta))
+        except CompressionError as err:
+            # The synchronizer wrote these blobs and their hashes matched; a form that does not fit is a bug there:
+            # drop the base and take the full blob, which never depends on one.
+            log.warning("fragment %s v%s: compact form unusable (%s); downloading it whole", row.fragment, row.version, err)
+            self._bases.pop(row.fragment, None)
+            return read_version(store, row), fetched + row.nbytes
+        self._bases[row.fragment] = base
+        return tensors, fetched
 
     def io_figures(self) -> tuple[int, int]:
         """(uploads queued, newest global version received of any fragment, -1 before the first), for /metrics."""

@@ -14,6 +14,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -293,3 +294,74 @@ def _decode_tensor(
 def encoded_nbytes(tensors: dict[str, torch.Tensor]) -> int:
     """Payload bytes of encoded tensors (excluding the safetensors header)."""
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+# --- compact downloads (the scheme: platform/compact.py) ------------------------------------------
+
+Tensors = dict[str, torch.Tensor]
+
+
+def encode_against(target: Tensors, base: Tensors, codec: str, block_size: int) -> tuple[Tensors, dict[str, str]]:
+    """Q(target − base), as a blob's tensors and metadata (CPU, float32 arithmetic)."""
+    diff = {n: target[n].detach().to("cpu", torch.float32) - base[n] for n in base}
+    return encode_delta(diff, codec, block_size)
+
+
+def apply_encoded(base: Tensors, tensors: Tensors, metadata: dict[str, str]) -> Tensors:
+    """base + deq(blob): new tensors (never views of ``base``). The same float32 operations on either side, so the
+    synchronizer's next base and a learner's are the same bits."""
+    decoded = decode_delta(tensors, metadata, {n: tuple(t.shape) for n, t in base.items()})
+    return {n: base[n] + decoded[n] for n in base}
+
+
+def error_bound(diff: Tensors, codec: str, block_size: int) -> float:
+    """The most any value of ``diff`` can move when encoded with ``codec``: half a quantization step of its block
+    (int8, int4), half a unit in bf16's last place, 0 for float32."""
+    worst = 0.0
+    for t in diff.values():
+        flat = t.detach().to("cpu", torch.float32).flatten()
+        if flat.numel() == 0:
+            continue
+        if codec in _LEVELS:
+            nb = -(-flat.numel() // block_size)
+            blocks = torch.nn.functional.pad(flat, (0, nb * block_size - flat.numel())).view(nb, block_size)
+            worst = max(worst, float(blocks.abs().amax(dim=1).max()) / _LEVELS[codec] / 2)
+        elif codec == "bf16":
+            worst = max(worst, float(flat.abs().max()) * 2.0**-8)
+    return worst
+
+
+@dataclass
+class CompactBase:
+    """A fragment's base, as the synchronizer and every learner following it hold it."""
+
+    version: int
+    tensors: Tensors
+
+
+@dataclass
+class CompactForm:
+    """What one version's compact form is: the delta, and when the base moved with this version, the new base
+    (and the step to it from the previous one)."""
+
+    base: CompactBase
+    delta: tuple[Tensors, dict[str, str]]
+    new_base: bool
+    step: tuple[Tensors, dict[str, str]] | None = None
+    step_from: int | None = None
+
+
+def compact_version(base: CompactBase | None, version: int, params: Tensors, codec: str, block_size: int, every: int) -> CompactForm:
+    """The compact form of ``version`` (parameters ``params``) against ``base``, moving the base on when it is
+    ``every`` versions old (by a step, so learners holding it follow cheaply) or when there is none (exactly)."""
+    step = step_from = None
+    new = False
+    if base is None:
+        base = CompactBase(version, {n: t.detach().to("cpu", torch.float32, copy=True) for n, t in params.items()})
+        new = True
+    elif version - base.version >= every:
+        step = encode_against(params, base.tensors, codec, block_size)
+        step_from = base.version
+        base = CompactBase(version, apply_encoded(base.tensors, *step))
+        new = True
+    return CompactForm(base, encode_against(params, base.tensors, codec, block_size), new, step, step_from)

@@ -411,7 +411,21 @@ def codec_ladder(codec: str, cheapest: str) -> tuple[str, ...]:
 
 class CompressionConfig(_Section):
     codec: Literal["none", "bf16", "int8", "int4"] = "int8"
+    """What learners upload their outer gradients in."""
     block_size: int = Field(64, ge=8, le=1 << 24)
+    download_codec: Literal["none", "bf16", "int8", "int4"] | None = None
+    """What global versions are also published in for learners, as the difference from a base every learner
+    holds exactly (``platform/compact.py``); ``none``: learners download every version whole, in float32.
+    Unset: the upload codec, so downloads cost what uploads do (and float32 uploads keep exact downloads)."""
+    download_base_every: int = Field(16, ge=1, le=1 << 20)
+    """Versions between two bases of the compact downloads: a learner downloads a full float32 blob only when
+    it is new or more than this many versions behind."""
+
+    @model_validator(mode="after")
+    def _downloads_follow_uploads(self) -> CompressionConfig:
+        if self.download_codec is None:
+            self.download_codec = self.codec
+        return self
 
 
 class StorageConfig(_Section):

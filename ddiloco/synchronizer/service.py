@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, retry_if_not_exception_type, wait_exponential
 
-from ddiloco.platform import liveness, metrics
-from ddiloco.platform.compression import CompressionError, decode_delta_into
+from ddiloco.platform import compact, liveness, metrics
+from ddiloco.platform.compression import CompactBase, CompressionError, compact_version, decode_delta_into
 from ddiloco.platform.config import ConfigError, tokens_per_step
 from ddiloco.platform.faults import fault_point
 from ddiloco.platform.fragments import fragment_views, shard_fragments
@@ -120,6 +120,9 @@ class Synchronizer:
         """(shard, fencing token) of the lease this holder has, if any."""
         self.state: dict[int, GlobalFragment] = {}
         """Newest published version of each fragment, as far as this holder knows (a cache of the store)."""
+        self.bases: dict[int, tuple[CompactBase, compact.CompactRef]] = {}
+        """Each fragment's base of the compact downloads (``compression.download_codec``), as learners hold it, and
+        the newest version's compact form (whose base and step blobs the next versions name again)."""
         self.stats = pol.TimingStats()
         self.simulated_time = False
         """In-process runs: a merge takes no simulated time, so the sync-time average stays 0."""
@@ -240,6 +243,7 @@ class Synchronizer:
         """Forget the lease and everything read under it: the next pass starts from the ledger."""
         self.held = None
         self.state.clear()
+        self.bases.clear()
 
     def _bootstrap(self, now: float) -> None:
         """Publish version 0 of every fragment missing one, from the seeded initial model or model.init_from (once per lease)."""
@@ -366,7 +370,22 @@ class Synchronizer:
         store = self.ctx.store()
         st = GlobalFragment(row.version, read_version(store, row), momentum_from_blob(store.get(row.state_key, row.state_sha256)))
         self.state[fragment] = st
+        self._load_base(fragment, row.compact_json)
         return st
+
+    def _load_base(self, fragment: int, compact_json: str | None) -> None:
+        """Take over the base the learners hold from the head's compact form; without a usable one the next
+        version starts a new base (learners then download its base blob once)."""
+        self.bases.pop(fragment, None)
+        if self.cfg.compression.download_codec == "none":
+            return
+        try:
+            ref = compact.CompactRef.parse(compact_json)
+            if ref is not None:
+                blob = self.ctx.store().get(ref.base_blob.key, ref.base_blob.sha256, ref.base_blob.nbytes)
+                self.bases[fragment] = (CompactBase(ref.base, blob), ref)
+        except (compact.CompactError, StoreError) as err:
+            log.warning("fragment %s: base of the compact downloads unusable (%s): starting a new one", fragment, err)
 
     def _fetch(
         self, fragment: int, subs: list[Submission], version: int, regions: dict[str, str]
@@ -519,6 +538,7 @@ class Synchronizer:
             blob = store.put(global_key(self.ctx.run_id, fragment, version).replace(".safetensors", attempt), params)
             state = store.put(outer_state_key(self.ctx.run_id, fragment, version).replace(".safetensors", attempt),
                               momentum_to_blob(momentum or {}))
+            base = self._compact(fragment, version, params, attempt)
             fault_point("sync.before_commit")
             with self.ctx.transaction() as s:
                 q.publish_version(
@@ -535,17 +555,43 @@ class Synchronizer:
                     rejected=rejected or [],
                     record=record,
                     shard=self.shard,
+                    compact_json=None if base is None else base[1].to_json(),
                 )
                 for sub_id, why in rejected or []:
                     q.record_event(s, self.ctx.run_id, "submission_rejected", self.holder, f"submission {sub_id}: {why}", to_datetime(now))
             replaced = self.state.get(fragment)
             self.state[fragment] = GlobalFragment(version, params, momentum)
+            if base is not None:
+                self.bases[fragment] = base
             self.workspace.recycle(replaced)  # this holder reads a version it replaced no more
             if record is not None:
                 log.info("fragment %s -> v%s: %s (%s merged, %s rejected)",
                          fragment, version, record.reason, len(merged or []), len(rejected or []))
                 metrics.observe_merge(self.ctx.run_id, record.merge_s, [m.staleness for m in merged or []])
             metrics.observe_rejections(self.ctx.run_id, rejected or [])
+
+    def _compact(self, fragment: int, version: int, params: dict[str, torch.Tensor],
+                 attempt: str) -> tuple[CompactBase, compact.CompactRef] | None:
+        """Write the version's compact form: the delta from the base, and when the base moves on its step and its
+        blob. Returns the base after this version and the form (None when downloads are full only)."""
+        cc = self.cfg.compression
+        if cc.download_codec == "none":
+            return None
+        with span("sync.compact"):
+            held = self.bases.get(fragment)
+            out = compact_version(held[0] if held else None, version, params, cc.download_codec, cc.block_size,
+                                          cc.download_base_every)
+            store, key = self.ctx.store(), global_key(self.ctx.run_id, fragment, version)
+
+            def put(kind: str, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> compact.Ref:
+                info = store.put(key.replace(".safetensors", f"-{kind}{attempt}"), tensors, meta)
+                return compact.Ref(info.key, info.sha256, info.nbytes)
+
+            delta = put("delta", *out.delta)
+            if not out.new_base and held is not None:
+                return out.base, replace(held[1], delta=delta)
+            step = put("step", *out.step) if out.step is not None else None
+            return out.base, compact.CompactRef(cc.download_codec, version, delta, put("base", out.base.tensors), out.step_from, step)
 
     def _reject(self, rejected: list[tuple[int, str]], now: float) -> None:
         """Reject submissions outside a merge, each with its reason."""
@@ -670,7 +716,11 @@ def collect_garbage(ctx: RunContext) -> tuple[int, int]:
     # submission's ids are ever deleted: a row's key could name another run's, or a pending, blob.
     written_here = (f"{ctx.run_id}/global/", f"{ctx.run_id}/outer/")
     for v in versions:
-        for key in (v.blob_key, v.state_key):
+        try:
+            ref = compact.CompactRef.parse(v.compact_json)
+        except compact.CompactError:
+            ref = None
+        for key in [v.blob_key, v.state_key, *(ref.own_keys(v.version) if ref else [])]:
             if key.startswith(written_here):
                 store.delete(key)
     for sb in subs:

@@ -235,6 +235,8 @@ class FragmentVersion(Base):
     blob_deleted: Mapped[bool] = mapped_column(Boolean, default=False)
     gc_done: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     """GC has settled this version's blob: deleted it, or keeps it for good (a checkpoint)."""
+    compact_json: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """The version's compact form for downloads (``platform/compact.py``: delta, base, step); null without one."""
 
 
 class FragmentHead(Base):
@@ -254,6 +256,7 @@ class FragmentHead(Base):
     state_sha256: Mapped[str] = mapped_column(String(64))
     lease_token: Mapped[int] = mapped_column(BigInteger)
     synchronizer: Mapped[str] = mapped_column(String(128))
+    compact_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     published_s: Mapped[float] = mapped_column(Float)
     """``created_at`` as seconds since the epoch (portable arithmetic for the gap below)."""
     tokens_merged: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -13,7 +13,7 @@ from sqlalchemy import bindparam, case, exists, func, insert, or_, select, tuple
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from ddiloco.platform import liveness
+from ddiloco.platform import compact, liveness
 from ddiloco.platform.ids import validate_holder, validate_id
 from ddiloco.platform.ledger.models import (
     GC_SUBMISSIONS,
@@ -527,6 +527,8 @@ class HeadRef(NamedTuple):
     blob_key: str
     sha256: str
     nbytes: int
+    compact_json: str | None = None
+    """Its compact form (``platform/compact.py``), when the run publishes one."""
 
 
 @dataclass(frozen=True)
@@ -544,15 +546,15 @@ def _heads_json(session: Session, run_id: str) -> Any:
     """Every fragment head as one JSON array, so the learner's row update returns them in the same statement."""
     h = FragmentHead
     if session.get_bind().dialect.name == "sqlite":
-        agg = func.json_group_array(func.json_array(h.fragment, h.version, h.blob_key, h.sha256, h.nbytes))
+        agg = func.json_group_array(func.json_array(h.fragment, h.version, h.blob_key, h.sha256, h.nbytes, h.compact_json))
     else:
-        agg = func.json_agg(func.json_build_array(h.fragment, h.version, h.blob_key, h.sha256, h.nbytes))
+        agg = func.json_agg(func.json_build_array(h.fragment, h.version, h.blob_key, h.sha256, h.nbytes, h.compact_json))
     return select(agg).where(h.run_id == run_id).scalar_subquery()
 
 
 def _parse_heads(raw: Any) -> dict[int, HeadRef]:
     items = json.loads(raw) if isinstance(raw, str | bytes) else (raw or [])
-    return {int(f): HeadRef(int(f), int(v), str(k), str(sha), int(n)) for f, v, k, sha, n in items}
+    return {int(f): HeadRef(int(f), int(v), str(k), str(sha), int(n), None if c is None else str(c)) for f, v, k, sha, n, c in items}
 
 
 def learner_exchange(
@@ -614,7 +616,8 @@ def learner_exchange(
 def read_heads(session: Session, run_id: str) -> dict[int, HeadRef]:
     """Every fragment's newest version, for a reader that is not (yet) a registered learner."""
     rows = session.execute(
-        select(FragmentHead.fragment, FragmentHead.version, FragmentHead.blob_key, FragmentHead.sha256, FragmentHead.nbytes)
+        select(FragmentHead.fragment, FragmentHead.version, FragmentHead.blob_key, FragmentHead.sha256, FragmentHead.nbytes,
+               FragmentHead.compact_json)
         .where(FragmentHead.run_id == run_id)
     )
     return {r.fragment: HeadRef(*r) for r in rows}
@@ -624,7 +627,7 @@ def poll_run(session: Session, run_id: str) -> tuple[str | None, dict[int, HeadR
     """(the run's status, every fragment's newest version) in one statement; (None, {}) for a run not in the ledger."""
     rows = session.execute(
         select(Run.status, FragmentHead.fragment, FragmentHead.version, FragmentHead.blob_key, FragmentHead.sha256,
-               FragmentHead.nbytes)
+               FragmentHead.nbytes, FragmentHead.compact_json)
         .select_from(Run)
         .outerjoin(FragmentHead, FragmentHead.run_id == Run.id)
         .where(Run.id == run_id)
@@ -887,6 +890,7 @@ def publish_version(
     rejected: Sequence[tuple[int, str]] = (),
     record: MergeRecord | None = None,
     shard: int = 0,
+    compact_json: str | None = None,
 ) -> int | None:
     """Publish ``version`` of a fragment and decide the fate of the submissions it used, atomically.
 
@@ -898,7 +902,7 @@ def publish_version(
     conn = session.connection()
     head_values = dict(
         version=version, created_at=now, blob_key=blob.key, sha256=blob.sha256, nbytes=blob.nbytes, state_key=state.key,
-        state_sha256=state.sha256, lease_token=token, synchronizer=holder, published_s=now.timestamp(),
+        state_sha256=state.sha256, lease_token=token, synchronizer=holder, published_s=now.timestamp(), compact_json=compact_json,
     )
     if version == 0:
         _check_fence(session, run_id, holder, token, now, shard)
@@ -949,7 +953,7 @@ def publish_version(
         insert(FragmentVersion.__table__).values(
             run_id=run_id, fragment=fragment, version=version, created_at=now, blob_key=blob.key, sha256=blob.sha256,
             nbytes=blob.nbytes, state_key=state.key, state_sha256=state.sha256, lease_token=token, synchronizer=holder,
-            blob_deleted=False, gc_done=False,
+            blob_deleted=False, gc_done=False, compact_json=compact_json,
         )
     )
     return merge_id
@@ -1009,7 +1013,12 @@ def versions_for_gc(
 
     Reads only versions GC has not settled yet (a partial index holds just those); the ones kept for good
     (every ``checkpoint_every``-th) are marked settled here, so no later pass reads them again."""
-    newest = latest_version_numbers(session, run_id)
+    heads = session.execute(
+        select(FragmentHead.fragment, FragmentHead.version, FragmentHead.compact_json).where(FragmentHead.run_id == run_id)
+    ).all()
+    newest = {f: v for f, v, _ in heads}
+    # The version that built each fragment's current base of the compact downloads: its base and step blobs are in use.
+    bases = {(f, compact.base_of(c)) for f, _, c in heads}
     rows = session.scalars(
         select(FragmentVersion)
         .where(FragmentVersion.run_id == run_id, GC_VERSIONS)
@@ -1023,7 +1032,7 @@ def versions_for_gc(
     )
     out, kept = [], []
     for v in rows:
-        if v.version > newest.get(v.fragment, 0) - keep_last or (v.fragment, v.version) in pending_bases:
+        if v.version > newest.get(v.fragment, 0) - keep_last or (v.fragment, v.version) in pending_bases | bases:
             continue  # still needed: looked at again next time
         if v.version % checkpoint_every == 0:
             kept.append(v)

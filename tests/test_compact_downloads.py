@@ -1,0 +1,218 @@
+"""Compact downloads (issue #18): global versions also published as their difference from a base learners hold."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from sqlalchemy import select
+from support import tiny_config
+
+from ddiloco.inprocess import run_inprocess
+from ddiloco.platform.compact import CompactError, CompactRef, Ref, plan_download
+from ddiloco.platform.compression import CompactBase, apply_encoded, compact_version, encode_against, error_bound
+from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger.models import FragmentVersion
+from ddiloco.synchronizer.service import Synchronizer, collect_garbage
+
+VERSIONS = 1_200
+
+
+def _walk(seed: int, versions: int) -> list[dict[str, torch.Tensor]]:
+    """A fragment's published parameters over many versions: small outer steps of varying size, and now and then
+    a step a hundred times larger (a learner's big first send, a rebase)."""
+    g = torch.Generator().manual_seed(seed)
+    p = {"w": torch.randn(37, 29, generator=g), "b": torch.randn(301, generator=g) * 1e-2}
+    out = [{n: t.clone() for n, t in p.items()}]
+    for v in range(1, versions):
+        scale = 1e-3 * (1 + 9 * torch.rand(1, generator=g).item()) * (100 if v % 97 == 0 else 1)
+        p = {n: t + scale * torch.randn(t.shape, generator=g) for n, t in p.items()}
+        out.append({n: t.clone() for n, t in p.items()})
+    return out
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "bf16"])
+def test_compact_downloads_stay_within_one_step_of_the_codec_over_a_thousand_versions(codec):
+    """Learners that download every version, every few, only now and then, or join late each hold exactly the
+    synchronizer's base and reconstruct every version within the codec's bound for that one version's delta:
+    the error of a thousand versions does not add up."""
+    block, every = 64, 16
+    versions = _walk(7, VERSIONS)
+    rng = random.Random(3)
+    # (name, chance of downloading a given version, first version it sees)
+    learners = {"every": (1.0, 0), "some": (0.3, 0), "rare": (0.02, 0), "late": (0.5, 700)}
+    held: dict[str, CompactBase | None] = dict.fromkeys(learners)
+    base: CompactBase | None = None
+    bases_seen = set()
+    worst_ratio, downloads = 0.0, 0
+    for v, params in enumerate(versions):
+        form = compact_version(base, v, params, codec, block, every)
+        # What the synchronizer publishes: the form's blobs round-trip through their byte encoding as a learner reads them.
+        base = form.base
+        bases_seen.add(base.version)
+        ref = CompactRef(codec, base.version, Ref("d", "x", 1), Ref("b", "x", 4), form.step_from if form.new_base else None,
+                         Ref("s", "x", 1) if form.new_base and form.step is not None else None)
+        if form.new_base:
+            step_form = form.step
+        for name, (chance, first) in learners.items():
+            if v < first or rng.random() > chance:
+                continue
+            mine = held[name]
+            plan = plan_download(mine.version if mine else None, ref)
+            if plan[0] == "base":
+                mine = CompactBase(base.version, {n: t.clone() for n, t in base.tensors.items()})
+            elif plan[0] == "step":
+                mine = CompactBase(base.version, apply_encoded(mine.tensors, *step_form))
+            got = apply_encoded(mine.tensors, *form.delta)
+            held[name] = mine
+            for n in base.tensors:
+                assert torch.equal(mine.tensors[n], base.tensors[n]), f"{name} v{v}: its base differs from the synchronizer's"
+            bound = error_bound({n: params[n] - base.tensors[n] for n in params}, codec, block)
+            slack = max(float(t.abs().max()) for t in params.values()) * 2.0**-22  # float32 rounding of the sums
+            err = max(float((got[n] - params[n]).abs().max()) for n in params)
+            assert err <= bound * (1 + 1e-5) + slack, f"{name} v{v}: off by {err}, the codec's bound is {bound}"
+            worst_ratio = max(worst_ratio, err / (bound + slack))
+            downloads += 1
+    assert len(bases_seen) > VERSIONS // every // 2, "the base must move on as versions go by"
+    assert downloads > VERSIONS
+    assert worst_ratio > 0.2, "the bound is tight enough to mean something: errors come near it"
+
+
+def test_without_a_shared_base_the_same_codec_drifts():
+    """The control for the test above: a learner that adds each version-to-version difference as quantized to
+    what it held (no base, no error feedback) drifts past the one-step bound — so that test can fail."""
+    versions = _walk(7, VERSIONS)
+    mine = {n: t.clone() for n, t in versions[0].items()}
+    worst = 0.0
+    for v in range(1, VERSIONS):
+        diff = {n: versions[v][n] - versions[v - 1][n] for n in mine}
+        mine = apply_encoded(mine, *encode_against(versions[v], versions[v - 1], "int8", 64))
+        bound = error_bound(diff, "int8", 64)
+        worst = max(worst, max(float((mine[n] - versions[v][n]).abs().max()) for n in mine) / bound)
+    assert worst > 2.0
+
+
+def test_the_download_plan_takes_the_fewest_bytes_that_leave_the_learner_holding_the_base():
+    r = CompactRef("int8", 32, Ref("d", "s", 10), Ref("b", "s", 40), 16, Ref("s", "s", 10))
+    assert plan_download(None, None) == ("full",)
+    assert plan_download(32, r) == ("delta",)
+    assert plan_download(16, r) == ("step", "delta")
+    assert plan_download(0, r) == ("base", "delta")
+    assert plan_download(None, r) == ("base", "delta")
+    assert plan_download(16, CompactRef("int8", 32, Ref("d", "s", 10), Ref("b", "s", 40))) == ("base", "delta")
+
+
+@pytest.mark.parametrize("raw, why", [
+    ("[1]", "not a JSON object"),
+    ("{", "not valid JSON"),
+    ('{"codec": "none", "base": 0}', "unknown codec"),
+    ('{"codec": "int8", "base": -1}', "base is not a version"),
+    ('{"codec": "int8", "base": true, "delta": ["k", "s", 1], "base_blob": ["k", "s", 1]}', "base is not a version"),
+    ('{"codec": "int8", "base": 3, "delta": ["k", "s", 0], "base_blob": ["k", "s", 1]}', "delta is not"),
+    ('{"codec": "int8", "base": 3, "delta": ["k", "s", 1], "base_blob": ["k", 5, 1]}', "base_blob is not"),
+    ('{"codec": "int8", "base": 3, "delta": ["k", "s", 1], "base_blob": ["k", "s", 1], "step_from": 4, "step": ["k", "s", 1]}',
+     "step_from is not a version before"),
+    ('{"codec": "int8", "base": 3, "delta": ["k", "s", 1], "base_blob": ["k", "s", 1], "step_from": 1}', "go together"),
+])
+def test_a_malformed_compact_reference_is_refused_with_its_reason(raw, why):
+    with pytest.raises(CompactError, match=why):
+        CompactRef.parse(raw)
+
+
+def test_a_compact_reference_round_trips():
+    r = CompactRef("int4", 48, Ref("d", "a" * 64, 10), Ref("b", "b" * 64, 40), 32, Ref("s", "c" * 64, 11))
+    assert CompactRef.parse(r.to_json()) == r
+    assert CompactRef.parse(None) is None
+
+
+def _run(name: str, **compression):
+    cfg = tiny_config(name=name, fragments={"count": 4},
+                      compression={"codec": "int8", "download_base_every": 4, **compression},
+                      synchronizer={"retention": {"keep_last": 2, "checkpoint_every": 1000}})
+    return run_inprocess(cfg, total_tokens=cfg.learners.batch_size * cfg.model.seq_len * 2 * 40)
+
+
+def test_learners_download_compact_versions_within_the_bound_and_fewer_bytes():
+    """An in-process run: every version after 0 has a compact form, a learner's newest arrival of each fragment is
+    within the codec's bound of the published full blob, and learners fetched far fewer bytes than whole versions."""
+    run = _run("compact-run")
+    ctx = run.ctx
+    with ctx.reading() as s:
+        heads = q.latest_versions(s, ctx.run_id)
+        rows = s.scalars(select(FragmentVersion).where(FragmentVersion.run_id == ctx.run_id)).all()
+    assert all(r.compact_json for r in rows)
+    assert max(h.version for h in heads.values()) > 8, "the base must have moved on at least twice"
+    for learner in run.learners.values():
+        assert learner.link._bases, "a learner must hold bases"
+        for p, base in learner.link._bases.items():
+            assert base.version <= CompactRef.parse(heads[p].compact_json).base
+    store = ctx.store()
+    for head in heads.values():
+        ref = CompactRef.parse(head.compact_json)
+        exact = store.get(head.blob_key, head.sha256)
+        base = store.get(ref.base_blob.key, ref.base_blob.sha256)
+        got = apply_encoded(base, *store.get_with_metadata(ref.delta.key, ref.delta.sha256))
+        bound = error_bound({n: exact[n] - base[n] for n in exact}, "int8", 64)
+        assert max(float((got[n] - exact[n]).abs().max()) for n in exact) <= bound * (1 + 1e-5) + 1e-6
+    # What the learners fetched, against what every version they took would have cost whole: int8 deltas plus a
+    # float32 base every 4 versions come to well under half.
+    received = sum(lr.link.bytes_received for lr in run.learners.values())
+    whole = sum(lr.link.bytes_if_whole for lr in run.learners.values())
+    assert 0 < received < 0.6 * whole
+
+
+def test_gc_deletes_a_version_s_compact_blobs_but_keeps_the_base_in_use():
+    run = _run("compact-gc")
+    ctx = run.ctx
+    collect_garbage(ctx)
+    store = ctx.store()
+    with ctx.reading() as s:
+        heads = q.latest_versions(s, ctx.run_id)
+        rows = s.scalars(select(FragmentVersion).where(FragmentVersion.run_id == ctx.run_id)).all()
+    deleted = [r for r in rows if r.blob_deleted]
+    assert deleted, "GC must have let old versions go"
+    for r in deleted:
+        ref = CompactRef.parse(r.compact_json)
+        for key in ref.own_keys(r.version):
+            assert not store.exists(key), f"v{r.version} of fragment {r.fragment}: {key} left behind"
+    for h in heads.values():
+        ref = CompactRef.parse(h.compact_json)
+        for blob in (ref.base_blob, ref.delta, *([ref.step] if ref.step else [])):
+            assert store.exists(blob.key), f"fragment {h.fragment}: {blob.key} of the current form was collected"
+
+
+def test_a_new_holder_takes_the_base_over_from_the_ledger():
+    """A standby that takes over reads the base from the head's compact form (bit for bit), and its next version
+    names the same base and base blob within the window, or steps from it."""
+    run = _run("compact-takeover")
+    ctx = run.ctx
+    with ctx.reading() as s:
+        before = {p: CompactRef.parse(h.compact_json) for p, h in q.latest_versions(s, ctx.run_id).items()}
+    fresh = Synchronizer(ctx, holder="sync-standby", shard=0)
+    assert not fresh.bases
+    params = {}
+    for p in before:
+        with ctx.reading() as s:
+            st = fresh._fragment_state(p, q.latest_versions(s, ctx.run_id))
+        params[p] = st
+        base, ref = fresh.bases[p]
+        assert base.version == before[p].base and ref == before[p]
+        exact = ctx.store().get(before[p].base_blob.key, before[p].base_blob.sha256)
+        assert all(torch.equal(base.tensors[n], exact[n]) for n in exact)
+    every = ctx.cfg.compression.download_base_every
+    for p, st in params.items():
+        old = before[p]
+        base, ref = fresh._compact(p, st.version + 1, st.params, "-test.safetensors")
+        if st.version + 1 - old.base < every:
+            assert base is fresh.bases[p][0] and ref.base == old.base and ref.base_blob == old.base_blob
+        else:
+            assert ref.step_from == old.base and ref.base == st.version + 1
+
+
+def test_full_downloads_only_when_the_download_codec_is_none():
+    run = _run("compact-off", download_codec="none")
+    with run.ctx.reading() as s:
+        rows = s.scalars(select(FragmentVersion).where(FragmentVersion.run_id == run.ctx.run_id)).all()
+    assert rows and all(r.compact_json is None for r in rows)
+    assert all(not lr.link._bases for lr in run.learners.values())
