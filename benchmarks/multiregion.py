@@ -19,9 +19,11 @@ setting is a fresh run (new run id, new processes) on the same PostgreSQL databa
   unshaped (no rate limit, no delay) → delay only → R = 100, 30, 10, 3, 1 Mbit/s with the delay →
   unshaped again (the first and last bracket the drift of the shared machine; the baseline is their mean),
 
-each setting run twice (``--modes``): with a fixed cadence (every fragment every H steps, int8) and with
-``fragments.adaptive`` (each learner chooses its send period and codec from what its link delivers),
-in alternating order from one setting to the next.
+each setting run twice (``--modes``): ``fixed``, the exchange before issue #18 (every fragment every H
+steps in int8, every global version downloaded whole in float32), and ``adaptive``, the defaults since
+(``fragments.adaptive``: each learner chooses its send period and codec from what its link delivers;
+compact downloads: int8 differences from a base the learner holds), in alternating order from one
+setting to the next.
 
 Measured per setting over a window after warm-up, from the ledger:
   * tokens/s per learner (heartbeats: tokens trained between the first and last heartbeat in the window);
@@ -311,7 +313,7 @@ def bench_config(run_id: str, ledger_url: str, bucket: str, regions: list[str], 
         "fragments": {"count": 8, "adaptive": adaptive},
         "quorum": {"min_count": 1},
         "grace": {"max_s": 1.0},
-        "compression": {"codec": "int8"},
+        "compression": {"codec": "int8", **({} if adaptive else {"download_codec": "none"})},
         "synchronizer": {"poll_s": 0.2, "lease_ttl_s": 5.0},
         "ledger": {"url": ledger_url},
         "storage": {"url": f"s3://{bucket}/{run_id}"},
@@ -667,6 +669,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"{ADAPTIVE_GOAL_MBIT:g} Mbit/s (the network's part of the goal above)",
             "pass": bool(thin) and all((r["merged_share_window"] or 0) >= GOAL_RATIO for r in thin),
             "figures": {_fmt_rate(r["rate_mbit"]): round(r["merged_share_window"] or 0, 3) for r in thin},
+        })
+    if "adaptive" in modes:
+        mine = [r for r in rows if r["mode"] == "adaptive" and all(r["bytes_per_token"][d] for d in ("up", "down"))]
+        goals.append({
+            "goal": "adaptive: download bytes per token trained <= upload bytes per token, every setting",
+            "pass": bool(mine) and all(r["bytes_per_token"]["down"] <= r["bytes_per_token"]["up"] for r in mine),
+            "figures": {f"{r['setting']}": round(r["bytes_per_token"]["down"] / r["bytes_per_token"]["up"], 2) for r in mine},
         })
     if {"adaptive", "fixed"} <= set(modes):
         pair = {r["mode"]: r for r in shaped if r["rate_mbit"] == GOAL_RATE_MBIT}

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from sqlalchemy import select
+from sqlalchemy import func, select
 from support import tiny_config
 
 from ddiloco.inprocess import run_inprocess
@@ -216,3 +216,27 @@ def test_full_downloads_only_when_the_download_codec_is_none():
         rows = s.scalars(select(FragmentVersion).where(FragmentVersion.run_id == run.ctx.run_id)).all()
     assert rows and all(r.compact_json is None for r in rows)
     assert all(not lr.link._bases for lr in run.learners.values())
+
+
+def test_a_link_limited_learner_takes_each_fragment_once_per_send():
+    """Three learners at different speeds uploading at 2 kB/s go to longer send periods; then each takes a
+    fragment's newer version once per send of it, not every version the others' merges make (about three
+    times as many here, which would take its link's bytes)."""
+    from ddiloco.platform.config import tokens_per_step
+    from ddiloco.platform.ledger.models import Submission
+
+    cfg = tiny_config(name="compact-thin", fragments={"count": 4, "adaptive": True}, compression={"codec": "int8"},
+                      learners={"batch_size": 4, "heartbeat_s": 1.0, "regions": [{"name": "us", "learners": 3, "speeds": [1.0, 0.8, 0.6]}]},
+                      grace={"enabled": False})
+    total = 3 * 72 * tokens_per_step(cfg.model, cfg.learners.batch_size)
+    run = run_inprocess(cfg, total_tokens=total, step_time_s=1.0, upload_bps={f"us-{i}": 2_000.0 for i in range(3)})
+    with run.ctx.reading() as s:
+        sends = dict(s.execute(select(Submission.learner_id, func.count()).group_by(Submission.learner_id)).all())
+        versions = sum(h.version for h in q.latest_versions(s, run.ctx.run_id).values())
+    for lid, learner in run.learners.items():
+        link = learner.link
+        assert link.cadence.every > cfg.fragments.period, "the thin link must hold the learner to a longer period"
+        # Without the rule each learner took nearly every version (75-79 of 77 when measured); with it, about one
+        # per send, plus what it took in its first steps, before its link had shown it to be thin.
+        assert link.downloads < 0.5 * versions, (lid, link.downloads, versions)
+        assert link.downloads < 1.3 * sends[lid] + link.num_fragments, (lid, link.downloads, sends[lid])

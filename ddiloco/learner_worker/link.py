@@ -206,6 +206,8 @@ class LearnerLink:
     bytes_sent: int = 0
     bytes_received: int = 0
     bytes_if_whole: int = 0
+    downloads: int = 0
+    """Versions received."""
     """What the versions received would have cost downloaded whole (float32): ``bytes_received``'s baseline."""
     upload_s: float = 0.0
     awaiting: set[int] = field(default_factory=set)
@@ -227,6 +229,8 @@ class LearnerLink:
         self._bases: dict[int, CompactBase] = {}
         """Per fragment, the base of the compact downloads this learner holds (as the synchronizer does)."""
         self._receive_lock = threading.Lock()
+        self._sent_since: set[int] = set()
+        """Fragments sent since their last download (a link-limited learner downloads each once per send)."""
         self._outbox: queue.Queue = queue.Queue()
         self._carry: dict[int, Outgoing] = {}
         self._queued: dict[int, Outgoing] = {}
@@ -342,7 +346,7 @@ class LearnerLink:
         # One thread downloads at a time: the bases change with each download, and a version is fetched once.
         with span("learner.poll"), self._receive_lock:
             for p, row in sorted(heads.items()):
-                if p >= self.num_fragments or row.version <= self._delivered.get(p, -1):
+                if p >= self.num_fragments or row.version <= self._delivered.get(p, -1) or self._skips(p):
                     continue
                 t0, token = self.elapsed(), self.meter.begin("down", self.ctx.now())
                 try:
@@ -361,11 +365,22 @@ class LearnerLink:
                         continue  # the other thread's exchange brought it (or a newer one) meanwhile
                     self._inbox[p] = (row.version, tensors)
                     self._delivered[p] = row.version
+                    self._sent_since.discard(p)
+                    self.downloads += 1
                     self.bytes_received += nbytes
                     self.bytes_if_whole += row.nbytes
                     self._lock.notify_all()
                 got.append(p)
         return got
+
+    def _skips(self, p: int) -> bool:
+        """A learner whose link holds it to a longer send period than H takes a fragment's newer version once per
+        send of it (and whenever it waits for one): versions in between would cost its link bytes its sends need."""
+        c, policy = self.cadence, self.cadence_policy
+        if c is None or policy is None or c.every <= policy.period:
+            return False
+        with self._lock:
+            return p in self._delivered and p not in self.awaiting and p not in self._sent_since
 
     def _download(self, store: FragmentStore, row: q.HeadRef) -> tuple[Tensors, int]:
         """A version's tensors and the bytes fetched for them: by its compact form when the run publishes one (the
@@ -440,6 +455,7 @@ class LearnerLink:
     def submit(self, out: Outgoing, *, await_merge: bool = False) -> None:
         """Queue a fragment's increment; one whose earlier upload failed goes out with it."""
         with self._lock:
+            self._sent_since.add(out.fragment)
             carried = self._carry.pop(out.fragment, None)
             if carried is not None:
                 out.absorb(carried)
