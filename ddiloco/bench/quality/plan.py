@@ -392,6 +392,12 @@ def link_specs(model: str, scale: Scale) -> list[RunSpec]:
                 knob=f"fragments.adaptive (vs fixed), {what_thin}"),
         RunSpec(model, "ablation_fixed_cadence", "ablation", fixed, base="decoupled",
                 knob="fragments.adaptive=false (vs the default, adaptive), uploads that take no time"),
+        RunSpec(model, "ablation_float32_downloads", "ablation", {"compression": {"download_codec": "none"}}, base="decoupled",
+                knob="compression.download_codec=none: every version downloaded whole in float32 (vs compact int8 differences "
+                     "from a base)"),
+        RunSpec(model, "link_thin_float32_downloads", "ablation", {"compression": {"download_codec": "none"}},
+                base="link_thin_adaptive", upload_shares=thin,
+                knob=f"compression.download_codec=none (vs compact), {what_thin}"),
     ]
 
 
