@@ -157,3 +157,35 @@ def test_an_exchange_of_a_superseded_incarnation_registers_nothing_live(ledger_u
             assert [p.uid for p in pending] == ["u"] and (row.step, row.loss, row.submissions) == (7, 2.5, 1)
     finally:
         engine.dispose()
+
+
+def test_an_exchange_returns_only_the_heads_newer_than_the_learner_has_seen(ledger_url):
+    """A learner polling several times a second is not sent the same heads (and their compact forms) again: the
+    exchange returns a fragment's head only when it is newer than the version the learner says it has seen."""
+    engine = open_ledger(ledger_url)
+    S = session_factory(engine)
+    blob = q.BlobRef("b", "a" * 64, 1)
+    form = '{"codec":"int8","base":0}'
+    try:
+        with S.begin() as s:
+            q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=3, token_budget=1, now=T0)
+            token = q.acquire_lease(s, "r", "sync", 3600, T0)
+            for f in range(3):
+                q.publish_version(s, "r", f, 0, blob=blob, state=blob, holder="sync", token=token, now=T0, compact_json=form)
+            q.publish_version(s, "r", 1, 1, blob=blob, state=blob, holder="sync", token=token, now=T0, compact_json=form)
+            q.register_learner(s, "r", "l", "us", T0)
+
+        def heads(known):
+            with S.begin() as s:
+                return {f: h.version for f, h in q.learner_exchange(s, "r", "l", 0, [], None, T0, known=known).heads.items()}
+
+        assert heads(None) == {0: 0, 1: 1, 2: 0}
+        assert heads({}) == {0: 0, 1: 1, 2: 0}
+        assert heads({0: 0, 1: 0, 2: 0}) == {1: 1}
+        assert heads({0: 0, 1: 1, 2: 0}) == {}
+        assert heads({0: 0, 2: 0}) == {1: 1}  # a fragment it has not seen comes whole
+        with S.begin() as s:
+            got = q.learner_exchange(s, "r", "l", 0, [], None, T0, known={0: 0, 2: 0}).heads[1]
+        assert got.compact_json == form and got.sha256 == "a" * 64
+    finally:
+        engine.dispose()

@@ -229,6 +229,8 @@ class LearnerLink:
         self._bases: dict[int, CompactBase] = {}
         """Per fragment, the base of the compact downloads this learner holds (as the synchronizer does)."""
         self._receive_lock = threading.Lock()
+        self._heads: dict[int, q.HeadRef] = {}
+        """The newest head seen of each fragment (an exchange returns only newer ones; a skipped one is taken later)."""
         self._sent_since: set[int] = set()
         """Fragments sent since their last download (a link-limited learner downloads each once per send)."""
         self._outbox: queue.Queue = queue.Queue()
@@ -319,23 +321,27 @@ class LearnerLink:
             with self._lock:
                 events, self._events = self._events, []
             try:
-                result = self._commit_exchange(subs or [], beat, now, events)
+                result = self._commit_exchange(subs or [], beat, now, events, {p: h.version for p, h in self._heads.items()})
             except BaseException:
                 with self._lock:
                     self._events[:0] = events
                 raise
+            for p, head in result.heads.items():
+                if head.version > self._heads.get(p, head._replace(version=-1)).version:
+                    self._heads[p] = head
+            heads = dict(self._heads)
             self._last_exchange = now
             if beat is not None and beat.history and beat.loss is not None:
                 # Until the first loss exists a heartbeat row is not yet the one charts need: the next exchange writes one.
                 self._last_heartbeat = now
-        return self._receive(result.run_status, result.heads)
+        return self._receive(result.run_status, heads)
 
     @ledger_retry
     def _commit_exchange(self, subs: list[q.SubmissionIn], beat: q.Beat | None, now: float,
-                         events: list[tuple[str, str]]) -> q.Exchange:
+                         events: list[tuple[str, str]], known: dict[int, int]) -> q.Exchange:
         with self.ctx.transaction() as s:
             return q.learner_exchange(s, self.ctx.run_id, self.learner_id, self.incarnation, subs, beat, to_datetime(now),
-                                      events=events)
+                                      events=events, known=known)
 
     def _receive(self, status: str | None, heads: dict[int, q.HeadRef]) -> list[int]:
         """Note the run's end; download every head newer than what the learner holds into the inbox."""

@@ -4,12 +4,12 @@ the caller owns the transaction. ``now`` is always passed in (UTC, timezone-awar
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
-from sqlalchemy import bindparam, case, exists, func, insert, or_, select, tuple_, update
+from sqlalchemy import Integer, String, Text, bindparam, case, cast, exists, func, insert, literal, or_, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -539,17 +539,25 @@ class Exchange:
     """The incarnation is still the learner's current one (False: superseded, or no such learner)."""
     run_status: str | None
     heads: dict[int, HeadRef]
-    """The newest version of every fragment."""
+    """The newest version of every fragment (of those newer than the caller had seen, when it said)."""
 
 
-def _heads_json(session: Session, run_id: str) -> Any:
-    """Every fragment head as one JSON array, so the learner's row update returns them in the same statement."""
+def _heads_json(session: Session, run_id: str, known: Mapping[int, int] | None = None) -> Any:
+    """The fragment heads newer than ``known`` (fragment -> version the caller has seen; None: every head) as one JSON
+    array, so the learner's row update returns them in the same statement — and a learner polling several times a
+    second is not sent the same heads again each time."""
     h = FragmentHead
+    seen = None if known is None else json.dumps({str(int(f)): int(v) for f, v in known.items()})
     if session.get_bind().dialect.name == "sqlite":
         agg = func.json_group_array(func.json_array(h.fragment, h.version, h.blob_key, h.sha256, h.nbytes, h.compact_json))
+        had = func.json_extract(bindparam("known", seen, type_=Text), literal('$."') + cast(h.fragment, String) + literal('"'))
     else:
         agg = func.json_agg(func.json_build_array(h.fragment, h.version, h.blob_key, h.sha256, h.nbytes, h.compact_json))
-    return select(agg).where(h.run_id == run_id).scalar_subquery()
+        had = func.jsonb_extract_path_text(cast(bindparam("known", seen, type_=Text), postgresql.JSONB), cast(h.fragment, Text))
+    where = [h.run_id == run_id]
+    if seen is not None:
+        where.append(h.version > func.coalesce(cast(had, Integer), -1))
+    return select(agg).where(*where).scalar_subquery()
 
 
 def _parse_heads(raw: Any) -> dict[int, HeadRef]:
@@ -566,10 +574,12 @@ def learner_exchange(
     beat: Beat | None,
     now: datetime,
     events: Sequence[tuple[str, str]] = (),
+    known: Mapping[int, int] | None = None,
 ) -> Exchange:
     """A learner step's whole conversation with the ledger: register ``subs``, record ``beat`` and read the run's
-    status and every fragment's head — two statements (three when the beat is kept as a heartbeat row; one more
-    when the learner has ``events`` to record, (kind, detail) each, as when it changes its send cadence)."""
+    status and every fragment's head newer than ``known`` (fragment -> version seen; None: all) — two statements
+    (three when the beat is kept as a heartbeat row; one more when the learner has ``events`` to record, (kind,
+    detail) each, as when it changes its send cadence)."""
     out, new, created = _insert_submissions(session, run_id, learner_id, subs, now)
     values = _registration_values(session, new, now)
     if beat is not None:
@@ -592,7 +602,7 @@ def learner_exchange(
     )
     # An update must set something: a bare poll rewrites the incarnation with itself.
     row = session.connection().execute(
-        stmt.values(**(values or {"incarnation": Learner.incarnation})).returning(status, _heads_json(session, run_id))
+        stmt.values(**(values or {"incarnation": Learner.incarnation})).returning(status, _heads_json(session, run_id, known))
     ).first()
     if row is None:
         if new:
