@@ -16,7 +16,6 @@ from ddiloco.synchronizer.merge import (
     merge_fragment,
     norm_of,
     opposed_learners,
-    opposed_to_momentum,
     robust_terms,
     trim_count,
     trimmed_mean,
@@ -173,7 +172,7 @@ def test_drop_opposed_merges_a_sign_flipping_learner_with_no_weight():
     out = merge_fragment(current, [*honest, attacker], policy, live_learners=4)
     # RDA of the honest three: units [0.6, 0.8], [0.8, 0.6], [0, 1] -> direction [1.4, 2.4], norm 5.
     torch.testing.assert_close(-out.params["w"], 5 * torch.tensor([1.4, 2.4]) / (1.4**2 + 2.4**2) ** 0.5)
-    assert out.detail["robust"] == {"rule": "drop_opposed", "learners": 4, "applied": True, "judged_by": "vote",
+    assert out.detail["robust"] == {"rule": "drop_opposed", "learners": 4, "applied": True,
                                     "dropped": [{"learner": "d", "mean_cosine": round(-1.4 / 3, 4)}]}
     assert [m["weight"] for m in out.detail["members"]] == [1.0, 1.0, 1.0, 0.0]
     # Of three learners, one opposed to both others still goes; all honest, nobody does, and the merge is RDA's own.
@@ -272,81 +271,3 @@ def test_drop_opposed_on_flat_rows_equals_the_merge_without_the_attacker(chunk: 
     want = merge_fragment(current, members[:4], MergePolicy(**SGD), live_learners=4)
     for n in shapes:
         torch.testing.assert_close(out.params[n], want.params[n])
-
-
-# --- drop_opposed in merges too small to vote: the fragment's momentum judges ---------------------
-
-NESTEROV = {"method": "rda", "weighting": "equal", "lr": 1.0, "momentum": 0.9, "participation_scaling": False}
-
-
-def test_opposed_to_momentum_drops_each_learner_with_a_negative_cosine():
-    assert opposed_to_momentum([0.3, -0.2, 0.0, -0.9]) == [(1, -0.2), (3, -0.9)]
-    assert opposed_to_momentum([0.5]) == []
-
-
-def test_a_lone_learner_against_the_momentum_is_dropped_and_the_version_republished_unchanged():
-    current = GlobalFragment(3, {"w": torch.tensor([2.0, -1.0])}, {"w": torch.tensor([1.0, 1.0])})
-    policy = MergePolicy(robust="drop_opposed", **NESTEROV)
-    out = merge_fragment(current, [member(1, "d", [-3.0, -1.0])], policy, live_learners=4)
-    assert out.version == 4
-    assert torch.equal(out.params["w"], current.params["w"]) and torch.equal(out.momentum["w"], current.momentum["w"])
-    robust = out.detail["robust"]
-    assert (robust["applied"], robust["judged_by"]) == (True, "momentum") and "fallback" not in robust
-    assert robust["dropped"] == [{"learner": "d", "momentum_cosine": round(-4 / (10**0.5 * 2**0.5), 4)}]
-    assert "points against the fragment's momentum" in robust["unchanged"]
-    assert [m["weight"] for m in out.detail["members"]] == [0.0]
-
-
-def test_of_two_learners_the_one_against_the_momentum_gets_no_weight_and_one_with_it_is_kept():
-    current = GlobalFragment(3, {"w": torch.tensor([2.0, -1.0])}, {"w": torch.tensor([1.0, 1.0])})
-    honest, attacker = member(1, "a", [3.0, 1.0]), member(2, "d", [-9.0, -3.0])
-    out = merge_fragment(current, [honest, attacker], MergePolicy(robust="drop_opposed", **NESTEROV), live_learners=4)
-    want = merge_fragment(current, [honest], MergePolicy(**NESTEROV), live_learners=4)
-    assert torch.equal(out.params["w"], want.params["w"]) and torch.equal(out.momentum["w"], want.momentum["w"])
-    assert [d["learner"] for d in out.detail["robust"]["dropped"]] == ["d"]
-    assert [m["weight"] for m in out.detail["members"]] == [1.0, 0.0] and "unchanged" not in out.detail["robust"]
-    # Alone, the honest learner agrees with the momentum (cosine 0.89): kept, and the merge is the plain one.
-    alone = merge_fragment(current, [honest], MergePolicy(robust="drop_opposed", **NESTEROV), live_learners=4)
-    assert torch.equal(alone.params["w"], want.params["w"]) and torch.equal(alone.momentum["w"], want.momentum["w"])
-    assert alone.detail["robust"]["dropped"] == [] and alone.detail["robust"]["judged_by"] == "momentum"
-
-
-@pytest.mark.parametrize("momentum", [None, {"w": torch.zeros(2)}])
-def test_without_momentum_a_small_merge_falls_back_to_the_plain_merge_and_says_why(momentum):
-    current = GlobalFragment(0, {"w": torch.tensor([2.0, -1.0])}, momentum)
-    members = [member(1, "a", [3.0, 1.0]), member(2, "d", [-9.0, -3.0])]
-    out = merge_fragment(current, members, MergePolicy(robust="drop_opposed", **NESTEROV), live_learners=4)
-    plain = merge_fragment(current, members, MergePolicy(**NESTEROV), live_learners=4)
-    assert torch.equal(out.params["w"], plain.params["w"]) and torch.equal(out.momentum["w"], plain.momentum["w"])
-    robust = out.detail["robust"]
-    assert (robust["applied"], robust["judged_by"], robust["dropped"]) == (False, None, [])
-    assert "too few for drop_opposed (needs 3) and no momentum yet to judge them by" in robust["fallback"]
-
-
-@pytest.mark.parametrize("chunk", [4, None])
-def test_the_momentum_judges_a_learners_summed_increments_on_flat_rows(chunk: int | None) -> None:
-    g = torch.Generator().manual_seed(7)
-    shapes = {"tok_embed.weight": (5, 3), "mlp.weight": (4, 6)}
-    trend = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
-    current = GlobalFragment(5, {n: torch.randn(s, generator=g) for n, s in shapes.items()}, trend)
-    members = []
-    for i, lid in enumerate("aad"):  # a sends two increments along the trend; d sends -3x one
-        delta = {n: 0.5 * t + 0.3 * torch.randn(t.shape, generator=g) for n, t in trend.items()}
-        if lid == "d":
-            delta = {n: -3 * t for n, t in delta.items()}
-        members.append(Member(i, lid, delta, norm_of(delta), 2, 64, 4))
-    ws = MergeWorkspace("cpu")
-    ws.chunk = chunk  # 4: chunks that end mid-tensor, so the momentum is read at each chunk's own offset
-    flat = flat_members(ws, shapes, members)
-    policy = MergePolicy(robust="drop_opposed", **NESTEROV)
-    out = merge_fragment(current, flat, policy, live_learners=4, workspace=ws)
-    dropped = out.detail["robust"]["dropped"]
-    assert [d["learner"] for d in dropped] == ["d"]
-    summed = {n: members[0].delta[n] + members[1].delta[n] for n in shapes}
-    d_row = torch.cat([members[2].delta[n].reshape(-1) for n in shapes])
-    m_row = torch.cat([trend[n].reshape(-1) for n in shapes])
-    assert dropped[0]["momentum_cosine"] == pytest.approx(float(torch.nn.functional.cosine_similarity(d_row, m_row, dim=0)), abs=1e-4)
-    want = merge_fragment(current, members[:2], MergePolicy(**NESTEROV), live_learners=4)
-    for n in shapes:
-        torch.testing.assert_close(out.params[n], want.params[n])
-    assert torch.nn.functional.cosine_similarity(torch.cat([summed[n].reshape(-1) for n in shapes]), m_row, dim=0) > 0

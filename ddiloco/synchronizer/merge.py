@@ -12,9 +12,8 @@ in cache-sized chunks, so a chunk of the merged gradient is still in cache when 
 
 ``merge.robust`` swaps the product for a coordinate-wise trimmed mean or median over the learners
 (:func:`trimmed_mean`), chunk by chunk on the same rows, or (drop_opposed) gives no weight to a
-learner whose update points against the others' (:func:`opposed_learners`) or, in a merge too small
-to vote, against the fragment's momentum (:func:`opposed_to_momentum`); with ``none`` the product
-runs as before."""
+learner whose update points against the others' (:func:`opposed_learners`); with ``none`` the
+product runs as before."""
 
 from __future__ import annotations
 
@@ -152,7 +151,9 @@ def opposed_learners(cos: torch.Tensor, most: int) -> list[tuple[int, float]]:
 
     One vote per learner, and a negative mean to be dropped: honest updates of one fragment agree
     (in the quality benchmark their pairwise cosine is 0.46 on average, below 0 in 2% of pairs),
-    while a learner sending the opposite of what it learned points against every honest one."""
+    while a learner sending the opposite of what it learned points against every honest one. A merge
+    too small to vote is not judged by the fragment's momentum instead: honest updates point against
+    it about as often as along it (measured for #16 in docs/quality.md), so it would drop them too."""
     rest = list(range(cos.shape[0]))
     out: list[tuple[int, float]] = []
     while len(out) < most and len(rest) > 2:
@@ -163,17 +164,6 @@ def opposed_learners(cos: torch.Tensor, most: int) -> list[tuple[int, float]]:
         out.append((worst, score[worst]))
         rest.remove(worst)
     return out
-
-
-def opposed_to_momentum(cos: Sequence[float]) -> list[tuple[int, float]]:
-    """(learner, its cosine with the fragment's momentum) for each learner of a merge too small to
-    vote whose update points against the fragment's recent merged direction (a negative cosine).
-
-    The outer optimizer's momentum buffer sums the fragment's recent merged outer gradients, so it
-    stands in for the others' vote: an honest update, even a straggler's stale one, still points
-    mostly its way, while one sent reversed points against it. The threshold is the vote's (below 0).
-    The momentum is only as honest as the merges that built it: the vote guards those of 3 or more."""
-    return [(i, c) for i, c in enumerate(cos) if c < 0]
 
 
 def trimmed_mean(ranked: torch.Tensor, values: torch.Tensor, weights: torch.Tensor, trim: int) -> torch.Tensor:
@@ -426,29 +416,17 @@ def merge_fragment(
     # Per learner and tensor, the squared norm of the learner's summed increments.
     learner_sq = [sq_norms[idx[0]] if len(idx) == 1 else _summed_sq_norms(rows, idx, layout, ws) for idx in by_learner.values()]
     count = trim_count(len(by_learner), policy.robust, policy.trim_fraction)
-    judge = policy.robust == "drop_opposed"
-    select = _learner_select(list(by_learner.values()), len(members), ws.device) if count or judge else None
-    ids = list(by_learner)
+    select = _learner_select(list(by_learner.values()), len(members), ws.device) if count else None
     dropped: list[tuple[str, float]] = []
-    if select is not None and judge and count:
+    if select is not None and policy.robust == "drop_opposed":
+        ids = list(by_learner)
         dropped = [(ids[i], c) for i, c in opposed_learners(_learner_cosines(rows, select, layout, ws), count)]
-    # Too few to vote: the fragment's momentum judges instead, once the outer optimizer has stepped.
-    cos = _momentum_cosines(rows, select, layout, ws, current.momentum) if select is not None and judge and not count else None
-    by_momentum = cos is not None
-    if cos is not None:
-        dropped = [(ids[i], c) for i, c in opposed_to_momentum(cos)]
-    weight.update({lid: 0.0 for lid, _ in dropped})  # merged with no weight: outvoted, or against the momentum
-    # Every learner against the momentum: nothing is merged, and the version is the current one again.
-    unchanged = by_momentum and len(dropped) == len(by_learner)
+        weight.update({lid: 0.0 for lid, _ in dropped})  # merged with no weight: outvoted
     trim = count if policy.robust in ("trimmed_mean", "median") else 0
     coeffs, targets = [], []
     for g, method in enumerate(("rda", "mean")):
         tensors = [i for i, gi in enumerate(group_of) if gi == g]
         sq = [sum(per_tensor[t] for t in tensors) for per_tensor in learner_sq]
-        if unchanged:
-            coeffs.append(torch.zeros(len(members), dtype=torch.float32, device=ws.device))
-            targets.append(None)
-            continue
         if trim:  # per learner: the scale of its summed row, as robust_terms gives it
             c, target = robust_terms(sq, list(weight.values()), method, trim) if tensors else ([0.0] * len(by_learner), None)
             coeffs.append(torch.tensor(c, dtype=torch.float32, device=ws.device)[:, None])
@@ -495,8 +473,6 @@ def merge_fragment(
                 momentum[a:b].zero_()
             else:
                 momentum[a:b].copy_(src_m[i][lo:hi])
-        if unchanged:
-            continue
         if factor[group_of[i]] != 1.0:
             grad[a:b].mul_(factor[group_of[i]])
         outer_step_(params[a:b], grad[a:b], None if momentum is None else momentum[a:b],
@@ -517,30 +493,22 @@ def merge_fragment(
         ],
     }
     if policy.robust != "none":
-        detail["robust"] = robust_detail(policy, len(by_learner), count, dropped, by_momentum=by_momentum)
+        detail["robust"] = robust_detail(policy, len(by_learner), count, dropped)
     return MergeOutcome(current.version + 1, new_params, new_momentum, detail)
 
 
-def robust_detail(
-    policy: MergePolicy, learners: int, count: int, dropped: Sequence[tuple[str, float]], *, by_momentum: bool = False
-) -> dict[str, Any]:
-    """What a robust merge did, for its merge record: the rule, what it trimmed or dropped and by what
-    it judged, and what a merge too small for it fell back to."""
-    out: dict[str, Any] = {"rule": policy.robust, "learners": learners, "applied": count > 0 or by_momentum}
+def robust_detail(policy: MergePolicy, learners: int, count: int, dropped: Sequence[tuple[str, float]]) -> dict[str, Any]:
+    """What a robust merge did, for its merge record: the rule, what it trimmed or dropped, and what a
+    merge too small for it fell back to."""
+    out: dict[str, Any] = {"rule": policy.robust, "learners": learners, "applied": count > 0}
     if policy.robust == "drop_opposed":
-        out["judged_by"] = "momentum" if by_momentum else "vote" if count else None
-        key = "momentum_cosine" if by_momentum else "mean_cosine"
-        out["dropped"] = [{"learner": lid, key: round(c, 4)} for lid, c in dropped]
-        if by_momentum and len(dropped) == learners:
-            out["unchanged"] = ("every learner's update points against the fragment's momentum (cosine < 0): "
-                                "nothing merged, the current parameters and momentum published again")
+        out["dropped"] = [{"learner": lid, "mean_cosine": round(c, 4)} for lid, c in dropped]
     else:
         out["trimmed_per_end"] = count
-    if not out["applied"]:
+    if not count:
         clip = (f"updates clipped to {policy.clip_factor:g}x the fragment's recent median norm per step (merge.clip_factor)"
                 if policy.clip_factor is not None else "no clipping (merge.clip_factor is off)")
-        why = " and no momentum yet to judge them by" if policy.robust == "drop_opposed" else ""
-        out["fallback"] = (f"{learners} learner(s), too few for {policy.robust} (needs {ROBUST_MIN_LEARNERS}){why}: "
+        out["fallback"] = (f"{learners} learner(s), too few for {policy.robust} (needs {ROBUST_MIN_LEARNERS}): "
                            f"merged by {policy.method}, {clip}")
     return out
 
@@ -630,31 +598,6 @@ def _learner_cosines(rows: torch.Tensor, select: torch.Tensor, layout: FlatLayou
     norm = gram.diagonal().clamp_min(0).sqrt()
     outer = norm[:, None] * norm[None, :]
     return torch.where(outer > 0, gram / outer.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(gram))
-
-
-def _momentum_cosines(
-    rows: torch.Tensor, select: torch.Tensor, layout: FlatLayout, ws: MergeWorkspace, momentum: Mapping[str, torch.Tensor] | None
-) -> list[float] | None:
-    """Per learner, the cosine between its summed update (``select`` @ ``rows``) and the fragment's
-    momentum buffer, over the whole fragment in float64 (a zero update has cosine 0); None when there
-    is no momentum to judge by (before the first outer step, without momentum, or all zero)."""
-    if not momentum or any(n not in momentum for n in layout.names):
-        return None
-    flat_m = [momentum[n].detach().reshape(-1).to(ws.device) for n in layout.names]
-    L, o = select.shape[0], layout.offsets
-    dots = torch.zeros(L, dtype=torch.float64, device=ws.device)
-    sq = torch.zeros(L, dtype=torch.float64, device=ws.device)
-    m_sq = torch.zeros((), dtype=torch.float64, device=ws.device)
-    for i, a, b in _chunks(layout, ws.chunk):
-        x = torch.mm(select, rows[:, a:b], out=ws.learner_rows(L, b - a))
-        m = flat_m[i][a - o[i] : b - o[i]]
-        dots += (x @ m).double()
-        sq += torch.linalg.vector_norm(x, dim=1, dtype=torch.float64) ** 2
-        m_sq += torch.linalg.vector_norm(m, dtype=torch.float64) ** 2
-    if not float(m_sq) > 0:
-        return None
-    norm = sq.sqrt() * m_sq.sqrt()
-    return torch.where(norm > 0, dots / norm.clamp_min(torch.finfo(torch.float64).tiny), torch.zeros_like(dots)).tolist()
 
 
 def _chunks(layout: FlatLayout, chunk: int | None):  # noqa: ANN202 - a generator of (tensor index, start, end)
