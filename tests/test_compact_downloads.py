@@ -114,6 +114,10 @@ def test_the_download_plan_takes_the_fewest_bytes_that_leave_the_learner_holding
     ('{"codec": "int8", "base": 3, "delta": ["k", "s", 1], "base_blob": ["k", "s", 1], "step_from": 4, "step": ["k", "s", 1]}',
      "step_from is not a version before"),
     ('{"codec": "int8", "base": 3, "delta": ["k", "s", 1], "base_blob": ["k", "s", 1], "step_from": 1}', "go together"),
+    ('{"codec": "int8", "base": 3, "delta": ["k", "s", 1], "base_blob": ["k", "s", 1], "cheaper": {"int8": ["k", "s", 1]}}',
+     "cheaper is not a map of other codecs"),
+    ('{"codec": "int8", "base": 3, "delta": ["k", "s", 1], "base_blob": ["k", "s", 1], "cheaper": {"int4": ["k", "s"]}}',
+     "cheaper int4 is not"),
 ])
 def test_a_malformed_compact_reference_is_refused_with_its_reason(raw, why):
     with pytest.raises(CompactError, match=why):
@@ -124,6 +128,10 @@ def test_a_compact_reference_round_trips():
     r = CompactRef("int4", 48, Ref("d", "a" * 64, 10), Ref("b", "b" * 64, 40), 32, Ref("s", "c" * 64, 11))
     assert CompactRef.parse(r.to_json()) == r
     assert CompactRef.parse(None) is None
+    cheap = CompactRef("int8", 48, Ref("d", "a" * 64, 10), Ref("b", "b" * 64, 40), cheaper={"int4": Ref("d4", "e" * 64, 6)})
+    assert CompactRef.parse(cheap.to_json()) == cheap
+    assert cheap.delta_for("int4").key == "d4" and cheap.delta_for("int8").key == "d" and cheap.delta_for(None).key == "d"
+    assert cheap.own_keys(7) == ["d", "d4"] and cheap.own_keys(48) == ["d", "d4", "b"]
 
 
 def _run(name: str, **compression):
@@ -240,3 +248,5 @@ def test_a_link_limited_learner_takes_each_fragment_once_per_send():
         # per send, plus what it took in its first steps, before its link had shown it to be thin.
         assert link.downloads < 0.5 * versions, (lid, link.downloads, versions)
         assert link.downloads < 1.3 * sends[lid] + link.num_fragments, (lid, link.downloads, sends[lid])
+        # Its uploads went to int4, and so did its deltas (the synchronizer publishes each in int8 and int4).
+        assert link.cadence.codec == "int4" and link.delta_codecs.get("int4", 0) > link.delta_codecs.get("int8", 0), link.delta_codecs

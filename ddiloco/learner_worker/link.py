@@ -208,6 +208,8 @@ class LearnerLink:
     bytes_if_whole: int = 0
     downloads: int = 0
     """Versions received."""
+    delta_codecs: dict[str, int] = field(default_factory=dict)
+    """Compact downloads by the codec of their delta."""
     """What the versions received would have cost downloaded whole (float32): ``bytes_received``'s baseline."""
     upload_s: float = 0.0
     awaiting: set[int] = field(default_factory=set)
@@ -417,7 +419,12 @@ class LearnerLink:
             else:
                 assert held is not None
                 base = held
-            tensors = apply_encoded(base.tensors, *get(ref.delta))
+            # A learner whose link holds it to a cheaper upload codec takes the delta in that codec when offered.
+            prefer = self.cadence.codec if self.cadence is not None and self.cadence_policy is not None else None
+            delta = ref.delta_for(prefer)
+            tensors = apply_encoded(base.tensors, *get(delta))
+            codec = prefer if delta is not ref.delta and prefer is not None else ref.codec
+            self.delta_codecs[codec] = self.delta_codecs.get(codec, 0) + 1
         except CompressionError as err:
             # The synchronizer wrote these blobs and their hashes matched; a form that does not fit is a bug there:
             # drop the base and take the full blob, which never depends on one.

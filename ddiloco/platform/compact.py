@@ -20,7 +20,7 @@ synchronizer's publish and the learner's link do the I/O."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -52,13 +52,21 @@ class CompactRef:
     """The previous base's version, when the base moved on from one (None: built exact)."""
     step: Ref | None = None
     """Q(P_base − C_previous): what takes a learner from the previous base to this one."""
+    cheaper: dict[str, Ref] = field(default_factory=dict)
+    """The same delta in cheaper codecs (codec -> blob), for learners whose link holds them to a cheaper upload codec."""
+
+    def delta_for(self, codec: str | None) -> Ref:
+        """The delta in ``codec`` when the version offers it, else in the download codec."""
+        return self.cheaper.get(codec or "", self.delta)
 
     def to_json(self) -> str:
         def ref(r: Ref | None) -> list[Any] | None:
             return None if r is None else [r.key, r.sha256, r.nbytes]
 
         return json.dumps({"codec": self.codec, "base": self.base, "delta": ref(self.delta), "base_blob": ref(self.base_blob),
-                           "step_from": self.step_from, "step": ref(self.step)}, separators=(",", ":"))
+                           "step_from": self.step_from, "step": ref(self.step),
+                           **({"cheaper": {c: ref(r) for c, r in self.cheaper.items()}} if self.cheaper else {})},
+                          separators=(",", ":"))
 
     @classmethod
     def parse(cls, raw: str | None) -> CompactRef | None:
@@ -87,7 +95,11 @@ class CompactRef:
             step = None if d.get("step") is None else ref(d["step"], "step")
             if (step is None) != (step_from is None):
                 raise CompactError("compact reference: step and step_from go together")
-            return cls(codec, base, ref(d.get("delta"), "delta"), ref(d.get("base_blob"), "base_blob"), step_from, step)
+            cheaper = d.get("cheaper", {})
+            if not isinstance(cheaper, dict) or not all(c in _CODECS and c != codec for c in cheaper):
+                raise CompactError("compact reference: cheaper is not a map of other codecs to blobs")
+            return cls(codec, base, ref(d.get("delta"), "delta"), ref(d.get("base_blob"), "base_blob"), step_from, step,
+                       {c: ref(r, f"cheaper {c}") for c, r in cheaper.items()})
         except (TypeError, ValueError) as err:
             if isinstance(err, CompactError):
                 raise
@@ -96,7 +108,7 @@ class CompactRef:
 
     def own_keys(self, version: int) -> list[str]:
         """The blobs version ``version``'s row wrote: its delta, and when it built the base, the base and the step."""
-        mine = [self.delta.key]
+        mine = [self.delta.key, *(r.key for r in self.cheaper.values())]
         if self.base == version:
             mine += [self.base_blob.key] + ([self.step.key] if self.step is not None else [])
         return mine

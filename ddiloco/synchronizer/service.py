@@ -23,8 +23,8 @@ import torch
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, retry_if_not_exception_type, wait_exponential
 
 from ddiloco.platform import compact, liveness, metrics
-from ddiloco.platform.compression import CompactBase, CompressionError, compact_version, decode_delta_into
-from ddiloco.platform.config import ConfigError, tokens_per_step
+from ddiloco.platform.compression import CompactBase, CompressionError, compact_version, decode_delta_into, encode_against
+from ddiloco.platform.config import ConfigError, codec_ladder, tokens_per_step
 from ddiloco.platform.faults import fault_point
 from ddiloco.platform.fragments import fragment_views, shard_fragments
 from ddiloco.platform.ids import InvalidIdError, global_key, outer_state_key, submission_key
@@ -120,6 +120,10 @@ class Synchronizer:
         """(shard, fencing token) of the lease this holder has, if any."""
         self.state: dict[int, GlobalFragment] = {}
         """Newest published version of each fragment, as far as this holder knows (a cache of the store)."""
+        fc = self.cfg.fragments
+        self.cheaper_download_codecs = [c for c in codec_ladder(self.cfg.compression.download_codec, fc.adaptive_min_codec)[1:]
+                                        if fc.adaptive and c != "none"]
+        """Codecs besides the download codec each version's delta is also published in (adaptive runs)."""
         self.bases: dict[int, tuple[CompactBase, compact.CompactRef]] = {}
         """Each fragment's base of the compact downloads (``compression.download_codec``), as learners hold it, and
         the newest version's compact form (whose base and step blobs the next versions name again)."""
@@ -588,10 +592,14 @@ class Synchronizer:
                 return compact.Ref(info.key, info.sha256, info.nbytes)
 
             delta = put("delta", *out.delta)
+            # Adaptive learners may upload in cheaper codecs than the run's; their downloads can be as cheap.
+            cheaper = {c: put(f"delta{c}", *encode_against(params, out.base.tensors, c, cc.block_size))
+                       for c in self.cheaper_download_codecs}
             if not out.new_base and held is not None:
-                return out.base, replace(held[1], delta=delta)
+                return out.base, replace(held[1], delta=delta, cheaper=cheaper)
             step = put("step", *out.step) if out.step is not None else None
-            return out.base, compact.CompactRef(cc.download_codec, version, delta, put("base", out.base.tensors), out.step_from, step)
+            return out.base, compact.CompactRef(cc.download_codec, version, delta, put("base", out.base.tensors), out.step_from, step,
+                                                cheaper)
 
     def _reject(self, rejected: list[tuple[int, str]], now: float) -> None:
         """Reject submissions outside a merge, each with its reason."""
