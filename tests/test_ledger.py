@@ -479,3 +479,38 @@ def test_a_ledger_written_before_the_heads_upgrades_in_place(ledger_url):
             assert totals_problems(snap.stored, snap.scanned) == [] and snap.accounting.balanced
     finally:
         engine.dispose()
+
+
+@pytest.mark.postgres
+def test_an_upgraded_long_run_leaves_gc_nothing_to_walk_on_postgresql(fresh_postgres_database):
+    """A run at schema 0003 with 20,000 versions GC had already deleted upgrades to head with only its few
+    unsettled versions in ``ix_fragment_versions_gc``: setting ``gc_done`` on every row in the upgrade left each
+    row's old version in that partial index (built in the same transaction), and every GC pass walked them
+    all until a VACUUM (#15)."""
+    from sqlalchemy import text
+
+    from ddiloco.platform.ledger.engine import make_engine, upgrade
+
+    engine = make_engine(fresh_postgres_database)
+    try:
+        upgrade(engine, "0003")
+        with engine.begin() as conn:
+            conn.execute(text("INSERT INTO runs (id, created_at, status, config_json, code_version, num_fragments, token_budget) "
+                              "VALUES (:run, :t0, 'running', '{}', 't', 2, 1000000)"), {"run": RUN, "t0": T0})
+            conn.execute(text(
+                "INSERT INTO fragment_versions (run_id, fragment, version, created_at, blob_key, sha256, nbytes, state_key, "
+                "state_sha256, lease_token, synchronizer, blob_deleted) "
+                "SELECT :run, f, v, :t0 + make_interval(secs => v), 'g/' || f || '/' || v, repeat('a', 64), 1, "
+                "'o/' || f || '/' || v, repeat('b', 64), 1, 'sync', v < 9997 "
+                "FROM generate_series(0, 1) AS f, generate_series(0, 9999) AS v"), {"run": RUN, "t0": T0})
+        upgrade(engine)
+        with engine.connect() as conn:
+            pages = conn.scalar(text("SELECT pg_relation_size('ix_fragment_versions_gc') / current_setting('block_size')::int"))
+            assert conn.scalar(text("SELECT count(*) FROM fragment_versions WHERE gc_done <> blob_deleted")) == 0
+        # 6 entries: one leaf page (and the metapage), not the 20,000 rows' old versions (~80 pages)
+        assert pages <= 2, pages
+        with session_factory(engine)() as s:
+            assert [(v.fragment, v.version) for v in q.versions_for_gc(s, RUN, keep_last=1, checkpoint_every=100_000)] == [
+                (0, 9997), (0, 9998), (1, 9997), (1, 9998)]
+    finally:
+        engine.dispose()

@@ -50,9 +50,17 @@ def upgrade() -> None:
     with op.batch_alter_table("runs") as batch:
         batch.add_column(sa.Column("tokens_rejected", sa.BigInteger(), nullable=False, server_default="0"))
         batch.add_column(sa.Column("submissions_rejected", sa.BigInteger(), nullable=False, server_default="0"))
+    postgres = op.get_bind().dialect.name == "postgresql"
+    # On PostgreSQL the column starts true (no rewrite) and only the versions GC has not settled, a few per
+    # fragment, are set false: ``gc_done = blob_deleted`` over every row left the old row versions of the whole
+    # history in ``ix_fragment_versions_gc`` (built in the same transaction, it indexes them), so every GC pass
+    # walked millions of dead entries until a VACUUM (#15).
     with op.batch_alter_table("fragment_versions") as batch:
-        batch.add_column(sa.Column("gc_done", sa.Boolean(), nullable=False, server_default=sa.false()))
-    _backfill()
+        batch.add_column(sa.Column("gc_done", sa.Boolean(), nullable=False, server_default=sa.true() if postgres else sa.false()))
+    if postgres:
+        op.execute("UPDATE fragment_versions SET gc_done = false WHERE NOT blob_deleted")
+        op.alter_column("fragment_versions", "gc_done", server_default=sa.false())
+    _backfill(set_gc_done=not postgres)
     with op.batch_alter_table("fragment_versions") as batch:
         batch.create_index("ix_fragment_versions_run_created", ["run_id", "created_at"], unique=False)
         batch.create_index("ix_fragment_versions_token", ["run_id", "lease_token", "fragment", "version"], unique=False)
@@ -67,10 +75,11 @@ def upgrade() -> None:
         batch.create_index("ix_merges_run_at", ["run_id", "at"], unique=False)
 
 
-def _backfill() -> None:
+def _backfill(*, set_gc_done: bool) -> None:
     """Derive the heads and totals of runs already in the ledger (the one full scan, here and not per step)."""
     conn = op.get_bind()
-    conn.execute(sa.text("UPDATE fragment_versions SET gc_done = blob_deleted"))
+    if set_gc_done:
+        conn.execute(sa.text("UPDATE fragment_versions SET gc_done = blob_deleted"))
     sent = conn.execute(sa.text(
         "SELECT run_id, learner_id, count(*), coalesce(sum(tokens_new), 0), coalesce(sum(nbytes), 0), max(created_at) "
         "FROM submissions GROUP BY run_id, learner_id"
