@@ -375,3 +375,56 @@ def test_policy_comes_from_the_run_config_and_formatting():
         and h.event_category("learner_exited") == "failure"
         and h.event_category("zzz") == "other"
     )
+
+
+@pytest.mark.postgres
+def test_the_staleness_read_is_planned_the_same_whatever_the_history_on_postgresql(fresh_postgres_database):
+    """The staleness chart reads each fragment's newest versions. Bounded only by the head (a correlated value),
+    PostgreSQL guessed a third of the fragment's history per seek: the estimate grew with the run, and past ~4M
+    submissions it crossed the JIT threshold and compiled the statement at every refresh (#15)."""
+    from sqlalchemy import event
+
+    engine = open_ledger(fresh_postgres_database)
+    with session_factory(engine).begin() as s:
+        q.create_run(s, "long", config_json="{}", code_version="t", git_commit=None, num_fragments=4, token_budget=10**12, now=T0)
+    costs = {}
+    for versions in (2_000, 20_000):
+        with engine.begin() as conn:
+            conn.execute(text("DELETE FROM submissions"))
+            conn.execute(text("DELETE FROM fragment_heads"))
+            conn.execute(text(
+                "INSERT INTO submissions (run_id, learner_id, uid, fragment, base_version, c_steps, c_tokens, tokens_new, blob_key, "
+                "sha256, nbytes, codec, created_at, status, merged_version, decided_at, staleness, blob_deleted) "
+                "SELECT 'long', 'l' || k, 'u' || f || '-' || v || '-' || k, f, v - 1, 1, 1, 1, 'k', 'c', 1, 'int8', :t0, 'merged', v, "
+                ":t0, v % 3, true FROM generate_series(0, 3) AS f, generate_series(1, :n) AS v, generate_series(0, 1) AS k"),
+                {"t0": T0, "n": versions})
+            conn.execute(text(
+                "INSERT INTO fragment_heads (run_id, fragment, version, created_at, blob_key, sha256, nbytes, state_key, state_sha256, "
+                "lease_token, synchronizer, published_s, tokens_merged, submissions_merged, longest_gap_s) "
+                "SELECT 'long', f, :n, :t0, 'g', 'a', 1, 'o', 'b', 1, 's', 0, 0, 0, 0 FROM generate_series(0, 3) AS f"),
+                {"t0": T0, "n": versions})
+        with engine.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT").execute(text("ANALYZE submissions"))
+        captured = []
+
+        def capture(conn, cursor, statement, parameters, context, executemany, captured=captured):
+            if "staleness" in statement:
+                captured.append((statement, parameters))
+
+        ro = uq.read_only_engine(fresh_postgres_database)
+        event.listen(ro, "before_cursor_execute", capture)
+        try:
+            with Session(ro) as s:
+                frame = uq.staleness_frame(s, "long", versions=100)
+            raw = ro.raw_connection()
+            try:
+                cur = raw.cursor()
+                cur.execute("EXPLAIN (FORMAT JSON) " + captured[-1][0], captured[-1][1])
+                costs[versions] = cur.fetchone()[0][0]["Plan"]["Total Cost"]
+            finally:
+                raw.close()
+        finally:
+            ro.dispose()
+        assert frame["submissions"].sum() == 4 * 100 * 2  # 4 fragments x their newest 100 versions x 2 merged each
+    engine.dispose()
+    assert costs[20_000] <= 1.5 * costs[2_000], costs

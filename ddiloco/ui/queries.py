@@ -686,6 +686,9 @@ def merges_frame(session: Session, run_id: str, limit: int = MERGES_SHOWN) -> pd
 def staleness_frame(session: Session, run_id: str, versions: int = STALENESS_VERSIONS) -> pd.DataFrame:
     """How many versions behind merged submissions were (their base vs the version they joined), over each
     fragment's newest ``versions`` versions: an index range per fragment, whatever the history."""
+    oldest_head = session.connection().execute(select(func.min(FragmentHead.version)).where(FragmentHead.run_id == run_id)).scalar()
+    if oldest_head is None:
+        return pd.DataFrame(columns=["staleness", "submissions"])
     rows = session.connection().execute(
         select(Submission.staleness, func.count())
         .select_from(FragmentHead)
@@ -693,7 +696,11 @@ def staleness_frame(session: Session, run_id: str, versions: int = STALENESS_VER
             Submission,
             (Submission.run_id == FragmentHead.run_id)
             & (Submission.fragment == FragmentHead.fragment)
-            & (Submission.merged_version > FragmentHead.version - versions),
+            & (Submission.merged_version > FragmentHead.version - versions)
+            # The same range as a constant too: the planner cannot estimate the correlated bound, took a third of
+            # the fragment's history per seek, and past ~4M submissions the cost estimate crossed PostgreSQL's
+            # JIT threshold, compiling the statement at every refresh (~12-20 ms, #15).
+            & (Submission.merged_version > oldest_head - versions),
         )
         .where(FragmentHead.run_id == run_id, Submission.status == MERGED, Submission.staleness.is_not(None))
         .group_by(Submission.staleness)
