@@ -818,11 +818,8 @@ def _check_fence(session: Session, run_id: str, holder: str, token: int, now: da
 # --- versions and merges -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class BlobRef:
-    key: str
-    sha256: str
-    nbytes: int
+BlobRef = compact.Ref
+"""A blob the ledger names: key, sha256, size."""
 
 
 @dataclass(frozen=True)
