@@ -47,7 +47,7 @@ def test_compact_downloads_stay_within_one_step_of_the_codec_over_a_thousand_ver
     bases_seen = set()
     worst_ratio, downloads = 0.0, 0
     for v, params in enumerate(versions):
-        form = compact_version(base, v, params, codec, block, every)
+        form = compact_version(base, v, params, [codec], block, every)
         # What the synchronizer publishes: the form's blobs round-trip through their byte encoding as a learner reads them.
         base = form.base
         bases_seen.add(base.version)
@@ -64,7 +64,7 @@ def test_compact_downloads_stay_within_one_step_of_the_codec_over_a_thousand_ver
                 mine = CompactBase(base.version, {n: t.clone() for n, t in base.tensors.items()})
             elif plan[0] == "step":
                 mine = CompactBase(base.version, apply_encoded(mine.tensors, *step_form))
-            got = apply_encoded(mine.tensors, *form.delta)
+            got = apply_encoded(mine.tensors, *form.deltas[codec])
             held[name] = mine
             for n in base.tensors:
                 assert torch.equal(mine.tensors[n], base.tensors[n]), f"{name} v{v}: its base differs from the synchronizer's"

@@ -206,11 +206,11 @@ class LearnerLink:
     bytes_sent: int = 0
     bytes_received: int = 0
     bytes_if_whole: int = 0
+    """What the versions received would have cost downloaded whole (float32): ``bytes_received``'s baseline."""
     downloads: int = 0
     """Versions received."""
     delta_codecs: dict[str, int] = field(default_factory=dict)
     """Compact downloads by the codec of their delta."""
-    """What the versions received would have cost downloaded whole (float32): ``bytes_received``'s baseline."""
     upload_s: float = 0.0
     awaiting: set[int] = field(default_factory=set)
     """Overlap 0: fragments sent whose merged version has not arrived yet."""
@@ -398,10 +398,10 @@ class LearnerLink:
         except CompactError as err:
             log.warning("fragment %s v%s: %s; downloading it whole", row.fragment, row.version, err)
             ref = None
+        if ref is None:
+            return read_version(store, row), row.nbytes
         held = self._bases.get(row.fragment)
         plan = plan_download(held.version if held else None, ref)
-        if ref is None or plan == ("full",):
-            return read_version(store, row), row.nbytes
         fetched = 0
 
         def get(blob: Ref) -> tuple[Tensors, dict[str, str]]:
@@ -423,7 +423,7 @@ class LearnerLink:
             prefer = self.cadence.codec if self.cadence is not None and self.cadence_policy is not None else None
             delta = ref.delta_for(prefer)
             tensors = apply_encoded(base.tensors, *get(delta))
-            codec = prefer if delta is not ref.delta and prefer is not None else ref.codec
+            codec = ref.codec if delta is ref.delta else str(prefer)
             self.delta_codecs[codec] = self.delta_codecs.get(codec, 0) + 1
         except CompressionError as err:
             # The synchronizer wrote these blobs and their hashes matched; a form that does not fit is a bug there:

@@ -105,6 +105,13 @@ class CompactRef:
                 raise
             raise CompactError(f"compact reference is not valid JSON: {err}") from None
 
+    @classmethod
+    def readable(cls, raw: str | None) -> CompactRef | None:
+        """:meth:`parse`, with a malformed reference read as none (for cleanup and bookkeeping, which must not stop on one)."""
+        try:
+            return cls.parse(raw)
+        except CompactError:
+            return None
 
     def own_keys(self, version: int) -> list[str]:
         """The blobs version ``version``'s row wrote: its delta, and when it built the base, the base and the step."""
@@ -116,10 +123,7 @@ class CompactRef:
 
 def base_of(raw: str | None) -> int | None:
     """The base version a row's compact form names (None: none, or unreadable)."""
-    try:
-        ref = CompactRef.parse(raw)
-    except CompactError:
-        return None
+    ref = CompactRef.readable(raw)
     return None if ref is None else ref.base
 
 

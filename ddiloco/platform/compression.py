@@ -45,11 +45,16 @@ def codec_nbytes(numel: int, codec: str, block_size: int) -> int:
     return (numel if codec == "int8" else -(-numel // 2)) + scales
 
 
+def _blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
+    """A flat tensor as [blocks, block_size], the last block padded with zeros."""
+    nb = _num_blocks(flat.numel(), block_size)
+    return F.pad(flat, (0, nb * block_size - flat.numel())).view(nb, block_size)
+
+
 def _quantize(flat: torch.Tensor, block_size: int, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat float32 -> (int8 codes in [-levels, levels] of the same length, float32 scale per block)."""
     n = flat.numel()
-    nb = _num_blocks(n, block_size)
-    blocks = F.pad(flat, (0, nb * block_size - n)).view(nb, block_size)
+    blocks = _blocks(flat, block_size)
     scale = blocks.abs().amax(dim=1) / levels
     # An all-zero block has scale 0: divide by 1 instead so its codes are 0, not NaN.
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -323,9 +328,7 @@ def error_bound(diff: Tensors, codec: str, block_size: int) -> float:
         if flat.numel() == 0:
             continue
         if codec in _LEVELS:
-            nb = -(-flat.numel() // block_size)
-            blocks = torch.nn.functional.pad(flat, (0, nb * block_size - flat.numel())).view(nb, block_size)
-            worst = max(worst, float(blocks.abs().amax(dim=1).max()) / _LEVELS[codec] / 2)
+            worst = max(worst, float(_blocks(flat, block_size).abs().amax(dim=1).max()) / _LEVELS[codec] / 2)
         elif codec == "bf16":
             worst = max(worst, float(flat.abs().max()) * 2.0**-8)
     return worst
@@ -341,19 +344,22 @@ class CompactBase:
 
 @dataclass
 class CompactForm:
-    """What one version's compact form is: the delta, and when the base moved with this version, the new base
-    (and the step to it from the previous one)."""
+    """What one version's compact form is: the delta in each codec asked for, and when the base moved with this
+    version, the new base (and the step to it from the previous one)."""
 
     base: CompactBase
-    delta: tuple[Tensors, dict[str, str]]
+    deltas: dict[str, tuple[Tensors, dict[str, str]]]
     new_base: bool
     step: tuple[Tensors, dict[str, str]] | None = None
     step_from: int | None = None
 
 
-def compact_version(base: CompactBase | None, version: int, params: Tensors, codec: str, block_size: int, every: int) -> CompactForm:
-    """The compact form of ``version`` (parameters ``params``) against ``base``, moving the base on when it is
-    ``every`` versions old (by a step, so learners holding it follow cheaply) or when there is none (exactly)."""
+def compact_version(base: CompactBase | None, version: int, params: Tensors, codecs: Sequence[str], block_size: int,
+                    every: int) -> CompactForm:
+    """The compact form of ``version`` (parameters ``params``) against ``base`` in each of ``codecs`` (the first, the
+    download codec, also encodes the step), moving the base on when it is ``every`` versions old (by a step, so
+    learners holding it follow cheaply) or when there is none (exactly)."""
+    codec = codecs[0]
     step = step_from = None
     new = False
     if base is None:
@@ -364,4 +370,5 @@ def compact_version(base: CompactBase | None, version: int, params: Tensors, cod
         step_from = base.version
         base = CompactBase(version, apply_encoded(base.tensors, *step))
         new = True
-    return CompactForm(base, encode_against(params, base.tensors, codec, block_size), new, step, step_from)
+    diff = {n: params[n].detach().to("cpu", torch.float32) - base.tensors[n] for n in base.tensors}
+    return CompactForm(base, {c: encode_delta(diff, c, block_size) for c in codecs}, new, step, step_from)

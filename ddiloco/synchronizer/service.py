@@ -23,7 +23,7 @@ import torch
 from tenacity import RetryCallState, Retrying, retry_if_exception_type, retry_if_not_exception_type, wait_exponential
 
 from ddiloco.platform import compact, liveness, metrics
-from ddiloco.platform.compression import CompactBase, CompressionError, compact_version, decode_delta_into, encode_against
+from ddiloco.platform.compression import CompactBase, CompressionError, compact_version, decode_delta_into
 from ddiloco.platform.config import ConfigError, codec_ladder, tokens_per_step
 from ddiloco.platform.faults import fault_point
 from ddiloco.platform.fragments import fragment_views, shard_fragments
@@ -583,18 +583,17 @@ class Synchronizer:
             return None
         with span("sync.compact"):
             held = self.bases.get(fragment)
-            out = compact_version(held[0] if held else None, version, params, cc.download_codec, cc.block_size,
-                                          cc.download_base_every)
+            codecs = [cc.download_codec, *self.cheaper_download_codecs]
+            out = compact_version(held[0] if held else None, version, params, codecs, cc.block_size, cc.download_base_every)
             store, key = self.ctx.store(), global_key(self.ctx.run_id, fragment, version)
 
             def put(kind: str, tensors: dict[str, torch.Tensor], meta: dict[str, str] | None = None) -> compact.Ref:
                 info = store.put(key.replace(".safetensors", f"-{kind}{attempt}"), tensors, meta)
                 return compact.Ref(info.key, info.sha256, info.nbytes)
 
-            delta = put("delta", *out.delta)
+            delta = put("delta", *out.deltas[cc.download_codec])
             # Adaptive learners may upload in cheaper codecs than the run's; their downloads can be as cheap.
-            cheaper = {c: put(f"delta{c}", *encode_against(params, out.base.tensors, c, cc.block_size))
-                       for c in self.cheaper_download_codecs}
+            cheaper = {c: put(f"delta{c}", *out.deltas[c]) for c in self.cheaper_download_codecs}
             if not out.new_base and held is not None:
                 return out.base, replace(held[1], delta=delta, cheaper=cheaper)
             step = put("step", *out.step) if out.step is not None else None
@@ -724,10 +723,7 @@ def collect_garbage(ctx: RunContext) -> tuple[int, int]:
     # submission's ids are ever deleted: a row's key could name another run's, or a pending, blob.
     written_here = (f"{ctx.run_id}/global/", f"{ctx.run_id}/outer/")
     for v in versions:
-        try:
-            ref = compact.CompactRef.parse(v.compact_json)
-        except compact.CompactError:
-            ref = None
+        ref = compact.CompactRef.readable(v.compact_json)
         for key in [v.blob_key, v.state_key, *(ref.own_keys(v.version) if ref else [])]:
             if key.startswith(written_here):
                 store.delete(key)
