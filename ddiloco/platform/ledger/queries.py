@@ -1024,22 +1024,22 @@ def versions_for_gc(
         select(FragmentHead.fragment, FragmentHead.version, FragmentHead.compact_json).where(FragmentHead.run_id == run_id)
     ).all()
     newest = {f: v for f, v, _ in heads}
-    # The version that built each fragment's current base of the compact downloads: its base and step blobs are in use.
-    bases = {(f, compact.base_of(c)) for f, _, c in heads}
     rows = session.scalars(
         select(FragmentVersion)
         .where(FragmentVersion.run_id == run_id, GC_VERSIONS)
         .order_by(FragmentVersion.fragment, FragmentVersion.version)
         .limit(limit)
     ).all()
-    pending_bases = set(
+    needed = set(
         session.execute(
             select(Submission.fragment, Submission.base_version).where(Submission.run_id == run_id, Submission.status == PENDING)
         ).all()
     )
+    # The version that built each fragment's current base of the compact downloads: its base and step blobs are in use.
+    needed |= {(f, compact.base_of(c)) for f, _, c in heads}
     out, kept = [], []
     for v in rows:
-        if v.version > newest.get(v.fragment, 0) - keep_last or (v.fragment, v.version) in pending_bases | bases:
+        if v.version > newest.get(v.fragment, 0) - keep_last or (v.fragment, v.version) in needed:
             continue  # still needed: looked at again next time
         if v.version % checkpoint_every == 0:
             kept.append(v)
