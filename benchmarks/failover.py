@@ -224,6 +224,37 @@ def newest_version(run: ProcessRun):
         return None if row is None else (row.fragment, row.version, row.created_at.timestamp(), row.synchronizer)
 
 
+def kill_record(holder: str, active: str, t_kill: float, pid: int | None, token: int | None, new_lease, expires: float,
+                takeover_seen: float | None, published_seen: float | None, first, events: list[tuple[float, str, str]],
+                before: dict, after: dict) -> dict:
+    """What one kill's record says, with or without shards: who was killed, who took over and when, the first
+    version published after it (``first``: (created, fragment, version, holder) or None), tokens/s around it."""
+    # A holder that "took over from" itself let its own lease lapse (renewals too late) and re-acquired it.
+    self_takeovers = [e for e in events if e[2].endswith(f"took over from {e[1]}")]
+    return {
+        "killed": holder,
+        "killed_label": active,
+        "t_kill": t_kill,
+        "published_by": first[3] if first else None,
+        "killed_pid": pid,
+        "killed_token": token,
+        "new_holder": new_lease[0] if new_lease else None,
+        "new_token": new_lease[1] if new_lease else None,
+        "lease_left_s": round(expires - t_kill, 3),
+        "takeover_s": round(new_lease[2] - t_kill, 3) if new_lease and new_lease[0] != holder else None,
+        "takeover_seen_s": round(takeover_seen - t_kill, 3) if takeover_seen else None,
+        "failover_s": round(published_seen - t_kill, 3) if published_seen else None,
+        "ledger_created_s": round(first[0] - t_kill, 3) if first else None,
+        "first_version": {"fragment": first[1], "version": first[2]} if first else None,
+        "lease_events_after_kill": [{"at_s": round(t - t_kill, 3), "holder": a, "detail": d} for t, a, d in events],
+        "self_takeovers": len(self_takeovers),
+        "tokens_per_s_before": before,
+        "tokens_per_s_after": after,
+        "ratio_reported": after["reported"] / before["reported"] if before["reported"] else None,
+        "ratio_progress": (after["progress"] / before["progress"]) if before["progress"] and after["progress"] is not None else None,
+    }
+
+
 def one_failover(run: ProcessRun, live: list[str], window_s: float, timeout_s: float) -> dict:
     """SIGKILL whichever live synchronizer holds the lease; wait for the next version anyone publishes."""
     holder, token, _acquired, expires = lease(run)
@@ -262,31 +293,10 @@ def one_failover(run: ProcessRun, live: list[str], window_s: float, timeout_s: f
     before = tokens_per_s(run, t_kill - window_s, t_kill)
     after = tokens_per_s(run, t_kill, t_kill + window_s)
     events = lease_events(run, t_kill)
-    # A holder that "took over from" itself let its own lease lapse (renewals too late) and re-acquired it.
-    self_takeovers = [e for e in events if e[2].endswith(f"took over from {e[1]}")]
-    out = {
-        "killed": holder,
-        "killed_label": active,
-        "t_kill": t_kill,
-        "published_by": first[3] if first else None,
-        "killed_pid": pid,
-        "killed_token": token,
-        "new_holder": new_lease[0] if new_lease else None,
-        "new_token": new_lease[1] if new_lease else None,
-        "lease_left_s": round(expires - t_kill, 3),
-        "takeover_s": round(new_lease[2] - t_kill, 3) if new_lease and new_lease[0] != holder else None,
-        "takeover_seen_s": round(takeover_seen - t_kill, 3) if takeover_seen else None,
-        "failover_s": round(published_seen - t_kill, 3) if published_seen else None,
-        "ledger_created_s": round(first[2] - t_kill, 3) if first else None,
-        "first_version": {"fragment": first[0], "version": first[1]} if first else None,
-        "lease_events_after_kill": [{"at_s": round(t - t_kill, 3), "holder": a, "detail": d} for t, a, d in events],
-        "self_takeovers": len(self_takeovers),
-        "tokens_per_s_before": before,
-        "tokens_per_s_after": after,
-        "ratio_reported": after["reported"] / before["reported"] if before["reported"] else None,
-        "ratio_progress": (after["progress"] / before["progress"]) if before["progress"] and after["progress"] is not None else None,
-    }
-    return out
+    # newest_version rows are (fragment, version, created, holder).
+    created = (first[2], first[0], first[1], first[3]) if first else None
+    return kill_record(holder, active, t_kill, pid, token, new_lease, expires, takeover_seen, published_seen, created, events,
+                       before, after)
 
 
 # --- with shards -------------------------------------------------------------------------------------
@@ -423,7 +433,6 @@ def one_shard_failover(run: ProcessRun, live: list[str], shard: int, assignment:
     before = tokens_per_s(run, t_kill - window_s, t_kill)
     after = tokens_per_s(run, t_kill, t_kill + window_s)
     events = lease_events(run, t_kill)
-    self_takeovers = [e for e in events if e[2].endswith(f"took over from {e[1]}")]
     other_shards = {}
     for k, (h, tok, _a, _e) in others.items():
         times = [v[0] for v in shard_versions(run, assignment[k], t_kill - 2 * window_s)]
@@ -439,31 +448,9 @@ def one_shard_failover(run: ProcessRun, live: list[str], shard: int, assignment:
             **prof,
             "uninterrupted": kept and prof["within_threshold"] is True,
         }
-    return {
-        "shard": shard,
-        "shard_fragments": list(frags),
-        "killed": holder,
-        "killed_label": active,
-        "t_kill": t_kill,
-        "killed_pid": pid,
-        "killed_token": token,
-        "published_by": first[3] if first else None,
-        "new_holder": new_lease[0] if new_lease else None,
-        "new_token": new_lease[1] if new_lease else None,
-        "lease_left_s": round(expires - t_kill, 3),
-        "takeover_s": round(new_lease[2] - t_kill, 3) if new_lease and new_lease[0] != holder else None,
-        "takeover_seen_s": round(takeover_seen - t_kill, 3) if takeover_seen else None,
-        "failover_s": round(published_seen - t_kill, 3) if published_seen else None,
-        "ledger_created_s": round(first[0] - t_kill, 3) if first else None,
-        "first_version": {"fragment": first[1], "version": first[2]} if first else None,
-        "other_shards": other_shards,
-        "lease_events_after_kill": [{"at_s": round(t - t_kill, 3), "holder": a, "detail": d} for t, a, d in events],
-        "self_takeovers": len(self_takeovers),
-        "tokens_per_s_before": before,
-        "tokens_per_s_after": after,
-        "ratio_reported": after["reported"] / before["reported"] if before["reported"] else None,
-        "ratio_progress": (after["progress"] / before["progress"]) if before["progress"] and after["progress"] is not None else None,
-    }
+    return {"shard": shard, "shard_fragments": list(frags), "other_shards": other_shards,
+            **kill_record(holder, active, t_kill, pid, token, new_lease, expires, takeover_seen, published_seen, first, events,
+                          before, after)}
 
 
 def run_variant(args, prewarm: bool) -> dict:
