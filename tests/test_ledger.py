@@ -31,6 +31,7 @@ EXPECTED_TABLES = {
     "events",
     "evaluations",
     "synchronizer_leases",
+    "rejection_totals",
 }
 
 
@@ -287,6 +288,71 @@ def test_reject_submissions_records_reasons(run):
         assert sorted(details) == sorted([f"submission {ids[0]}: stale: base v0, current v9", f"submission {ids[1]}: non-finite values"])
 
 
+def test_reasons_are_counted_by_their_class():
+    assert q.reason_class("stale: based on v1, now v3") == q.reason_class("stale: based on v0, now v9") == "stale"
+    assert q.reason_class("norm outlier: 9.1x the median") == "norm outlier"
+    assert q.reason_class("superseded incarnation 3 (current 4)") == "superseded incarnation"
+    assert q.reason_class("unknown learner 'x-9'") == "unknown learner"
+    assert q.reason_class("Non-finite values") == "non finite values"
+    assert q.reason_class(None) == q.reason_class("") == "unknown" and q.reason_class("42") == "other"
+    assert len(q.reason_class("a" * 500)) == 48
+
+
+def test_rejected_work_is_read_from_running_totals_not_the_rejected_rows(run):
+    """Every rejection path (the synchronizer's, a merge's, a superseded incarnation's, an unknown learner's) keeps the
+    (learner id, reason class) totals; the dashboard's per-learner fates and the summary's reasons and unowned
+    submissions come from those few rows, equal to what a scan of the rejected submissions says."""
+    from sqlalchemy import event
+
+    from ddiloco.platform.invariants import read_snapshot, totals_problems
+    from ddiloco.ui.queries import learner_fates
+
+    S = run
+    with S.begin() as s:
+        q.register_learner(s, RUN, "us-0", "us", T0)
+        q.register_learner(s, RUN, "eu-0", "eu", T0)
+        ids = [q.register_submission(s, RUN, "us-0", 0, sub(f"u{i}", tokens_new=10 + i), T0)[0] for i in range(6)]
+        eu = q.register_submission(s, RUN, "eu-0", 0, sub("e", fragment=1, tokens_new=7), T0)[0]
+        q.register_submission(s, RUN, "ghost", 0, sub("g", tokens_new=5), T0)  # rejected at registration
+    publish(S, 0)
+    publish(S, 0, fragment=1)
+    with S.begin() as s:  # figures in every reason: one class each
+        q.reject_submissions(s, RUN, [(ids[i], f"stale: based on v{i}, now v9") for i in range(3)], holder="sync", token=1, now=T0)
+    publish(S, 1, merged=[q.MergedIn(ids[3], 1.0, 1.0, 0)], rejected=[(ids[4], "norm outlier: 9.1x")],
+            record=q.MergeRecord(1, 2, 1, 1, 0, "quorum", {}))
+    publish(S, 1, fragment=1, rejected=[(eu, "stale: based on v0, now v3")], record=q.MergeRecord(1, 2, 0, 1, 0, "quorum", {}))
+    with S.begin() as s:
+        q.register_learner(s, RUN, "eu-0", "eu", T0)  # a replacement: the old incarnation's next send is superseded
+        q.register_submission(s, RUN, "eu-0", 0, sub("late", fragment=1, tokens_new=3), T0)
+
+    def reads(fn):
+        seen = []
+        with S() as s:
+            conn = s.connection()
+            listen = lambda *a: seen.append((a[2], a[3]))  # noqa: E731
+            event.listen(conn, "before_cursor_execute", listen)
+            try:
+                out = fn(s)
+            finally:
+                event.remove(conn, "before_cursor_execute", listen)
+        # Neither the literal of the partial index nor a bound 'rejected': no statement reads the rejected rows.
+        assert not [sql for sql, params in seen if "'rejected'" in sql or REJECTED in str(params)], seen
+        return out
+
+    with S() as s:
+        totals = {(t.learner_id, t.reason): (t.submissions, t.tokens) for t in q.rejected_totals(s, RUN)}
+        assert totals == {("us-0", "stale"): (3, 10 + 11 + 12), ("us-0", "norm outlier"): (1, 14), ("eu-0", "stale"): (1, 7),
+                          ("eu-0", "superseded incarnation"): (1, 3), ("ghost", "unknown learner"): (1, 5)}
+        snap = read_snapshot(s, RUN)
+        assert totals_problems(snap.stored, snap.scanned) == []
+    agg = reads(lambda s: q.run_aggregates(s, RUN))
+    assert agg.rejected_reasons == {"stale": 4, "norm outlier": 1, "superseded incarnation": 1, "unknown learner": 1}
+    assert (agg.submissions, agg.bytes_sent) == (9, 9 * 10)  # the ghost's counted once, by the totals
+    fates = reads(lambda s: learner_fates(s, RUN, q.learners(s, RUN)))
+    assert (fates["us-0"].rejected, fates["us-0"].merged, fates["us-0"].pending) == (4, 1, 1)
+    assert (fates["eu-0"].rejected, fates["eu-0"].merged, fates["eu-0"].tokens_merged) == (2, 0, 0)
+
+
 # --- the lease --------------------------------------------------------------------------------------
 
 
@@ -467,6 +533,7 @@ def test_a_ledger_written_before_the_heads_upgrades_in_place(ledger_url):
             agg = q.run_aggregates(s, RUN)
             assert agg.longest_merge_gap_s == 20.0 and agg.last_merged_at == T0 + timedelta(seconds=50)  # 20 -> 40
             assert (agg.submissions, agg.bytes_sent) == (4, 10 + 11 + 12 + 13)
+            assert q.rejected_totals(s, RUN) == [q.RejectedTotal("us-0", "stale", 1, 100, 13)]  # filled by the upgrade
             assert q.learners(s, RUN)[0].loss == 1.0
             # Only the version GC had settled is out of its partial index.
             assert [(v.fragment, v.version) for v in q.versions_for_gc(s, RUN, keep_last=1, checkpoint_every=100)] == [(0, 1), (0, 2)]

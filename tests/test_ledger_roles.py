@@ -361,6 +361,8 @@ def test_a_superseded_learner_role_rejects_its_own_work_with_the_accounting_kept
             acct = q.token_accounting(s, run)
             assert (acct.rejected, acct.lost, acct.pending) == (100, 200, 100) and acct.balanced
             assert q.scanned_tokens(s, run)[REJECTED] == q.decided_tokens(s, run)[REJECTED]
+            assert [t for t in q.rejected_totals(s, run) if t.learner_id == "us-0"] == [
+                q.RejectedTotal("us-0", "superseded incarnation", 1, 100, row.nbytes)]
             assert any(e.kind == "submission_rejected" and e.actor == "us-0" for e in q.events(s, run))
     finally:
         engine.dispose()

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support import tiny_config, wait_for
 
-from ddiloco.platform.metrics import metrics_address, reason_class
+from ddiloco.platform.metrics import metrics_address, reason_label
 from ddiloco.testing.net import free_port
 from ddiloco.testing.processes import ProcessCluster, stop_processes, write_config
 
@@ -75,9 +75,9 @@ def test_learner_and_synchronizer_serve_the_series_the_dashboards_need(tmp_path)
 
 
 def test_rejection_reasons_lose_their_figures_and_bad_ports_are_refused():
-    assert reason_class("staleness 7 > 4") == "staleness"
-    assert reason_class("unknown learner 'x-9'") == "unknown_learner"
-    assert reason_class("blob: 512 bytes registered, more than the 64 any encoding takes") == "blob"
+    assert reason_label("staleness 7 > 4") == "staleness"
+    assert reason_label("unknown learner 'x-9'") == "unknown_learner"
+    assert reason_label("blob: 512 bytes registered, more than the 64 any encoding takes") == "blob"
     assert metrics_address("9100") == ("0.0.0.0", 9100) and metrics_address("127.0.0.1:0") == ("127.0.0.1", 0)
     assert metrics_address("") is None
     for bad in ("http", "127.0.0.1:99999", "9100x"):

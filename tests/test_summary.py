@@ -40,7 +40,7 @@ def aggregates(**changes) -> RunAggregates:
         val_accuracy_end=None,
         submissions=9,
         bytes_sent=12_345,
-        rejected_reasons={"stale: based on v1, now v3": 2, "stale: based on v0, now v3": 1, "norm outlier: 9.1x": 1, None: 1},
+        rejected_reasons={"stale": 3, "norm outlier": 1, "unknown": 1},
         parameters=1000,
         learners=2,
         busy_s=150.0,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -76,6 +76,8 @@ class Totals:
     """learner -> (submissions, tokens sent, bytes sent)."""
     rejected: tuple[int, int] = (0, 0)
     """(tokens, submissions) rejected in the whole run."""
+    rejected_by: dict[tuple[str, str], tuple[int, int, int]] = field(default_factory=dict)
+    """(learner id, reason class) -> (submissions, tokens, bytes) rejected."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,11 @@ def totals_problems(stored: Totals, scanned: Totals) -> list[Problem]:
         problems.append(Problem(f"run totals say {stored.rejected[0]} tokens in {stored.rejected[1]} rejected submissions, "
                                 f"the submissions say {scanned.rejected[0]} in {scanned.rejected[1]}",
                                 lost=abs(stored.rejected[0] - scanned.rejected[0])))
+    for key in sorted(set(stored.rejected_by) | set(scanned.rejected_by)):
+        have, want = stored.rejected_by.get(key, (0, 0, 0)), scanned.rejected_by.get(key, (0, 0, 0))
+        if have != want:
+            problems.append(Problem(f"learner {key[0]}, rejected as {key[1]!r}: totals say {have[0]} submissions, {have[1]} "
+                                    f"tokens, {have[2]} bytes; the submissions say {want[0]}, {want[1]}, {want[2]}"))
     return problems
 
 
@@ -252,6 +259,7 @@ def stored_totals(session: Session, run_id: str) -> Totals:
         merged={f: (int(t), int(n)) for f, _, _, _, t, n in heads if t or n},
         learners={lid: (int(n), int(t), int(b)) for lid, n, t, b in rows},
         rejected=(int(rejected[0]), int(rejected[1])),
+        rejected_by={(t.learner_id, t.reason): (t.submissions, t.tokens, t.nbytes) for t in q.rejected_totals(session, run_id)},
     )
 
 
@@ -274,11 +282,22 @@ def scanned_totals(session: Session, run_id: str, versions: list[VersionRow]) ->
         select(func.coalesce(func.sum(Submission.tokens_new), 0), func.count())
         .where(Submission.run_id == run_id, Submission.status == REJECTED)
     ).one()
+    rejected_by: dict[tuple[str, str], tuple[int, int, int]] = {}
+    for lid, reason, n, t, b in session.execute(
+        select(Submission.learner_id, Submission.reject_reason, func.count(), func.coalesce(func.sum(Submission.tokens_new), 0),
+               func.coalesce(func.sum(Submission.nbytes), 0))
+        .where(Submission.run_id == run_id, Submission.status == REJECTED)
+        .group_by(Submission.learner_id, Submission.reject_reason)
+    ):
+        key = (lid, q.reason_class(reason))
+        was = rejected_by.get(key, (0, 0, 0))
+        rejected_by[key] = (was[0] + int(n), was[1] + int(t), was[2] + int(b))
     return Totals(
         heads={f: (v.version, v.blob_key, v.sha256) for f, v in newest_versions(versions).items()},
         merged={f: (int(t), int(n)) for f, t, n in merged},
         learners=sent,
         rejected=(int(rejected[0]), int(rejected[1])),
+        rejected_by=rejected_by,
     )
 
 

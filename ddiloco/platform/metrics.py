@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from ddiloco.platform.ledger.queries import reason_class
 
 PORT_ENV = "DDILOCO_METRICS_PORT"
 
@@ -38,10 +39,9 @@ LEASE_HELD = Gauge("ddiloco_sync_lease_held", "1 while this synchronizer holds t
                    ["run", "holder"])
 
 
-def reason_class(why: str) -> str:
-    """A rejection reason without its figures ("staleness 7 > 4" -> "staleness"): a label of few values."""
-    words = re.split(r"[\d:(=<>'\"]", why, maxsplit=1)[0].strip().lower()
-    return re.sub(r"[^a-z]+", "_", words).strip("_")[:40] or "other"
+def reason_label(why: str) -> str:
+    """A rejection reason as a label of few values: its class (``queries.reason_class``) in snake case."""
+    return reason_class(why).replace(" ", "_")[:40]
 
 
 def observe_pass(run_id: str, holder: str, active: bool, pending: int | None = None) -> None:
@@ -62,7 +62,7 @@ def observe_merge(run_id: str, merge_s: float, staleness: Iterable[int]) -> None
 def observe_rejections(run_id: str, rejected: Iterable[tuple[int, str]]) -> None:
     """Rejected submissions as (id, reason)."""
     for _, why in rejected:
-        REJECTIONS.labels(run_id, reason_class(why)).inc()
+        REJECTIONS.labels(run_id, reason_label(why)).inc()
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -72,14 +71,6 @@ class RunSummary:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
-
-
-def reason_class(reason: str | None) -> str:
-    """Group reasons by their first words ('stale: based on v3 …' -> 'stale')."""
-    if not reason:
-        return "unknown"
-    head = reason.split(":", 1)[0]
-    return head if len(head) <= 48 else head[:48]
 
 
 def step_tokens(config: Mapping[str, Any]) -> int:
@@ -171,9 +162,6 @@ def summarize(agg: RunAggregates, now: datetime) -> RunSummary:
     spent = time_breakdown(agg, end)
     goodput = spent[MERGED_S] / allocated
     bound = 1.0 - spent[DOWN_S] / allocated
-    reasons: Counter[str] = Counter()
-    for reason, n in agg.rejected_reasons.items():
-        reasons[reason_class(reason)] += n
     return RunSummary(
         run=agg.run,
         status=agg.status,
@@ -196,7 +184,7 @@ def summarize(agg: RunAggregates, now: datetime) -> RunSummary:
         longest_version_gap_s=gap,
         bytes_sent=agg.bytes_sent,
         bytes_data_parallel=int(steps * agg.parameters * DP_BYTES_PER_PARAM),
-        rejected_by_reason=dict(reasons),
+        rejected_by_reason=dict(agg.rejected_reasons),
         submissions=agg.submissions,
         learners=agg.learners,
         wall_s=wall,

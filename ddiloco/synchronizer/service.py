@@ -486,7 +486,7 @@ class Synchronizer:
     ) -> str | Member:
         """A reason to reject the submission, or the decoded member."""
         if sb.learner_id not in regions:
-            return f"unknown learner {sb.learner_id!r}"
+            return f"{q.UNKNOWN_LEARNER} {sb.learner_id!r}"
         why = (pol.check_claims(sb.c_steps, sb.c_tokens, sb.tokens_new, sb.base_version, self.most_tokens_per_step)
                or pol.check_staleness(version, sb.base_version, self.cfg.merge.max_staleness))
         if why:

@@ -424,21 +424,21 @@ class Fates:
 
 
 def learner_fates(session: Session, run_id: str, learners: list[Any]) -> dict[str, Fates]:
-    """Per learner: pending and rejected summed over just those rows (the poll index, the partial index of
-    rejections); merged is the rest of what the learner's row says it registered — no scan of the merged."""
-    # Summed here, not by GROUP BY learner_id: that would tempt the planner into walking the (run, learner,
-    # uid) index over every submission instead of seeking the few it needs.
-    def by_learner(condition: Any) -> dict[str, tuple[int, int]]:
-        out: dict[str, tuple[int, int]] = {}
-        rows = session.connection().execute(
-            select(Submission.learner_id, Submission.tokens_new).where(Submission.run_id == run_id, condition)
-        )
-        for lid, tokens in rows:
-            n, t = out.get(lid, (0, 0))
-            out[lid] = (n + 1, t + int(tokens))
-        return out
-
-    pending, rejected = by_learner(Submission.status == PENDING), by_learner(REJECTED_ROWS)
+    """Per learner: pending summed over just those rows (the poll index), rejected from the rejections' running
+    totals; merged is the rest of what the learner's row says it registered — no scan of the merged or rejected."""
+    # Summed here, not by GROUP BY learner_id: that would tempt the planner into walking the (run, learner, uid)
+    # index over every submission instead of seeking the few pending ones.
+    pending: dict[str, tuple[int, int]] = {}
+    rows = session.connection().execute(
+        select(Submission.learner_id, Submission.tokens_new).where(Submission.run_id == run_id, Submission.status == PENDING)
+    )
+    for lid, tokens in rows:
+        n, t = pending.get(lid, (0, 0))
+        pending[lid] = (n + 1, t + int(tokens))
+    rejected: dict[str, tuple[int, int]] = {}
+    for total in q.rejected_totals(session, run_id):
+        n, t = rejected.get(total.learner_id, (0, 0))
+        rejected[total.learner_id] = (n + total.submissions, t + total.tokens)
     out = {}
     for row in learners:
         p, r = pending.get(row.id, (0, 0)), rejected.get(row.id, (0, 0))

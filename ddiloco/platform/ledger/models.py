@@ -211,6 +211,22 @@ class Submission(Base):
     blob_deleted: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
+class RejectionTotal(Base):
+    """Rejected submissions of one learner id for one class of reason, summed by every rejection's own transaction:
+    the dashboard's per-learner fates and the summary's reasons read these few rows, never the rejected ones."""
+
+    __tablename__ = "rejection_totals"
+
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    learner_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    """As the submissions say: also an id no learner registered (an unknown learner's rejected work)."""
+    reason: Mapped[str] = mapped_column(String(64), primary_key=True)
+    """The reason's class (``queries.reason_class``), not its text: the text carries figures, the class a few words."""
+    submissions: Mapped[int] = mapped_column(BigInteger, default=0)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    nbytes: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
 class FragmentVersion(Base):
     __tablename__ = "fragment_versions"
     __table_args__ = (

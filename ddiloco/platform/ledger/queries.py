@@ -4,6 +4,7 @@ the caller owns the transaction. ``now`` is always passed in (UTC, timezone-awar
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -21,7 +22,6 @@ from ddiloco.platform.ledger.models import (
     MERGED,
     PENDING,
     REJECTED,
-    REJECTED_ROWS,
     Evaluation,
     Event,
     FragmentHead,
@@ -30,6 +30,7 @@ from ddiloco.platform.ledger.models import (
     Heartbeat,
     Learner,
     Merge,
+    RejectionTotal,
     Run,
     Submission,
     SynchronizerLease,
@@ -437,9 +438,9 @@ def _reject_superseded(
     """Submissions of an incarnation that is not the learner's current one (or of no learner): rejected."""
     learner = session.get(Learner, (run_id, learner_id), with_for_update=True, populate_existing=True)
     if learner is None:
-        reason = f"unknown learner {learner_id!r}"
+        reason = f"{UNKNOWN_LEARNER} {learner_id!r}"
     else:
-        reason = f"superseded incarnation {incarnation} (current {learner.incarnation})"
+        reason = f"{SUPERSEDED} {incarnation} (current {learner.incarnation})"
         for sub in new:
             # A paused incarnation woke up after its replacement started: its tokens were already
             # counted as lost when the replacement registered, so move them from lost to rejected.
@@ -462,6 +463,8 @@ def _reject_superseded(
         record_event(session, run_id, "submission_rejected", learner_id, f"submission {sub_id}: {reason}", now)
 
 
+UNKNOWN_LEARNER, SUPERSEDED = "unknown learner", "superseded incarnation"
+"""How the reasons :func:`_reject_superseded` gives begin (the learners' function counts them by these classes)."""
 REJECT_SUPERSEDED = "ddiloco_reject_superseded"
 """The PostgreSQL function a learner role rejects its superseded submissions with (created by ``ledger.roles``)."""
 
@@ -681,18 +684,28 @@ def pending_submissions(
 
 
 def _decide_rejected(session: Session, run_id: str, ids: Iterable[int], reason: str, now: datetime) -> None:
-    """Reject pending submissions of the run, adding their tokens to the run's running total of rejected work."""
+    """Reject pending submissions of the run, adding them to the run's running totals of rejected work and to
+    each learner id's total for the reason's class."""
     ids = list(ids)
     if not ids:
         return
-    tokens = session.scalars(rejection(run_id, Submission.id.in_(ids), reason, now)).all()
-    if len(tokens) != len(ids):
-        raise AlreadyDecidedError(f"{len(ids) - len(tokens)} of submissions {ids} already have a fate")
-    session.execute(count_rejected(run_id, sum(tokens), len(tokens)).execution_options(synchronize_session=False))
+    decided = session.execute(rejection(run_id, Submission.id.in_(ids), reason, now)).all()
+    if len(decided) != len(ids):
+        raise AlreadyDecidedError(f"{len(ids) - len(decided)} of submissions {ids} already have a fate")
+    tokens = sum(int(t) for _, t, _ in decided)
+    session.execute(count_rejected(run_id, tokens, len(decided)).execution_options(synchronize_session=False))
+    by_learner: dict[str, tuple[int, int, int]] = {}
+    for learner_id, t, b in decided:
+        n0, t0, b0 = by_learner.get(learner_id, (0, 0, 0))
+        by_learner[learner_id] = (n0 + 1, t0 + int(t), b0 + int(b))
+    rows = [{"run_id": run_id, "learner_id": lid, "reason": reason_class(reason), "submissions": n, "tokens": t,
+             "nbytes": b} for lid, (n, t, b) in by_learner.items()]
+    session.execute(count_rejected_by(_insert(session, RejectionTotal), rows))
 
 
 def rejection(run_id: Any, which: Any, reason: Any, now: Any) -> Any:
-    """UPDATE … RETURNING tokens_new: the run's pending submissions that ``which`` picks become rejected.
+    """UPDATE … RETURNING (learner_id, tokens_new, nbytes): the run's pending submissions that ``which`` picks become
+    rejected.
 
     The arguments are values or SQL expressions: ``ledger.roles`` compiles this same statement into the
     learners' SECURITY DEFINER function."""
@@ -700,7 +713,7 @@ def rejection(run_id: Any, which: Any, reason: Any, now: Any) -> Any:
         update(Submission)
         .where(which, Submission.run_id == run_id, Submission.status == PENDING)
         .values(status=REJECTED, reject_reason=reason, decided_at=now)
-        .returning(Submission.tokens_new)
+        .returning(Submission.learner_id, Submission.tokens_new, Submission.nbytes)
     )
 
 
@@ -711,6 +724,28 @@ def count_rejected(run_id: Any, tokens: Any, submissions: Any) -> Any:
         .where(Run.id == run_id)
         .values(tokens_rejected=Run.tokens_rejected + tokens, submissions_rejected=Run.submissions_rejected + submissions)
     )
+
+
+def count_rejected_by(insert_: Any, rows: Sequence[Mapping[str, Any]]) -> Any:
+    """INSERT … ON CONFLICT: add rejected work to (run, learner id, reason class) totals; ``insert_`` is the dialect's
+    ``insert(RejectionTotal)`` and the rows' values may be SQL expressions (as :func:`rejection`)."""
+    stmt = insert_.values(list(rows))
+    return stmt.on_conflict_do_update(
+        index_elements=["run_id", "learner_id", "reason"],
+        set_={c: getattr(RejectionTotal, c) + getattr(stmt.excluded, c) for c in ("submissions", "tokens", "nbytes")},
+    )
+
+
+UNKNOWN_REASON = "unknown"
+
+
+def reason_class(reason: str | None) -> str:
+    """A rejection reason without its figures and names ('stale: based on v3, now v5' -> 'stale', "unknown learner
+    'x'" -> 'unknown learner'): the few words rejected work is counted by in the ledger, the summary and the metrics."""
+    if not reason:
+        return UNKNOWN_REASON
+    words = re.split(r"[\d:(=<>'\"]", reason, maxsplit=1)[0].lower()
+    return " ".join(re.sub(r"[^a-z]+", " ", words).split())[:48] or "other"
 
 
 def recent_merged_norms(session: Session, run_id: str, fragment: int, limit: int = 32, per_step: bool = False) -> list[float]:
@@ -1203,8 +1238,8 @@ class RunAggregates:
     val_accuracy_end: float | None
     submissions: int
     bytes_sent: int
-    rejected_reasons: dict[str | None, int]
-    """Rejected submissions counted by their exact reason."""
+    rejected_reasons: dict[str, int]
+    """Rejected submissions counted by the class of their reason (:func:`reason_class`)."""
     parameters: int
     learners: int
     busy_s: float
@@ -1243,6 +1278,23 @@ def submission_groups(session: Session, run_id: str) -> list[SubmissionGroup]:
     return [SubmissionGroup(lid, st, stale, int(n), int(t), int(b), last) for lid, st, stale, n, t, b, last in rows]
 
 
+class RejectedTotal(NamedTuple):
+    learner_id: str
+    reason: str
+    submissions: int
+    tokens: int
+    nbytes: int
+
+
+def rejected_totals(session: Session, run_id: str) -> list[RejectedTotal]:
+    """The run's rejected work per (learner id, reason class): a few rows kept by the rejections, whatever the history."""
+    rows = session.connection().execute(
+        select(RejectionTotal.learner_id, RejectionTotal.reason, RejectionTotal.submissions, RejectionTotal.tokens,
+               RejectionTotal.nbytes).where(RejectionTotal.run_id == run_id)
+    )
+    return [RejectedTotal(lid, reason, int(n), int(t), int(b)) for lid, reason, n, t, b in rows]
+
+
 def run_aggregates(session: Session, run_id: str) -> RunAggregates:
     """Everything ``summarize`` needs, from running totals and index seeks (the same cost at any history length)."""
     run = require_run(session, run_id)
@@ -1250,21 +1302,20 @@ def run_aggregates(session: Session, run_id: str) -> RunAggregates:
         config = json.loads(run.config_json) if run.config_json else {}
     except ValueError:
         config = {}
-    reasons = session.execute(
-        select(Submission.reject_reason, func.count()).where(Submission.run_id == run_id, REJECTED_ROWS).group_by(Submission.reject_reason)
-    ).all()
     rows = learners(session, run_id)
+    known = {r.id for r in rows}
+    reasons: dict[str, int] = {}
+    unowned = (0, 0)
+    for t in rejected_totals(session, run_id):
+        reasons[t.reason] = reasons.get(t.reason, 0) + t.submissions
+        if t.learner_id not in known:  # learners count their own submissions; nobody counted these
+            unowned = (unowned[0] + t.submissions, unowned[1] + t.nbytes)
     evals = select(Evaluation.val_loss, Evaluation.val_accuracy).where(Evaluation.run_id == run_id).limit(1)
     first = session.execute(evals.order_by(Evaluation.at, Evaluation.id)).first()
     last = session.execute(evals.order_by(Evaluation.at.desc(), Evaluation.id.desc())).first()
     heads = list(session.scalars(select(FragmentHead).where(FragmentHead.run_id == run_id)))
     merged_heads = [h for h in heads if h.version > 0]
     parameters = select(func.coalesce(func.sum(FragmentSpec.numel), 0)).where(FragmentSpec.run_id == run_id)
-    # Learners count their own submissions (unknown learners' rejected ones are the only ones they miss).
-    unowned = session.execute(
-        select(func.count(), func.coalesce(func.sum(Submission.nbytes), 0))
-        .where(Submission.run_id == run_id, REJECTED_ROWS, Submission.learner_id.not_in(select(Learner.id).where(Learner.run_id == run_id)))
-    ).one()
     return RunAggregates(
         run=run_id,
         status=run.status,
@@ -1280,7 +1331,7 @@ def run_aggregates(session: Session, run_id: str) -> RunAggregates:
         val_accuracy_end=last.val_accuracy if last else None,
         submissions=sum(r.submissions for r in rows) + int(unowned[0]),
         bytes_sent=sum(r.bytes_sent for r in rows) + int(unowned[1]),
-        rejected_reasons={reason: int(n) for reason, n in reasons},
+        rejected_reasons=reasons,
         parameters=int(session.scalar(parameters) or 0),
         learners=len(rows),
         busy_s=float(sum(r.busy_s for r in rows)),

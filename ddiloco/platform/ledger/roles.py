@@ -25,7 +25,7 @@ from sqlalchemy.dialects import postgresql
 
 from ddiloco.platform.ids import validate_id
 from ddiloco.platform.ledger import queries as q
-from ddiloco.platform.ledger.models import PENDING, Base, Learner, Submission
+from ddiloco.platform.ledger.models import PENDING, Base, Learner, RejectionTotal, Submission
 from ddiloco.platform.redact import MASK
 
 SYNCHRONIZER, EVALUATOR, DASHBOARD, LEARNER = "synchronizer", "evaluator", "dashboard", "learner"
@@ -74,6 +74,7 @@ def grants() -> dict[str, dict[str, tuple[str, ...]]]:
             "merges": ("SELECT", _insert("merges")),
             "events": ("SELECT", _insert("events")),
             "evaluations": ("SELECT",),
+            "rejection_totals": ("SELECT", _insert("rejection_totals"), _update(_columns("rejection_totals"))),
             "synchronizer_leases": ("SELECT", _insert("synchronizer_leases"), _update(_columns("synchronizer_leases"))),
         },
         EVALUATOR: {
@@ -202,11 +203,14 @@ def reject_superseded_function(plan: RolePlan) -> str:
     mine = (Submission.id == func.any(p["p_ids"])) & (Submission.learner_id == p["p_learner"])
     reject = _sql(q.rejection(p["p_run"], mine, p["p_reason"], p["p_at"]))
     count = _sql(q.count_rejected(p["p_run"], literal_column("v_tokens"), literal_column("v_count")))
+    totals = {"run_id": p["p_run"], "learner_id": p["p_learner"], "reason": literal_column("v_class"),
+              "submissions": literal_column("v_count"), "tokens": literal_column("v_tokens"), "nbytes": literal_column("v_bytes")}
+    count_by = _sql(q.count_rejected_by(postgresql.insert(RejectionTotal), [totals]))
     learners = Learner.__tablename__
     return f"""CREATE OR REPLACE FUNCTION {q.REJECT_SUPERSEDED}(
     p_run text, p_learner text, p_incarnation integer, p_ids bigint[], p_reason text, p_at timestamptz
 ) RETURNS bigint LANGUAGE plpgsql SECURITY DEFINER SET search_path = {_ident(plan.schema)}, pg_temp AS $fn$
-DECLARE v_count bigint; v_tokens bigint;
+DECLARE v_count bigint; v_tokens bigint; v_bytes bigint; v_class text;
 BEGIN
   IF session_user::text <> {_literal(plan.group(LEARNER) + '_')} || p_learner THEN
     RAISE EXCEPTION 'role % may not reject submissions of learner %', session_user, p_learner USING ERRCODE = '42501';
@@ -214,11 +218,15 @@ BEGIN
   IF EXISTS (SELECT FROM {learners} WHERE run_id = p_run AND id = p_learner AND incarnation = p_incarnation) THEN
     RAISE EXCEPTION 'incarnation % of learner % is current, not superseded', p_incarnation, p_learner USING ERRCODE = '42501';
   END IF;
-  WITH decided AS ({reject}) SELECT count(*), coalesce(sum(tokens_new), 0) INTO v_count, v_tokens FROM decided;
+  v_class := CASE WHEN EXISTS (SELECT FROM {learners} WHERE run_id = p_run AND id = p_learner)
+    THEN {_literal(q.reason_class(q.SUPERSEDED))} ELSE {_literal(q.reason_class(q.UNKNOWN_LEARNER))} END;
+  WITH decided AS ({reject}) SELECT count(*), coalesce(sum(tokens_new), 0), coalesce(sum(nbytes), 0)
+    INTO v_count, v_tokens, v_bytes FROM decided;
   IF v_count <> cardinality(p_ids) THEN
     RAISE EXCEPTION '% of submissions % already have a fate', cardinality(p_ids) - v_count, p_ids;
   END IF;
   {count};
+  {count_by};
   RETURN v_count;
 END $fn$"""
 
