@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from sqlalchemy import Engine, bindparam, func, inspect, select, true, union_all
+from sqlalchemy import DateTime, Engine, bindparam, func, inspect, select, true, union_all
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import NoSuchModuleError
 from sqlalchemy.orm import Session
@@ -720,13 +721,28 @@ def _grid(points: int) -> Any:
     return union_all(*[select(bindparam(f"t{i}", type_=UtcDateTime()).label("t")) for i in range(points)]).cte("grid")
 
 
-def _grid_times(first: datetime, last: datetime, points: int) -> dict[str, datetime]:
+# PostgreSQL takes the grid as one array: planning a few hundred UNION ALL terms cost more than the seeks (17-30 ms of
+# a 35-85 ms statement), and a LATERAL seek reads each picked row once, where the scalar subquery ran twice per point.
+_PG_GRID = func.unnest(bindparam("ts", type_=postgresql.ARRAY(DateTime(timezone=True)))).table_valued("t").render_derived(name="grid")
+
+
+def _grid_times(first: datetime, last: datetime, points: int, dialect: str = "sqlite") -> dict[str, Any]:
     span = max(0.0, (last - first).total_seconds())
-    return {f"t{i}": first + timedelta(seconds=span * i / (points - 1)) for i in range(points)}
+    times = [first + timedelta(seconds=span * i / (points - 1)) for i in range(points)]
+    return {"ts": times} if dialect == "postgresql" else {f"t{i}": t for i, t in enumerate(times)}
 
 
 @functools.cache
-def _evaluations_on_grid(points: int) -> Any:
+def _evaluations_on_grid(points: int, dialect: str = "sqlite") -> Any:
+    if dialect == "postgresql":
+        pick = (
+            select(Evaluation.id, *_EVALUATION_COLUMNS)
+            .where(Evaluation.run_id == bindparam("run"), Evaluation.at <= _PG_GRID.c.t)
+            .order_by(Evaluation.at.desc(), Evaluation.id.desc())
+            .limit(1)
+            .lateral("pick")
+        )
+        return select(pick).select_from(_PG_GRID).join(pick, true())
     grid = _grid(points)
     newest = (
         select(Evaluation.id)
@@ -741,7 +757,23 @@ def _evaluations_on_grid(points: int) -> Any:
 
 
 @functools.cache
-def _losses_on_grid(points: int) -> Any:
+def _losses_on_grid(points: int, dialect: str = "sqlite") -> Any:
+    if dialect == "postgresql":
+        pick = (
+            select(Heartbeat.incarnation, Heartbeat.step, Heartbeat.at, Heartbeat.loss)
+            .where(Heartbeat.run_id == bindparam("run"), Heartbeat.learner_id == Learner.id, Heartbeat.at <= _PG_GRID.c.t)
+            .order_by(Heartbeat.at.desc())
+            .limit(1)
+            .lateral("pick")
+        )
+        return (
+            select(Learner.id.label("learner"), Learner.region, pick.c.incarnation, pick.c.step, pick.c.at, pick.c.loss)
+            .select_from(Learner)
+            .join(_PG_GRID, true())
+            .join(pick, true())
+            .where(Learner.run_id == bindparam("run"), pick.c.loss.is_not(None))
+            .distinct()
+        )
     grid = _grid(points)
     newest = (
         select(Heartbeat.id)
@@ -781,7 +813,10 @@ def evaluations_frame(session: Session, run_id: str, points: int = EVALUATION_PO
         return pd.DataFrame([tuple(r[1:]) for r in few], columns=columns)
     first = few[0]
     last = session.connection().execute(base.order_by(Evaluation.at.desc(), Evaluation.id.desc()).limit(1)).one()
-    rows = session.connection().execute(_evaluations_on_grid(points), {"run": run_id, **_grid_times(first.at, last.at, points)}).all()
+    dialect = session.get_bind().dialect.name
+    rows = session.connection().execute(
+        _evaluations_on_grid(points, dialect), {"run": run_id, **_grid_times(first.at, last.at, points, dialect)}
+    ).all()
     # By id: one row per evaluation, in the order they were recorded.
     unique = {r[0]: tuple(r[1:]) for r in [*rows, first, last]}
     return pd.DataFrame([unique[i] for i in sorted(unique)], columns=columns)
@@ -802,7 +837,9 @@ def training_loss_frame(
     if not n_learners or first is None or last is None:
         return pd.DataFrame(columns=columns)
     points = max(10, min(per_learner, budget // int(n_learners), MAX_GRID_POINTS))
-    rows = session.connection().execute(_losses_on_grid(points), {"run": run_id, **_grid_times(first, last, points)}).all()
+    dialect = session.get_bind().dialect.name
+    params = {"run": run_id, **_grid_times(first, last, points, dialect)}
+    rows = session.connection().execute(_losses_on_grid(points, dialect), params).all()
     df = pd.DataFrame([tuple(r) for r in rows], columns=columns)
     return df.sort_values(["learner", "at"], ignore_index=True)
 
