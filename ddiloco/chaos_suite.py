@@ -176,7 +176,9 @@ class Suite:
         self.monitor = ProgressMonitor(self.versions_total, every_s=0.25)
         self._stack.callback(self.monitor.stop)
         self.config_path = write_config(self.cfg, self.workdir / "config.yaml")
-        self.cluster = ProcessCluster(self.config_path, self.run_id, self.workdir)
+        # Warm, as the flows' launcher starts them: a restarted learner or a spare synchronizer costs a fork, not
+        # seconds of imports (the bad-input launches stay cold: they must fail before torch is imported).
+        self.cluster = ProcessCluster(self.config_path, self.run_id, self.workdir, warm=True)
         self._stack.callback(self.cluster.stop_all)
 
     def __exit__(self, *exc: object) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from ddiloco.flows.launchers import SubprocessLauncher
+from ddiloco.flows.launchers import SubprocessLauncher, WarmProcess
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.faults import ARMED_BY_FILE, arm_file
 from ddiloco.platform.runtime import RunContext
@@ -27,7 +27,7 @@ def write_config(cfg: RunConfig, path: Path) -> Path:
     return path
 
 
-def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = 30.0) -> None:
+def stop_processes(procs: Iterable[subprocess.Popen | WarmProcess], grace_s: float = 30.0) -> None:
     """SIGTERM every process still running (after SIGCONT: a stopped one cannot act on it), then
     SIGKILL whatever is left after ``grace_s``."""
     procs = list(procs)
@@ -45,34 +45,39 @@ def stop_processes(procs: Iterable[subprocess.Popen], grace_s: float = 30.0) -> 
 
 
 class ProcessCluster:
-    """The processes of one run, by name; a process may be stopped at a named fault point, signalled and restarted."""
+    """The processes of one run, by name; a process may be stopped at a named fault point, signalled and restarted.
 
-    def __init__(self, config_path: Path, run_id: str, logdir: Path, env: Mapping[str, str] | None = None) -> None:
+    With ``warm``, learners and synchronizers start as the flows' launcher starts them: forked from the warm fork
+    server (:func:`~ddiloco.flows.launchers.warm_up`), so a start or a restart costs a fork, not seconds of imports."""
+
+    def __init__(self, config_path: Path, run_id: str, logdir: Path, env: Mapping[str, str] | None = None,
+                 warm: bool = False) -> None:
         self.launcher = SubprocessLauncher(config_path, run_id, logdir)
-        self.config_path, self.run_id, self.logdir = config_path, run_id, logdir
+        self.config_path, self.run_id, self.logdir, self.warm = config_path, run_id, logdir, warm
         self.env = {k: v for k, v in (os.environ if env is None else env).items() if k not in FAULT_ENV}
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen | WarmProcess] = {}
 
     def start(
         self, name: str, args: list[str], *, faults: str | Sequence[str] = (), env: Mapping[str, str] | None = None,
-        wrap: Sequence[str] = (),
-    ) -> subprocess.Popen:
+        wrap: Sequence[str] = (), warm: bool = False,
+    ) -> subprocess.Popen | WarmProcess:
         """Start ``ddiloco <args>`` as ``name``. ``faults`` is a ``DDILOCO_FAULTS`` spec (``"learner.after_blob:3"``)
-        or the points to arm later, one by one, with :meth:`arm`; ``env`` adds to the cluster's environment."""
+        or the points to arm later, one by one, with :meth:`arm`; ``env`` adds to the cluster's environment;
+        ``warm`` forks it from the warm fork server (not with ``wrap``)."""
         env = {**self.env, **(env or {})}
         spec = faults if isinstance(faults, str) else ",".join(f"{p}:{ARMED_BY_FILE}" for p in faults)
         if spec:
             env.update(DDILOCO_FAULTS=spec, DDILOCO_FAULT_DIR=str(self.fault_dir(name)))
-        self.procs[name] = self.launcher.spawn(name, args, env=env, wrap=wrap).process
+        self.procs[name] = self.launcher.spawn(name, args, env=env, wrap=wrap, warm=warm).process
         return self.procs[name]
 
     def learner(self, lid: str, *args: str, faults: str | Sequence[str] = (), env: Mapping[str, str] | None = None,
-                wrap: Sequence[str] = ()) -> subprocess.Popen:
-        return self.start(lid, ["learner", "--learner", lid, *args], faults=faults, env=env, wrap=wrap)
+                wrap: Sequence[str] = ()) -> subprocess.Popen | WarmProcess:
+        return self.start(lid, ["learner", "--learner", lid, *args], faults=faults, env=env, wrap=wrap, warm=self.warm)
 
     def synchronizer(self, label: str, *, faults: str | Sequence[str] = (), env: Mapping[str, str] | None = None,
-                     wrap: Sequence[str] = ()) -> subprocess.Popen:
-        return self.start(label, ["synchronizer", "--label", label], faults=faults, env=env, wrap=wrap)
+                     wrap: Sequence[str] = ()) -> subprocess.Popen | WarmProcess:
+        return self.start(label, ["synchronizer", "--label", label], faults=faults, env=env, wrap=wrap, warm=self.warm)
 
     # --- fault points ------------------------------------------------------------------------------
 
@@ -116,14 +121,14 @@ class ProcessCluster:
 class ProcessRun(ProcessCluster):
     """A run on a SQLite ledger and a file:// store under ``workdir``, its learners and synchronizers real processes."""
 
-    def __init__(self, workdir: Path, cfg: RunConfig) -> None:
+    def __init__(self, workdir: Path, cfg: RunConfig, warm: bool = False) -> None:
         cfg = cfg.model_copy(
             update={
                 "ledger": cfg.ledger.model_copy(update={"url": f"sqlite:///{workdir / 'ledger.db'}"}),
                 "storage": cfg.storage.model_copy(update={"url": f"file://{workdir / 'store'}"}),
             }
         )
-        super().__init__(write_config(cfg, workdir / "config.yaml"), cfg.name, workdir)
+        super().__init__(write_config(cfg, workdir / "config.yaml"), cfg.name, workdir, warm=warm)
         self.cfg = cfg
         self.dir = workdir
         self.ctx = RunContext.open(cfg, cfg.name)
