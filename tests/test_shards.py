@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import Engine, event, select
 from support import tiny_config
 
 from ddiloco.inprocess import SimClock, in_memory_config, run_inprocess
@@ -14,7 +16,7 @@ from ddiloco.platform.fragments import shard_fragments
 from ddiloco.platform.invariants import check_run
 from ddiloco.platform.ledger import open_ledger
 from ddiloco.platform.ledger import queries as q
-from ddiloco.platform.ledger.models import FragmentVersion, Merge
+from ddiloco.platform.ledger.models import FragmentVersion, Merge, SynchronizerLease
 from ddiloco.platform.runtime import RunContext
 from ddiloco.synchronizer.service import Synchronizer
 from ddiloco.ui import queries as uq
@@ -74,6 +76,45 @@ def test_a_standby_takes_over_whichever_shard_lapsed_and_nothing_else():
     with ctx.reading() as s:
         events = [e.detail for e in q.events(s, "lapse") if e.kind == "lease_acquired"]
     assert "shard 1; token 2; took over from b" in events
+
+
+def test_a_standby_neither_waits_behind_nor_locks_the_live_holders_and_takes_over_in_one_write(ledger_url):
+    """A standby polls every pass: while every shard is held it only reads. It must not queue for SQLite's one
+    write lock (behind the holders' publishes and the learners' sends) or lock the holders' lease rows on
+    PostgreSQL; and taking over a lapsed shard with nothing to merge is one write transaction (the lease's)."""
+    cfg = tiny_config(name="idle", ledger={"url": ledger_url}, storage={"url": f"memory://idle-{uuid.uuid4().hex[:8]}"},
+                      synchronizer={"shards": 2, "lease_ttl_s": 3.0})
+    clock = SimClock()
+    ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(ledger_url), clock=clock)
+    writes: list[str] = []
+
+    def on_begin(conn) -> None:  # noqa: ANN001 - the read-only engine's transactions are not ctx.engine's
+        if conn.engine is ctx.engine:
+            writes.append("write")
+
+    event.listen(Engine, "begin", on_begin)
+    try:
+        a, b, c = (Synchronizer(ctx, holder=h) for h in ("a", "b", "c"))
+        for sync in (a, b, c):
+            sync.poll_once(clock.t)
+        assert (a.shard, b.shard, c.shard) == (0, 1, None)
+        # A writer holds the write lock (SQLite: BEGIN IMMEDIATE) and both lease rows (PostgreSQL) meanwhile.
+        with ThreadPoolExecutor(1) as pool, ctx.transaction() as s:
+            for shard in (0, 1):
+                s.get(SynchronizerLease, ("idle", shard), with_for_update=True)
+            writes.clear()
+            standby = pool.submit(c.poll_once, clock.t + 1.0)
+            assert standby.result(timeout=10).role == "standby"
+        assert writes == []
+        # b stops renewing; past its TTL c takes shard 1 over: one write, and a takes nothing.
+        clock.t += 5.0
+        assert a.poll_once(clock.t).role == "active"
+        writes.clear()
+        assert c.poll_once(clock.t).role == "active" and (c.shard, c.token) == (1, 2)
+        assert writes == ["write"]
+    finally:
+        event.remove(Engine, "begin", on_begin)
+        ctx.engine.dispose()
 
 
 def test_a_pinned_synchronizer_serves_its_shard_only_and_bad_shards_are_refused():

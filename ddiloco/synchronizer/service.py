@@ -214,20 +214,19 @@ class Synchronizer:
     def _acquire(self, now: float) -> bool:
         """Take or renew a shard's lease (the pinned one, else the one held, else the first free one); a new
         token means someone else may have published that shard's fragments meanwhile."""
-        if self.pinned is not None:
-            candidates = [self.pinned]
-        elif self.held is not None:
+        if self.held is not None:
             candidates = [self.held[0]]
         else:
-            candidates = list(range(self.cfg.synchronizer.shards))
+            candidates = self._free_shards(now)
         got = None
-        with self.ctx.transaction() as s:
-            for shard in candidates:
-                token = q.acquire_lease(s, self.ctx.run_id, self.holder, self.cfg.synchronizer.lease_ttl_s, to_datetime(now),
-                                        shard=shard)
-                if token is not None:
-                    got = (shard, token)
-                    break
+        if candidates:
+            with self.ctx.transaction() as s:
+                for shard in candidates:
+                    token = q.acquire_lease(s, self.ctx.run_id, self.holder, self.cfg.synchronizer.lease_ttl_s, to_datetime(now),
+                                            shard=shard)
+                    if token is not None:
+                        got = (shard, token)
+                        break
         if got is None:
             if self.held is not None:
                 log.warning("%s lost the lease of shard %s", self.holder, self.held[0])
@@ -243,6 +242,17 @@ class Synchronizer:
             self._detail_passes = TAKEOVER_DETAIL_PASSES
         return True
 
+    def _free_shards(self, now: float) -> list[int]:
+        """The shards a standby may take: never held, or their lease lapsed (the pinned one only, if pinned).
+
+        Read on a snapshot first, so that a standby whose every shard is held opens no write transaction: on
+        SQLite that would take the ledger's one write lock at every pass, and on PostgreSQL lock the live
+        holders' lease rows (acquire_lease reads them FOR UPDATE) while they renew and publish."""
+        shards = [self.pinned] if self.pinned is not None else list(range(self.cfg.synchronizer.shards))
+        with self.ctx.reading() as s:
+            live = {lease.shard for lease in q.leases(s, self.ctx.run_id) if lease.expires_at > to_datetime(now)}
+        return [shard for shard in shards if shard not in live]
+
     def _stand_down(self) -> None:
         """Forget the lease and everything read under it: the next pass starts from the ledger."""
         self.held = None
@@ -253,7 +263,7 @@ class Synchronizer:
         """Publish version 0 of every fragment missing one, from the seeded initial model or model.init_from (once per lease)."""
         if self._bootstrapped:
             return
-        with self.ctx.transaction() as s:
+        with self.ctx.reading() as s:  # a read: it need not wait for (or hold) the write lock
             have = q.latest_version_numbers(s, self.ctx.run_id)
         if self.cfg.model.init_from and not self._own <= set(have):
             source = f"model.init_from {self.cfg.model.init_from}"
