@@ -1,4 +1,5 @@
-"""Learners and synchronizers as real OS processes, really killed."""
+"""Learners and synchronizers as real OS processes, really killed; started warm (forked from the fork server that
+has imported torch once), as the flows' launcher starts them."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def v0_published(run: ProcessRun) -> bool:
 
 
 def test_learner_killed_mid_upload_leaves_no_dangling_row_and_rejoins(tmp_path):
-    run = ProcessRun(tmp_path, process_config("killmid"))
+    run = ProcessRun(tmp_path, process_config("killmid"), warm=True)
     try:
         run.synchronizer("sync-a")
         wait_for(lambda: v0_published(run), 120, "version 0")
@@ -105,7 +106,7 @@ def recompute_version(run: ProcessRun, fragment: int, version: int) -> tuple[dic
 
 
 def test_synchronizer_killed_mid_merge_standby_resumes_exactly(tmp_path):
-    run = ProcessRun(tmp_path, process_config("failover"))
+    run = ProcessRun(tmp_path, process_config("failover"), warm=True)
     P = run.cfg.fragments.count
     try:
         # Its first P publishes are version 0; the (P + 3)-th is its third merge.
@@ -169,7 +170,7 @@ def test_a_killed_shard_is_taken_over_while_the_other_shard_keeps_publishing(tmp
     that shard over within seconds, the other shard's holder keeps its lease and goes on publishing."""
     cfg = process_config("shards")
     cfg = cfg.model_copy(update={"synchronizer": cfg.synchronizer.model_copy(update={"shards": 2})})
-    run = ProcessRun(tmp_path, cfg)
+    run = ProcessRun(tmp_path, cfg, warm=True)
 
     def lease_of(label: str):
         with run.ctx.transaction() as s:

@@ -45,7 +45,7 @@ def data_position(run: ProcessRun) -> tuple[int, int]:
 
 def test_sigkilled_learner_continues_at_the_next_unseen_position(tmp_path):
     (tmp_path / "run").mkdir()
-    run = ProcessRun(tmp_path / "run", positions_config(tmp_path))
+    run = ProcessRun(tmp_path / "run", positions_config(tmp_path), warm=True)
     stop = threading.Event()
     sync = threading.Thread(target=Synchronizer(run.ctx, holder="sync-t").run, args=(stop,), daemon=True)
     try:
