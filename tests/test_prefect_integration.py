@@ -347,8 +347,11 @@ def test_training_run_from_the_readmes_deployment_run_on_two_region_pools(stack,
     plan = deploy(cfg, secret_blocks={"DDILOCO_LEDGER__URL": "pools-ledger-url"}, notify_block="custom-webhook/ops",
                   alert_policy=alerts.AlertPolicy(relaunches_per_hour=0))
     assert plan.pools == ["region-us", "region-eu"]
+    # Workers that ask for new flow runs every second, not every 10 s (Prefect's default): the run starts its
+    # learners in two waves (the flow, then its learners and synchronizers) and the relaunch is a third.
     workers = [stack.server.spawn([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process"],
-                                  tmp_path / f"worker-{pool}.log", cwd=tmp_path) for pool in plan.pools]
+                                  tmp_path / f"worker-{pool}.log", cwd=tmp_path, env={"PREFECT_WORKER_QUERY_SECONDS": "1"})
+               for pool in plan.pools]
     run_command = readme_command("prefect", "deployment", "run")
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name(run_command.argv[-1])
