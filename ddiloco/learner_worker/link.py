@@ -8,6 +8,7 @@ own event loop instead. The training loop only ever reads the inbox and fills th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -18,12 +19,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
 
 from ddiloco.learner_worker.cadence import Cadence, CadencePolicy, LinkRates, QueueState, choose_cadence, measure_window_s
-from ddiloco.learner_worker.device import Staged
+from ddiloco.learner_worker.device import Increment
 from ddiloco.platform.compact import CompactError, CompactRef, Ref, plan_download
 from ddiloco.platform.compression import CompactBase, CompressionError, apply_encoded, encode_delta
 from ddiloco.platform.faults import fault_point
@@ -55,20 +57,6 @@ class RunNotReadyError(RuntimeError):
 
 
 @dataclass
-class Increment:
-    """base − current of one fragment, where either side may still be a host copy in flight."""
-
-    base: Tensors | Staged
-    current: Tensors | Staged
-
-    def resolve(self) -> Tensors:
-        base = self.base.wait() if isinstance(self.base, Staged) else self.base
-        current = self.current.wait() if isinstance(self.current, Staged) else self.current
-        with torch.no_grad():
-            return {n: base[n] - current[n] for n in current}
-
-
-@dataclass
 class Outgoing:
     """One submission on its way: the outer-gradient increments of a fragment and their counts."""
 
@@ -85,13 +73,21 @@ class Outgoing:
     """Micro-batches each rank had drawn when this was sent."""
 
     def delta(self) -> Tensors:
-        """The sum of the parts (a send plus increments of failed uploads it carries)."""
+        """The sum of the parts (a send plus increments of failed uploads it carries), where they live; call it in
+        :meth:`stream_context`."""
         total: Tensors | None = None
         for part in self.parts:
             d = part.resolve() if isinstance(part, Increment) else part
             total = d if total is None else {n: total[n] + d[n] for n in total}
         assert total is not None
         return total
+
+    def stream_context(self) -> AbstractContextManager:
+        """Where its parts are summed and encoded: their side stream on a GPU (see :class:`Increment`)."""
+        for part in self.parts:
+            if isinstance(part, Increment) and part.stream is not None:
+                return part.stream_context()
+        return contextlib.nullcontext()
 
     def coalesce(self, newer: Outgoing) -> None:
         """Take a newer increment of the same fragment into this queued one (one pending blob per
@@ -604,7 +600,8 @@ class LearnerLink:
         store = self.ctx.store(self.region)
         subs = []
         for out in outs:
-            tensors, meta = encode_delta(out.delta(), codec, cfg.block_size)
+            with out.stream_context():
+                tensors, meta = encode_delta(out.delta(), codec, cfg.block_size)
             uid = f"i{self.incarnation}-s{out.step}-f{out.fragment}"
             blob = store.put(submission_key(self.ctx.run_id, out.fragment, self.learner_id, uid), tensors, meta)
             fault_point("learner.after_blob")

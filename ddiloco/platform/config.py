@@ -228,6 +228,13 @@ class LearnersConfig(_Section):
     rarely won back on small models)."""
     log_every: int = Field(100, ge=0, le=1 << 30)
     """Inner steps between two progress lines in a learner's log (step, tokens, loss, tokens/s); 0: none."""
+    parallelism: Literal["ddp", "fsdp", "hsdp"] = "ddp"
+    """How a learner's replica is spread over its ranks: ``ddp`` (a whole copy per rank), ``fsdp`` (FSDP2: each
+    parameter cut into row shards, one per rank; bf16 compute with fp32 shards and reduction on GPUs) or ``hsdp``
+    (shards within groups of ``shard_size`` ranks, the groups replicated). Learners of one run may differ: what
+    they send and receive does not depend on it (docs/ddp.md)."""
+    shard_size: int | None = Field(None, ge=1, le=1 << 16)
+    """hsdp only: ranks per shard group (must divide the learner's world size); default the ranks of one node."""
 
     @model_validator(mode="after")
     def _check(self) -> LearnersConfig:
