@@ -192,6 +192,7 @@ class Learner:
         self.fragments = [FragmentState(fragment_views(self.params, f)) for f in parts]
         if link is not None:
             link.num_fragments = len(self.fragments)
+            link.world_size = self.dist.world
             link.cadence_policy = cadence_policy(cfg, parts) if cfg.fragments.adaptive else None
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model, cfg.inner.weight_decay), lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2)
