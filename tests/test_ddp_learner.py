@@ -220,7 +220,8 @@ def _ledger_view(ctx) -> dict:
             ).order_by(Submission.id)
         ).all()
         versions = sorted(s.execute(select(FragmentVersion.fragment, FragmentVersion.version)).all())
-    return {"submissions": [list(r) for r in subs], "versions": [list(v) for v in versions]}
+        worlds = dict(s.execute(select(LearnerRow.id, LearnerRow.world_size)).all())
+    return {"submissions": [list(r) for r in subs], "versions": [list(v) for v in versions], "world_sizes": worlds}
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -330,6 +331,8 @@ def test_two_gloo_ranks_equal_one_rank_with_twice_the_batch(tmp_path):
     assert [s[:6] for s in ddp_ledger["submissions"]] == [s[:6] for s in ref_ledger["submissions"]]
     assert ddp_ledger["versions"] == ref_ledger["versions"]
     assert len(ref_ledger["submissions"]) == STEPS and max(v for _, v in ref_ledger["versions"]) >= 1
+    # Rank 0 registered the job's world, by which the synchronizer judged (and merged) its two ranks' tokens per step.
+    assert ddp_ledger["world_sizes"] == {"us-0": 2} and ref_ledger["world_sizes"] == {"us-0": 1}
     # Token counts are sums over ranks; both ranks received the same fragments.
     assert ranks[0]["tokens_total"] == ranks[1]["tokens_total"] == ref.tokens_total == STEPS * 2 * B * cfg.model.seq_len
     assert ranks[0]["base"] == ranks[1]["base"] == ref.base and sum(ref.base) >= 3

@@ -242,11 +242,12 @@ class Learner:
         ]
         if link is not None:
             link.num_fragments = len(self.fragments)
+            link.world_size = self.dist.world
             link.cadence_policy = cadence_policy(cfg, parts) if cfg.fragments.adaptive else None
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model, cfg.inner.weight_decay), lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2)
         )
-        self.total_steps = schedule_steps(cfg)
+        self.total_steps = schedule_steps(cfg, self.dist.world)
         self.schedule_offset = 0
         """Inner steps of earlier incarnations (from the resumed data position): the schedule goes on from there."""
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None

@@ -212,6 +212,8 @@ class LearnerLink:
     """Overlap 0: fragments sent whose merged version has not arrived yet."""
     num_fragments: int = 0
     """Set by the learner: the fragments of its model."""
+    world_size: int = 1
+    """Set by the learner: the ranks of its job, recorded when it registers."""
     cadence: Cadence | None = None
     """The send period and codec in force (set by the learner; :meth:`choose` changes it when adaptive)."""
     cadence_policy: CadencePolicy | None = None
@@ -265,6 +267,7 @@ class LearnerLink:
             self.incarnation = q.register_learner(
                 s, self.ctx.run_id, self.learner_id, self.region, to_datetime(now),
                 host=socket.gethostname(), pid=os.getpid(), flow_run_url=self.flow_run_url,
+                world_size=self.world_size, max_world_size=self.ctx.cfg.learners.max_world_size,
             )
             row = s.get(LearnerRow, (self.ctx.run_id, self.learner_id))
             key, sha = (row.optimizer_state_key, row.optimizer_state_sha256) if row else (None, None)
