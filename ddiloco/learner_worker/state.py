@@ -1,0 +1,309 @@
+"""A learner's state — model, AdamW and a few small extras — saved and loaded with torch.distributed.checkpoint.
+
+One checkpoint is one directory under any fsspec URL (``file://``, ``memory://``, ``s3://``…), written by
+every rank of the learner collectively: each rank writes its own shards (an FSDP2 model's DTensors, or one
+copy of the replicated tensors of a plain or DDP model) and the coordinator writes DCP's ``.metadata``
+last, so a checkpoint is complete exactly when ``.metadata`` exists (:func:`is_complete`). Loading
+reshards: a checkpoint saved by two FSDP2 ranks loads into one plain rank and back.
+
+What is saved, all of it tensors:
+
+- ``model.<fqn>``: the parameters and buffers, as ``get_state_dict`` gives them (sharded for FSDP2);
+- ``optim.state.<fqn>.<exp_avg|exp_avg_sq|step>``: the optimizer's per-parameter state. Not its
+  ``param_groups``: those are hyperparameters (lr, betas, weight decay), which the config and the lr
+  schedule own, and DCP would store them as pickles;
+- ``extra.int.<name>`` / ``extra.tensor.<name>``: the caller's extras (data position, step…).
+
+Nothing read back is unpickled by Python's unrestricted unpickler. DCP reads tensors with
+``torch.load(weights_only=True)``, but in torch 2.13 it reads ``.metadata`` with a plain ``pickle.load``
+(``FileSystemReader.read_metadata``) and non-tensor values with ``torch.load(weights_only=False)``
+(``DefaultLoadPlanner.load_bytes``). So this module's reader (:func:`_safe_reader_class`) reads ``.metadata`` with an unpickler
+that resolves only DCP's own metadata dataclasses, ``torch.Size``, dtypes and layouts, and refuses a
+checkpoint that declares any non-tensor value, so ``load_bytes`` is never reached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import pickle
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from fsspec.core import url_to_fs
+from torch import nn
+
+from ddiloco.platform.redact import redact_url
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.metadata import Metadata
+
+# torch.distributed.checkpoint is imported inside the functions below, not here: importing it pulls in
+# torch.distributed.tensor and through it torch.fx's symbolic shapes and sympy, 3.0-3.4 s on this
+# machine's 2 shared cores (python -X importtime, on top of torch, fsspec and DDP; this module alone
+# takes about 12 ms). Every process that imports it would pay that, the ones that never save included.
+
+Extras = Mapping[str, int | torch.Tensor]
+"""Small learner state saved beside the model: ints (a step, a data position) or tensors, by name."""
+
+METADATA = ".metadata"
+"""DCP's index of a checkpoint; written last (as ``.metadata.tmp``, then renamed), so it marks completion."""
+
+
+class StateError(RuntimeError):
+    """A learner state could not be saved or loaded; the message names the URL and each failing rank's error."""
+
+
+class StateMissing(StateError, FileNotFoundError):
+    """No complete learner state at the URL (nothing there, or a save that never wrote its ``.metadata``)."""
+
+
+class StateRefused(StateError, ValueError):
+    """A learner state whose ``.metadata`` holds something other than DCP's own tensor index."""
+
+
+@contextlib.contextmanager
+def _dcp_errors(doing: str, url: str) -> Iterator[None]:
+    """DCP's own errors as a :class:`StateError`, quietly in a single process.
+
+    DCP gathers every rank's failure into a ``CheckpointException``, which is a ``BaseException``: an
+    ``except Exception`` of the caller (a learner that starts AdamW afresh when its state is unreadable)
+    would not see it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with warnings.catch_warnings():
+        # With no process group, DCP warns that it assumes a single process: that is the intent.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        try:
+            yield
+        except CheckpointException as err:
+            ranks = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(err.failures.items()))
+            raise StateError(f"{doing} the learner state at {redact_url(url)} failed: {ranks}") from err
+
+
+def _options(storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    # No listings cache, as in FragmentStore: a cached listing would hide a .metadata written after it.
+    return {"use_listings_cache": False, **(storage_options or {})}
+
+
+def _fs(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
+    return url_to_fs(url, **_options(storage_options))
+
+
+def is_complete(url: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+    """Whether a whole learner state lies at ``url``: DCP writes ``.metadata`` after every rank's data."""
+    fs, path = _fs(url, storage_options)
+    return bool(fs.exists(f"{path.rstrip('/')}/{METADATA}"))
+
+
+def save_state(
+    url: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extras: Extras | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> None:
+    """Save ``model``, ``optimizer``'s per-parameter state and ``extras`` as one checkpoint at ``url``.
+
+    Collective: every rank of ``process_group`` (the world group by default; none at all in a single
+    process) calls it with the same ``url`` and ``extras``. ``model`` may be plain, DDP-wrapped or FSDP2
+    (``fully_shard``); an FSDP2 rank writes only its shards. The URL should be new for each save (a key
+    like ``{run}/learners/{learner}/state/i{incarnation}-s{step}``): a complete state there is never
+    overwritten (``FileExistsError``), an incomplete one (a save that died) is written over. The save
+    is complete once :func:`is_complete` says so. Extras are ints or tensors under names without dots;
+    a tensor is saved as one copy, so it must be equal on every rank."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    encoded = _encode_extras(extras or {})
+    if is_complete(url, storage_options):
+        # A complete state is immutable, like every blob of the store: writing over it would leave the
+        # old .metadata indexing half-rewritten data files until the new one lands.
+        raise FileExistsError(f"a complete learner state is already at {redact_url(url)}; a saved state is never overwritten")
+    model_state, optim_state = _model_state(model, optimizer)
+    state: dict[str, Any] = {"model": model_state, "extra": encoded}
+    if optimizer is not None:
+        state["optim"] = {"state": optim_state["state"]}
+    fs, _ = _fs(url, storage_options)
+    # sync_files fsyncs each file, which only a local file has: for any other filesystem DCP falls back
+    # to os.sync() of the whole machine, per file, while the object store's upload on close is what
+    # makes the data durable there. overwrite=False: DCP itself refuses a URL that holds a .metadata.
+    writer = FsspecWriter(url, sync_files=_is_local(fs), overwrite=False, **_options(storage_options))
+    with _dcp_errors("saving", url):
+        save(state, storage_writer=writer, process_group=process_group)
+
+
+def load_state(
+    url: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> dict[str, int | torch.Tensor]:
+    """Load the checkpoint at ``url`` into ``model`` (and ``optimizer``'s state); returns the saved extras.
+
+    Collective like :func:`save_state`. Reshards: the checkpoint may come from any number of ranks and
+    any wrapping (plain, DDP, FSDP2) of the same model. The optimizer keeps its own hyperparameters
+    (``param_groups``); ``exp_avg``, ``exp_avg_sq`` and ``step`` of every parameter come from the
+    checkpoint. Raises :class:`StateMissing` when the state at ``url`` is absent or incomplete,
+    :class:`StateRefused` when its metadata is not a plain tensor index, and :class:`StateError` when it
+    does not fit the model (a tensor missing, another shape)."""
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    # Every rank looks before any collective, and all see the same store: they raise together.
+    if not is_complete(url, storage_options):
+        raise StateMissing(f"no complete learner state at {redact_url(url)} (no {METADATA}: never saved, or the save did not finish)")
+    reader = _safe_reader_class()(url, **_options(storage_options))
+    extras = _extras_like(reader.read_metadata())
+    model_state, optim_state = _model_state(model, optimizer)
+    state: dict[str, Any] = {"model": model_state, "extra": extras}
+    if optimizer is not None:
+        state["optim"] = {"state": optim_state["state"]}
+    with _dcp_errors("loading", url):
+        load(state, storage_reader=reader, process_group=process_group)
+    # A tensor the model or optimizer has and the checkpoint lacks is an error (DCP's default planner),
+    # not a silent skip; set_*_state_dict are strict by default as well.
+    if optimizer is None:
+        set_model_state_dict(model, state["model"])
+    else:
+        optim_state = {"state": state["optim"]["state"], "param_groups": optim_state["param_groups"]}
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state)
+    return _decode_extras(state["extra"])
+
+
+# --- state dicts and extras ----------------------------------------------------------------------
+
+
+def _model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(model state dict, optimizer state dict) by FQN: sharded DTensors for FSDP2, full tensors otherwise.
+
+    For a fresh optimizer ``get_state_dict`` first takes one step with zero gradients and lr 0 so that
+    AdamW's state exists to load into; the parameters do not move."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return get_model_state_dict(model), {}
+    return get_state_dict(model, optimizer)
+
+
+def _encode_extras(extras: Extras) -> dict[str, dict[str, torch.Tensor]]:
+    ints: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in extras.items():
+        if not name or "." in name:
+            raise ValueError(f"learner state extra {name!r}: a name must be non-empty and without dots (DCP joins keys with dots)")
+        if isinstance(value, bool) or not isinstance(value, int | torch.Tensor):
+            raise TypeError(f"learner state extra {name!r} is {type(value).__name__}: only ints and tensors are saved (never pickles)")
+        if isinstance(value, int):
+            ints[name] = torch.tensor(value, dtype=torch.int64)
+        else:
+            tensors[name] = value.detach().cpu()
+    return {"int": ints, "tensor": tensors}
+
+
+def _extras_like(metadata: Metadata) -> dict[str, dict[str, torch.Tensor]]:
+    """Empty tensors to load the saved extras into, shaped as the checkpoint's index says."""
+    out: dict[str, dict[str, torch.Tensor]] = {"int": {}, "tensor": {}}
+    for fqn, md in metadata.state_dict_metadata.items():
+        parts = fqn.split(".")
+        if len(parts) == 3 and parts[0] == "extra" and parts[1] in out:
+            out[parts[1]][parts[2]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)  # type: ignore[union-attr]
+    return out
+
+
+def _decode_extras(extras: dict[str, dict[str, torch.Tensor]]) -> dict[str, int | torch.Tensor]:
+    out: dict[str, int | torch.Tensor] = {name: int(t.item()) for name, t in extras["int"].items()}
+    out.update(extras["tensor"])
+    return out
+
+
+# --- storage -------------------------------------------------------------------------------------
+
+
+def _is_local(fs: Any) -> bool:
+    proto = fs.protocol
+    return bool({"file", "local"} & set((proto,) if isinstance(proto, str) else proto))
+
+
+# --- reading .metadata without unpickling anything else ------------------------------------------
+
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout")}
+"""Every global a DCP ``.metadata`` of tensors names (torch 2.13): dataclasses of strings, ints and sizes, an
+enum of memory formats, and torch's layout lookup by name. Calling or building any of them runs no other
+code. ``BytesStorageMetadata`` is left out on purpose: it declares a value that DCP would unpickle."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Python's documented way to restrict an unpickler: ``find_class`` resolves only allowed globals."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES:
+            return super().find_class(module, name)
+        # vars(), not getattr(): torch's module __getattr__ would import a submodule of the file's choosing.
+        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
+            return vars(torch)[name]
+        raise StateRefused(f"learner state metadata names {module}.{name}, which is not part of a tensor checkpoint's index")
+
+
+def _load_metadata(stream: Any, where: str) -> Metadata:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    try:
+        metadata = _MetadataUnpickler(stream).load()
+    except StateRefused as err:
+        raise StateRefused(f"{where}: {err}") from None
+    except Exception as err:  # anything a damaged or hostile file makes the allowed constructors raise
+        raise StateRefused(f"{where}: unreadable {METADATA} ({type(err).__name__}: {err})") from None
+    if not isinstance(metadata, Metadata):
+        raise StateRefused(f"{where}: {METADATA} holds a {type(metadata).__name__}, not DCP metadata")
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            raise StateRefused(f"{where}: {fqn!r} is a {type(md).__name__}; a learner state holds tensors only")
+    for info in (metadata.storage_data or {}).values():
+        # A data file is named by DCP (__{rank}_{n}.distcp) in the checkpoint's own directory; a path
+        # elsewhere would make the load read some other file of the store into the model.
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(info, _StorageInfo) or not isinstance(rel, str) or not rel or rel.startswith(".") or "/" in rel or "\\" in rel:
+            raise StateRefused(f"{where}: a data file outside the checkpoint directory ({rel!r})")
+    return metadata
+
+
+@functools.cache
+def _safe_reader_class() -> type:
+    """DCP's ``FsspecReader`` with a safe ``read_metadata``; a class made on first use, as its base is imported then."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFsspecReader(FsspecReader):
+        """DCP's fsspec reader with :func:`_load_metadata` in place of its ``pickle.load`` of ``.metadata``."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            path = self._get_metadata_path(kwargs.get("rank"))
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = _load_metadata(stream, redact_url(str(self.path)))
+            # What FileSystemReader.read_metadata does after reading.
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFsspecReader
