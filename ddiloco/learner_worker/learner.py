@@ -191,8 +191,7 @@ class Learner:
         parts = partition_module(self.model, cfg.fragments.count)
         self.fragments = [FragmentState(fragment_views(self.params, f)) for f in parts]
         if link is not None:
-            link.num_fragments = len(self.fragments)
-            link.cadence_policy = cadence_policy(cfg, parts) if cfg.fragments.adaptive else None
+            link.configure(len(self.fragments), cadence_policy(cfg, parts) if cfg.fragments.adaptive else None)
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model, cfg.inner.weight_decay), lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2)
         )
@@ -263,7 +262,7 @@ class Learner:
             log.info("learner %s rank %s resumes its data at micro-batch %s", self.id, self.dist.rank, resume.data_batches)
         self._batches = self.train_stream()
         if self.link is not None:
-            self.link.cadence = self.first_cadence(self.clock() if now is None else now)
+            self.link.set_cadence(self.first_cadence(self.clock() if now is None else now))
         self._receive(self._agree(want_stop=False))
         missing = [p for p, f in enumerate(self.fragments) if f.base < 0]
         if missing:

@@ -214,12 +214,12 @@ class LearnerLink:
     upload_s: float = 0.0
     awaiting: set[int] = field(default_factory=set)
     """Overlap 0: fragments sent whose merged version has not arrived yet."""
-    num_fragments: int = 0
-    """Set by the learner: the fragments of its model."""
-    cadence: Cadence | None = None
-    """The send period and codec in force (set by the learner; :meth:`choose` changes it when adaptive)."""
-    cadence_policy: CadencePolicy | None = None
-    """What an adaptive learner may choose from (None: the cadence is fixed)."""
+    num_fragments: int = field(default=0, init=False)
+    """The fragments of the learner's model (:meth:`configure`)."""
+    cadence: Cadence | None = field(default=None, init=False)
+    """The send period and codec in force (:meth:`set_cadence`; :meth:`choose` changes it when adaptive)."""
+    cadence_policy: CadencePolicy | None = field(default=None, init=False)
+    """What an adaptive learner may choose from (None: the cadence is fixed; :meth:`configure`)."""
     elapsed: Callable[[], float] = time.perf_counter
     """What transfers are timed with; a simulation times them on its own clock."""
 
@@ -253,6 +253,15 @@ class LearnerLink:
         self.meter = LinkMeter(self.ctx.now())
         self._events: list[tuple[str, str]] = []
         """Events for the next exchange to record (cadence changes)."""
+
+    def configure(self, num_fragments: int, cadence_policy: CadencePolicy | None) -> None:
+        """The learner's model: its fragments, and what it may choose its cadence from (None: fixed)."""
+        self.num_fragments = num_fragments
+        self.cadence_policy = cadence_policy
+
+    def set_cadence(self, cadence: Cadence) -> None:
+        """The cadence in force from now on (the learner's first; :meth:`choose` changes it when adaptive)."""
+        self.cadence = cadence
 
     # --- joining ------------------------------------------------------------------------------
 
