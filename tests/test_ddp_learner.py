@@ -164,7 +164,7 @@ def _drive(learner, sync, clock, steps: int) -> list[float]:
         report = learner.step(clock.t)
         losses.append(report.loss)
         if learner.link is not None:
-            learner.link.pump()
+            learner.link.uploader.pump()
             sync.poll_once(clock.t)
     return losses
 

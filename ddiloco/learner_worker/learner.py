@@ -36,9 +36,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddiloco.learner_worker.cadence import Cadence, CadencePolicy, initial_cadence
 from ddiloco.learner_worker.device import HostStager, Staged, autocast, resolve_device
 from ddiloco.learner_worker.dist import Dist
-from ddiloco.learner_worker.link import Arrival, HeartbeatStats, Increment, LearnerLink, Outgoing, Resume, Tensors
+from ddiloco.learner_worker.downloader import Arrival
+from ddiloco.learner_worker.link import HeartbeatStats, LearnerLink, Resume
+from ddiloco.learner_worker.outbox import Increment, Outgoing
 from ddiloco.learner_worker.schedule import lr_factor, param_groups, schedule_steps
-from ddiloco.platform.compression import codec_nbytes
+from ddiloco.platform.compression import Tensors, codec_nbytes
 from ddiloco.platform.config import RunConfig, codec_ladder
 from ddiloco.platform.data import Batch, build_dataset
 from ddiloco.platform.faults import fault_point
