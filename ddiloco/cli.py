@@ -20,7 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ddiloco.bench.command import bench_app
-from ddiloco.platform.config import ConfigError, RunConfig, load_config
+from ddiloco.platform.config import ConfigError, RunConfig, load_config, world_size_problem
 from ddiloco.platform.redact import RedactingFilter, mask_tree, redact_url
 from ddiloco.simulator.command import simulate_command
 from ddiloco.ui.command import ui_command
@@ -484,9 +484,9 @@ def learner(
     try:
         # Bad input is refused before torch is imported: in a second, not in several.
         _, region, _ = cfg.learners.resolve(learner_id)
-        if nproc_per_node is not None and nproc_per_node > cfg.learners.max_nproc_per_node:
-            raise ConfigError(f"--nproc-per-node {nproc_per_node} is above learners.max_nproc_per_node "
-                              f"{cfg.learners.max_nproc_per_node}: the synchronizer would reject this learner's work as implausible")
+        why = world_size_problem(nproc_per_node, cfg.learners.max_world_size) if nproc_per_node else None
+        if why:
+            raise ConfigError(f"--nproc-per-node: {why}")
     except ConfigError as err:
         err_console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2) from None

@@ -221,3 +221,43 @@ def test_decode_into_a_flat_row_in_chunks_gives_the_same_values_and_norms(codec:
     torch.testing.assert_close(sq, torch.stack([want[n].double().pow(2).sum() for n, _ in layout]), rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="contiguous float32 vector of 1077"):
         compression.decode_delta_into(enc, meta, layout, torch.empty(5))
+
+
+def _host_encode_reference(tensors: dict[str, torch.Tensor], codec: str, block: int) -> dict[str, torch.Tensor]:
+    """The encoder as it was before increments stayed on the device: a float32 host copy first, then the codec."""
+    from ddiloco.platform.compression import _LEVELS, _pack4, _quantize
+
+    out = {}
+    for name, t in tensors.items():
+        x = t.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+        if codec == "none":
+            out[name + "::q"] = x
+        elif codec == "bf16":
+            out[name + "::q"] = x.to(torch.bfloat16).contiguous()
+        else:
+            q, scale = _quantize(x.flatten(), block, _LEVELS[codec])
+            out[name + "::q"] = (_pack4(q) if codec == "int4" else q).contiguous()
+            out[name + "::scale"] = scale.contiguous()
+    return out
+
+
+@pytest.mark.parametrize("codec", ["none", "bf16", "int8", "int4"])
+def test_encoding_where_the_increment_lives_gives_todays_blob_byte_for_byte(codec: str) -> None:
+    from ddiloco.platform.store import encode_tensors
+
+    g = torch.Generator().manual_seed(3)
+    params = torch.randn(37, 29, generator=g)
+    snapshot = params + 0.01 * torch.randn(37, 29, generator=g)
+    # A learner's increment as the training thread now makes it: snapshot - rows of a live parameter (views) ...
+    (inc,) = torch._foreach_sub([snapshot[5:30]], [params[5:30]])
+    tensors, meta = encode_delta({"w": inc}, codec, 16)
+    # ... and as it was made before: both sides staged to host memory, subtracted on the upload thread.
+    ref = _host_encode_reference({"w": snapshot[5:30].clone() - params[5:30].clone()}, codec, 16)
+    assert all(t.device.type == "cpu" for t in tensors.values()) and tensors.keys() == ref.keys()
+    for k, t in ref.items():
+        got = tensors[k]
+        assert (got.dtype, got.shape) == (t.dtype, t.shape) and got.view(torch.uint8).numpy().tobytes() == t.view(
+            torch.uint8
+        ).numpy().tobytes(), k
+    # safetensors orders the header's metadata map as it likes: the blobs are compared past it, as stored tensors.
+    assert st_load(encode_tensors(tensors, meta)).keys() == st_load(encode_tensors(ref, meta)).keys()

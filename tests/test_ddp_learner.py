@@ -30,8 +30,7 @@ from support import ProcessRun, tiny_config, wait_for
 
 from ddiloco.inprocess import SimClock, sim_learner
 from ddiloco.learner_worker.device import (
-    HostStager,
-    Staged,
+    Increment,
     autocast,
     backend_for,
     resolve_device,
@@ -86,25 +85,31 @@ def test_cpu_autocast_keeps_full_precision():
     assert out.dtype == torch.float32 and torch.equal(out, a @ b)
 
 
-def test_cpu_stager_copies_are_ready_and_independent_of_later_steps():
-    param = torch.nn.Parameter(torch.arange(6, dtype=torch.float32))
-    staged = HostStager(torch.device("cpu")).stage({"w": param})
-    with torch.no_grad():
-        param.add_(100.0)
-    assert staged.ready() and staged.event is None
-    assert torch.equal(staged.wait()["w"], torch.arange(6, dtype=torch.float32))
-    assert not staged.wait()["w"].requires_grad
+def test_a_cpu_send_is_an_increment_computed_in_place_with_nothing_staged(tmp_path):
+    """A CPU learner's send: the increment is ready (no event, no stream), encoded where it is."""
+    inc = Increment({"w": torch.arange(6, dtype=torch.float32)})
+    assert inc.resolve()["w"] is inc.tensors["w"]
+    with inc.stream_context():
+        assert torch.equal(inc.resolve()["w"], torch.arange(6, dtype=torch.float32))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
-def test_cuda_stager_copies_to_pinned_memory_off_the_training_stream():
+def test_cuda_increment_is_encoded_on_a_side_stream_after_the_training_stream():
+    from ddiloco.platform.compression import encode_delta
+
     device = torch.device("cuda", 0)
-    param = torch.arange(1 << 20, dtype=torch.float32, device=device)
-    staged = HostStager(device).stage({"w": param})
-    param.add_(1.0)  # the training stream goes on; the staged copy must not see this
-    host = staged.wait()["w"]
-    assert host.is_pinned() and host.device.type == "cpu"
-    assert torch.equal(host, torch.arange(1 << 20, dtype=torch.float32))
+    side = torch.cuda.Stream(device=device)
+    x = torch.randn(1 << 22, device=device)
+    inc_t = x * 3.0  # queued on the training stream
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    inc = Increment({"w": inc_t}, event, side)
+    with inc.stream_context():
+        assert torch.cuda.current_stream(device) == side
+        tensors, meta = encode_delta(inc.resolve(), "int8", 64)
+    assert tensors["w::q"].device.type == "cpu" and tensors["w::q"].dtype == torch.int8
+    ref, ref_meta = encode_delta({"w": (x * 3.0).cpu()}, "int8", 64)
+    assert meta == ref_meta and all(torch.equal(tensors[k], ref[k]) for k in ref)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
@@ -145,22 +150,21 @@ def test_the_launch_is_plain_torchrun_with_no_restarts():
     ]
 
 
-def test_staged_wait_is_idempotent():
-    t = {"w": torch.ones(2)}
-    s = Staged(t)
-    assert s.ready() and s.wait() is t and s.wait() is t
-
-
 # --- driving a learner on the simulated clock ----------------------------------------------------------
 
 
-def _drive(learner, sync, clock, steps: int) -> list[float]:
-    """Every rank steps; rank 0 also fetches, uploads what it sent and lets the synchronizer merge."""
+def _drive(learner, sync, clock, steps: int, other=None) -> list[float]:
+    """Every rank steps; rank 0 also fetches, uploads what it sent and lets the synchronizer merge (``other``: a
+    second learner of the run, stepped in lockstep by rank 0)."""
     losses = []
     for _ in range(steps):
         clock.t += 1.0
         if learner.link is not None:
             learner.link.poll()
+            if other is not None:
+                other.link.poll()
+                other.step(clock.t)
+                other.link.uploader.pump()
         report = learner.step(clock.t)
         losses.append(report.loss)
         if learner.link is not None:
@@ -211,14 +215,24 @@ def _ledger_view(ctx) -> dict:
                 Submission.c_tokens,
                 Submission.tokens_new,
                 Submission.status,
+                Submission.merged_version,
+                Submission.learner_id,
             ).order_by(Submission.id)
         ).all()
         versions = sorted(s.execute(select(FragmentVersion.fragment, FragmentVersion.version)).all())
-    return {"submissions": [list(r) for r in subs], "versions": [list(v) for v in versions]}
+        worlds = dict(s.execute(select(LearnerRow.id, LearnerRow.world_size)).all())
+    return {"submissions": [list(r) for r in subs], "versions": [list(v) for v in versions], "world_sizes": worlds}
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: an FSDP shard's DTensor gathered, a plain tensor as it is."""
+    full = getattr(p, "full_tensor", None)
+    return (full() if callable(full) else p).detach().contiguous()
 
 
 def rank_main(workdir: Path, rank: int, world: int) -> None:
-    """One rank of the 2-rank learner of the equivalence test: rank 0 in the test process, rank 1 a subprocess."""
+    """One rank of a 2-rank learner us-0: rank 0 in the test process, rank 1 a subprocess. When the config
+    lists a second learner, rank 0 also steps us-1, a one-process learner of the same run, in lockstep."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     cfg = build_config(yaml.safe_load((workdir / "config.yaml").read_text()))
@@ -226,36 +240,59 @@ def rank_main(workdir: Path, rank: int, world: int) -> None:
         torch.device("cpu"), timeout_s=60, ready_timeout_s=60, init_method=f"file://{workdir / 'pg'}", rank=rank, world=world
     )
     try:
+        other = None
         if rank == 0:
             cfg, clock, ctx, sync = _open_run(workdir, cfg)
             link = LearnerLink(ctx, "us-0", "us")
+            if cfg.learners.count > 1:
+                other = sim_learner(ctx, "us-1", index=1, num_learners=cfg.learners.count)
         else:
             clock, ctx, sync, link = SimClock(), None, None, None
-        learner = Learner(cfg, "us-0", index=0, num_learners=1, link=link, dist=d, clock=clock)
+        learner = Learner(cfg, "us-0", index=0, num_learners=cfg.learners.count, link=link, dist=d, clock=clock)
         learner.start(clock.t)
-        losses = _drive(learner, sync, clock, STEPS)
-        save_file(
-            {n: p.detach().contiguous() for n, p in learner.model.named_parameters()}, str(workdir / f"params-{rank}.safetensors")
-        )
-        out = {"losses": losses, "base": learner.base, "tokens_total": learner.tokens_total}
+        if other is not None:
+            other.start(clock.t)
+        losses = _drive(learner, sync, clock, STEPS, other)
+        params = {n: _full(p) for n, p in learner.model.named_parameters()}
+        save_file(params, str(workdir / f"params-{rank}.safetensors"))
+        out = {
+            "losses": losses, "base": learner.base, "tokens_total": learner.tokens_total,
+            "shards": learner.layout.shards,
+            "local_numel": sum(v.numel() for f in learner.fragments for v in f.views),
+            "numel": sum(p.numel() for p in params.values()),
+        }
         if rank == 0:
             out["ledger"] = _ledger_view(ctx)
+            if cfg.synchronizer.retention.keep_submission_blobs:
+                out["blobs"] = _submission_blobs(ctx)
         (workdir / f"rank-{rank}.json").write_text(json.dumps(out))
     finally:
         shutdown_dist(d)
         torch.set_num_threads(threads)
 
 
-def test_two_gloo_ranks_equal_one_rank_with_twice_the_batch(tmp_path):
-    cfg = one_learner_config()
-    ddp_dir, ref_dir = tmp_path / "ddp", tmp_path / "ref"
-    ddp_dir.mkdir()
-    ref_dir.mkdir()
-    (ddp_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+def _submission_blobs(ctx) -> dict[str, list[float]]:
+    """Each submission's decoded outer gradient, flattened, by uid."""
+    from ddiloco.platform.compression import decode_delta
+
+    with ctx.transaction() as s:
+        rows = s.execute(select(Submission.learner_id, Submission.uid, Submission.blob_key)).all()
+    store = FragmentStore(ctx.cfg.storage.url)
+    out = {}
+    for learner_id, uid, key in rows:
+        tensors, meta = store.get_with_metadata(key)
+        out[f"{learner_id}/{uid}"] = torch.cat([t.reshape(-1) for _, t in sorted(decode_delta(tensors, meta).items())]).tolist()
+    return out
+
+
+def run_two_ranks(workdir: Path, cfg) -> list[dict]:
+    """The 2-rank learner us-0 of ``cfg`` (rank 1 a subprocess); what each rank reported."""
+    workdir.mkdir()
+    (workdir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    with open(ddp_dir / "rank-1.log", "wb") as log:
+    with open(workdir / "rank-1.log", "wb") as log:
         other = subprocess.Popen(
-            [sys.executable, __file__, "rank", str(ddp_dir), "1", "2"],
+            [sys.executable, __file__, "rank", str(workdir), "1", "2"],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -263,13 +300,21 @@ def test_two_gloo_ranks_equal_one_rank_with_twice_the_batch(tmp_path):
         )
     try:
         # Rank 0 here (its collectives time out after 60 s if rank 1 never comes), rank 1 in the subprocess.
-        rank_main(ddp_dir, 0, 2)
+        rank_main(workdir, 0, 2)
         code = other.wait(timeout=60)
-        assert code == 0, f"rank 1 exited {code}:\n" + (ddp_dir / "rank-1.log").read_text(errors="replace")[-3000:]
+        assert code == 0, f"rank 1 exited {code}:\n" + (workdir / "rank-1.log").read_text(errors="replace")[-3000:]
     finally:
         if other.poll() is None:
             other.kill()
             other.wait(timeout=10)
+    return [json.loads((workdir / f"rank-{r}.json").read_text()) for r in range(2)]
+
+
+def test_two_gloo_ranks_equal_one_rank_with_twice_the_batch(tmp_path):
+    cfg = one_learner_config()
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    ranks = run_two_ranks(tmp_path / "ddp", cfg)
     # The reference: one process, batch 2B = rank 0's batch followed by rank 1's, from the same shards and seeds.
     _, clock, ctx, sync = _open_run(
         ref_dir, cfg.model_copy(update={"learners": cfg.learners.model_copy(update={"batch_size": 2 * B})})
@@ -281,18 +326,19 @@ def test_two_gloo_ranks_equal_one_rank_with_twice_the_batch(tmp_path):
     ref_losses = _drive(ref, sync, clock, STEPS)
     ref_ledger = _ledger_view(ctx)
 
-    ranks = [json.loads((ddp_dir / f"rank-{r}.json").read_text()) for r in range(2)]
     # The same fragments went out, were merged and came back: submissions and versions agree.
     ddp_ledger = ranks[0]["ledger"]
     assert [s[:6] for s in ddp_ledger["submissions"]] == [s[:6] for s in ref_ledger["submissions"]]
     assert ddp_ledger["versions"] == ref_ledger["versions"]
     assert len(ref_ledger["submissions"]) == STEPS and max(v for _, v in ref_ledger["versions"]) >= 1
+    # Rank 0 registered the job's world, by which the synchronizer judged (and merged) its two ranks' tokens per step.
+    assert ddp_ledger["world_sizes"] == {"us-0": 2} and ref_ledger["world_sizes"] == {"us-0": 1}
     # Token counts are sums over ranks; both ranks received the same fragments.
     assert ranks[0]["tokens_total"] == ranks[1]["tokens_total"] == ref.tokens_total == STEPS * 2 * B * cfg.model.seq_len
     assert ranks[0]["base"] == ranks[1]["base"] == ref.base and sum(ref.base) >= 3
     torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     assert ranks[0]["losses"] == ranks[1]["losses"]
-    got = [load_file(str(ddp_dir / f"params-{r}.safetensors")) for r in range(2)]
+    got = [load_file(str(tmp_path / "ddp" / f"params-{r}.safetensors")) for r in range(2)]
     for name, p in ref.model.named_parameters():
         assert torch.equal(got[0][name], got[1][name]), f"ranks disagree on {name}"
         torch.testing.assert_close(got[0][name], p.detach(), rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

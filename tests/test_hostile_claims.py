@@ -11,6 +11,7 @@ import torch
 from support import drive, setup_run, submit_raw, tiny_config
 
 from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger.models import Learner as LearnerRow
 from ddiloco.platform.ledger.models import Submission
 from ddiloco.platform.models import evaluate
 from ddiloco.platform.runtime import to_datetime
@@ -143,17 +144,57 @@ def test_clipping_scales_an_update_under_the_outlier_bar_to_what_an_honest_one_c
     assert out["eu-1"].norm == pytest.approx(2 * 0.1 * H)  # claiming 10 periods buys no room
 
 
-def test_a_learner_with_more_ranks_than_the_run_allows_is_refused_before_it_trains(tmp_path):
+def test_tokens_per_step_are_judged_by_the_ranks_a_learner_registered_with():
+    cfg, clock, ctx, sync, honest = setup_run()
+    limit = cfg.learners.max_world_size
+    with ctx.transaction() as s:
+        q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t), world_size=2, max_world_size=limit)
+        q.register_learner(s, ctx.run_id, "us-2", "us", to_datetime(clock.t), max_world_size=limit)  # one rank
+        q.register_learner(s, ctx.run_id, "us-3", "us", to_datetime(clock.t), max_world_size=limit)
+        # Written around the registration (a learner's role may update its own row): the run's limit still caps it.
+        s.get(LearnerRow, (ctx.run_id, "us-3")).world_size = 10 * limit
+    # The yardstick: the recorded world, capped by the run's limit; a row from before world sizes were recorded: the limit.
+    assert (pol.judged_ranks(2, limit), pol.judged_ranks(10 * limit, limit), pol.judged_ranks(None, limit)) == (2, limit, limit)
+    small = {f: {n: torch.full(shape, 1e-6) for n, shape in sync.layout.shapes(f).items()} for f in range(H)}
+
+    def send(fragment: int, learner: str, ranks: int) -> int:
+        return submit_raw(ctx, clock, fragment, small[fragment], learner=learner, c_steps=H, c_tokens=H * ranks * TPS, tokens_new=TPS)
+
+    fates = {
+        send(0, "us-1", 2): None,  # two ranks' batches a step, from a learner of two ranks
+        send(1, "us-2", 2): "implausible claim: 1024 tokens in 4 steps, more than the 128",  # one rank claiming two
+        send(2, "us-3", limit): None,
+        send(3, "us-3", limit + 1): "implausible claim",  # a row claiming more ranks than the run allows buys no more
+    }
+    clock.t += 1.0
+    sync.poll_once(clock.t)
+    with ctx.reading() as s:
+        for sid, needle in fates.items():
+            row = s.get(Submission, sid)
+            if needle is None:
+                assert row.status == "merged", (row.learner_id, row.reject_reason)
+            else:
+                assert row.status == "rejected" and needle in row.reject_reason, (row.learner_id, row.reject_reason)
+
+
+def test_a_learner_with_more_ranks_than_the_run_allows_is_refused_before_it_trains(tmp_path, monkeypatch):
     import yaml
     from typer.testing import CliRunner
 
     from ddiloco.cli import app
+    from ddiloco.learner_worker.launch import run_learner
     from ddiloco.platform.config import ConfigError
 
-    with pytest.raises(ConfigError, match="max_nproc_per_node"):
-        tiny_config(learners={"nproc_per_node": 9})
-    cfg = tiny_config()
+    with pytest.raises(ConfigError, match="nproc_per_node: world size 9 is above learners.max_world_size 8"):
+        tiny_config(learners={"nproc_per_node": 9, "max_world_size": 8})
+    with pytest.raises(ConfigError, match="max_nproc_per_node is gone: set learners.max_world_size"):
+        tiny_config(learners={"max_nproc_per_node": 8})
+    cfg = tiny_config(learners={"max_world_size": 8})
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     out = CliRunner().invoke(app, ["learner", "--config", str(path), "--learner", "us-0", "--nproc-per-node", "9"])
-    assert out.exit_code == 2 and "max_nproc_per_node" in out.output, out.output
+    assert out.exit_code == 2 and "world size 9 is above learners.max_world_size 8" in out.output, out.output
+    # A rank of a torchrun job of 2 nodes x 8 ranks: refused by the world it is in, before it builds a model.
+    monkeypatch.setenv("RANK", "3"), monkeypatch.setenv("WORLD_SIZE", "16"), monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(ConfigError, match="world size 16 is above learners.max_world_size 8"):
+        run_learner(cfg, "t", "us-0")

@@ -32,8 +32,18 @@ def test_warm_up_then_constant_cosine_or_wsd():
 
 def test_the_schedule_spans_one_learners_share_of_the_token_budget():
     cfg = tiny_config(token_budget=1_000_000, inner={"grad_accum_steps": 2})
-    # 2 learners, batch 4 x 2 micro-batches x seq 32 = 256 tokens a step: 1e6 / (2 * 256) steps each.
-    assert schedule_steps(cfg) == 1_000_000 // (2 * 256)
+    # 2 learners, batch 4 x 2 micro-batches x seq 32 = 256 tokens a step per rank: 1e6 / (2 * 256 * world) steps each.
+    assert schedule_steps(cfg, 1) == 1_000_000 // (2 * 256)
+    assert schedule_steps(cfg, 2) == 1_000_000 // (2 * 256 * 2)
+    assert schedule_steps(cfg, 8) == 1_000_000 // (2 * 256 * 8)
+
+
+def test_a_learners_schedule_follows_its_jobs_ranks_not_the_configs_ranks_per_node():
+    # learners.nproc_per_node is what a launcher starts per node; this learner is one rank.
+    cfg, clock, ctx, sync = sim_run(learners={"nproc_per_node": 8}, token_budget=1_000_000)
+    learner = sim_learner(ctx, "us-0")
+    assert learner.dist.world == 1
+    assert learner.total_steps == schedule_steps(cfg, 1) == 1_000_000 // (2 * 4 * 32)
 
 
 def test_norms_biases_and_embeddings_are_not_decayed():
@@ -52,7 +62,7 @@ def test_the_scheduler_sets_each_steps_learning_rate():
     cfg, clock, ctx, sync = sim_run(inner={"warmup_steps": 3, "schedule": "cosine"}, token_budget=20_000)
     learner = sim_learner(ctx, "us-0")
     learner.start(clock.t)
-    total = schedule_steps(cfg)
+    total = schedule_steps(cfg, 1)
     for step in range(6):
         assert learner.lr == pytest.approx(cfg.inner.lr * lr_factor(step, cfg.inner, total))
         clock.t += 1.0

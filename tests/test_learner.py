@@ -59,7 +59,7 @@ def test_blend_on_receipt_moves_halfway():
     incoming = {n: torch.zeros_like(t) for n, t in learner.fragments[0].tensors.items()}
     _arrive(learner, 0, incoming)
     torch.testing.assert_close(learner.fragments[0].tensors[name].detach(), 0.5 * local)
-    assert learner.fragments[0].c_steps == 0 and torch.equal(learner.fragments[0].host_snapshot()[name], incoming[name])
+    assert learner.fragments[0].c_steps == 0 and torch.equal(learner.fragments[0].snapshot_tensors()[name], incoming[name])
 
 
 def _arrive(learner, p, tensors):
@@ -81,15 +81,15 @@ def test_rebase_on_receipt_carries_the_unsent_progress_onto_the_new_version():
     names = list(views)
     steps, tokens = frag.c_steps, frag.c_tokens
     assert steps > 0
-    unsent = {n: views[n].detach() - frag.host_snapshot()[n] for n in names}
+    unsent = {n: views[n].detach() - frag.snapshot_tensors()[n] for n in names}
     assert max(float(u.abs().max()) for u in unsent.values()) > 0
     incoming = {n: torch.randn_like(views[n]) for n in names}
     _arrive(learner, p, incoming)
     for n in names:
         # What the next send (snapshot - params) carries is the progress it would have carried before.
-        torch.testing.assert_close(views[n].detach() - frag.host_snapshot()[n], unsent[n])
+        torch.testing.assert_close(views[n].detach() - frag.snapshot_tensors()[n], unsent[n])
         torch.testing.assert_close(views[n].detach(), incoming[n] + unsent[n])
-        assert torch.equal(frag.host_snapshot()[n], incoming[n])
+        assert torch.equal(frag.snapshot_tensors()[n], incoming[n])
     # Those steps are still unsent, so they are still counted.
     assert (frag.c_steps, frag.c_tokens) == (steps, tokens)
 

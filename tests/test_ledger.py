@@ -191,6 +191,25 @@ def test_incarnations_and_token_accounting_stay_balanced(run):
     assert acct() == q.TokenAccounting(trained=580, merged=200, rejected=250, pending=80, lost=50, in_flight=0)
 
 
+def test_registration_records_the_incarnations_world_size_within_the_runs_limit(run):
+    S = run
+    with S.begin() as s:
+        assert q.register_learner(s, RUN, "us-0", "us", T0, world_size=2, max_world_size=8) == 0
+        assert q.register_learner(s, RUN, "eu-0", "eu", T0) == 0  # one rank unless told
+    with S() as s:
+        assert {r.id: r.world_size for r in q.learners(s, RUN)} == {"us-0": 2, "eu-0": 1}
+    with S.begin() as s:  # relaunched on one node of 8 ranks: the new incarnation's world is recorded
+        assert q.register_learner(s, RUN, "us-0", "us", T0 + timedelta(seconds=1), world_size=8, max_world_size=8) == 1
+    # Above the run's limit: refused before anything is written, the current incarnation stands.
+    with pytest.raises(q.WorldSizeError, match="world size 9 is above learners.max_world_size 8"), S.begin() as s:
+        q.register_learner(s, RUN, "us-0", "us", T0 + timedelta(seconds=2), world_size=9, max_world_size=8)
+    with pytest.raises(q.WorldSizeError, match="at least one rank"), S.begin() as s:
+        q.register_learner(s, RUN, "new-0", "us", T0, world_size=0)
+    with S() as s:
+        rows = {r.id: r for r in q.learners(s, RUN)}
+    assert (rows["us-0"].incarnation, rows["us-0"].world_size) == (1, 8) and "new-0" not in rows
+
+
 def test_register_submission_twice_is_a_noop(run):
     S = run
     with S.begin() as s:
@@ -535,6 +554,7 @@ def test_a_ledger_written_before_the_heads_upgrades_in_place(ledger_url):
             assert (agg.submissions, agg.bytes_sent) == (4, 10 + 11 + 12 + 13)
             assert q.rejected_totals(s, RUN) == [q.RejectedTotal("us-0", "stale", 1, 100, 13)]  # filled by the upgrade
             assert q.learners(s, RUN)[0].loss == 1.0
+            assert q.learners(s, RUN)[0].world_size is None  # registered before world sizes were recorded
             # Only the version GC had settled is out of its partial index.
             assert [(v.fragment, v.version) for v in q.versions_for_gc(s, RUN, keep_last=1, checkpoint_every=100)] == [(0, 1), (0, 2)]
         publish(S, 4, merged=[], record=q.MergeRecord(1, 1, 0, 0, 0, "after upgrade", {}))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -53,54 +53,23 @@ def set_device(device: torch.device) -> None:
 
 
 @dataclass
-class Staged:
-    """Host copies of some tensors, possibly still being filled by a side stream."""
+class Increment:
+    """An outer-gradient increment of one fragment (whole pieces by key) where the parameters live.
+
+    On a GPU it is still being computed on the training stream when it is handed over: ``ready`` is an event
+    recorded after it, and ``stream`` the side stream the link encodes it on, so encoding never queues behind
+    (or ahead of) training kernels and only encoded bytes are copied to host memory."""
 
     tensors: dict[str, torch.Tensor]
-    event: object | None = None
-    """A ``torch.cuda.Event`` recorded after the copies; None when the copies are already done."""
-    _done: bool = field(default=False, repr=False)
+    ready: object | None = None
+    stream: object | None = None
 
-    def ready(self) -> bool:
-        return self.event is None or self._done or bool(self.event.query())  # type: ignore[attr-defined]
-
-    def wait(self) -> dict[str, torch.Tensor]:
-        """Block (this host thread only) until the copies are done; returns them."""
-        if self.event is not None and not self._done:
-            self.event.synchronize()  # type: ignore[attr-defined]
-            self._done = True
+    def resolve(self) -> dict[str, torch.Tensor]:
+        """The tensors, usable on the calling thread's current stream (which waits for them on a GPU)."""
+        if self.ready is not None:
+            torch.cuda.current_stream(self.stream.device).wait_event(self.ready)  # type: ignore[attr-defined]
         return self.tensors
 
-
-class HostStager:
-    """Copies tensors to host memory without stalling the training stream.
-
-    CPU: a plain clone (the tensors are already in host memory; it takes as long as a memcpy).
-    CUDA: a device-to-device snapshot on the training stream (fast: device bandwidth), then a
-    non-blocking copy of that snapshot into pinned host memory on a side stream. The training stream
-    never waits for the host copy; whoever needs the host tensors calls :meth:`Staged.wait` — the
-    learner's upload thread does, off the training thread. Pinned buffers come from PyTorch's caching
-    host allocator, so repeated sends reuse them without fresh page-locking."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-
-    def stage(self, tensors: dict[str, torch.Tensor]) -> Staged:
-        if self.stream is None:
-            return Staged({n: t.detach().to("cpu", copy=True) for n, t in tensors.items()})
-        main = torch.cuda.current_stream(self.device)
-        with torch.no_grad():
-            # The snapshot is taken in stream order, after the optimizer step that produced the values.
-            snap = {n: t.detach().clone() for n, t in tensors.items()}
-        self.stream.wait_stream(main)
-        host: dict[str, torch.Tensor] = {}
-        with torch.cuda.stream(self.stream):
-            for n, t in snap.items():
-                host[n] = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-                host[n].copy_(t, non_blocking=True)
-                # The snapshot's memory must not be reused before the side stream has read it.
-                t.record_stream(self.stream)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return Staged(host, event)
+    def stream_context(self) -> AbstractContextManager:
+        """Where to encode it: its side stream on a GPU, nowhere special on a CPU."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()  # type: ignore[arg-type]

@@ -136,3 +136,10 @@ def set_parent_death_signal(sig: int = signal.SIGTERM) -> bool:
         return libc.prctl(1, int(sig), 0, 0, 0) == 0  # 1 = PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return False
+
+
+def ensure_process_group(d: Dist) -> None:
+    """A process group for a one-rank learner that shards (FSDP2 needs a device mesh): a private group of one
+    rank over an in-memory store. A multi-rank learner already has its group from :func:`init_dist`."""
+    if d.world == 1 and not dist.is_initialized():
+        dist.init_process_group(backend_for(d.device), store=dist.HashStore(), rank=0, world_size=1)

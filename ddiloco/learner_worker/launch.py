@@ -32,7 +32,7 @@ from ddiloco.learner_worker.device import resolve_device
 from ddiloco.learner_worker.dist import Dist, collective_timeout_s, init_dist, rank_env, set_parent_death_signal, shutdown_dist
 from ddiloco.learner_worker.learner import Learner, StepReport
 from ddiloco.learner_worker.link import LearnerLink
-from ddiloco.platform.config import RunConfig
+from ddiloco.platform.config import ConfigError, RunConfig, world_size_problem
 from ddiloco.platform.metrics import LearnerFigures, serve_learner
 from ddiloco.platform.runtime import RunContext
 
@@ -114,6 +114,10 @@ def run_learner(
     """Run one learner until the run ends; rank 0's summary (None on other ranks or when stopped by a signal)."""
     index, region, speed = cfg.learners.resolve(learner_id)
     info = rank_env()
+    # Refused before any rank builds its model; registering would refuse it too (the ledger's backstop).
+    why = world_size_problem(info.world if info else nproc_per_node, cfg.learners.max_world_size)
+    if why:
+        raise ConfigError(f"learner {learner_id!r}: {why}")
     if info is None and nproc_per_node > 1:
         return launch_learner_job(
             cfg, run_id, learner_id, nproc_per_node, max_steps=max_steps, flow_run_url=flow_run_url,

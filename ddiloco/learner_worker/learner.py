@@ -1,8 +1,9 @@
 """A learner: trains its own replica and trades parameter fragments with the synchronizer.
 
-One class for every world size. A learner is one process, or a data-parallel job of ``world``
-ranks under torchrun (DDP: gloo on CPUs, NCCL on GPUs); world size 1 runs the same loop with no
-process group. Rank 0 is the learner's only voice: its :class:`~ddiloco.learner_worker.link.LearnerLink`
+One class for every world size and parallelism. A learner is one process, or a job of ``world`` ranks
+under torchrun (gloo on CPUs, NCCL on GPUs) whose replica is spread by ``learners.parallelism``: DDP
+(a whole copy per rank), FSDP2 (row shards) or HSDP (``parallel.py``); world size 1 runs the same
+loop. Rank 0 is the learner's only voice: its :class:`~ddiloco.learner_worker.link.LearnerLink`
 registers, uploads, downloads and heartbeats off the training thread; the other ranks never open
 the ledger or the store.
 
@@ -12,12 +13,13 @@ same step, stop at the same step and skip the same steps:
 1. *agree* — a small ``all_reduce`` of an int64 vector: every rank votes whether to stop; rank 0
    alone writes which fragments to apply (id, version), which it still waits for (overlap 0) and
    the send period in force (``fragments.adaptive``: its link's choice, see ``cadence.py``).
-2. *receive* — rank 0 broadcasts the arrived global tensors (one flat buffer); every rank folds them
-   into its parameters (``merge.on_receipt``: overwrite, blend or rebase).
-3. *train* — one (DDP) step on this rank's batch; loss and tokens are summed over ranks.
-4. *send* — for each due fragment rank 0 stages the parameters to host memory and hands the
-   increment since the previous send to the link (which encodes it with the codec in force); every
-   rank resets the fragment's counters.
+2. *receive* — rank 0 broadcasts the arrived global tensors (one flat buffer); every rank folds its
+   rows of them into its parameters (``merge.on_receipt``: overwrite, blend or rebase).
+3. *train* — one step on this rank's batch; loss and tokens are summed over ranks.
+4. *send* — for each due fragment every rank takes the increment of its rows since the previous send
+   (tensor ops on the training device, against a snapshot kept there), rank 0 gathers its shard
+   group's rows and hands the increment to the link, which encodes it where it lives (a side stream
+   on GPUs): only encoded bytes reach host memory.
 
 It never waits for anyone, except in the overlap-0 mode (synchronous DiLoCo)."""
 
@@ -34,17 +36,26 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddiloco.learner_worker.cadence import Cadence, CadencePolicy, initial_cadence
-from ddiloco.learner_worker.device import HostStager, Staged, autocast, resolve_device
-from ddiloco.learner_worker.dist import Dist
+from ddiloco.learner_worker.device import Increment, autocast, resolve_device
+from ddiloco.learner_worker.dist import Dist, ensure_process_group
 from ddiloco.learner_worker.downloader import Arrival
 from ddiloco.learner_worker.link import HeartbeatStats, LearnerLink, Resume
-from ddiloco.learner_worker.outbox import Increment, Outgoing
+from ddiloco.learner_worker.outbox import Outgoing
+from ddiloco.learner_worker.parallel import (
+    Layout,
+    LocalPiece,
+    gather_pieces,
+    gather_sizes,
+    local_pieces,
+    local_tensor,
+    shard_replica,
+)
 from ddiloco.learner_worker.schedule import lr_factor, param_groups, schedule_steps
 from ddiloco.platform.compression import Tensors, codec_nbytes
 from ddiloco.platform.config import RunConfig, codec_ladder
 from ddiloco.platform.data import Batch, build_dataset
 from ddiloco.platform.faults import fault_point
-from ddiloco.platform.fragments import Fragment, due_fragments, fragment_views, partition_module
+from ddiloco.platform.fragments import Fragment, due_fragments, partition_module
 from ddiloco.platform.models import build_model, compute_loss
 from ddiloco.platform.spans import span
 
@@ -57,42 +68,49 @@ def rebases(mode: str, base_version: int, c_steps: int) -> bool:
     return mode == "rebase" and base_version >= 0 and c_steps > 0
 
 
-def receive_tensor(param: torch.Tensor, incoming: torch.Tensor, *, rebase: bool, first: bool, alpha: float) -> None:
-    """Fold one arrived global tensor into a local parameter (``incoming`` is G − S when rebasing)."""
-    if rebase:
-        param.add_(incoming.to(param.dtype))
-    elif first or alpha >= 1.0:
-        param.copy_(incoming)
-    else:
-        param.mul_(1 - alpha).add_(incoming.to(param.dtype), alpha=alpha)
-
-
 @dataclass
 class FragmentState:
-    """One fragment of the replica: the global version it last received and what it has not sent yet.
+    """One fragment of the replica on this rank: the global version it last received, what it has not sent yet,
+    and this rank's rows of it (all of them unless the replica is sharded, see ``parallel.py``).
 
-    ``snapshot`` (rank 0 only, host memory) is the global fragment as received, or the parameters
-    as of the last send: the next send carries ``snapshot − params``, only what was learned since,
-    so a learner that sends twice before it hears back is never merged twice."""
+    ``snapshot`` holds, beside each live view, the global fragment as received or the parameters as of the
+    last send, on the training device: the next send carries ``snapshot − params``, only what was learned
+    since, so a learner that sends twice before it hears back is never merged twice."""
 
-    tensors: Tensors
-    """The fragment's live parameter tensors (views into the model) by key: a parameter name, or a
-    row-piece key for part of a parameter (see fragments.py)."""
+    pieces: list[LocalPiece]
+    """This rank's rows of each piece of the fragment, in the fragment's order."""
+    shapes: list[torch.Size]
+    """The whole shape of each piece."""
+    sizes: list[list[int]]
+    """Per shard of rank 0's group, its elements of each piece (what a gather moves)."""
+    snapshot: list[torch.Tensor] = field(default_factory=list)
     base: int = -1
-    snapshot: Tensors | Staged = field(default_factory=dict)
     c_steps: int = 0
     c_tokens: int = 0
     last_sent: int | None = None
     """The inner step of its last send (None: not sent yet)."""
 
-    def host_snapshot(self) -> Tensors:
-        return self.snapshot.wait() if isinstance(self.snapshot, Staged) else self.snapshot
+    def __post_init__(self) -> None:
+        self.views = [pc.view for pc in self.pieces]
+        self.keys = [pc.key for pc in self.pieces]
+        if not self.snapshot:
+            self.snapshot = [torch.empty_like(v) for v in self.views]
 
-    def take_increment(self, current: Staged) -> tuple[Increment, int, int]:
-        """The increment since the last send or receipt, with its steps and tokens; counting restarts."""
-        increment = Increment(self.snapshot, current)
+    @property
+    def tensors(self) -> Tensors:
+        """This rank's live rows of the fragment by piece key (the whole pieces unless sharded)."""
+        return dict(zip(self.keys, self.views))
+
+    def snapshot_tensors(self) -> Tensors:
+        return dict(zip(self.keys, self.snapshot))
+
+    @torch.no_grad()
+    def take_increment(self, keep: bool) -> tuple[list[torch.Tensor] | None, int, int]:
+        """This rank's rows of the increment since the last send or receipt (None unless ``keep``), with its
+        steps and tokens; the snapshot moves to the parameters and counting restarts."""
+        increment = torch._foreach_sub(self.snapshot, self.views) if keep else None
+        torch._foreach_copy_(self.snapshot, self.views)
         counts = (self.c_steps, self.c_tokens)
-        self.snapshot = current
         self.reset_counts()
         return increment, *counts
 
@@ -100,11 +118,22 @@ class FragmentState:
         self.c_steps = 0
         self.c_tokens = 0
 
-    def received(self, version: int, tensors: Tensors | None, *, rebase: bool) -> None:
-        """After a receipt: the new base (and, on rank 0, snapshot). Rebase keeps the unsent counts,
-        since the next send still carries those steps; overwrite and blend discard or halve them."""
-        if tensors is not None:
-            self.snapshot = tensors
+    @torch.no_grad()
+    def receive(self, version: int, incoming: Tensors, *, rebase: bool, alpha: float) -> None:
+        """Fold the arrived global fragment (whole pieces, on the training device) into this rank's rows.
+
+        Rebase keeps the unsent counts, since the next send still carries those steps; overwrite and
+        blend discard or halve them. The snapshot becomes the global fragment in every mode."""
+        g = [incoming[pc.key].narrow(0, pc.first, pc.rows) if incoming[pc.key].dim() else incoming[pc.key]
+             for pc in self.pieces]
+        if rebase:
+            torch._foreach_add_(self.views, torch._foreach_sub(g, self.snapshot))
+        elif self.base < 0 or alpha >= 1.0:
+            torch._foreach_copy_(self.views, g)
+        else:
+            torch._foreach_mul_(self.views, 1 - alpha)
+            torch._foreach_add_(self.views, g, alpha=alpha)
+        torch._foreach_copy_(self.snapshot, g)
         self.base = version
         if not rebase:
             self.reset_counts()
@@ -186,34 +215,48 @@ class Learner:
         self.link = link
         self.clock = clock
         self.device = self.dist.device
-        # .to() keeps the Parameter objects, so the optimizer and self.params stay valid.
+        # .to() keeps the Parameter objects, so the optimizer and the fragments' views stay valid.
         self.model = build_model(cfg.model, seed=cfg.seed).to(self.device)
         self.model.train()
-        self.params = dict(self.model.named_parameters())
         parts = partition_module(self.model, cfg.fragments.count)
-        self.fragments = [FragmentState(fragment_views(self.params, f)) for f in parts]
-        if link is not None:
-            link.configure(len(self.fragments), cadence_policy(cfg, parts) if cfg.fragments.adaptive else None)
-        self.optimizer = torch.optim.AdamW(
-            param_groups(self.model, cfg.inner.weight_decay), lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2)
-        )
-        self.total_steps = schedule_steps(cfg)
-        self.schedule_offset = 0
-        """Inner steps of earlier incarnations (from the resumed data position): the schedule goes on from there."""
-        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
-        """Made by :meth:`start`, once the resumed position is known."""
         self.loss_module = _LossModule(self.model, self.device)
         self.ddp = None
-        if self.dist.world > 1:
+        self.layout = Layout("ddp")
+        if cfg.learners.parallelism != "ddp":
+            # Sharding cuts each parameter into row shards in place: the fragments' views are taken after it.
+            ensure_process_group(self.dist)
+            self.layout = shard_replica(self.model, cfg.learners.parallelism, cfg.learners.shard_size, self.dist.rank,
+                                        self.dist.world, self.device)
+        elif self.dist.world > 1:
             self.ddp = DDP(
                 self.loss_module,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 # MoE experts (and arbitrary imported models) may leave parameters unused in a step.
                 find_unused_parameters=cfg.model.kind in ("moe_gpt", "import"),
             )
+        with torch.no_grad():
+            local = {n: local_tensor(p) for n, p in self.model.named_parameters()}
+        shapes = {n: p.shape for n, p in self.model.named_parameters()}
+        self.fragments = [
+            FragmentState(local_pieces(f, local, shapes, self.layout), [torch.Size(pc.shape) for pc in f.pieces],
+                          gather_sizes(f, shapes, self.layout))
+            for f in parts
+        ]
+        if link is not None:
+            link.configure(len(self.fragments), cadence_policy(cfg, parts) if cfg.fragments.adaptive else None,
+                           self.dist.world)
+        self.optimizer = torch.optim.AdamW(
+            param_groups(self.model, cfg.inner.weight_decay), lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2)
+        )
+        self.total_steps = schedule_steps(cfg, self.dist.world)
+        self.schedule_offset = 0
+        """Inner steps of earlier incarnations (from the resumed data position): the schedule goes on from there."""
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        """Made by :meth:`start`, once the resumed position is known."""
         net = self.ddp if self.ddp is not None else self.loss_module
         self.net = torch.compile(net) if cfg.learners.compile else net
-        self.stager = HostStager(self.device)
+        self.encode_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        """CUDA: the side stream the link encodes this learner's increments on, off the training stream."""
         self.dataset = build_dataset(cfg.data, cfg.model)
         self.batches_drawn = 0
         """Micro-batches this rank has drawn from its stream, over every incarnation: its data position."""
@@ -370,7 +413,7 @@ class Learner:
         return [p for p in due if self.fragments[p].last_sent is None or self.step_count - self.fragments[p].last_sent >= H]
 
     def train_step(self) -> tuple[float, int]:
-        """One (DDP) AdamW step over ``grad_accum_steps`` micro-batches of this rank's stream:
+        """One (DDP or FSDP) AdamW step over ``grad_accum_steps`` micro-batches of this rank's stream:
         (learner loss, learner tokens), summed over ranks and micro-batches."""
         accum = self.cfg.inner.grad_accum_steps
         with span("learner.train_step", into=self.timings):
@@ -381,15 +424,18 @@ class Learner:
                 self.batches_drawn += 1
                 inputs = batch.inputs.to(self.device, non_blocking=True)
                 targets = batch.targets.to(self.device, non_blocking=True)
-                # DDP all-reduces gradients on the last micro-batch only.
-                sync = self.ddp is None or micro == accum - 1
-                with contextlib.nullcontext() if sync else self.ddp.no_sync():
+                # DDP all-reduces (FSDP reduce-scatters) gradients on the last micro-batch only.
+                last = micro == accum - 1
+                if self.layout.parallelism != "ddp":
+                    self.model.set_requires_gradient_sync(last)
+                with contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync():
                     loss = self.net(inputs, targets, batch.tokens)
                     (loss / accum if accum > 1 else loss).backward()
                 loss_sum += float(loss.detach()) * batch.tokens
                 tokens += batch.tokens
             fault_point("learner.mid_step")
-            # Gradients are already averaged over ranks (identical everywhere): clipping needs no communication.
+            # Gradients are already averaged over ranks (identical everywhere, or sharded DTensors whose norm
+            # clip_grad_norm_ reduces over the shards).
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
             self.optimizer.step()
             self.scheduler.step()
@@ -444,58 +490,61 @@ class Learner:
             alpha = self.cfg.merge.blend_alpha if mode == "blend" else 1.0
             # base and c_steps are the same on every rank, so they all agree on which fragments rebase.
             rebase = {p for p, _ in control.apply if rebases(mode, self.fragments[p].base, self.fragments[p].c_steps)}
-            incoming = self._incoming(control, rebase)
-            with torch.no_grad():
-                for p, version in control.apply:
-                    frag = self.fragments[p]
-                    first = frag.base < 0
-                    for n, param in frag.tensors.items():
-                        receive_tensor(param, incoming[n], rebase=p in rebase, first=first, alpha=alpha)
-                    frag.received(version, control.arrived[p][1] if self.link is not None else None, rebase=p in rebase)
+            incoming = self._incoming(control)
+            for p, version in control.apply:
+                self.fragments[p].receive(version, incoming, rebase=p in rebase, alpha=alpha)
         return [p for p, _ in control.apply]
 
-    def _incoming(self, control: Control, rebase: set[int]) -> Tensors:
-        """What every rank folds in: G, or G − S when rebasing; rank 0 broadcasts it as one flat buffer."""
-        names = [(p, n) for p, _ in control.apply for n in self.fragments[p].tensors]
-        shapes = {n: self.fragments[p].tensors[n].shape for p, n in names}
+    def _incoming(self, control: Control) -> Tensors:
+        """The arrived global fragments, whole, on every rank's device: rank 0 broadcasts them as one flat buffer."""
+        names = [n for p, _ in control.apply for n in self.fragments[p].keys]
+        shapes = [s for p, _ in control.apply for s in self.fragments[p].shapes]
         if self.link is not None:
-            snaps = {p: self.fragments[p].host_snapshot() for p in rebase}
-            host = {
-                n: control.arrived[p][1][n] - snaps[p][n] if p in rebase else control.arrived[p][1][n] for p, n in names
-            }
+            host = {n: t for p, _ in control.apply for n, t in control.arrived[p][1].items()}
             if self.dist.world == 1:
                 # Arrivals are decoded in host memory; a GPU learner folds them in on its device.
                 return host if self.device.type == "cpu" else {n: t.to(self.device, non_blocking=True) for n, t in host.items()}
-            flat = torch.cat([host[n].reshape(-1).to(torch.float32) for _, n in names]).to(self.device)
+            flat = torch.cat([host[n].reshape(-1).to(torch.float32) for n in names]).to(self.device)
         else:
-            flat = torch.empty(sum(shapes[n].numel() for _, n in names), dtype=torch.float32, device=self.device)
+            flat = torch.empty(sum(s.numel() for s in shapes), dtype=torch.float32, device=self.device)
         self.dist.broadcast(flat)
-        sizes = [shapes[n].numel() for _, n in names]
-        return {n: t.view(shapes[n]) for (_, n), t in zip(names, flat.split(sizes))}
+        return {n: t.view(s) for n, t, s in zip(names, flat.split([s.numel() for s in shapes]), shapes)}
 
     # --- sending --------------------------------------------------------------------------------
 
     def send(self, p: int, now: float) -> None:
-        """Rank 0: stage fragment ``p`` to host memory and queue its increment; other ranks: reset its counters."""
+        """Every rank: the increment of its rows of fragment ``p`` since the last send, on the training device
+        (rank 0 gathers its shard group's rows); rank 0 queues it for the link to encode (on a side stream on
+        GPUs) and upload. Only the encoded bytes ever reach host memory."""
         frag = self.fragments[p]
         frag.last_sent = self.step_count
-        if self.link is None:
-            frag.reset_counts()
-            return
         with span("learner.stage"):
-            staged = self.stager.stage(frag.tensors)
-            base_version = frag.base
-            increment, c_steps, c_tokens = frag.take_increment(staged)
+            rank0 = self.link is not None
+            rows, c_steps, c_tokens = frag.take_increment(rank0 or (self.layout.sharded and self.layout.gathers))
+            if rows is None:
+                return
+            whole = gather_pieces(rows, frag.keys, frag.shapes, frag.sizes, self.layout, rank0)
+            if whole is None:
+                return
+            increment = Increment(whole, *self._ready())
             # The new tokens a send accounts for are at most those its update carries (the synchronizer holds
             # it to that): with steps that send nothing (H > P, a longer period) the rest waits for the next send.
             tokens_new = min(self._tokens_unsubmitted, c_tokens)
             out = Outgoing(
-                fragment=p, base_version=base_version, parts=[increment], c_steps=c_steps, c_tokens=c_tokens,
+                fragment=p, base_version=frag.base, parts=[increment], c_steps=c_steps, c_tokens=c_tokens,
                 tokens_new=tokens_new, tokens_total=self.tokens_total, step=self.step_count, created_at=now,
                 data_batches=self.batches_drawn,
             )
             self._tokens_unsubmitted -= tokens_new
             self.link.submit(out, await_merge=self.cfg.fragments.overlap == 0)
+
+    def _ready(self) -> tuple[object | None, object | None]:
+        """CUDA: an event after the work queued so far on the training stream, and the stream to encode on."""
+        if self.encode_stream is None:
+            return None, None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event, self.encode_stream
 
     # --- optimizer state ------------------------------------------------------------------------
 

@@ -73,6 +73,8 @@ class LearnerLink:
     elapsed: Callable[[], float] = time.perf_counter
     """What transfers are timed with; a simulation times them on its own clock."""
     num_fragments: int = field(default=0, init=False)
+    world_size: int = field(default=1, init=False)
+    """The ranks of this learner's job, recorded at registration (set by :meth:`configure`)."""
     """The fragments of the learner's model (:meth:`configure`)."""
     cadence_policy: CadencePolicy | None = field(default=None, init=False)
     """What an adaptive learner may choose from (None: the cadence is fixed; :meth:`configure`)."""
@@ -102,10 +104,12 @@ class LearnerLink:
         self._events: list[tuple[str, str]] = []
         """Events for the next exchange to record (cadence changes)."""
 
-    def configure(self, num_fragments: int, cadence_policy: CadencePolicy | None) -> None:
-        """The learner's model: its fragments, and what it may choose its cadence from (None: fixed)."""
+    def configure(self, num_fragments: int, cadence_policy: CadencePolicy | None, world_size: int = 1) -> None:
+        """The learner's model and job: its fragments, what it may choose its cadence from (None: fixed), and its
+        ranks."""
         self.num_fragments = num_fragments
         self.cadence_policy = cadence_policy
+        self.world_size = world_size
 
     def set_cadence(self, cadence: Cadence) -> None:
         """The cadence in force from now on (the learner's first; :meth:`choose` changes it when adaptive)."""
@@ -126,6 +130,7 @@ class LearnerLink:
             self.incarnation = q.register_learner(
                 s, self.ctx.run_id, self.learner_id, self.region, to_datetime(now),
                 host=socket.gethostname(), pid=os.getpid(), flow_run_url=self.flow_run_url,
+                world_size=self.world_size, max_world_size=self.ctx.cfg.learners.max_world_size,
             )
             row = s.get(LearnerRow, (self.ctx.run_id, self.learner_id))
             key, sha = (row.optimizer_state_key, row.optimizer_state_sha256) if row else (None, None)

@@ -6,30 +6,16 @@ are carried by the next send of their fragment. AdamW's state is queued in order
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-import torch
-
 from ddiloco.learner_worker.cadence import QueueState
-from ddiloco.learner_worker.device import Staged
+from ddiloco.learner_worker.device import Increment
 from ddiloco.platform.compression import Tensors
-
-
-@dataclass
-class Increment:
-    """base − current of one fragment, where either side may still be a host copy in flight."""
-
-    base: Tensors | Staged
-    current: Tensors | Staged
-
-    def resolve(self) -> Tensors:
-        base = self.base.wait() if isinstance(self.base, Staged) else self.base
-        current = self.current.wait() if isinstance(self.current, Staged) else self.current
-        with torch.no_grad():
-            return {n: base[n] - current[n] for n in current}
 
 
 @dataclass
@@ -49,13 +35,21 @@ class Outgoing:
     """Micro-batches each rank had drawn when this was sent."""
 
     def delta(self) -> Tensors:
-        """The sum of the parts (a send plus increments of failed uploads it carries)."""
+        """The sum of the parts (a send plus increments of failed uploads it carries), where they live; call it in
+        :meth:`stream_context`."""
         total: Tensors | None = None
         for part in self.parts:
             d = part.resolve() if isinstance(part, Increment) else part
             total = d if total is None else {n: total[n] + d[n] for n in total}
         assert total is not None
         return total
+
+    def stream_context(self) -> AbstractContextManager:
+        """Where its parts are summed and encoded: their side stream on a GPU (see :class:`Increment`)."""
+        for part in self.parts:
+            if isinstance(part, Increment) and part.stream is not None:
+                return part.stream_context()
+        return contextlib.nullcontext()
 
     def coalesce(self, newer: Outgoing) -> None:
         """Take a newer increment of the same fragment into this queued one (one pending blob per

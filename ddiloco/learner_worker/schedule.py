@@ -26,9 +26,9 @@ def lr_factor(step: int, cfg: InnerOptimizerConfig, total_steps: int) -> float:
     return 1.0 - (1 - cfg.min_lr_ratio) * (progress - stable) / cfg.decay_fraction
 
 
-def schedule_steps(cfg: RunConfig) -> int:
-    """Inner steps one learner takes over its share of the run's token budget."""
-    per_step = tokens_per_step(cfg.model, cfg.learners.batch_size * cfg.inner.grad_accum_steps, cfg.learners.nproc_per_node)
+def schedule_steps(cfg: RunConfig, world: int) -> int:
+    """Inner steps a learner of ``world`` ranks takes over its share of the run's token budget."""
+    per_step = tokens_per_step(cfg.model, cfg.learners.batch_size * cfg.inner.grad_accum_steps, world)
     return max(1, cfg.token_budget // (cfg.learners.count * per_step))
 
 

@@ -138,7 +138,8 @@ class Uploader:
         store = self.ctx.store(self.region)
         subs = []
         for out in outs:
-            tensors, meta = encode_delta(out.delta(), codec, self.ctx.cfg.compression.block_size)
+            with out.stream_context():
+                tensors, meta = encode_delta(out.delta(), codec, self.ctx.cfg.compression.block_size)
             uid = f"i{self.incarnation()}-s{out.step}-f{out.fragment}"
             blob = store.put(submission_key(self.ctx.run_id, out.fragment, self.learner_id, uid), tensors, meta)
             fault_point("learner.after_blob")

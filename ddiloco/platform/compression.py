@@ -74,7 +74,8 @@ def _pack4(q: torch.Tensor) -> torch.Tensor:
 def encode_delta(
     tensors: dict[str, torch.Tensor], codec: str, block_size: int = 64
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Encode float tensors with ``codec``; keys are ``<name>::q`` (and ``<name>::scale``)."""
+    """Encode float tensors with ``codec`` on their device, into host tensors; keys are ``<name>::q`` (and
+    ``<name>::scale``). The bytes do not depend on the device: the same float32 operations either way."""
     if codec not in CODECS:
         raise CompressionError(f"unknown codec {codec!r}; expected one of {', '.join(CODECS)}")
     if block_size < 1:
@@ -87,16 +88,17 @@ def encode_delta(
         if not t.is_floating_point():
             raise CompressionError(f"tensor {name!r} has dtype {t.dtype}; only floating-point deltas are encoded")
         info[name] = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-        # copy=True: the result must not alias a live parameter that keeps training.
-        x = t.detach().to(device="cpu", dtype=torch.float32, copy=True).contiguous()
+        # Encoded where the tensor lives (a GPU learner's increment stays on its device); only the encoded bytes
+        # are copied to host memory, and copy=True: the result never aliases a live parameter that keeps training.
+        x = t.detach().to(dtype=torch.float32).contiguous()
         if codec == "none":
-            out[name + "::q"] = x
+            out[name + "::q"] = x.to("cpu", copy=True)
         elif codec == "bf16":
-            out[name + "::q"] = x.to(torch.bfloat16).contiguous()
+            out[name + "::q"] = x.to(torch.bfloat16).to("cpu", copy=True).contiguous()
         else:
             q, scale = _quantize(x.flatten(), block_size, _LEVELS[codec])
-            out[name + "::q"] = (_pack4(q) if codec == "int4" else q).contiguous()
-            out[name + "::scale"] = scale.contiguous()
+            out[name + "::q"] = (_pack4(q) if codec == "int4" else q).to("cpu", copy=True).contiguous()
+            out[name + "::scale"] = scale.to("cpu", copy=True).contiguous()
     metadata = {
         "format": FORMAT,
         "codec": codec,

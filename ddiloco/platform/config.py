@@ -216,11 +216,13 @@ class LearnersConfig(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     torch_threads: int = Field(1, ge=1, le=1 << 16)
     nproc_per_node: int = Field(1, ge=1, le=1 << 16)
-    """Ranks of each learner on its machine (torchrun + DDP; rank 0 talks to the ledger and store)."""
-    max_nproc_per_node: int = Field(8, ge=1, le=1 << 16)
-    """The most ranks any learner of the run may have (``ddiloco learner --nproc-per-node`` can give
-    one more than ``nproc_per_node``): the synchronizer judges a submission's tokens per step against
-    this many ranks' batches, so a learner with more would have its honest work rejected."""
+    """Ranks a launcher (``ddiloco learner``, the flows) starts per learner on its machine (torchrun + DDP;
+    rank 0 talks to the ledger and store). The learner's schedule, tokens per step and data shards follow
+    the ranks its job really has (torchrun's WORLD_SIZE: nodes x ranks per node), not this field."""
+    max_world_size: int = Field(1024, ge=1, le=1 << 20)
+    """The most ranks any learner of the run may have, over all its nodes. A learner records its world size
+    when it registers and a larger one is refused; the synchronizer judges each submission's tokens per step
+    against its learner's recorded ranks, never more than this many."""
     save_optimizer_every: int = Field(200, ge=0, le=1 << 40)
     """Inner steps between saves of a learner's AdamW state (a restart resumes it); 0 disables."""
     compile: bool = False
@@ -228,12 +230,27 @@ class LearnersConfig(_Section):
     rarely won back on small models)."""
     log_every: int = Field(100, ge=0, le=1 << 30)
     """Inner steps between two progress lines in a learner's log (step, tokens, loss, tokens/s); 0: none."""
+    parallelism: Literal["ddp", "fsdp", "hsdp"] = "ddp"
+    """How a learner's replica is spread over its ranks: ``ddp`` (a whole copy per rank), ``fsdp`` (FSDP2: each
+    parameter cut into row shards, one per rank; bf16 compute with fp32 shards and reduction on GPUs) or ``hsdp``
+    (shards within groups of ``shard_size`` ranks, the groups replicated). Learners of one run may differ: what
+    they send and receive does not depend on it (docs/ddp.md)."""
+    shard_size: int | None = Field(None, ge=1, le=1 << 16)
+    """hsdp only: ranks per shard group (must divide the learner's world size); default the ranks of one node."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_nproc_per_node" in data:
+            raise ValueError("learners.max_nproc_per_node is gone: set learners.max_world_size, the most ranks a learner "
+                             "may have over all its nodes")
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> LearnersConfig:
-        if self.nproc_per_node > self.max_nproc_per_node:
-            raise ValueError(f"learners.nproc_per_node {self.nproc_per_node} is above learners.max_nproc_per_node "
-                             f"{self.max_nproc_per_node}")
+        why = world_size_problem(self.nproc_per_node, self.max_world_size)
+        if why:
+            raise ValueError(f"learners.nproc_per_node: {why}")
         names = [r.name for r in self.regions]
         if len(set(names)) != len(names):
             raise ValueError(f"learners.regions names must be unique, got {names}")
@@ -805,6 +822,16 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
     """Load a RunConfig from a YAML/TOML file (or defaults), then apply env and keyword overrides."""
     data = read_config_file(path) if path else {}
     return build_config(data, **overrides)
+
+
+def world_size_problem(world: int, limit: int) -> str | None:
+    """Why a learner of ``world`` ranks may not join a run whose ``learners.max_world_size`` is ``limit``, or None."""
+    if world < 1:
+        return f"world size {world}: a learner has at least one rank"
+    if world > limit:
+        return (f"world size {world} is above learners.max_world_size {limit}: raise the limit in the run's config "
+                "or launch fewer ranks")
+    return None
 
 
 def tokens_per_step(model: ModelConfig, batch_size: int, world: int = 1) -> int:

@@ -164,6 +164,12 @@ def check_counts(c_steps: int, c_tokens: int) -> str | None:
     return None
 
 
+def judged_ranks(recorded: int | None, limit: int) -> int:
+    """Ranks a learner's tokens per step are judged by: its world size as recorded when it registered, never more than
+    the run's ``learners.max_world_size`` (a row from before world sizes were recorded: that limit)."""
+    return limit if recorded is None else max(1, min(recorded, limit))
+
+
 def check_claims(c_steps: int, c_tokens: int, tokens_new: int, base_version: int, tokens_per_step: int) -> str | None:
     """A reason to reject what a submission says about itself, or None when it is plausible.
 
@@ -181,7 +187,7 @@ def check_claims(c_steps: int, c_tokens: int, tokens_new: int, base_version: int
         return f"implausible claim: {tokens_new} new tokens in an update of {c_tokens} tokens"
     if c_tokens > c_steps * tokens_per_step:
         return (f"implausible claim: {c_tokens} tokens in {c_steps} steps, more than the "
-                f"{tokens_per_step} one step of this run trains")
+                f"{tokens_per_step} one step of this learner's ranks trains")
     return None
 
 

@@ -73,6 +73,8 @@ class Snapshot:
 
     regions: dict[str, str]
     """Region of every registered learner."""
+    most_tokens: dict[str, int]
+    """The most tokens one inner step of every registered learner trains: its recorded ranks' batches."""
     live: frozenset[str]
     pending: dict[int, list[Submission]]
     """Pending submissions by fragment, fragments in order."""
@@ -131,10 +133,6 @@ class Synchronizer:
         self.simulated_time = False
         """In-process runs: a merge takes no simulated time, so the sync-time average stays 0."""
         self.merge_policy = MergePolicy.from_config(self.cfg)
-        lc = self.cfg.learners
-        # Per learner the ranks may differ (--nproc-per-node); the run bounds them by max_nproc_per_node.
-        self.most_tokens_per_step = tokens_per_step(self.cfg.model, lc.batch_size * self.cfg.inner.grad_accum_steps,
-                                                    lc.max_nproc_per_node)
         try:  # decode rows and version buffers, reused from merge to merge
             self.workspace = MergeWorkspace(self.cfg.synchronizer.merge_device)
         except ValueError as err:
@@ -297,8 +295,12 @@ class Synchronizer:
         by_fragment: dict[int, list[Submission]] = defaultdict(list)
         for sub in pending:
             by_fragment[sub.fragment].append(sub)
+        lc, batch = self.cfg.learners, self.cfg.learners.batch_size * self.cfg.inner.grad_accum_steps
         return Snapshot(
             regions={r.id: r.region for r in rows},
+            # Per learner the ranks differ (the job's world size, recorded as it registered), within the run's limit.
+            most_tokens={r.id: tokens_per_step(self.cfg.model, batch, pol.judged_ranks(r.world_size, lc.max_world_size))
+                         for r in rows},
             live=live,
             pending=dict(sorted(by_fragment.items())),
             latest=latest,
@@ -346,7 +348,7 @@ class Synchronizer:
         t0 = time.perf_counter()
         current = self._fragment_state(fragment, snap.latest)
         with span("sync.fetch"):
-            members, rejected = self._fetch(fragment, subs, current.version, snap.regions)
+            members, rejected = self._fetch(fragment, subs, current.version, snap)
         if not members:
             self._reject(rejected, now)
             return False, len(rejected)
@@ -402,7 +404,7 @@ class Synchronizer:
             log.warning("fragment %s: base of the compact downloads unusable (%s): starting a new one", fragment, err)
 
     def _fetch(
-        self, fragment: int, subs: list[Submission], version: int, regions: dict[str, str]
+        self, fragment: int, subs: list[Submission], version: int, snap: Snapshot
     ) -> tuple[list[Member], list[tuple[int, str]]]:
         """Read, decode and check the submissions: the members to merge, and (id, reason) for the rest."""
         layout = FlatLayout.of(self.layout.shapes(fragment))
@@ -414,7 +416,7 @@ class Synchronizer:
         plausible = self._plausible_step_norm(fragment, layout.numel) if len(history) < pol.MIN_NORM_HISTORY else None
         # Blob reads dominate on object stores: fetch and decode them concurrently (order is kept),
         # each straight into its own row of the workspace.
-        checked = self._fetch_pool.map(lambda sb, row: self._validate(sb, version, layout, row, recent, regions, plausible), subs, rows)
+        checked = self._fetch_pool.map(lambda sb, row: self._validate(sb, version, layout, row, recent, snap, plausible), subs, rows)
         members, rejected = [], []
         for sb, got in zip(subs, checked, strict=True):
             if isinstance(got, str):
@@ -491,13 +493,13 @@ class Synchronizer:
         return kept, rejected
 
     def _validate(
-        self, sb: Submission, version: int, layout: FlatLayout, row: torch.Tensor, recent: Norms, regions: dict[str, str],
+        self, sb: Submission, version: int, layout: FlatLayout, row: torch.Tensor, recent: Norms, snap: Snapshot,
         plausible: float | None = None,
     ) -> str | Member:
         """A reason to reject the submission, or the decoded member."""
-        if sb.learner_id not in regions:
+        if sb.learner_id not in snap.regions:
             return f"{q.UNKNOWN_LEARNER} {sb.learner_id!r}"
-        why = (pol.check_claims(sb.c_steps, sb.c_tokens, sb.tokens_new, sb.base_version, self.most_tokens_per_step)
+        why = (pol.check_claims(sb.c_steps, sb.c_tokens, sb.tokens_new, sb.base_version, snap.most_tokens[sb.learner_id])
                or pol.check_staleness(version, sb.base_version, self.cfg.merge.max_staleness))
         if why:
             return why
@@ -513,7 +515,7 @@ class Synchronizer:
         if sb.blob_key != key:
             return f"blob: registered under {sb.blob_key[:160]!r}, not under {key!r} that its ids give"
         try:
-            tensors, meta = self.ctx.store(regions[sb.learner_id]).get_with_metadata(key, sb.sha256, sb.nbytes)
+            tensors, meta = self.ctx.store(snap.regions[sb.learner_id]).get_with_metadata(key, sb.sha256, sb.nbytes)
             delta = FlatDelta(layout, row, decode_delta_into(tensors, meta, layout.items(), row))
         except StoreError as err:
             return f"blob: {err}"

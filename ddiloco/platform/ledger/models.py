@@ -143,6 +143,9 @@ class Learner(Base):
     """Age of the oldest unsent increment, seconds."""
     link_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     """The link's measured rates and the send period and codec chosen from them, with the reason (JSON)."""
+    world_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """Ranks of the current incarnation's job, recorded when it registered (at most ``learners.max_world_size``): the
+    synchronizer judges its tokens per step by these ranks' batches. None: registered before the ledger recorded it."""
 
 
 class Heartbeat(Base):

@@ -15,6 +15,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from ddiloco.platform import compact, liveness
+from ddiloco.platform.config import world_size_problem
 from ddiloco.platform.ids import validate_holder, validate_id
 from ddiloco.platform.ledger.models import (
     GC_SUBMISSIONS,
@@ -59,6 +60,10 @@ class UnknownRunError(LedgerError):
 
 class SubmissionConflictError(LedgerError):
     """A submission id registered again with other content: the first registration stands, the second is refused."""
+
+
+class WorldSizeError(LedgerError):
+    """A learner registering with more ranks than the run allows (``learners.max_world_size``)."""
 
 
 def _insert(session: Session, model: type) -> Any:
@@ -165,14 +170,21 @@ def register_learner(
     host: str | None = None,
     pid: int | None = None,
     flow_run_url: str | None = None,
+    world_size: int = 1,
+    max_world_size: int | None = None,
 ) -> int:
-    """Start a new incarnation of a learner and return its number (0 for the first start).
+    """Start a new incarnation of a learner of ``world_size`` ranks and return its number (0 for the first start).
 
-    The previous incarnation's unsubmitted tokens are recorded as lost."""
+    The previous incarnation's unsubmitted tokens are recorded as lost. A world above ``max_world_size`` (the run's
+    ``learners.max_world_size``; None: not checked here) is refused; the synchronizer caps what it judges by that
+    limit all the same, so a row written around this function buys no more."""
     validate_id(learner_id, "learner"), validate_id(region, "region")
+    why = world_size_problem(world_size, world_size if max_world_size is None else max_world_size)
+    if why:
+        raise WorldSizeError(f"learner {learner_id!r} of run {run_id!r}: {why}")
     learner = session.get(Learner, (run_id, learner_id), with_for_update=True)
     if learner is not None:
-        learner.host, learner.pid = host, pid
+        learner.host, learner.pid, learner.world_size = host, pid, world_size
         if flow_run_url:
             learner.flow_run_url = flow_run_url
     if learner is None:
@@ -197,6 +209,7 @@ def register_learner(
                 host=host,
                 pid=pid,
                 flow_run_url=flow_run_url,
+                world_size=world_size,
             )
         )
         session.flush()

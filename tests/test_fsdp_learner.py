@@ -1,0 +1,102 @@
+"""A sharded learner (FSDP2 over gloo ranks on CPU) is interchangeable with a DDP one and with a one-process one.
+
+The fragment plan is over full parameter names: each rank works on its rows of every fragment and rank 0 gathers
+them, so what reaches the store does not depend on how the replica is spread over the ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support import tiny_config
+from test_ddp_learner import STEPS, B, run_two_ranks
+
+from ddiloco.learner_worker.parallel import Layout, blocks, gather_sizes, local_pieces, shard_rows
+from ddiloco.platform.fragments import Fragment, Piece, piece_key
+from ddiloco.platform.models import build_model
+
+
+def _config(parallelism: str, learners: int = 1, **extra):
+    return tiny_config(
+        learners={"batch_size": B, "regions": [{"name": "us", "learners": learners}], "parallelism": parallelism},
+        synchronizer={"retention": {"keep_last": 100000, "keep_submission_blobs": True}},
+        **extra,
+    )
+
+
+def test_shard_rows_cut_like_torch_chunk():
+    for rows in (1, 2, 5, 7, 32, 33):
+        for shards in (1, 2, 3, 4, 8):
+            want = [c.shape[0] for c in torch.arange(rows).chunk(shards)]
+            got = [shard_rows(rows, shards, i) for i in range(shards)]
+            assert [b - a for a, b in got if b > a] == want
+            assert got[0][0] == 0 and got[-1][1] == rows
+            assert all(got[i][1] == got[i + 1][0] for i in range(shards - 1))
+
+
+def test_local_pieces_hold_this_ranks_rows_of_each_piece():
+    w = torch.arange(7 * 3, dtype=torch.float32).view(7, 3)
+    frag = Fragment(0, (Piece(piece_key("w", (2, 6)), "w", (2, 6), (4, 3), 12, 48),), 12, 48)
+    shapes = {"w": w.shape}
+    for shard in range(2):
+        layout = Layout("fsdp", shards=2, shard=shard)
+        r0, r1 = shard_rows(7, 2, shard)  # rows 0:4, 4:7
+        (pc,) = local_pieces(frag, {"w": w[r0:r1]}, shapes, layout)
+        rows = range(max(2, r0), min(6, r1))
+        assert pc.key == piece_key("w", (2, 6)) and pc.rows == len(rows) and pc.first == rows[0] - 2
+        assert torch.equal(pc.view, w[rows[0] : rows[-1] + 1])
+    sizes = gather_sizes(frag, shapes, Layout("fsdp", shards=2, shard=0))
+    assert sizes == [[2 * 3], [2 * 3]] and sum(map(sum, sizes)) == 4 * 3
+
+
+def test_blocks_are_the_models_repeated_layers():
+    model = build_model(tiny_config(model={"n_layer": 3}).model)
+    got = blocks(model)
+    assert len(got) == 3 and all(type(b) is type(got[0]) for b in got)
+
+
+@pytest.mark.slow
+def test_two_rank_fsdp_sends_what_two_rank_ddp_sends(tmp_path):
+    ddp = run_two_ranks(tmp_path / "ddp", _config("ddp"))
+    fsdp = run_two_ranks(tmp_path / "fsdp", _config("fsdp"))
+    # FSDP really shards: each rank holds about half of the rows, DDP every row.
+    assert ddp[0]["shards"] == 1 and fsdp[0]["shards"] == fsdp[1]["shards"] == 2
+    assert ddp[0]["local_numel"] == ddp[0]["numel"]
+    assert fsdp[0]["local_numel"] + fsdp[1]["local_numel"] == fsdp[0]["numel"]
+    assert 0 < fsdp[1]["local_numel"] < fsdp[0]["numel"]
+    # The same submissions and versions, several sends and receipts.
+    a, b = ddp[0]["ledger"], fsdp[0]["ledger"]
+    assert a["submissions"] == b["submissions"] and a["versions"] == b["versions"]
+    assert len(a["submissions"]) == STEPS and sum(ddp[0]["base"]) >= 3 and fsdp[0]["base"] == ddp[0]["base"]
+    assert fsdp[0]["tokens_total"] == ddp[0]["tokens_total"] == STEPS * 2 * B * 32
+    # The outer gradients sent agree to float tolerance (the reductions' order differs: not bit for bit).
+    assert ddp[0]["blobs"].keys() == fsdp[0]["blobs"].keys()
+    for uid, values in ddp[0]["blobs"].items():
+        got = torch.tensor(fsdp[0]["blobs"][uid])
+        assert got.abs().max() > 0, uid
+        torch.testing.assert_close(got, torch.tensor(values), rtol=1e-4, atol=1e-6, msg=lambda m, u=uid: f"{u}: {m}")
+    torch.testing.assert_close(torch.tensor(fsdp[0]["losses"]), torch.tensor(ddp[0]["losses"]), rtol=1e-5, atol=1e-6)
+    assert fsdp[0]["losses"] == fsdp[1]["losses"]
+    want = load_file(str(tmp_path / "ddp" / "params-0.safetensors"))
+    for r in range(2):
+        got = load_file(str(tmp_path / "fsdp" / f"params-{r}.safetensors"))
+        for name, t in want.items():
+            torch.testing.assert_close(got[name], t, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.slow
+def test_a_one_process_learner_and_a_two_rank_fsdp_learner_merge_together(tmp_path):
+    ranks = run_two_ranks(tmp_path / "mixed", _config("fsdp", learners=2, quorum={"min_count": 2}))
+    assert ranks[0]["shards"] == 2
+    subs = ranks[0]["ledger"]["submissions"]
+    # [uid, fragment, base, c_steps, c_tokens, tokens_new, status, merged_version, learner]
+    per_step = {s[8]: s[4] / s[3] for s in subs if s[3]}
+    assert per_step == {"us-0": 2 * B * 32, "us-1": B * 32}, "the 2-rank learner trains twice the tokens a step"
+    merged_by: dict[tuple[int, int], set[str]] = {}
+    for s in subs:
+        if s[6] == "merged":
+            merged_by.setdefault((s[1], s[7]), set()).add(s[8])
+    # With a quorum of two, versions merge both learners' work: the two layouts' blobs merge together.
+    both = [v for v, who in merged_by.items() if who == {"us-0", "us-1"}]
+    assert len(both) >= 2, merged_by
+    assert not [s for s in subs if s[6] == "rejected"]
