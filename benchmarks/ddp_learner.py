@@ -124,7 +124,7 @@ def worker(args) -> None:  # noqa: ANN001
             "control_s": t.get("learner.agree", 0.0),
             "apply_s": t.get("learner.apply", 0.0),
             "send_s": t.get("learner.send", 0.0),
-            "upload_s": link.upload_s if link else 0.0,
+            "upload_s": link.uploader.upload_s if link else 0.0,
         }
 
     progress = open(args.progress, "a", buffering=1) if rank == 0 else None  # noqa: SIM115 - one line a step

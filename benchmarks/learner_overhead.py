@@ -205,7 +205,7 @@ class Platform:
         link.heartbeat = gated_heartbeat
         # Whatever the upload thread calls (a batch of uploads, an optimizer-state save) counts as in flight.
         for name in ("upload", "save_optimizer_state"):
-            setattr(link, name, counted(getattr(link, name)))
+            setattr(link.uploader, name, counted(getattr(link.uploader, name)))
         learner.optimizer_state_tensors = wrap_timed(learner.optimizer_state_tensors, learner.timings, "optimizer_snapshot")
         learner.start_background_io()
 
@@ -228,7 +228,7 @@ class Platform:
         t0 = time.perf_counter()
         self.running.clear()
         deadline = time.monotonic() + timeout_s
-        while (not self.link._outbox.empty() or self.in_flight) and time.monotonic() < deadline:
+        while (self.link.outbox.qsize() or self.in_flight) and time.monotonic() < deadline:
             time.sleep(0.005)
         return time.perf_counter() - t0
 
@@ -239,7 +239,7 @@ class Platform:
         self.resume()
         self.learner.timings.clear()
         self.counts.update(sent=0, received=0)
-        upload_s0, bytes0 = self.link.upload_s, self.link.bytes_sent
+        upload_s0, bytes0 = self.link.uploader.upload_s, self.link.uploader.bytes_sent
         win = run_window(self.step, seconds, self.threads)
         drain_s = self.pause()
         return {
@@ -247,8 +247,8 @@ class Platform:
             "main_thread_s": dict(self.learner.timings),
             "sent": self.counts["sent"],
             "received": self.counts["received"],
-            "upload_thread_s": self.link.upload_s - upload_s0,
-            "bytes_sent": self.link.bytes_sent - bytes0,
+            "upload_thread_s": self.link.uploader.upload_s - upload_s0,
+            "bytes_sent": self.link.uploader.bytes_sent - bytes0,
             "drain_after_s": drain_s,
         }
 

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 
 from ddiloco.learner_worker.dist import Dist
 from ddiloco.learner_worker.learner import Learner, StepReport
-from ddiloco.learner_worker.link import LearnerLink, Outgoing, Upload
+from ddiloco.learner_worker.link import LearnerLink
+from ddiloco.learner_worker.outbox import Outgoing
+from ddiloco.learner_worker.uploader import Upload
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.ledger import open_ledger
 from ddiloco.platform.runtime import RunContext
@@ -60,7 +62,7 @@ class LinkFigures:
     """Steps spent at each cadence, keyed ``every/codec``."""
 
     def observe(self, link: LearnerLink, now: float) -> None:
-        waited = link.oldest_unsent_s(now)
+        waited = link.outbox.oldest_unsent_s(now)
         self.max_oldest_unsent_s = max(self.max_oldest_unsent_s, waited)
         self.queue_s += waited
         self.steps += 1
@@ -133,11 +135,10 @@ def sim_step(learner: Learner, now: float, tamper: Callable[[Outgoing], None] | 
     learner.link.poll()
     report = learner.step(now)
     if tamper is not None:
-        for item in list(learner.link._outbox.queue):
-            if isinstance(item, Outgoing):
-                tamper(item)
+        for out in learner.link.outbox.queued():
+            tamper(out)
     if pump:
-        learner.link.pump()
+        learner.link.uploader.pump()
     learner.heartbeat(now)
     return report
 
@@ -201,7 +202,7 @@ def run_inprocess(
     def start_upload(lid: str, t: float) -> None:
         """The learner's link takes what is queued; it is registered once its bytes have crossed the link."""
         link = run.learners[lid].link
-        up = link.begin_upload()
+        up = link.uploader.begin_upload()
         if up is None:
             return
         seconds = sum(sub.nbytes for sub in up.subs) / bandwidth[lid]
@@ -211,7 +212,7 @@ def run_inprocess(
     def retire(lid: str) -> None:
         """Fold a learner's link figures into the run's before it is replaced."""
         link = run.learners[lid].link
-        run.links[lid].coalesced += link.coalesced
+        run.links[lid].coalesced += link.outbox.coalesced
         run.links[lid].cadence_changes += link.cadence_changes
 
     for lid in speeds:
@@ -238,7 +239,7 @@ def run_inprocess(
         elif kind == "up":
             if lid in down:
                 run.down_s += t - down.pop(lid)
-                run.bytes_sent += run.learners[lid].link.bytes_sent
+                run.bytes_sent += run.learners[lid].link.uploader.bytes_sent
                 retire(lid)
                 in_flight.pop(lid, None)  # a transfer of the old incarnation died with it
                 run.learners[lid] = new_learner(lid)
@@ -248,7 +249,7 @@ def run_inprocess(
             if flight is None or flight[0] is not run.learners[lid].link or lid in down:
                 continue  # the learner went down while its bytes were on the way
             del in_flight[lid]
-            flight[0].finish_upload(flight[1], flight[2])
+            flight[0].uploader.finish_upload(flight[1], flight[2])
             start_upload(lid, t)
         elif kind == "step":
             if lid in down:
@@ -277,7 +278,7 @@ def run_inprocess(
     # Let the synchronizer merge what is still pending, as a real run's end does.
     for each in syncs:
         each.poll_once(clock.t, drain=True)
-    run.bytes_sent += sum(learner.link.bytes_sent for learner in run.learners.values())
+    run.bytes_sent += sum(learner.link.uploader.bytes_sent for learner in run.learners.values())
     run.tokens_trained = trained
     if eval_every_tokens:
         run.evals.append(_evaluate(run, trained))

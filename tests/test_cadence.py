@@ -19,7 +19,8 @@ from ddiloco.learner_worker.cadence import (
     measure_window_s,
     upload_share,
 )
-from ddiloco.learner_worker.link import CADENCE_EVENT, LinkMeter
+from ddiloco.learner_worker.link import CADENCE_EVENT
+from ddiloco.learner_worker.meter import LinkMeter
 from ddiloco.platform.config import ConfigError, build_config, codec_ladder, tokens_per_step
 
 pytestmark = pytest.mark.timeout(300)
@@ -270,7 +271,7 @@ def test_the_upload_thread_registers_a_slow_batch_as_it_goes():
     from support import sim_run
 
     from ddiloco.inprocess import SimClock, sim_learner, sim_step
-    from ddiloco.learner_worker.link import REGISTER_WITHIN_S
+    from ddiloco.learner_worker.uploader import REGISTER_WITHIN_S
     from ddiloco.platform.ledger.models import Submission
 
     registered_at = []
@@ -281,17 +282,17 @@ def test_the_upload_thread_registers_a_slow_batch_as_it_goes():
         for _ in range(4):  # one fragment is due a step: four sends wait in the queue
             clock.t += 1.0
             sim_step(learner, clock.t, pump=False)
-        link = learner.link
+        uploader = learner.link.uploader
 
         def transfer_clock(tick: float = tick, clock: SimClock = clock) -> float:
             """A slow link: every reading of the transfer clock finds the simulated time ``tick`` later."""
             clock.t += tick
             return clock.t
 
-        link.elapsed = transfer_clock
-        items = [link._outbox.get_nowait() for _ in range(4)]
-        link._taken(items)
-        link._handle(items)
+        uploader.elapsed = transfer_clock
+        items = uploader.outbox.take(4)
+        assert len(items) == 4
+        uploader.handle(items)
         with ctx.reading() as s:
             registered_at.append(s.scalars(select(Submission.created_at).where(Submission.learner_id == "us-0")).all())
         ctx.engine.dispose()

@@ -152,8 +152,8 @@ def test_learners_download_compact_versions_within_the_bound_and_fewer_bytes():
     assert all(r.compact_json for r in rows)
     assert max(h.version for h in heads.values()) > 8, "the base must have moved on at least twice"
     for learner in run.learners.values():
-        assert learner.link._bases, "a learner must hold bases"
-        for p, base in learner.link._bases.items():
+        assert learner.link.downloader._bases, "a learner must hold bases"
+        for p, base in learner.link.downloader._bases.items():
             assert base.version <= CompactRef.parse(heads[p].compact_json).base
     store = ctx.store()
     for head in heads.values():
@@ -165,8 +165,8 @@ def test_learners_download_compact_versions_within_the_bound_and_fewer_bytes():
         assert max(float((got[n] - exact[n]).abs().max()) for n in exact) <= bound * (1 + 1e-5) + 1e-6
     # What the learners fetched, against what every version they took would have cost whole: int8 deltas plus a
     # float32 base every 4 versions come to well under half.
-    received = sum(lr.link.bytes_received for lr in run.learners.values())
-    whole = sum(lr.link.bytes_if_whole for lr in run.learners.values())
+    received = sum(lr.link.downloader.bytes_received for lr in run.learners.values())
+    whole = sum(lr.link.downloader.bytes_if_whole for lr in run.learners.values())
     assert 0 < received < 0.6 * whole
 
 
@@ -223,7 +223,7 @@ def test_full_downloads_only_when_the_download_codec_is_none():
     with run.ctx.reading() as s:
         rows = s.scalars(select(FragmentVersion).where(FragmentVersion.run_id == run.ctx.run_id)).all()
     assert rows and all(r.compact_json is None for r in rows)
-    assert all(not lr.link._bases for lr in run.learners.values())
+    assert all(not lr.link.downloader._bases for lr in run.learners.values())
 
 
 def test_a_link_limited_learner_takes_each_fragment_once_per_send():
@@ -246,7 +246,8 @@ def test_a_link_limited_learner_takes_each_fragment_once_per_send():
         assert link.cadence.every > cfg.fragments.period, "the thin link must hold the learner to a longer period"
         # Without the rule each learner took nearly every version (75-79 of 77 when measured); with it, about one
         # per send, plus what it took in its first steps, before its link had shown it to be thin.
-        assert link.downloads < 0.5 * versions, (lid, link.downloads, versions)
-        assert link.downloads < 1.3 * sends[lid] + link.num_fragments, (lid, link.downloads, sends[lid])
+        down = link.downloader
+        assert down.downloads < 0.5 * versions, (lid, down.downloads, versions)
+        assert down.downloads < 1.3 * sends[lid] + link.num_fragments, (lid, down.downloads, sends[lid])
         # Its uploads went to int4, and so did its deltas (the synchronizer publishes each in int8 and int4).
-        assert link.cadence.codec == "int4" and link.delta_codecs.get("int4", 0) > link.delta_codecs.get("int8", 0), link.delta_codecs
+        assert link.cadence.codec == "int4" and down.delta_codecs.get("int4", 0) > down.delta_codecs.get("int8", 0), down.delta_codecs

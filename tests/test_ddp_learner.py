@@ -164,11 +164,11 @@ def _drive(learner, sync, clock, steps: int, other=None) -> list[float]:
             if other is not None:
                 other.link.poll()
                 other.step(clock.t)
-                other.link.pump()
+                other.link.uploader.pump()
         report = learner.step(clock.t)
         losses.append(report.loss)
         if learner.link is not None:
-            learner.link.pump()
+            learner.link.uploader.pump()
             sync.poll_once(clock.t)
     return losses
 

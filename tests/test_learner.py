@@ -64,7 +64,7 @@ def test_blend_on_receipt_moves_halfway():
 
 def _arrive(learner, p, tensors):
     """A newer global version of fragment p arrives and the next step applies it."""
-    learner.link._inbox[p] = (learner.base[p] + 1, tensors)
+    learner.link.downloader._inbox[p] = (learner.base[p] + 1, tensors)
     learner._receive(learner._agree(want_stop=False))
 
 
@@ -141,10 +141,11 @@ def test_a_slow_link_queues_one_blob_per_fragment_and_loses_no_token():
         clock.t += 1.0
         learner.link.poll()
         learner.step(clock.t)
-    assert learner.link._outbox.qsize() == P and learner.link.coalesced == 2 * P
-    assert learner.link.oldest_unsent_s(clock.t) == 3 * P - 1  # the first send, 3P - 1 steps ago
-    learner.link.pump()
-    assert learner.link.oldest_unsent_s(clock.t) == 0.0
+    outbox = learner.link.outbox
+    assert outbox.qsize() == P and outbox.coalesced == 2 * P
+    assert outbox.oldest_unsent_s(clock.t) == 3 * P - 1  # the first send, 3P - 1 steps ago
+    learner.link.uploader.pump()
+    assert outbox.oldest_unsent_s(clock.t) == 0.0
     with ctx.reading() as s:
         rows = s.query(Submission).filter(Submission.learner_id == "us-0").all()
         acct = q.token_accounting(s, ctx.run_id)

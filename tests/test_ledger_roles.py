@@ -224,7 +224,7 @@ def test_each_role_does_its_whole_job_through_the_real_code(ledger):
             sync.poll_once(clock.t)
         for learner in learners:  # a saved optimizer state is the learner's own row too
             learner.link.submit_state(learner.optimizer_state_tensors(), learner.step_count)
-            learner.link.pump()
+            learner.link.uploader.pump()
         assert max(st.version for st in sync.state.values()) >= 2
         assert sum(collect_garbage(sync_ctx)) > 0
         evaluate_and_record(context(ledger.login("evaluator")), clock.t)

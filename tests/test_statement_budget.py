@@ -79,7 +79,7 @@ def test_a_learner_step_is_one_transaction_of_at_most_three_statements(ledger_ur
                 for learner in learners:
                     counter.on = True
                     learner.step(clock.t)
-                    learner.link.pump()
+                    learner.link.uploader.pump()
                     learner.heartbeat(clock.t)
                     counter.on = False
                     steps += 1

@@ -11,6 +11,7 @@ synchronizer's policies: tests move time by editing numbers."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ class LinkRates:
 
 @dataclass(frozen=True)
 class QueueState:
-    """The upload queue as :meth:`LearnerLink.queue_state` reads it."""
+    """The upload queue as :meth:`~ddiloco.learner_worker.outbox.Outbox.queue_state` reads it."""
 
     depth: int
     """Fragments with an increment waiting to be uploaded."""
@@ -167,6 +168,20 @@ def choose_cadence(
         if roomy is not None and roomy < j:
             return Cadence(*ladder[roomy], f"link has room {link}: {say(ladder[roomy])}, under {policy.relax:g}", now)
     return current
+
+
+def link_report(cadence: Cadence, rates: LinkRates, *, adaptive: bool) -> str:
+    """A learner's link as it writes it to the ledger: the measured rates and the cadence in force with its reason."""
+
+    def num(x: float | None) -> float | None:
+        return None if x is None or not math.isfinite(x) else round(x, 1)
+
+    c, r = cadence, rates
+    return json.dumps({
+        "adaptive": adaptive, "every": c.every, "codec": c.codec, "reason": c.reason,
+        "since": round(c.since, 3), "up_bps": num(r.up_bps), "down_bps": num(r.down_bps),
+        "up_busy": round(r.up_busy, 3), "down_busy": round(r.down_busy, 3), "window_s": round(r.window_s, 1),
+    }, separators=(",", ":"))
 
 
 def _kb(nbytes: float) -> str:

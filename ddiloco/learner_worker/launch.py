@@ -95,8 +95,8 @@ def learner_figures(learner: Learner) -> LearnerFigures:
     step_s = learner.last_step_s
     return LearnerFigures(
         step=learner.step_count, tokens=learner.tokens_total, tokens_per_s=learner.last_tokens / step_s if step_s > 0 else 0.0,
-        loss=learner.last_loss, upload_queue=queued, sent_bytes=link.bytes_sent if link else 0,
-        received_bytes=link.bytes_received if link else 0, last_version=newest,
+        loss=learner.last_loss, upload_queue=queued, sent_bytes=link.uploader.bytes_sent if link else 0,
+        received_bytes=link.downloader.bytes_received if link else 0, last_version=newest,
     )
 
 
@@ -174,7 +174,7 @@ def run_learner(
     summary = JobSummary(
         learner_id=learner_id, incarnation=learner.incarnation, world_size=d.world, device=str(device),
         step_count=learner.step_count, tokens_total=learner.tokens_total, wall_s=time.monotonic() - t0,
-        figures={**learner.timings, "learner.upload": link.upload_s if link else 0.0},
+        figures={**learner.timings, "learner.upload": link.uploader.upload_s if link else 0.0},
     )
     if summary_path:
         Path(summary_path).write_text(json.dumps(asdict(summary)))

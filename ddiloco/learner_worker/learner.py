@@ -38,7 +38,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddiloco.learner_worker.cadence import Cadence, CadencePolicy, initial_cadence
 from ddiloco.learner_worker.device import Increment, autocast, resolve_device
 from ddiloco.learner_worker.dist import Dist, ensure_process_group
-from ddiloco.learner_worker.link import Arrival, HeartbeatStats, LearnerLink, Outgoing, Resume, Tensors
+from ddiloco.learner_worker.downloader import Arrival
+from ddiloco.learner_worker.link import HeartbeatStats, LearnerLink, Resume
+from ddiloco.learner_worker.outbox import Outgoing
 from ddiloco.learner_worker.parallel import (
     Layout,
     LocalPiece,
@@ -49,7 +51,7 @@ from ddiloco.learner_worker.parallel import (
     shard_replica,
 )
 from ddiloco.learner_worker.schedule import lr_factor, param_groups, schedule_steps
-from ddiloco.platform.compression import codec_nbytes
+from ddiloco.platform.compression import Tensors, codec_nbytes
 from ddiloco.platform.config import RunConfig, codec_ladder
 from ddiloco.platform.data import Batch, build_dataset
 from ddiloco.platform.faults import fault_point
@@ -241,9 +243,8 @@ class Learner:
             for f in parts
         ]
         if link is not None:
-            link.num_fragments = len(self.fragments)
-            link.world_size = self.dist.world
-            link.cadence_policy = cadence_policy(cfg, parts) if cfg.fragments.adaptive else None
+            link.configure(len(self.fragments), cadence_policy(cfg, parts) if cfg.fragments.adaptive else None,
+                           self.dist.world)
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model, cfg.inner.weight_decay), lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2)
         )
@@ -306,7 +307,7 @@ class Learner:
             log.info("learner %s rank %s resumes its data at micro-batch %s", self.id, self.dist.rank, resume.data_batches)
         self._batches = self.train_stream()
         if self.link is not None:
-            self.link.cadence = self.first_cadence(self.clock() if now is None else now)
+            self.link.set_cadence(self.first_cadence(self.clock() if now is None else now))
         self._receive(self._agree(want_stop=False))
         missing = [p for p, f in enumerate(self.fragments) if f.base < 0]
         if missing:
