@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
 
-NAMES = ("learner_overhead", "merge_throughput", "failover", "sync_sustain")
+NAMES = ("learner_overhead", "merge_throughput", "failover", "sync_sustain", "largest_model")
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +145,47 @@ def test_sync_sustain_quick(quick_runs):
     assert sync is not None and positive(sync["pass"]) and positive(sync["publish"])
     assert isinstance(p["keeps_up"], bool) and isinstance(p["conclusive"], bool)
     assert d["goal"]["one_shard_min"] == 16 and d["goal"]["scaling_min"] == 1.7
+
+
+def test_largest_model_quick(quick_runs):
+    d = load(quick_runs, "largest_model")
+    assert set(d["runs"]) == {"ddp", "fsdp"}
+    for par, run in d["runs"].items():
+        sizes = [r["params"] for r in run["tried"]]
+        assert len(sizes) == 3 and sizes == sorted(sizes), par
+        assert all(r["status"] == "trained" and positive(r["tokens_per_s"]) for r in run["tried"]), par
+        assert run["largest_trained"]["params"] == sizes[-1] and run["stopped_by"] == "sizes exhausted"
+    # No OOM on a CPU: both train the largest tiny size, and tokens/s is compared there.
+    c = d["comparison"]
+    assert c["largest_params_fsdp_vs_ddp"] == 1.0 and positive(c["tokens_per_s_fsdp_vs_ddp"])
+    assert c["tokens_per_s_compared_at_params"] == d["runs"]["ddp"]["largest_trained"]["params"]
+
+
+def test_learner_overhead_names_its_results_by_device_model_and_parallelism():
+    sys.path.insert(0, str(BENCH))
+    import learner_overhead as lo
+
+    assert lo.result_name("cpu", None, None) == "learner_overhead"  # the published names stay
+    assert lo.result_name("cuda", "demo", None) == "learner_overhead_cuda"
+    assert lo.result_name("cuda", "llama100m", "ddp") == "learner_overhead_cuda_llama100m_ddp"
+    cfg = lo.bench_config("x", model="llama100m", parallelism="fsdp")
+    assert (cfg.model.kind, cfg.model.seq_len, cfg.learners.batch_size, cfg.learners.parallelism) == ("hf", 1024, 8, "fsdp")
+    assert lo.bench_config("x", quick=True, model="llama100m", parallelism="ddp").learners.parallelism == "ddp"
+
+
+def test_gpu_suite_plan_fits_ten_minutes():
+    out = subprocess.run(["bash", str(BENCH / "gpu_suite.sh"), "--plan"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    caps = [int(c) for c in re.findall(r"cap\s+(\d+) s", out.stdout)]
+    total = int(re.search(r"sum of caps\s+(\d+) s", out.stdout).group(1))
+    assert len(caps) == 8 and sum(caps) == total <= 600
+
+
+def test_the_cuda_tests_plugin_keeps_only_the_gpu_tests():
+    env = {**os.environ, "PYTHONPATH": str(BENCH)}
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "cuda_tests", "tests/test_merge_math.py"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    kept = [line for line in out.stdout.splitlines() if "::" in line]
+    assert kept and all("cuda" in line for line in kept), kept
+    assert "deselected" in out.stdout

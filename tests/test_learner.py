@@ -6,7 +6,13 @@ import torch
 from support import sim_run
 
 from ddiloco.inprocess import sim_learner, sim_step
+from ddiloco.learner_worker.state import is_complete
 from ddiloco.platform.ledger import queries as q
+
+
+def _adamw_state(learner) -> dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in learner.model.named_parameters()}
+    return {f"{names[id(p)]}::{k}": v.detach().clone() for p, st in learner.optimizer.state.items() for k, v in st.items()}
 
 
 def test_restarted_learner_resumes_its_adamw_state_and_the_newest_global_version():
@@ -17,7 +23,7 @@ def test_restarted_learner_resumes_its_adamw_state_and_the_newest_global_version
         clock.t += 1.0
         sim_step(first, clock.t)
         sync.poll_once(clock.t)
-    saved = first.optimizer_state_tensors()
+    saved = _adamw_state(first)
     with ctx.transaction() as s:
         newest = q.latest_version_numbers(s, ctx.run_id)
     assert max(newest.values()) > 0
@@ -25,13 +31,14 @@ def test_restarted_learner_resumes_its_adamw_state_and_the_newest_global_version
     second.start(clock.t)
     assert second.incarnation == 1
     assert second.base == [newest[p] for p in range(cfg.fragments.count)]
-    restored = second.optimizer_state_tensors()
+    restored = _adamw_state(second)
     assert set(restored) == set(saved) and len(saved) > 0
     for key, value in saved.items():
         torch.testing.assert_close(restored[key], value)
-    # Only the newest saved state is kept in the store.
-    states = ctx.store("us").list(f"{ctx.run_id}/learners/us-0")
-    assert len(states) == 1 and states[0].endswith("optim-i0-s10.safetensors")
+    # Only the newest saved state is kept in the store: one checkpoint directory, complete.
+    states = {k.rsplit("/", 1)[0] for k in ctx.store("us").list(f"{ctx.run_id}/learners/us-0")}
+    assert states == {f"{ctx.run_id}/learners/us-0/i0-s10"}
+    assert is_complete(f"{ctx.store('us').url}/{ctx.run_id}/learners/us-0/i0-s10")
 
 
 def test_late_joiner_starts_from_the_newest_global_state():

@@ -197,7 +197,7 @@ def test_id_with_trailing_newline_is_refused():
 def test_key_builders_accept_good_ids():
     assert ids.global_key("run-1", 3, 7) == "run-1/global/f3/v7.safetensors"
     assert ids.submission_key("r", 2, "us-0", "a1b2") == "r/submissions/f2/us-0/a1b2.safetensors"
-    assert ids.learner_state_key("r", "eu_1", "s.3") == "r/learners/eu_1/s.3.safetensors"
+    assert ids.learner_state_key("r", "eu_1", "s.3") == "r/learners/eu_1/s.3"
     assert ids.outer_state_key("r", 0, 0) == "r/outer/f0/v0.safetensors"
 
 

@@ -51,12 +51,14 @@ from ddiloco.learner_worker.parallel import (
     shard_replica,
 )
 from ddiloco.learner_worker.schedule import lr_factor, param_groups, schedule_steps
+from ddiloco.learner_worker.state import StateError, load_state, save_state
 from ddiloco.platform.compression import Tensors, codec_nbytes
 from ddiloco.platform.config import RunConfig, codec_ladder
 from ddiloco.platform.data import Batch, build_dataset
 from ddiloco.platform.faults import fault_point
 from ddiloco.platform.fragments import Fragment, due_fragments, partition_module
 from ddiloco.platform.models import build_model, compute_loss
+from ddiloco.platform.redact import redact_url
 from ddiloco.platform.spans import span
 
 log = logging.getLogger("ddiloco.learner")
@@ -296,8 +298,8 @@ class Learner:
             self.incarnation = self.link.incarnation
         shared = self.dist.broadcast_object((self.incarnation, resume))
         self.incarnation, resume = int(shared[0]), shared[1]
-        if resume.optimizer:
-            self.load_optimizer_tensors(resume.optimizer)
+        if resume.state_url:
+            self.load_state(resume.state_url)
         self.batches_drawn = resume.data_batches
         self.schedule_offset = resume.data_batches // self.cfg.inner.grad_accum_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -400,8 +402,8 @@ class Learner:
             for p in sent:
                 self.send(p, now)
         every = self.cfg.learners.save_optimizer_every
-        if every and self.step_count % every == 0 and self.link is not None:
-            self.link.submit_state(self.optimizer_state_tensors(), self.step_count)
+        if every and self.step_count % every == 0:
+            self.save_state()
         return StepReport(self.step_count, loss, tokens, submitted=sent, received=received, compute_s=compute_s)
 
     def due(self, every: int) -> list[int]:
@@ -546,27 +548,35 @@ class Learner:
         event.record(torch.cuda.current_stream(self.device))
         return event, self.encode_stream
 
-    # --- optimizer state ------------------------------------------------------------------------
+    # --- learner state -------------------------------------------------------------------------
 
-    def optimizer_state_tensors(self) -> Tensors:
-        """AdamW's per-parameter state as named host tensors (safetensors, not pickle)."""
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        out = {}
-        for p, st in self.optimizer.state.items():
-            for key, value in st.items():
-                if torch.is_tensor(value):
-                    out[f"{names[id(p)]}::{key}"] = value.detach().to("cpu", copy=True)
-        return out
+    def _state_group(self) -> object | None:
+        return self.dist.control if self.dist.world > 1 else None
 
-    def load_optimizer_tensors(self, tensors: Tensors) -> None:
-        """Resume AdamW from saved state; moments go next to their parameter, the scalar ``step`` stays on the host."""
-        for name, p in self.model.named_parameters():
-            st = {k.split("::", 1)[1]: v for k, v in tensors.items() if k.split("::", 1)[0] == name}
-            for key, value in st.items():
-                if value.dim() > 0:
-                    st[key] = value.to(p.device)
-            if st:
-                self.optimizer.state[p] = st
+    def save_state(self) -> None:
+        """Every rank, together: AdamW's state (and the model's) through torch.distributed.checkpoint into the
+        learner's own prefix of its store, each rank writing its own shards; then rank 0 points the learner's
+        row at it. A failed save only costs a colder restart: it is logged, and training goes on."""
+        url = self.dist.broadcast_object(self.link.state_url(self.step_count) if self.link is not None else None)
+        try:
+            with span("learner.save_state", into=self.timings):
+                save_state(url, self.model, self.optimizer, {"step": self.step_count, "data_batches": self.batches_drawn},
+                           process_group=self._state_group(), storage_options=self.cfg.storage.fsspec_options())
+        except StateError as err:
+            log.warning("learner %s rank %s: saving its state failed (%s)", self.id, self.dist.rank, err)
+            return
+        if self.link is not None:
+            self.link.state_saved(url)
+
+    def load_state(self, url: str) -> None:
+        """Every rank, together: AdamW's state from the newest save, resharded to this job's ranks (it may have
+        had another world size or parallelism). The model's parameters are taken from the global versions next."""
+        try:
+            load_state(url, self.model, self.optimizer, process_group=self._state_group(),
+                       storage_options=self.cfg.storage.fsspec_options())
+            log.info("learner %s rank %s resumes AdamW from %s", self.id, self.dist.rank, redact_url(url))
+        except StateError as err:
+            log.warning("learner %s rank %s: %s; starting AdamW afresh", self.id, self.dist.rank, err)
 
     # --- heartbeats and figures -----------------------------------------------------------------
 

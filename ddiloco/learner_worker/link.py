@@ -21,7 +21,7 @@ from ddiloco.learner_worker.downloader import Arrival, Downloader
 from ddiloco.learner_worker.meter import LinkMeter
 from ddiloco.learner_worker.outbox import Outbox, Outgoing
 from ddiloco.learner_worker.uploader import Uploader
-from ddiloco.platform.compression import Tensors
+from ddiloco.platform.ids import learner_state_key
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.models import Learner as LearnerRow
 from ddiloco.platform.runtime import RunContext, ledger_retry, to_datetime
@@ -29,6 +29,9 @@ from ddiloco.platform.spans import span
 from ddiloco.platform.store import StoreError
 
 log = logging.getLogger("ddiloco.learner")
+
+STATE_FORMAT = "dcp"
+"""What the learner row records beside its state's key: the state is a torch.distributed.checkpoint directory."""
 
 CADENCE_EVENT = "link_cadence"
 """The event a learner records when it changes its send period or codec."""
@@ -52,8 +55,8 @@ class HeartbeatStats:
 class Resume:
     """What a new incarnation takes over from the previous ones."""
 
-    optimizer: Tensors | None = None
-    """The newest saved AdamW state, if any could be read."""
+    state_url: str | None = None
+    """Where the newest saved state of this learner is (a torch.distributed.checkpoint directory), if any."""
     data_batches: int = 0
     """Micro-batches each rank had drawn at the newest registered submission: where the data goes on."""
 
@@ -133,16 +136,30 @@ class LearnerLink:
                 world_size=self.world_size, max_world_size=self.ctx.cfg.learners.max_world_size,
             )
             row = s.get(LearnerRow, (self.ctx.run_id, self.learner_id))
-            key, sha = (row.optimizer_state_key, row.optimizer_state_sha256) if row else (None, None)
+            key = row.optimizer_state_key if row else None
             position = row.data_batches if row is not None and row.data_batches is not None else 0
         self._last_heartbeat = None
         resume = Resume(data_batches=max(0, int(position)))
-        if key and sha and self.incarnation > 0:
-            try:
-                resume.optimizer = self.ctx.store(self.region).get(key, sha)
-            except StoreError as err:
-                log.warning("optimizer state %s unreadable (%s): starting AdamW afresh", key, err)
+        if key and self.incarnation > 0:
+            resume.state_url = f"{self.ctx.store(self.region).url}/{key}"
         return resume
+
+    def state_url(self, step: int) -> str:
+        """Where this incarnation saves its state at ``step`` (under the learner's own prefix of its store)."""
+        key = learner_state_key(self.ctx.run_id, self.learner_id, f"i{self.incarnation}-s{step}")
+        return f"{self.ctx.store(self.region).url}/{key}"
+
+    def state_saved(self, url: str) -> None:
+        """Point the learner's row at the state just saved at ``url``; the one it replaces is deleted."""
+        store = self.ctx.store(self.region)
+        key = url.removeprefix(store.url + "/")
+        with self.ctx.transaction() as s:
+            old = q.set_optimizer_state(s, self.ctx.run_id, self.learner_id, key, STATE_FORMAT)
+        if old and old != key:
+            try:
+                store.delete_tree(old)
+            except (OSError, StoreError) as err:  # a leftover only costs space (an IAM policy may forbid it)
+                log.warning("could not delete the replaced state %s: %s", old, err)
 
     def join_when_ready(self, timeout_s: float, now: Callable[[], float]) -> Resume:
         """:meth:`join`, retrying while the synchronizer has not yet published version 0."""
@@ -227,10 +244,6 @@ class LearnerLink:
         """Queue a fragment's increment; one whose earlier upload failed goes out with it."""
         self.downloader.sent(out.fragment, await_merge=await_merge)
         self.outbox.submit(out)
-
-    def submit_state(self, tensors: Tensors, step: int) -> None:
-        """Queue AdamW's state for saving, in order with the uploads."""
-        self.outbox.submit_state(tensors, step)
 
     def take_arrivals(self) -> tuple[dict[int, Arrival], set[int]]:
         """The fragments that arrived since the last call, and those still awaited (overlap 0)."""

@@ -73,16 +73,8 @@ class Outgoing:
             self.data_batches = older.data_batches
 
 
-@dataclass
-class SavedState:
-    """AdamW's state queued for saving, in order with the uploads."""
-
-    tensors: Tensors
-    step: int
-
-
-Item = Outgoing | SavedState | None
-"""What the outbox holds: a submission, a state to save, or the stop marker (None)."""
+Item = Outgoing | None
+"""What the outbox holds: a submission, or the stop marker (None)."""
 
 
 class Outbox:
@@ -119,10 +111,6 @@ class Outbox:
             self._queued[out.fragment] = out
             self._queued_since[out.fragment] = out.created_at
         self._queue.put(out)
-
-    def submit_state(self, tensors: Tensors, step: int) -> None:
-        """Queue AdamW's state for saving, in order with the uploads."""
-        self._queue.put(SavedState(tensors, step))
 
     def close(self) -> None:
         """Queue the stop marker: the upload ends once it has taken everything before it."""

@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ddiloco.learner_worker.meter import LinkMeter
-from ddiloco.learner_worker.outbox import Item, Outbox, Outgoing, SavedState
+from ddiloco.learner_worker.outbox import Item, Outbox, Outgoing
 from ddiloco.platform.compression import encode_delta
 from ddiloco.platform.faults import fault_point
-from ddiloco.platform.ids import learner_state_key, submission_key
+from ddiloco.platform.ids import submission_key
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.spans import span
@@ -90,13 +90,7 @@ class Uploader:
             self.handle(items)
 
     def handle(self, items: list[Item]) -> bool:
-        """Save states and upload submissions; True when the stop marker was among them."""
-        for item in items:
-            if isinstance(item, SavedState):
-                try:
-                    self.save_optimizer_state(item)
-                except Exception:  # noqa: BLE001 - a missed save only costs a colder restart
-                    log.exception("saving the optimizer state failed")
+        """Upload submissions; True when the stop marker was among them."""
         outs = [item for item in items if isinstance(item, Outgoing)]
         if outs:
             registered: list[Outgoing] = []
@@ -154,14 +148,13 @@ class Uploader:
         return subs
 
     def begin_upload(self) -> Upload | None:
-        """Take the oldest queued submission (saving any state queued before it) and write its blob: an upload
+        """Take the oldest queued submission and write its blob: an upload
         whose transfer a simulation times on its own clock, then ends with :meth:`finish_upload` (None: nothing
         queued). One blob at a time: a blob whose transfer takes :data:`REGISTER_WITHIN_S` or longer is registered
         on its own by the upload thread too."""
         items = self.outbox.take_submission()
         if not items:
             return None
-        self.handle([item for item in items if isinstance(item, SavedState)])
         outs = [item for item in items if isinstance(item, Outgoing)]
         token = self.meter.begin("up", self.ctx.now())
         try:
@@ -183,13 +176,3 @@ class Uploader:
             self.failed(up.outs)
             return
         self.bytes_sent += sum(sub.nbytes for sub in up.subs)
-
-    def save_optimizer_state(self, state: SavedState) -> None:
-        """Write AdamW's state and point the learner's row to it; the one it replaces is deleted."""
-        store = self.ctx.store(self.region)
-        key = learner_state_key(self.ctx.run_id, self.learner_id, f"optim-i{self.incarnation()}-s{state.step}")
-        blob = store.put(key, state.tensors)
-        with self.ctx.transaction() as s:
-            old = q.set_optimizer_state(s, self.ctx.run_id, self.learner_id, blob.key, blob.sha256)
-        if old and old != blob.key:
-            store.delete(old)

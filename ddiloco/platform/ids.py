@@ -50,4 +50,5 @@ def submission_key(run: str, fragment: int, learner: str, uid: str) -> str:
 
 
 def learner_state_key(run: str, learner: str, uid: str) -> str:
-    return f"{validate_id(run, 'run')}/learners/{validate_id(learner, 'learner')}/{validate_id(uid, 'state id')}.safetensors"
+    """A learner's saved state: a directory of torch.distributed.checkpoint files (see learner_worker/state.py)."""
+    return f"{validate_id(run, 'run')}/learners/{validate_id(learner, 'learner')}/{validate_id(uid, 'state id')}"

@@ -276,6 +276,14 @@ class FragmentStore:
         except FileNotFoundError:
             pass
 
+    @_retry
+    def delete_tree(self, key: str) -> None:
+        """Delete a directory of blobs (a learner's checkpoint) and everything under it."""
+        try:
+            self.fs.rm(self.path(key), recursive=True)
+        except FileNotFoundError:
+            pass
+
     def list(self, prefix: str = "") -> list[str]:
         base = self.root + ("/" + prefix.strip("/") if prefix else "")
         try:
