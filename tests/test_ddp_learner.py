@@ -382,8 +382,15 @@ def _submissions(run: ProcessRun, prefix: str = "") -> list:
         return list(s.scalars(select(Submission).where(Submission.run_id == run.cfg.name, Submission.uid.like(f"{prefix}%"))))
 
 
+def _state_key(run: ProcessRun) -> str | None:
+    with run.ctx.transaction() as s:
+        return s.get(LearnerRow, (run.cfg.name, "us-0")).optimizer_state_key
+
+
 @pytest.mark.slow
 def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
+    """A 2-rank FSDP learner loses a rank: the relaunched job resumes AdamW from its DCP state and its data from the
+    newest registered submission; a later 1-rank job loads the same state resharded and goes on."""
     cfg = tiny_config(
         name="ddpkill",
         learners={
@@ -392,6 +399,8 @@ def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
             "heartbeat_s": 0.5,
             "poll_s": 0.2,
             "dead_after_s": 5.0,
+            "parallelism": "fsdp",
+            "save_optimizer_every": 3,
         },
         fragments={"count": 4, "overlap": 2},
         synchronizer={
@@ -412,6 +421,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
         job = run.start("us-0", ["learner", "--learner", "us-0", "--nproc-per-node", "2"])
         jobs.append(job)
         wait_for(lambda: len(_submissions(run, "i0-")) >= 3, 120, "the 2-rank learner's first submissions")
+        wait_for(lambda: _state_key(run) is not None, 60, "the 2-rank learner's first saved state")
         ranks = wait_for(lambda: len(_rank_pids(job.pid)) == 2 and _rank_pids(job.pid), 10, "two rank processes")
         with run.ctx.transaction() as s:
             row = s.get(LearnerRow, ("ddpkill", "us-0"))
@@ -428,6 +438,8 @@ def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
         before = _submissions(run)
         with run.ctx.transaction() as s:
             assert q.token_accounting(s, "ddpkill").balanced
+            position = s.get(LearnerRow, ("ddpkill", "us-0")).data_batches
+        assert position and position > 0
 
         # The supervisor's move: relaunch the job (it rejoins from the newest global state and, with
         # --max-steps, ends cleanly). While it starts, check what the failed job left in the ledger.
@@ -455,6 +467,23 @@ def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
             assert q.token_accounting(s, "ddpkill").balanced
             kinds = [e.kind for e in q.events(s, "ddpkill")]
         assert "learner_restarted" in kinds
+        # The relaunch resumed AdamW from the killed job's DCP state, and its data where the newest registered
+        # submission left it: no micro-batch is trained twice.
+        relaunched = run.log("us-0-relaunch")
+        assert relaunched.count("resumes AdamW from") == 2, relaunched[-3000:]
+        assert f"resumes its data at micro-batch {position}" in relaunched
+        state = _state_key(run)
+        assert state is not None and state.endswith("/i1-s12"), state
+
+        # A job of another world size (one rank) loads that state resharded and goes on.
+        single = run.start("us-0-single", ["learner", "--learner", "us-0", "--nproc-per-node", "1", "--max-steps", "4"])
+        jobs.append(single)
+        code = single.wait(timeout=120)
+        assert code == 0, run.log("us-0-single")[-3000:]
+        assert "resumes AdamW from" in run.log("us-0-single") and "starting AdamW afresh" not in run.log("us-0-single")
+        assert len(_submissions(run, "i2-")) == 4
+        with run.ctx.transaction() as s:
+            assert s.get(LearnerRow, ("ddpkill", "us-0")).world_size == 1
     finally:
         for j in jobs:
             if j.poll() is None:
