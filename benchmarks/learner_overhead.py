@@ -28,7 +28,21 @@ Goal: platform tokens/s >= 0.95 x bare tokens/s (median of the per-pair ratios).
 the step, as the learner does) and writes learner_overhead_cuda.json: on a GPU a step takes
 milliseconds, so whatever the platform adds on the main thread weighs far more than on a CPU.
 
+``--model llama100m`` trains sync_sustain's 100 M-parameter Hugging Face Llama (d 768, 12 layers,
+vocabulary 32,000, seq 1024; batch 8, 8,192 tokens a step), built from an inline LlamaConfig (no
+download; --quick: a tiny Llama of the same code path). ``--parallelism ddp|fsdp|hsdp`` sets
+``learners.parallelism`` of the learner's RunConfig (ddp, the default, is left out of the config, so
+that run is the default config); the bare loop stays a plain model (at world 1 the learner's ddp
+wraps nothing either, so for fsdp the ratio includes what the wrapper costs). Results go to
+``learner_overhead[_cuda][_<model>_<parallelism>].json``: the suffix only when --model or
+--parallelism is given (``--model demo`` without --parallelism keeps the published names).
+
+Host copies are counted per platform step: the float32 bytes of the fragment increments sent beside
+the encoded bytes uploaded, received fragments handed to the main thread (host tensors, copied to the
+device on a GPU) and the learner's state saves (model and AdamW, every learners.save_optimizer_every steps).
+
     python benchmarks/learner_overhead.py [--quick] [--windows 6] [--window-s 8] [--device cpu|cuda]
+        [--model demo|llama100m] [--parallelism ddp|fsdp|hsdp]
 """
 
 from __future__ import annotations
@@ -55,9 +69,9 @@ from common import (
     process_cpu_s,
     thread_sched,
     verdict,
-    wrap_timed,
     write_results,
 )
+from sync_sustain import LLAMA_100M
 
 from ddiloco.learner_worker.device import autocast, resolve_device
 from ddiloco.learner_worker.learner import Learner
@@ -74,20 +88,55 @@ GOAL_RATIO = 0.95
 LEARNER = "us-0"
 
 
-def bench_config(name: str, quick: bool = False, device: str = "cpu"):
-    data: dict = {
-        "name": name,
-        "learners": {"regions": [{"name": "us", "learners": 1}], "device": device},
-    }
+MODELS = ("demo", "llama100m")
+QUICK_LLAMA = {
+    "kind": "hf", "vocab_size": 512, "seq_len": 64,
+    "hf_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": True},
+}
+"""--quick --model llama100m: the same code path (transformers' Llama) at a size that steps in milliseconds on a CPU."""
+LLAMA_BATCH = 8
+"""Sequences a step for llama100m: 8 x 1024 = 8,192 tokens, sync_sustain's step."""
+
+
+def bench_config(name: str, quick: bool = False, device: str = "cpu", model: str = "demo", parallelism: str | None = None):
+    learners: dict = {"regions": [{"name": "us", "learners": 1}], "device": device}
+    data: dict = {"name": name, "learners": learners}
     if quick:
         # --quick only checks the benchmark works: a small model and P = 4 start in a few seconds.
         data.update(
             model={"n_layer": 1, "d_model": 64, "n_head": 2, "seq_len": 64},
             data={"max_bytes": 400_000, "val_batches": 2},
-            learners={"regions": [{"name": "us", "learners": 1}], "batch_size": 8, "device": device},
             fragments={"count": 4},
         )
+        learners["batch_size"] = 8
+    if model == "llama100m":
+        data["model"] = QUICK_LLAMA if quick else LLAMA_100M
+        learners["batch_size"] = 8 if quick else LLAMA_BATCH
+    if parallelism is not None and parallelism != "ddp":
+        # ddp is LearnersConfig's default: a ddp run is the default config, left as it is.
+        learners["parallelism"] = parallelism
     return build_config(data)
+
+
+def result_name(device: str, model: str | None, parallelism: str | None) -> str:
+    """learner_overhead[_cuda][_<model>_<parallelism>]: the published demo-model names stay as they were."""
+    name = NAME if device == "cpu" else f"{NAME}_{device}"
+    if model not in (None, "demo") or parallelism is not None:
+        name += f"_{model or 'demo'}_{parallelism or 'ddp'}"
+    return name
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform as host
+
+    return f"cpu ({host.processor() or host.machine()})"
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class Bare:
@@ -203,11 +252,30 @@ class Platform:
 
         link.poll = gated_poll
         link.heartbeat = gated_heartbeat
-        # Whatever the upload thread calls (a batch of uploads, an optimizer-state save) counts as in flight.
-        for name in ("upload", "save_optimizer_state"):
-            setattr(link.uploader, name, counted(getattr(link.uploader, name)))
-        learner.optimizer_state_tensors = wrap_timed(learner.optimizer_state_tensors, learner.timings, "optimizer_snapshot")
+        # A batch of uploads on the upload thread counts as in flight (the learner's state is saved on its main thread).
+        link.uploader.upload = counted(link.uploader.upload)
+        self._count_host_copies()
         learner.start_background_io()
+
+    def _count_host_copies(self) -> None:
+        """Bytes the learner moves between the model and host memory (instance patches; the learner is unchanged)."""
+        self.copied = dict.fromkeys(("increments_fp32", "received_from_host", "state_save"), 0)
+        learner, link = self.learner, self.link
+        self.fragment_bytes = [nbytes(f.tensors.values()) for f in learner.fragments]
+        take, save = link.take_arrivals, learner.save_state
+
+        def taken():
+            arrived, awaiting = take()
+            self.copied["received_from_host"] += nbytes(t for _, ts in arrived.values() for t in ts.values())
+            return arrived, awaiting
+
+        def saved() -> None:
+            save()
+            # What a save writes: the model and AdamW's state (this rank's shards), through host memory.
+            state = [t for st in learner.optimizer.state.values() for t in st.values() if torch.is_tensor(t)]
+            self.copied["state_save"] += nbytes(learner.model.parameters()) + nbytes(state)
+
+        link.take_arrivals, learner.save_state = taken, saved
 
     @property
     def threads(self) -> list[int]:
@@ -218,6 +286,7 @@ class Platform:
         report = self.learner.step()
         self.learner.timings["step"] = self.learner.timings.get("step", 0.0) + time.perf_counter() - t0
         self.counts["sent"] += len(report.submitted)
+        self.copied["increments_fp32"] += sum(self.fragment_bytes[p] for p in report.submitted)
         self.counts["received"] += len(report.received)
         if report.waiting:  # overlap 0 only; not the default
             self.link.wait_for_awaited(1.0)
@@ -239,11 +308,13 @@ class Platform:
         self.resume()
         self.learner.timings.clear()
         self.counts.update(sent=0, received=0)
+        self.copied.update(dict.fromkeys(self.copied, 0))
         upload_s0, bytes0 = self.link.uploader.upload_s, self.link.uploader.bytes_sent
         win = run_window(self.step, seconds, self.threads)
         drain_s = self.pause()
         return {
             **win,
+            "host_copies": dict(self.copied),
             "main_thread_s": dict(self.learner.timings),
             "sent": self.counts["sent"],
             "received": self.counts["received"],
@@ -264,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-s", type=float, default=10.0, help="untimed platform window before the pairs")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (ledger, store, synchronizer log)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the learner and the bare loop train")
+    ap.add_argument("--model", choices=MODELS, default=None, help="demo (the default ModelConfig) or llama100m (Hugging Face Llama)")
+    ap.add_argument("--parallelism", choices=("ddp", "fsdp", "hsdp"), default=None,
+                    help="learners.parallelism of the learner (default: the config's, ddp)")
     args = ap.parse_args(argv)
     exit_on_sigterm()
     if args.quick:
@@ -271,9 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     tmp = Path(tempfile.mkdtemp(prefix="learner-overhead-"))
-    run = ProcessRun(tmp, bench_config("overhead", args.quick, args.device))
+    run = ProcessRun(tmp, bench_config("overhead", args.quick, args.device, args.model or "demo", args.parallelism))
     cfg = run.cfg
-    name = NAME if args.device == "cpu" else f"{NAME}_{args.device}"
+    name = result_name(args.device, args.model, args.parallelism)
     results = header(name, args)
     platform = None
     try:
@@ -288,8 +362,10 @@ def main(argv: list[str] | None = None) -> int:
                 return len(q.latest_version_numbers(s, run.ctx.run_id)) == cfg.fragments.count
 
         wait_for(v0_published, 120, "the synchronizer to publish version 0")
+        n_params = sum(p.numel() for p in bare.model.parameters())
         print(
-            f"model: {sum(p.numel() for p in bare.model.parameters()) / 1e6:.2f} M params, batch {cfg.learners.batch_size} x "
+            f"model {args.model or 'demo'}: {n_params / 1e6:.2f} M params on {device_name(bare.device)}, "
+            f"parallelism {args.parallelism or 'ddp (default)'}, batch {cfg.learners.batch_size} x "
             f"seq {cfg.model.seq_len}; P = {cfg.fragments.count}, codec {cfg.compression.codec}; torch threads {torch.get_num_threads()}; "
             f"{args.windows} pairs of {args.window_s:.1f}s windows"
         )
@@ -339,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             "train_step": "learner.train_step",
             "send": "learner.send",
             "apply_received": "learner.apply",
-            "optimizer_snapshot": "optimizer_snapshot",
+            "save_state": "learner.save_state",
         }
         accounted = sum(mt_total.get(span, 0.0) for span in parts.values())
         share = {k: mt_total.get(span, 0.0) / step_s for k, span in parts.items()}
@@ -377,11 +453,20 @@ def main(argv: list[str] | None = None) -> int:
                 return None
             return sum(w["tokens"] for w in ws) / sum(w["elapsed_s"] - w["main_thread"]["runqueue_wait_s"] for w in ws)
 
+        copied = {k: sum(p["platform"]["host_copies"][k] for p in pairs) for k in pairs[0]["platform"]["host_copies"]}
+        copied["uploaded_encoded"] = sum(p["platform"]["bytes_sent"] for p in pairs)
+        host_bytes = {k: round(v / plat_steps) for k, v in copied.items()}
+
         rb, rp = off_queue_rate("bare"), off_queue_rate("platform")
         ratio_off_queue = rp / rb if rb and rp else None
         ok = med >= GOAL_RATIO
         results.update(
             {
+                "model_name": args.model or "demo",
+                "model_params": n_params,
+                "parallelism": args.parallelism or "ddp",
+                "parallelism_note": "learners.parallelism of the platform learner; the bare loop is a plain model",
+                "device_name": device_name(bare.device),
                 "model": cfg.model.model_dump(),
                 "batch_size": cfg.learners.batch_size,
                 "fragments": cfg.fragments.count,
@@ -425,6 +510,13 @@ def main(argv: list[str] | None = None) -> int:
                 "waiting for a CPU (machine oversubscribed), blocked_ms neither (GIL, locks, I/O); *_cpu_share: CPU "
                 "seconds per wall second of the learner's background threads / the synchronizer process; machine_busy_cores: "
                 "all processes on the machine",
+                "host_bytes_per_step": host_bytes,
+                "host_bytes_per_step_note": "per platform step: increments_fp32 = float32 bytes of the fragment increments "
+                "sent (what copying them to host memory would move), uploaded_encoded = the encoded blob bytes written (what "
+                "reaches host memory when the learner encodes on its device), received_from_host = received fragments the main "
+                "thread folds in (decoded in host memory, copied to the device on a GPU), state_save = the model and AdamW state "
+                "copied to host memory for restarts",
+                "main_thread_blocked_ms_per_step": {k: split[k].get("blocked_ms") for k in split},
                 "fragments_sent": sent,
                 "fragments_received": received,
                 "goal": {"ratio_min": GOAL_RATIO, "measure": "median of per-pair ratios", "pass": ok},
@@ -439,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ratio excluding the main thread's run-queue wait (a machine with a core to spare): {ratio_off_queue:.3f}")
         print(
             f"platform main thread: train_step {share['train_step']:.1%}, send {share['send']:.2%}, "
-            f"apply_received {share['apply_received']:.2%}, optimizer snapshot {share['optimizer_snapshot']:.2%}, "
+            f"apply_received {share['apply_received']:.2%}, state save {share['save_state']:.2%}, "
             f"other {share['other_in_step']:.2%} of step time"
         )
         print(
@@ -447,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
             f"(x{train_step_s / bare_step_s:.3f}); send {results['per_step_ms']['send']:.2f} ms/fragment, "
             f"apply {results['per_step_ms']['apply_received_per_fragment']:.2f} ms/fragment; {sent} sent, {received} received"
         )
+        print("host bytes per platform step: " + ", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in host_bytes.items()))
         for kind in ("bare", "platform"):
             sp = split[kind]
             if sp:

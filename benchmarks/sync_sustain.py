@@ -8,7 +8,8 @@ vocabulary 32,000, tied embeddings; 100.09 M parameters in P = 24 fragments). Ev
   * the synchronizer(s): ``python -m ddiloco synchronizer --shard k`` processes (one per shard), the
     shipped code, wrapped only to count where their time goes (named spans plus timers around store,
     ledger, decode and merge calls; nothing patched changes behaviour);
-  * the ledger: a scratch database on the local PostgreSQL server, durable commits;
+  * the ledger: a scratch database on the local PostgreSQL server (or $DDILOCO_TEST_POSTGRES_URL's; without
+    either, a throwaway cluster when initdb is installed), durable commits;
   * the blobs: a ``file://`` store in a temp dir (``--store s3``: moto's S3 server in its own process,
     through s3fs, which is itself slow — its figures measure moto as much as the synchronizer).
 
@@ -822,13 +823,18 @@ def main(argv: list[str] | None = None) -> int:
         write_results(NAME, results, str(path) if path else None)
         return points, summary
 
-    for shards in shard_counts:
-        for n in learner_counts:
-            p = run_point(args, n, shards, {})
-            new.append(p)
-            points, summary = save()
-            if not args.all and not args.quick and not (p["keeps_up"] and p["conclusive"]):
-                break
+    with ExitStack() as stack:
+        why = postgres_server(stack)
+        if why:
+            print(f"sync_sustain: no PostgreSQL server to put the ledger on: {why}", flush=True)
+            return 2
+        for shards in shard_counts:
+            for n in learner_counts:
+                p = run_point(args, n, shards, {})
+                new.append(p)
+                points, summary = save()
+                if not args.all and not args.quick and not (p["keeps_up"] and p["conclusive"]):
+                    break
     print("\nlearners x shards -> backlog first->last, median staleness, merges/s, served, keeps up?")
     for p in points:
         b = p["backlog"]
@@ -849,6 +855,28 @@ def main(argv: list[str] | None = None) -> int:
           f"two shards >= {GOAL_SCALING}x one: {verdict(g['scaling_pass'])} (ratio {g['ratio_two_vs_one']})")
     print(f"load: {results['uptime_start']} at start; {results['uptime_end']} at end")
     return 0
+
+
+def postgres_server(stack: ExitStack) -> str | None:
+    """None when the ledger's server is usable: $DDILOCO_TEST_POSTGRES_URL, the local one, or else (no URL set) a
+    throwaway cluster started here and stopped with ``stack`` (a GPU machine has no server); else why not."""
+    from ddiloco.testing import postgres
+    from ddiloco.testing.s3 import environment
+
+    url = postgres.server_url()
+    reason = postgres.unreachable(url)
+    if reason is None:
+        return None
+    if os.environ.get(postgres.SERVER_URL_ENV):
+        return f"{url}: {reason}"
+    try:
+        cluster = postgres.ThrowawayCluster.start()
+    except RuntimeError as err:
+        return f"{url}: {reason}; {err}"
+    stack.callback(cluster.stop)
+    stack.enter_context(environment({postgres.SERVER_URL_ENV: cluster.url}))
+    print(f"sync_sustain: the ledger's server is a throwaway cluster ({url}: {reason})", flush=True)
+    return None
 
 
 def _dirty_runtime_files() -> list[str]:

@@ -96,7 +96,7 @@ def test_learner_overhead_quick(quick_runs):
         assert 0.2 < p["ratio"] < 5
     assert 0.2 < d["ratio_median_of_pairs"] < 5 and 0.2 < d["ratio_pooled"] < 5
     share = d["main_thread_share"]
-    assert set(share) == {"train_step", "send", "apply_received", "optimizer_snapshot", "other_in_step"}
+    assert set(share) == {"train_step", "send", "apply_received", "save_state", "other_in_step"}
     assert 0.2 < share["train_step"] <= 1.0
     assert abs(sum(share.values()) - 1.0) < 1e-3
     assert d["fragments_sent"] > 0  # the platform really traded fragments

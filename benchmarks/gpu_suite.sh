@@ -1,0 +1,242 @@
+#!/usr/bin/env bash
+# The GPU suite (issue #25): every GPU check of the repository in ONE command, within 10 minutes of wall time,
+# on a machine with one GPU (an H100 or H200 with 16 CPU cores). From the repository root:
+#
+#     bash benchmarks/gpu_suite.sh              # on the GPU machine: results under benchmarks/results/
+#     bash benchmarks/gpu_suite.sh --plan       # print the budget plan and stop
+#     bash benchmarks/gpu_suite.sh --dry-run    # (or GPU_SUITE_DRY_RUN=1) every step in its --quick CPU form, results in
+#                                               # a temp dir: a smoke check of the suite on a machine without a GPU
+#     bash benchmarks/gpu_suite.sh --fetch-wheels [DIR]   # on a machine WITH a package registry: see "Python" below
+#
+# Steps, in order, each under `timeout` (the cap in the plan), each run whatever the previous ones did:
+#   1. cuda_tests           the tests written for a GPU (no marker: those whose skipif reason names CUDA or a GPU,
+#                           selected by the plugin benchmarks/cuda_tests.py) -> gpu_suite_cuda_tests.json
+#   2. overhead_demo        learner_overhead.py --device cuda, the demo model -> learner_overhead_cuda.json
+#   3. overhead_llama_ddp   the same on the 100 M-parameter Llama, learners.parallelism ddp
+#                           -> learner_overhead_cuda_llama100m_ddp.json
+#   4. overhead_llama_fsdp  ... and fsdp (at world 1) -> learner_overhead_cuda_llama100m_fsdp.json
+#   5. largest_model        the largest Llama one learner trains on the GPU, ddp then fsdp -> largest_model_cuda.json
+#   6. merge_cuda           merge_throughput.py --device cuda -> merge_throughput_cuda.json
+#   7. sync_sustain         1 and 2 synchronizer shards in one invocation (the ratio from the same run) on the machine's
+#                           cores -> sync_sustain_<N>cores.json (the published 2-core sync_sustain.json is left alone)
+# then benchmarks/results/gpu_suite.json: per step its rc, status (passed / failed / timed out / not run), seconds,
+# result file, and the machine (GPU name, nproc, load). A one-line-per-step summary ends the output. Every cap is a
+# ceiling, not an estimate; their sum stays under SUITE_BUDGET_S (600 s, setup included), and a step never runs past
+# the suite's deadline (its cap is cut to what is left). GPU time is short: the rest of a 15-minute device lease is
+# for the quality plan.
+#
+# Python. The GPU machine has no package registry and its own CUDA build of torch: its python3 (Python 3.12, itself
+# a venv at /opt/torch/.venv, torch 2.11.0+cu130, transformers, numpy, pytest, pytest-timeout) is the one to use.
+# constraints.txt's torch==2.13.0 is the CPU build and must NOT be installed there, and a venv made from that
+# python3 with --system-site-packages would NOT see its torch (a venv's "system" packages are those of the base
+# interpreter, not of the venv it was made from). So on a GPU machine the suite uses $GPU_SUITE_PYTHON, else .venv
+# when its torch sees the GPU and it imports the project, else python3 itself with the project on PYTHONPATH (the
+# repository root: `python -m ddiloco` and every subprocess find it there) and what the image lacks (pydantic,
+# pydantic-settings, sqlalchemy, alembic, tenacity, psycopg and their own needs) installed with
+# `pip install --target /tmp/ddiloco-site` (also on PYTHONPATH): no package of the image is touched, the constraints
+# apply without their torch pin, and torch is in no requirement of that list. The packages come from the registry
+# where one answers, else from a wheel folder .whl/ in the repository root (pip --no-index --find-links). Make that
+# folder here, where a registry answers, with `bash benchmarks/gpu_suite.sh --fetch-wheels` (cp312 manylinux
+# x86-64 wheels, ~12 MB), keep it out of git (`echo /.whl/ >> .git/info/exclude`) and carry it to the machine:
+#     run(command="bash benchmarks/gpu_suite.sh; tar czf $OUT/gpu_suite.tgz benchmarks/results", carry=[".whl"])
+# With --dry-run (or no GPU) the suite uses .venv, made by the README's install when missing.
+#
+# Knobs (environment): GPU_SUITE_OUT (results folder), GPU_SUITE_LOGS (per-step logs; default a temp dir),
+# GPU_SUITE_PYTHON, GPU_SUITE_SITE (default /tmp/ddiloco-site), GPU_SUITE_WHEELS (default .whl), GPU_SUITE_DRY_RUN=1,
+# GPU_SUITE_WHEEL_PY (--fetch-wheels' Python version, default 3.12: the GPU image's).
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 1
+
+SUITE_BUDGET_S=600
+DEADLINE_S=590            # the last step is cut short here, leaving time for the summary
+DRY_RUN="${GPU_SUITE_DRY_RUN:-0}"
+PLAN_ONLY=0
+case "${1:-}" in
+  --dry-run) DRY_RUN=1 ;;
+  --plan) PLAN_ONLY=1 ;;
+  --fetch-wheels) FETCH_DIR="${2:-.whl}" ;;
+  "") ;;
+  *) echo "usage: $0 [--dry-run | --plan | --fetch-wheels [DIR]]" >&2; exit 2 ;;
+esac
+
+# What the GPU image lacks of the project's runtime and test needs (torch, transformers, numpy, pytest... it has).
+MISSING_ON_IMAGE=(pydantic pydantic-settings "sqlalchemy>=2.0,<2.1" alembic tenacity "psycopg[binary]>=3.1")
+
+if [[ -n "${FETCH_DIR:-}" ]]; then
+  mkdir -p "$FETCH_DIR"
+  PIP=(python3 -m pip); [[ -x .venv/bin/pip ]] && PIP=(.venv/bin/pip)
+  "${PIP[@]}" download -q --only-binary=:all: --python-version "${GPU_SUITE_WHEEL_PY:-3.12}" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform any -d "$FETCH_DIR" "${MISSING_ON_IMAGE[@]}" || exit 1
+  echo "wheels in $FETCH_DIR ($(du -sh "$FETCH_DIR" | cut -f1)): $(ls "$FETCH_DIR" | tr '\n' ' ')"
+  echo "carry it to the GPU machine as .whl in the repository root; keep it out of git: echo /.whl/ >> .git/info/exclude"
+  exit 0
+fi
+
+# --- the plan ------------------------------------------------------------------------------------------------
+# name | cap (s) | result file (relative to the results folder) | GPU command | dry-run command ({PY} and {OUT} filled in)
+NPROC="$(nproc 2>/dev/null || echo 1)"
+STEPS=(
+  "setup|40|-|(python environment: see the header)|(python environment)"
+  "cuda_tests|75|gpu_suite_cuda_tests.json|{TESTS}|{TESTS}"
+  "overhead_demo|55|learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --device cuda --windows 4 --window-s 2.5 --warmup-s 4 --json {OUT}/learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --quick --json {OUT}/learner_overhead_cuda.json"
+  "overhead_llama_ddp|60|learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --json {OUT}/learner_overhead_cuda_llama100m_ddp.json"
+  "overhead_llama_fsdp|60|learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism fsdp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism fsdp --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json"
+  "largest_model|120|largest_model_cuda.json|{PY} benchmarks/largest_model.py --device cuda --parallelism ddp,fsdp --budget-s 50 --json {OUT}/largest_model_cuda.json|{PY} benchmarks/largest_model.py --quick --device cpu --json {OUT}/largest_model_cuda.json"
+  "merge_cuda|35|merge_throughput_cuda.json|{PY} benchmarks/merge_throughput.py --device cuda --rounds 3 --json {OUT}/merge_throughput_cuda.json|{PY} benchmarks/merge_throughput.py --quick --device cpu --json {OUT}/merge_throughput_cuda.json"
+  "sync_sustain|125|sync_sustain_${NPROC}cores.json|{PY} benchmarks/sync_sustain.py --learners 32 --shards 1,2 --minutes 0.4 --warmup-s 8 --quiet --json {OUT}/sync_sustain_${NPROC}cores.json|{PY} benchmarks/sync_sustain.py --quick --shards 1,2 --json {OUT}/sync_sustain_${NPROC}cores.json"
+)
+# A dry run on a small shared CPU machine is slower than the GPU run: its caps are stretched, never its commands.
+CAP_FACTOR=1; [[ "$DRY_RUN" == 1 ]] && CAP_FACTOR=3
+
+field() { local IFS='|'; read -r -a f <<<"$1"; echo "${f[$2]}"; }
+
+TOTAL_CAPS=0
+for s in "${STEPS[@]}"; do TOTAL_CAPS=$((TOTAL_CAPS + $(field "$s" 1))); done
+echo "== GPU suite: $([[ $DRY_RUN == 1 ]] && echo "DRY RUN (--quick CPU forms, caps x$CAP_FACTOR)" || echo "GPU run") on $(hostname), $NPROC cores"
+echo "   budget plan (caps are ceilings; the suite's deadline is ${DEADLINE_S} s of ${SUITE_BUDGET_S} s):"
+for s in "${STEPS[@]}"; do
+  printf '   %-20s cap %4d s  -> %s\n' "$(field "$s" 0)" "$(( $(field "$s" 1) * CAP_FACTOR ))" "$(field "$s" 2)"
+done
+printf '   %-20s      %4d s  (must be <= %d)\n' "sum of caps" "$TOTAL_CAPS" "$SUITE_BUDGET_S"
+if (( TOTAL_CAPS > SUITE_BUDGET_S )); then echo "the plan's caps exceed the budget" >&2; exit 2; fi
+[[ "$PLAN_ONLY" == 1 ]] && exit 0
+
+T0=$(date +%s)
+elapsed() { echo $(( $(date +%s) - T0 )); }
+if [[ "$DRY_RUN" == 1 ]]; then
+  OUT="${GPU_SUITE_OUT:-$(mktemp -d /tmp/gpu-suite-dry.XXXXXX)}"   # never the published results
+else
+  OUT="${GPU_SUITE_OUT:-$ROOT/benchmarks/results}"
+fi
+LOGS="${GPU_SUITE_LOGS:-$(mktemp -d /tmp/gpu-suite-logs.XXXXXX)}"
+mkdir -p "$OUT" "$LOGS"
+ROWS="$LOGS/steps.tsv"; : >"$ROWS"
+echo "   results -> $OUT; logs -> $LOGS"
+
+gpu_name() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1; }
+GPU="$(gpu_name)"
+LOAD_START="$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)"
+if [[ "$DRY_RUN" != 1 && -z "$GPU" ]]; then
+  echo "!! no GPU (nvidia-smi shows none): the GPU steps will fail; use --dry-run to smoke-test the suite here" >&2
+fi
+
+# --- setup: the Python that runs every step --------------------------------------------------------------
+setup_python() {   # sets PY (and PYTHONPATH on the GPU machine); $1: seconds it may take
+  local limit="$1" site="${GPU_SUITE_SITE:-/tmp/ddiloco-site}" wheels="${GPU_SUITE_WHEELS:-$ROOT/.whl}"
+  local probe='import sys, torch, ddiloco, pydantic, sqlalchemy, transformers; sys.exit(0 if torch.cuda.is_available() or sys.argv[1] == "cpu" else 3)'
+  if [[ -n "${GPU_SUITE_PYTHON:-}" ]]; then PY="$GPU_SUITE_PYTHON"; echo "python: \$GPU_SUITE_PYTHON = $PY"; return 0; fi
+  if [[ "$DRY_RUN" == 1 || -z "$GPU" ]]; then
+    if [[ ! -x .venv/bin/python ]]; then
+      echo "no .venv: the README's install"
+      python3 -m venv .venv && timeout "$limit" .venv/bin/pip install -q -c constraints.txt -e ".[dev]" || return 1
+    fi
+    PY="$ROOT/.venv/bin/python"; echo "python: $PY (CPU)"; return 0
+  fi
+  if [[ -x .venv/bin/python ]] && .venv/bin/python -c "$probe" cuda 2>/dev/null; then
+    PY="$ROOT/.venv/bin/python"; echo "python: $PY (its torch sees the GPU)"; return 0
+  fi
+  local sys_torch
+  sys_torch="$(python3 -c 'import torch; print(torch.__version__ if torch.cuda.is_available() else "")' 2>/dev/null)"
+  if [[ -z "$sys_torch" ]]; then echo "python3's torch does not see the GPU (or is missing): nothing to build on" >&2; return 1; fi
+  echo "base: $(command -v python3) ($(python3 -V 2>&1)), torch $sys_torch; the project from $ROOT, what the image lacks from $site"
+  export PYTHONPATH="$ROOT:$site${PYTHONPATH:+:$PYTHONPATH}"
+  if ! python3 -c 'import pydantic, pydantic_settings, sqlalchemy, alembic, tenacity, psycopg' 2>/dev/null; then
+    local src=()
+    if [[ -d "$wheels" ]]; then src=(--no-index --find-links "$wheels"); echo "offline: wheels from $wheels"; fi
+    # Only what the image lacks, into a folder of its own: nothing of the image (its CUDA torch above all) is touched.
+    timeout "$limit" python3 -m pip install -q --disable-pip-version-check --target "$site" "${src[@]}" \
+      -c <(grep -v '^torch==' constraints.txt) "${MISSING_ON_IMAGE[@]}" || return 1
+  fi
+  python3 -c "$probe" cuda || { echo "python3 cannot import the project with a CUDA torch (PYTHONPATH=$PYTHONPATH)" >&2; return 1; }
+  PY="$(command -v python3)"; echo "python: $PY (PYTHONPATH=$PYTHONPATH)"
+}
+
+# --- running a step ------------------------------------------------------------------------------------------
+summary_lines=()
+record_step() {   # name rc status seconds result log command
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$ROWS"
+  summary_lines+=("$(printf '%-20s %-30s rc %-4s %4d s  %s' "$1" "$3" "$2" "$4" "$5")")
+}
+
+run_step() {   # name cap result command
+  local name="$1" cap="$2" result="$3" cmd="$4" log="$LOGS/$1.log"
+  local left=$(( DEADLINE_S * CAP_FACTOR - $(elapsed) )) status rc t0 secs res="-"
+  (( cap * CAP_FACTOR < left )) && left=$(( cap * CAP_FACTOR ))
+  if (( left < 5 )); then
+    record_step "$name" -1 "not run (suite budget spent)" 0 - - "$cmd"; return
+  fi
+  echo; echo "== [$(elapsed) s] $name (cap ${left} s): $cmd"
+  t0=$(date +%s)
+  if [[ "$name" == setup ]]; then
+    setup_python "$left" >"$log" 2>&1; rc=$?
+    [[ $rc -eq 0 && -z "$PY" ]] && rc=1
+  else
+    PYTHONUNBUFFERED=1 timeout --signal=TERM --kill-after=15 "$left" bash -c "$cmd" >"$log" 2>&1
+    rc=$?
+  fi
+  secs=$(( $(date +%s) - t0 ))
+  case $rc in
+    0) status=passed ;;
+    124|137) status="timed out" ;;
+    *) status=failed ;;
+  esac
+  sed 's/^/   | /' "$log" | tail -n 8
+  # A result counts only when this step wrote it (a failed step leaves an older file as it was).
+  if [[ "$result" != "-" && -f "$OUT/$result" ]] && (( $(stat -c %Y "$OUT/$result") >= t0 )); then res="$OUT/$result"; fi
+  record_step "$name" "$rc" "$status" "$secs" "$res" "$log" "$cmd"
+}
+
+PY=""
+# Only the files with a GPU skip are collected: the others may import what the GPU image lacks (prefect, moto...).
+TEST_FILES="$(grep -l -i -E 'skipif\(.*(cuda|gpu)' tests/test_*.py | tr '\n' ' ')"
+for s in "${STEPS[@]}"; do
+  name="$(field "$s" 0)"; cap="$(field "$s" 1)"; result="$(field "$s" 2)"
+  if [[ "$DRY_RUN" == 1 ]]; then cmd="$(field "$s" 4)"; else cmd="$(field "$s" 3)"; fi
+  cmd="${cmd//\{TESTS\}/CUDA_TESTS_JSON=\{OUT\}/gpu_suite_cuda_tests.json PYTHONPATH=benchmarks \{PY\} -m pytest -q -p cuda_tests --timeout 120 $TEST_FILES}"
+  cmd="${cmd//\{PY\}/$PY}"; cmd="${cmd//\{OUT\}/$OUT}"
+  if [[ "$name" != setup && -z "$PY" ]]; then
+    record_step "$name" -1 "not run (setup failed)" 0 - - "$cmd"; continue
+  fi
+  run_step "$name" "$cap" "$result" "$cmd"
+done
+
+# --- the record and the summary ----------------------------------------------------------------------------
+TOTAL=$(elapsed)
+REC_PY="${PY:-python3}"
+"$REC_PY" - "$ROWS" "$OUT/gpu_suite.json" "$DRY_RUN" "$TOTAL" "$GPU" "$NPROC" "$LOAD_START" "$SUITE_BUDGET_S" "$LOGS" <<'EOF'
+import json, subprocess, sys
+from datetime import datetime, timezone
+rows, out, dry, total, gpu, nproc, load_start, budget, logs = sys.argv[1:]
+def git(*a):
+    try:
+        return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:
+        return None
+steps = []
+for line in open(rows):
+    name, rc, status, secs, res, log, cmd = line.rstrip("\n").split("\t", 6)
+    steps.append({"step": name, "rc": int(rc), "status": status, "seconds": int(secs),
+                  "result": None if res == "-" else res, "log": None if log == "-" else log, "command": cmd})
+try:
+    import torch
+    torch_v = torch.__version__
+except Exception:
+    torch_v = None
+record = {
+    "benchmark": "gpu_suite", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "ddiloco", "benchmarks")),
+    "mode": "dry-run (--quick CPU forms)" if dry == "1" else "gpu",
+    "machine": {"gpu": gpu or None, "nproc": int(nproc), "load_avg_start": load_start,
+                "load_avg_end": " ".join(open("/proc/loadavg").read().split()[:3]), "python": sys.executable, "torch": torch_v},
+    "budget_s": int(budget), "total_s": int(total), "logs": logs, "steps": steps,
+    "passed": sum(s["status"] == "passed" for s in steps), "of": len(steps),
+}
+open(out, "w").write(json.dumps(record, indent=2) + "\n")
+EOF
+echo
+echo "== GPU suite summary ($([[ $DRY_RUN == 1 ]] && echo dry run || echo GPU run); ${GPU:-no GPU}, $NPROC cores, load ${LOAD_START} -> $(cut -d' ' -f1-3 /proc/loadavg)): $TOTAL s of $SUITE_BUDGET_S"
+for line in "${summary_lines[@]}"; do echo "  $line"; done
+echo "  record: $OUT/gpu_suite.json; logs: $LOGS"
