@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ddiloco.platform.config import RunConfig, build_config
@@ -115,3 +120,21 @@ def drive(clock, sync, learner, steps: int) -> None:  # noqa: ANN001
         clock.t += 1.0
         sim_step(learner, clock.t)
         sync.poll_once(clock.t)
+
+
+def run_rank_pair(script: str, workdir: Path, rank0: Callable[[Path, int, int], None]) -> None:
+    """A 2-rank gloo job: ``rank0(workdir, 0, 2)`` here, rank 1 as ``python script rank workdir 1 2`` (its log in
+    ``workdir/rank-1.log``); fails with rank 1's log when it does not exit 0."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    with open(workdir / "rank-1.log", "wb") as log:
+        other = subprocess.Popen([sys.executable, script, "rank", str(workdir), "1", "2"], stdout=log,
+                                 stderr=subprocess.STDOUT, env=env, cwd=Path(script).parent)
+    try:
+        # Rank 0 here (its collectives time out after 60 s if rank 1 never comes), rank 1 in the subprocess.
+        rank0(workdir, 0, 2)
+        code = other.wait(timeout=60)
+        assert code == 0, f"rank 1 exited {code}:\n" + (workdir / "rank-1.log").read_text(errors="replace")[-3000:]
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait(timeout=10)

@@ -26,7 +26,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 from sqlalchemy import select
-from support import ProcessRun, tiny_config, wait_for
+from support import ProcessRun, run_rank_pair, tiny_config, wait_for
 
 from ddiloco.inprocess import SimClock, sim_learner
 from ddiloco.learner_worker.device import (
@@ -289,24 +289,7 @@ def run_two_ranks(workdir: Path, cfg) -> list[dict]:
     """The 2-rank learner us-0 of ``cfg`` (rank 1 a subprocess); what each rank reported."""
     workdir.mkdir()
     (workdir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    with open(workdir / "rank-1.log", "wb") as log:
-        other = subprocess.Popen(
-            [sys.executable, __file__, "rank", str(workdir), "1", "2"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=Path(__file__).parent,
-        )
-    try:
-        # Rank 0 here (its collectives time out after 60 s if rank 1 never comes), rank 1 in the subprocess.
-        rank_main(workdir, 0, 2)
-        code = other.wait(timeout=60)
-        assert code == 0, f"rank 1 exited {code}:\n" + (workdir / "rank-1.log").read_text(errors="replace")[-3000:]
-    finally:
-        if other.poll() is None:
-            other.kill()
-            other.wait(timeout=10)
+    run_rank_pair(__file__, workdir, rank_main)
     return [json.loads((workdir / f"rank-{r}.json").read_text()) for r in range(2)]
 
 

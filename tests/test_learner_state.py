@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -26,7 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from support import tiny_config
+from support import run_rank_pair, tiny_config
 from torch import nn
 
 from ddiloco.learner_worker.state import StateError, StateMissing, StateRefused, is_complete, load_state, save_state
@@ -255,24 +254,7 @@ def job(tmp_path_factory) -> Path:
     save_state(f"file://{workdir}/one", model, opt, EXTRAS)
     save_file(full_state(model, opt), str(workdir / "saved-one.safetensors"))
 
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    with open(workdir / "rank-1.log", "wb") as log:
-        other = subprocess.Popen(
-            [sys.executable, __file__, "rank", str(workdir), "1", "2"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=Path(__file__).parent,
-        )
-    try:
-        # Rank 0 here (its collectives time out after 60 s if rank 1 never comes), rank 1 in the subprocess.
-        rank_main(workdir, 0, 2)
-        code = other.wait(timeout=60)
-        assert code == 0, f"rank 1 exited {code}:\n" + (workdir / "rank-1.log").read_text(errors="replace")[-3000:]
-    finally:
-        if other.poll() is None:
-            other.kill()
-            other.wait(timeout=10)
+    run_rank_pair(__file__, workdir, rank_main)
     return workdir
 
 
