@@ -122,19 +122,28 @@ def drive(clock, sync, learner, steps: int) -> None:  # noqa: ANN001
         sync.poll_once(clock.t)
 
 
-def run_rank_pair(script: str, workdir: Path, rank0: Callable[[Path, int, int], None]) -> None:
-    """A 2-rank gloo job: ``rank0(workdir, 0, 2)`` here, rank 1 as ``python script rank workdir 1 2`` (its log in
-    ``workdir/rank-1.log``); fails with rank 1's log when it does not exit 0."""
+def run_ranks(script: str, workdir: Path, world: int, rank0: Callable[[Path, int, int], None]) -> None:
+    """A gloo job of ``world`` ranks: ``rank0(workdir, 0, world)`` here, each other rank r as ``python script rank
+    workdir r world`` (its log in ``workdir/rank-r.log``); fails with a rank's log when it does not exit 0."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    with open(workdir / "rank-1.log", "wb") as log:
-        other = subprocess.Popen([sys.executable, script, "rank", str(workdir), "1", "2"], stdout=log,
-                                 stderr=subprocess.STDOUT, env=env, cwd=Path(script).parent)
+    others = []
+    for r in range(1, world):
+        with open(workdir / f"rank-{r}.log", "wb") as log:
+            others.append(subprocess.Popen([sys.executable, script, "rank", str(workdir), str(r), str(world)], stdout=log,
+                                           stderr=subprocess.STDOUT, env=env, cwd=Path(script).parent))
     try:
-        # Rank 0 here (its collectives time out after 60 s if rank 1 never comes), rank 1 in the subprocess.
-        rank0(workdir, 0, 2)
-        code = other.wait(timeout=60)
-        assert code == 0, f"rank 1 exited {code}:\n" + (workdir / "rank-1.log").read_text(errors="replace")[-3000:]
+        # Rank 0 here (its collectives time out after 60 s if a rank never comes), the others in subprocesses.
+        rank0(workdir, 0, world)
+        for r, other in enumerate(others, start=1):
+            code = other.wait(timeout=60)
+            assert code == 0, f"rank {r} exited {code}:\n" + (workdir / f"rank-{r}.log").read_text(errors="replace")[-3000:]
     finally:
-        if other.poll() is None:
-            other.kill()
-            other.wait(timeout=10)
+        for other in others:
+            if other.poll() is None:
+                other.kill()
+                other.wait(timeout=10)
+
+
+def run_rank_pair(script: str, workdir: Path, rank0: Callable[[Path, int, int], None]) -> None:
+    """A 2-rank gloo job (see :func:`run_ranks`)."""
+    run_ranks(script, workdir, 2, rank0)

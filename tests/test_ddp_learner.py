@@ -26,7 +26,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 from sqlalchemy import select
-from support import ProcessRun, run_rank_pair, tiny_config, wait_for
+from support import ProcessRun, run_ranks, tiny_config, wait_for
 
 from ddiloco.inprocess import SimClock, sim_learner
 from ddiloco.learner_worker.device import (
@@ -285,12 +285,12 @@ def _submission_blobs(ctx) -> dict[str, list[float]]:
     return out
 
 
-def run_two_ranks(workdir: Path, cfg) -> list[dict]:
-    """The 2-rank learner us-0 of ``cfg`` (rank 1 a subprocess); what each rank reported."""
+def run_two_ranks(workdir: Path, cfg, world: int = 2) -> list[dict]:
+    """The ``world``-rank learner us-0 of ``cfg`` (rank 0 here, the others subprocesses); what each rank reported."""
     workdir.mkdir()
     (workdir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    run_rank_pair(__file__, workdir, rank_main)
-    return [json.loads((workdir / f"rank-{r}.json").read_text()) for r in range(2)]
+    run_ranks(__file__, workdir, world, rank_main)
+    return [json.loads((workdir / f"rank-{r}.json").read_text()) for r in range(world)]
 
 
 def test_two_gloo_ranks_equal_one_rank_with_twice_the_batch(tmp_path):

@@ -16,9 +16,10 @@ from ddiloco.platform.fragments import Fragment, Piece, piece_key
 from ddiloco.platform.models import build_model
 
 
-def _config(parallelism: str, learners: int = 1, **extra):
+def _config(parallelism: str, learners: int = 1, shard_size: int | None = None, **extra):
     return tiny_config(
-        learners={"batch_size": B, "regions": [{"name": "us", "learners": learners}], "parallelism": parallelism},
+        learners={"batch_size": B, "regions": [{"name": "us", "learners": learners}], "parallelism": parallelism,
+                  "shard_size": shard_size},
         synchronizer={"retention": {"keep_last": 100000, "keep_submission_blobs": True}},
         **extra,
     )
@@ -100,3 +101,23 @@ def test_a_one_process_learner_and_a_two_rank_fsdp_learner_merge_together(tmp_pa
     both = [v for v, who in merged_by.items() if who == {"us-0", "us-1"}]
     assert len(both) >= 2, merged_by
     assert not [s for s in subs if s[6] == "rejected"]
+
+
+@pytest.mark.slow
+def test_four_rank_hsdp_of_two_groups_sends_what_four_rank_ddp_sends(tmp_path):
+    """HSDP: 2 replica groups of 2 shards. Only rank 0's group gathers; the other group keeps its snapshots in step."""
+    ddp = run_two_ranks(tmp_path / "ddp4", _config("ddp"), world=4)
+    hsdp = run_two_ranks(tmp_path / "hsdp", _config("hsdp", shard_size=2), world=4)
+    assert [r["shards"] for r in hsdp] == [2, 2, 2, 2] and ddp[0]["shards"] == 1
+    # Ranks 0 and 2 hold the same rows (shard 0 of each group), 1 and 3 the rest.
+    assert hsdp[0]["local_numel"] == hsdp[2]["local_numel"] and hsdp[1]["local_numel"] == hsdp[3]["local_numel"]
+    assert hsdp[0]["local_numel"] + hsdp[1]["local_numel"] == hsdp[0]["numel"]
+    assert ddp[0]["ledger"]["submissions"] == hsdp[0]["ledger"]["submissions"]
+    assert ddp[0]["ledger"]["versions"] == hsdp[0]["ledger"]["versions"] and sum(hsdp[0]["base"]) >= 3
+    for uid, values in ddp[0]["blobs"].items():
+        torch.testing.assert_close(torch.tensor(hsdp[0]["blobs"][uid]), torch.tensor(values), rtol=1e-4, atol=1e-6)
+    want = load_file(str(tmp_path / "ddp4" / "params-0.safetensors"))
+    for r in range(4):
+        got = load_file(str(tmp_path / "hsdp" / f"params-{r}.safetensors"))
+        for name, t in want.items():
+            torch.testing.assert_close(got[name], t, rtol=1e-4, atol=1e-5, msg=lambda m, n=name, r=r: f"rank {r} {n}: {m}")

@@ -51,7 +51,7 @@ from ddiloco.learner_worker.parallel import (
     shard_replica,
 )
 from ddiloco.learner_worker.schedule import lr_factor, param_groups, schedule_steps
-from ddiloco.learner_worker.state import StateError, load_state, save_state
+from ddiloco.learner_worker.state import load_state, save_state
 from ddiloco.platform.compression import Tensors, codec_nbytes
 from ddiloco.platform.config import RunConfig, codec_ladder
 from ddiloco.platform.data import Batch, build_dataset
@@ -562,8 +562,8 @@ class Learner:
             with span("learner.save_state", into=self.timings):
                 save_state(url, self.model, self.optimizer, {"step": self.step_count, "data_batches": self.batches_drawn},
                            process_group=self._state_group(), storage_options=self.cfg.storage.fsspec_options())
-        except StateError as err:
-            log.warning("learner %s rank %s: saving its state failed (%s)", self.id, self.dist.rank, err)
+        except Exception as err:  # noqa: BLE001 - a store that is down must not take the learner with it
+            log.warning("learner %s rank %s: saving its state failed (%s)", self.id, self.dist.rank, redact_url(str(err)))
             return
         if self.link is not None:
             self.link.state_saved(url)
@@ -575,8 +575,8 @@ class Learner:
             load_state(url, self.model, self.optimizer, process_group=self._state_group(),
                        storage_options=self.cfg.storage.fsspec_options())
             log.info("learner %s rank %s resumes AdamW from %s", self.id, self.dist.rank, redact_url(url))
-        except StateError as err:
-            log.warning("learner %s rank %s: %s; starting AdamW afresh", self.id, self.dist.rank, err)
+        except Exception as err:  # noqa: BLE001 - an unreadable state only costs a colder restart
+            log.warning("learner %s rank %s: %s; starting AdamW afresh", self.id, self.dist.rank, redact_url(str(err)))
 
     # --- heartbeats and figures -----------------------------------------------------------------
 

@@ -24,9 +24,9 @@ from ddiloco.learner_worker.uploader import Uploader
 from ddiloco.platform.ids import learner_state_key
 from ddiloco.platform.ledger import queries as q
 from ddiloco.platform.ledger.models import Learner as LearnerRow
+from ddiloco.platform.redact import redact_url
 from ddiloco.platform.runtime import RunContext, ledger_retry, to_datetime
 from ddiloco.platform.spans import span
-from ddiloco.platform.store import StoreError
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -141,25 +141,33 @@ class LearnerLink:
         self._last_heartbeat = None
         resume = Resume(data_batches=max(0, int(position)))
         if key and self.incarnation > 0:
-            resume.state_url = f"{self.ctx.store(self.region).url}/{key}"
+            resume.state_url = f"{self._store_url()}/{key}"
         return resume
 
     def state_url(self, step: int) -> str:
-        """Where this incarnation saves its state at ``step`` (under the learner's own prefix of its store)."""
+        """Where this incarnation saves its state at ``step`` (under the learner's own prefix of its store): a
+        string only, so a store or ledger that is down cannot fail it."""
         key = learner_state_key(self.ctx.run_id, self.learner_id, f"i{self.incarnation}-s{step}")
-        return f"{self.ctx.store(self.region).url}/{key}"
+        return f"{self._store_url()}/{key}"
+
+    def _store_url(self) -> str:
+        return self.ctx.cfg.storage_url_for(self.region).rstrip("/")
 
     def state_saved(self, url: str) -> None:
-        """Point the learner's row at the state just saved at ``url``; the one it replaces is deleted."""
-        store = self.ctx.store(self.region)
-        key = url.removeprefix(store.url + "/")
-        with self.ctx.transaction() as s:
-            old = q.set_optimizer_state(s, self.ctx.run_id, self.learner_id, key, STATE_FORMAT)
+        """Point the learner's row at the state just saved at ``url``; the one it replaces is deleted. A ledger or
+        store that is down only costs a colder restart (the previous state stays pointed at): never the learner."""
+        key = url.removeprefix(self._store_url() + "/")
+        try:
+            with self.ctx.transaction() as s:
+                old = q.set_optimizer_state(s, self.ctx.run_id, self.learner_id, key, STATE_FORMAT)
+        except Exception as err:  # noqa: BLE001 - see the docstring
+            log.warning("could not record the saved state %s: %s", key, redact_url(str(err)))
+            return
         if old and old != key:
             try:
-                store.delete_tree(old)
-            except (OSError, StoreError) as err:  # a leftover only costs space (an IAM policy may forbid it)
-                log.warning("could not delete the replaced state %s: %s", old, err)
+                self.ctx.store(self.region).delete_tree(old)
+            except Exception as err:  # noqa: BLE001 - a leftover only costs space (an IAM policy may forbid it)
+                log.warning("could not delete the replaced state %s: %s", old, redact_url(str(err)))
 
     def join_when_ready(self, timeout_s: float, now: Callable[[], float]) -> Resume:
         """:meth:`join`, retrying while the synchronizer has not yet published version 0."""
