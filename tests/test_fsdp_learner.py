@@ -5,11 +5,18 @@ them, so what reaches the store does not depend on how the replica is spread ove
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
-from support import tiny_config
-from test_ddp_learner import STEPS, B, run_two_ranks
+from support import TINY_LLAMA, tiny_config
+from test_ddp_learner import STEPS, B, _full, run_two_ranks
 
 from ddiloco.learner_worker.parallel import Layout, blocks, gather_sizes, local_pieces, shard_rows
 from ddiloco.platform.fragments import Fragment, Piece, piece_key
@@ -121,3 +128,66 @@ def test_four_rank_hsdp_of_two_groups_sends_what_four_rank_ddp_sends(tmp_path):
         got = load_file(str(tmp_path / "hsdp" / f"params-{r}.safetensors"))
         for name, t in want.items():
             torch.testing.assert_close(got[name], t, rtol=1e-4, atol=1e-5, msg=lambda m, n=name, r=r: f"rank {r} {n}: {m}")
+
+
+KINDS = {
+    "gpt": {"kind": "gpt", "n_layer": 2},
+    "moe_gpt": {"kind": "moe_gpt", "n_layer": 2},
+    "hf": {"kind": "hf", "hf_config": dict(TINY_LLAMA), "vocab_size": 256},
+    "torchtitan": {"kind": "torchtitan", "titan_args": {"dim": 32, "n_layers": 2, "n_heads": 4, "multiple_of": 32},
+                   "vocab_size": 256},
+}
+
+
+def kinds_main(out: Path) -> None:
+    """Every model kind as a one-rank FSDP learner and as a plain one, side by side on the simulated clock (a process
+    of its own: FSDP needs a process group, which a test process must not be left holding)."""
+    from support import sim_run
+
+    from ddiloco.inprocess import sim_learner, sim_step
+
+    torch.set_num_threads(1)
+    report = {}
+    for name, model in KINDS.items():
+        if name == "torchtitan" and importlib.util.find_spec("torchtitan") is None:
+            continue
+        finals = {}
+        for parallelism in ("ddp", "fsdp"):
+            _cfg, clock, ctx, sync = sim_run(model=model, learners={"parallelism": parallelism,
+                                                                   "regions": [{"name": "us", "learners": 1}]})
+            learner = sim_learner(ctx, "us-0")
+            learner.start(clock.t)
+            losses = []
+            for _ in range(8):
+                clock.t += 1.0
+                losses.append(sim_step(learner, clock.t).loss)
+                sync.poll_once(clock.t)
+            finals[parallelism] = {
+                "losses": losses, "base": learner.base, "sharded": learner.layout.parallelism,
+                "params": {n: _full(p).reshape(-1)[:64].tolist() for n, p in learner.model.named_parameters()},
+            }
+        report[name] = finals
+    out.write_text(json.dumps(report))
+
+
+def test_every_model_kind_trains_and_trades_fragments_as_an_fsdp_learner(tmp_path):
+    out = tmp_path / "kinds.json"
+    proc = subprocess.run([sys.executable, __file__, "kinds", str(out)], capture_output=True, text=True, timeout=240,
+                          cwd=Path(__file__).parent, env={k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert {"gpt", "moe_gpt", "hf"} <= set(report)
+    for name, runs in report.items():
+        plain, fsdp = runs["ddp"], runs["fsdp"]
+        assert fsdp["sharded"] == "fsdp" and plain["sharded"] == "ddp"
+        assert min(fsdp["base"]) >= 1, f"{name}: every fragment merged and came back"
+        assert fsdp["base"] == plain["base"]
+        torch.testing.assert_close(torch.tensor(fsdp["losses"]), torch.tensor(plain["losses"]), rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+        for p, values in plain["params"].items():
+            torch.testing.assert_close(torch.tensor(fsdp["params"][p]), torch.tensor(values), rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, n=name, p=p: f"{n} {p}: {m}")
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "kinds":
+    kinds_main(Path(sys.argv[2]))
