@@ -123,19 +123,31 @@ def test_compiled_learner_trains():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False here)")
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_the_inner_loop_trains_on_a_gpu_and_its_fragments_merge(compiled):
+@pytest.mark.parametrize(("compiled", "parallelism"), [(False, "ddp"), (True, "ddp"), (False, "fsdp")],
+                         ids=["eager", "compiled", "fsdp"])
+def test_the_inner_loop_trains_on_a_gpu_and_its_fragments_merge(compiled, parallelism):
+
+    _, clock, ctx, sync = sim_run(
+        learners={"device": "cuda", "compile": compiled, "parallelism": parallelism, "regions": [{"name": "us", "learners": 1}]},
+        inner={"grad_accum_steps": 2, "schedule": "cosine", "warmup_steps": 1},
+    )
+    try:
+        _train_on_the_gpu(ctx, clock, sync)
+    finally:
+        # A one-rank FSDP learner made a private process group: it must not outlive the test.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _train_on_the_gpu(ctx, clock, sync) -> None:
     from ddiloco.learner_worker.learner import Learner
     from ddiloco.learner_worker.link import LearnerLink
     from ddiloco.platform.ledger import queries as q
 
-    _, clock, ctx, sync = sim_run(
-        learners={"device": "cuda", "compile": compiled, "regions": [{"name": "us", "learners": 1}]},
-        inner={"grad_accum_steps": 2, "schedule": "cosine", "warmup_steps": 1},
-    )
     # Built as a learner process builds it (no process group): on the device the config names.
     learner = Learner(ctx.cfg, "us-0", index=0, num_learners=1, link=LearnerLink(ctx, "us-0", "us"), clock=ctx.now)
     assert learner.device.type == "cuda" and all(p.is_cuda for p in learner.model.parameters())
+    assert learner.encode_stream is not None and all(s.is_cuda for f in learner.fragments for s in f.snapshot)
     learner.start(clock.t)
     losses, lrs, received = [], [], 0
     for _ in range(2 * ctx.cfg.fragments.count):
