@@ -22,8 +22,10 @@ def test_restarted_learner_resumes_its_adamw_state_and_the_newest_global_version
     for _ in range(10):
         clock.t += 1.0
         sim_step(first, clock.t)
+        first.finish_saves()  # states are written in the background: each save lands before the next is due
         sync.poll_once(clock.t)
     saved = _adamw_state(first)
+    first.finish_saves()
     with ctx.transaction() as s:
         newest = q.latest_version_numbers(s, ctx.run_id)
     assert max(newest.values()) > 0

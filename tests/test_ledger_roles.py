@@ -224,6 +224,7 @@ def test_each_role_does_its_whole_job_through_the_real_code(ledger):
             sync.poll_once(clock.t)
         for learner in learners:  # a saved optimizer state is the learner's own row too
             learner.save_state()
+            learner.finish_saves()
         assert max(st.version for st in sync.state.values()) >= 2
         assert sum(collect_garbage(sync_ctx)) > 0
         evaluate_and_record(context(ledger.login("evaluator")), clock.t)

@@ -62,6 +62,8 @@ class Dist:
     """gloo group for the per-step control vector and the loss/token sums (CPU tensors)."""
     bootstrap: Any = None
     """gloo group with a long timeout: the other ranks wait on it while rank 0 waits for version 0."""
+    checkpoint: Any = None
+    """gloo group of the learner state's saves, which run on a background thread (nothing else uses it)."""
 
     @classmethod
     def single(cls, device: torch.device | None = None) -> Dist:
@@ -110,7 +112,9 @@ def init_dist(
     else:
         control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     bootstrap = dist.new_group(backend="gloo", timeout=timedelta(seconds=ready_timeout_s + timeout_s))
-    return Dist(rank=dist.get_rank(), world=dist.get_world_size(), device=device, control=control, bootstrap=bootstrap)
+    checkpoint = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return Dist(rank=dist.get_rank(), world=dist.get_world_size(), device=device, control=control, bootstrap=bootstrap,
+                checkpoint=checkpoint)
 
 
 def shutdown_dist(d: Dist, *, together: bool = False) -> None:
@@ -142,4 +146,6 @@ def ensure_process_group(d: Dist) -> None:
     """A process group for a one-rank learner that shards (FSDP2 needs a device mesh): a private group of one
     rank over an in-memory store. A multi-rank learner already has its group from :func:`init_dist`."""
     if d.world == 1 and not dist.is_initialized():
-        dist.init_process_group(backend_for(d.device), store=dist.HashStore(), rank=0, world_size=1)
+        # A CPU backend beside NCCL: the learner's state is saved through this group from a background thread.
+        backend = "cpu:gloo,cuda:nccl" if d.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -62,6 +64,9 @@ from ddiloco.platform.redact import redact_url
 from ddiloco.platform.spans import span
 
 log = logging.getLogger("ddiloco.learner")
+
+STATE_WRITE_TIMEOUT_S = 120.0
+"""How long a stopping learner waits for its state to be written (an unwritten one is never pointed at)."""
 
 
 def rebases(mode: str, base_version: int, c_steps: int) -> bool:
@@ -257,6 +262,9 @@ class Learner:
         """Made by :meth:`start`, once the resumed position is known."""
         net = self.ddp if self.ddp is not None else self.loss_module
         self.net = torch.compile(net) if cfg.learners.compile else net
+        self._saved_event = threading.Event()
+        """Set when no learner state is being written in the background (and the last one is recorded)."""
+        self._saved_event.set()
         self.encode_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         """CUDA: the side stream the link encodes this learner's increments on, off the training stream."""
         self.dataset = build_dataset(cfg.data, cfg.model)
@@ -332,7 +340,8 @@ class Learner:
             self.link.start_threads(self.heartbeat_stats)
 
     def stop(self) -> None:
-        """Finish the queued uploads and send a last heartbeat (rank 0)."""
+        """Finish writing the state and the queued uploads, and send a last heartbeat (rank 0)."""
+        self.finish_saves(STATE_WRITE_TIMEOUT_S)
         if self.link is not None:
             self.link.stop(self.heartbeat_stats)
 
@@ -550,29 +559,50 @@ class Learner:
 
     # --- learner state -------------------------------------------------------------------------
 
-    def _state_group(self) -> object | None:
-        return self.dist.control if self.dist.world > 1 else None
-
     def save_state(self) -> None:
         """Every rank, together: AdamW's state (and the model's) through torch.distributed.checkpoint into the
-        learner's own prefix of its store, each rank writing its own shards; then rank 0 points the learner's
-        row at it. A failed save only costs a colder restart: it is logged, and training goes on."""
+        learner's own prefix of its store, each rank writing its own shards. The state is copied to host memory
+        here and written in the background; once written, rank 0 points the learner's row at it. While a save
+        is still being written no other starts (the ranks agree). A failed save only costs a colder restart."""
+        busy = torch.tensor([int(not self._saved_event.is_set())], dtype=torch.int64)
+        if self.dist.all_reduce_sum(busy).item():
+            log.info("learner %s: the previous state is still being written; no save at step %s", self.id, self.step_count)
+            return
         url = self.dist.broadcast_object(self.link.state_url(self.step_count) if self.link is not None else None)
+        self._saved_event.clear()
         try:
             with span("learner.save_state", into=self.timings):
-                save_state(url, self.model, self.optimizer, {"step": self.step_count, "data_batches": self.batches_drawn},
-                           process_group=self._state_group(), storage_options=self.cfg.storage.fsspec_options())
+                writing = save_state(
+                    url, self.model, self.optimizer, {"step": self.step_count, "data_batches": self.batches_drawn},
+                    process_group=self.dist.checkpoint, storage_options=self.cfg.storage.fsspec_options(), background=True,
+                )
         except Exception as err:  # noqa: BLE001 - a store that is down must not take the learner with it
+            self._saved_event.set()
             log.warning("learner %s rank %s: saving its state failed (%s)", self.id, self.dist.rank, redact_url(str(err)))
             return
-        if self.link is not None:
-            self.link.state_saved(url)
+        writing.add_done_callback(lambda done: self._saved(url, done))
+
+    def _saved(self, url: str, done: Future) -> None:
+        """A background save ended (on DCP's thread): rank 0 records it, or every rank logs why it failed."""
+        try:
+            err = done.exception()
+            if err is not None:
+                log.warning("learner %s rank %s: writing its state failed (%s)", self.id, self.dist.rank, redact_url(str(err)))
+            elif self.link is not None:
+                self.link.state_saved(url)
+        finally:
+            self._saved_event.set()
+
+    def finish_saves(self, timeout_s: float | None = None) -> bool:
+        """Wait until a state being written in the background is written and recorded (a stop, a test that
+        restarts the learner); whether none is still being written."""
+        return self._saved_event.wait(timeout_s)
 
     def load_state(self, url: str) -> None:
         """Every rank, together: AdamW's state from the newest save, resharded to this job's ranks (it may have
         had another world size or parallelism). The model's parameters are taken from the global versions next."""
         try:
-            load_state(url, self.model, self.optimizer, process_group=self._state_group(),
+            load_state(url, self.model, self.optimizer, process_group=self.dist.checkpoint,
                        storage_options=self.cfg.storage.fsspec_options())
             log.info("learner %s rank %s resumes AdamW from %s", self.id, self.dist.rank, redact_url(url))
         except Exception as err:  # noqa: BLE001 - an unreadable state only costs a colder restart

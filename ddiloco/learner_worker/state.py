@@ -29,6 +29,7 @@ import functools
 import pickle
 import warnings
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -107,7 +108,8 @@ def save_state(
     *,
     process_group: dist.ProcessGroup | None = None,
     storage_options: Mapping[str, Any] | None = None,
-) -> None:
+    background: bool = False,
+) -> Future | None:
     """Save ``model``, ``optimizer``'s per-parameter state and ``extras`` as one checkpoint at ``url``.
 
     Collective: every rank of ``process_group`` (the world group by default; none at all in a single
@@ -116,8 +118,13 @@ def save_state(
     like ``{run}/learners/{learner}/state/i{incarnation}-s{step}``): a complete state there is never
     overwritten (``FileExistsError``), an incomplete one (a save that died) is written over. The save
     is complete once :func:`is_complete` says so. Extras are ints or tensors under names without dots;
-    a tensor is saved as one copy, so it must be equal on every rank."""
-    from torch.distributed.checkpoint import save
+    a tensor is saved as one copy, so it must be equal on every rank.
+
+    ``background``: the state is copied to host memory here and written by a thread of DCP's
+    (``async_save``); the returned future ends with the write (its exception, if any, is DCP's). The
+    process group must then be a CPU (gloo) group that nothing else uses while the write runs, and a
+    caller starts no other save before the future is done."""
+    from torch.distributed.checkpoint import async_save, save
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     encoded = _encode_extras(extras or {})
@@ -135,7 +142,11 @@ def save_state(
     # makes the data durable there. overwrite=False: DCP itself refuses a URL that holds a .metadata.
     writer = FsspecWriter(url, sync_files=_is_local(fs), overwrite=False, **_options(storage_options))
     with _dcp_errors("saving", url):
+        if background:
+            response = async_save(state, storage_writer=writer, process_group=process_group)
+            return getattr(response, "upload_completion", response)
         save(state, storage_writer=writer, process_group=process_group)
+    return None
 
 
 def load_state(
