@@ -61,8 +61,8 @@ case "${1:-}" in
   *) echo "usage: $0 [--dry-run | --plan | --fetch-wheels [DIR]]" >&2; exit 2 ;;
 esac
 
-# What the GPU image lacks of the project's runtime and test needs (torch, transformers, numpy, pytest... it has).
-MISSING_ON_IMAGE=(pydantic pydantic-settings "sqlalchemy>=2.0,<2.1" alembic tenacity "psycopg[binary]>=3.1")
+# MISSING_ON_IMAGE, gpu_name and setup_python: the Python of a GPU machine, shared with benchmarks/quality_gpu.sh.
+source "$ROOT/benchmarks/gpu_env.sh"
 
 if [[ -n "${FETCH_DIR:-}" ]]; then
   mkdir -p "$FETCH_DIR"
@@ -116,43 +116,11 @@ mkdir -p "$OUT" "$LOGS"
 ROWS="$LOGS/steps.tsv"; : >"$ROWS"
 echo "   results -> $OUT; logs -> $LOGS"
 
-gpu_name() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1; }
 GPU="$(gpu_name)"
 LOAD_START="$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)"
 if [[ "$DRY_RUN" != 1 && -z "$GPU" ]]; then
   echo "!! no GPU (nvidia-smi shows none): the GPU steps will fail; use --dry-run to smoke-test the suite here" >&2
 fi
-
-# --- setup: the Python that runs every step --------------------------------------------------------------
-setup_python() {   # sets PY (and PYTHONPATH on the GPU machine); $1: seconds it may take
-  local limit="$1" site="${GPU_SUITE_SITE:-/tmp/ddiloco-site}" wheels="${GPU_SUITE_WHEELS:-$ROOT/.whl}"
-  local probe='import sys, torch, ddiloco, pydantic, sqlalchemy, transformers; sys.exit(0 if torch.cuda.is_available() or sys.argv[1] == "cpu" else 3)'
-  if [[ -n "${GPU_SUITE_PYTHON:-}" ]]; then PY="$GPU_SUITE_PYTHON"; echo "python: \$GPU_SUITE_PYTHON = $PY"; return 0; fi
-  if [[ "$DRY_RUN" == 1 || -z "$GPU" ]]; then
-    if [[ ! -x .venv/bin/python ]]; then
-      echo "no .venv: the README's install"
-      python3 -m venv .venv && timeout "$limit" .venv/bin/pip install -q -c constraints.txt -e ".[dev]" || return 1
-    fi
-    PY="$ROOT/.venv/bin/python"; echo "python: $PY (CPU)"; return 0
-  fi
-  if [[ -x .venv/bin/python ]] && .venv/bin/python -c "$probe" cuda 2>/dev/null; then
-    PY="$ROOT/.venv/bin/python"; echo "python: $PY (its torch sees the GPU)"; return 0
-  fi
-  local sys_torch
-  sys_torch="$(python3 -c 'import torch; print(torch.__version__ if torch.cuda.is_available() else "")' 2>/dev/null)"
-  if [[ -z "$sys_torch" ]]; then echo "python3's torch does not see the GPU (or is missing): nothing to build on" >&2; return 1; fi
-  echo "base: $(command -v python3) ($(python3 -V 2>&1)), torch $sys_torch; the project from $ROOT, what the image lacks from $site"
-  export PYTHONPATH="$ROOT:$site${PYTHONPATH:+:$PYTHONPATH}"
-  if ! python3 -c 'import pydantic, pydantic_settings, sqlalchemy, alembic, tenacity, psycopg' 2>/dev/null; then
-    local src=()
-    if [[ -d "$wheels" ]]; then src=(--no-index --find-links "$wheels"); echo "offline: wheels from $wheels"; fi
-    # Only what the image lacks, into a folder of its own: nothing of the image (its CUDA torch above all) is touched.
-    timeout "$limit" python3 -m pip install -q --disable-pip-version-check --target "$site" "${src[@]}" \
-      -c <(grep -v '^torch==' constraints.txt) "${MISSING_ON_IMAGE[@]}" || return 1
-  fi
-  python3 -c "$probe" cuda || { echo "python3 cannot import the project with a CUDA torch (PYTHONPATH=$PYTHONPATH)" >&2; return 1; }
-  PY="$(command -v python3)"; echo "python: $PY (PYTHONPATH=$PYTHONPATH)"
-}
 
 # --- running a step ------------------------------------------------------------------------------------------
 summary_lines=()

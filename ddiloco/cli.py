@@ -417,7 +417,8 @@ def store_check(url: str = typer.Argument(..., help="fsspec URL of the store roo
 @data_app.command("prepare")
 def data_prepare(
     out: str = typer.Option(..., "--out", help="Folder or fsspec URL for the shards and manifest.json (file://, s3://, gs://)."),
-    input_: str | None = typer.Option(None, "--input", help="Glob or URL of .txt / .jsonl / .parquet files, or 'stdlib'."),
+    input_: str | None = typer.Option(None, "--input", help="Glob or URL of .txt / .jsonl / .parquet files, 'stdlib', or "
+                                      "'site-packages' (the installed packages' Python sources, split by package)."),
     hf_dataset: str | None = typer.Option(None, "--hf-dataset", help="A Hugging Face dataset (save_to_disk folder or load_dataset path)."),
     tokenizer: str | None = typer.Option(None, "--tokenizer", help="A tokenizer.json or a tokenizer directory."),
     train_tokenizer: int | None = typer.Option(None, "--train-tokenizer", min=260, help="Train a byte-level BPE of this vocabulary."),
@@ -426,7 +427,7 @@ def data_prepare(
     text_column: str = typer.Option("text", "--text-column", help="The text field of jsonl / parquet / datasets."),
     hf_split: str = typer.Option("train", "--hf-split"),
     fmt: str = typer.Option("bin", "--format", help="bin (flat uint16/uint32) or parquet (a token-list column)."),
-    max_bytes: int | None = typer.Option(None, "--max-bytes", help="Cap on the text read (--input stdlib only)."),
+    max_bytes: int | None = typer.Option(None, "--max-bytes", help="Cap on the text read (--input stdlib or site-packages only)."),
 ) -> None:
     """Tokenize a corpus into token shards and a manifest.json that data.manifest points at."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -7,9 +7,13 @@ written last, so a manifest names only complete shards."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import fsspec
 import numpy as np
@@ -33,6 +37,12 @@ class Corpus:
     count: int | None
     texts: Callable[[], Iterator[str]]
     where: str
+    validation: Callable[[int], bool] | None = None
+    """Document index -> whether it validates; None: a hash of the index decides (``val_fraction``)."""
+    tokenizer_texts: Callable[[], Iterator[str]] | None = None
+    """The texts ``--train-tokenizer`` learns from; None: every document (validation ones too)."""
+    record: dict[str, Any] = field(default_factory=dict)
+    """What the corpus is (its package list and digest), kept in the manifest's ``extra``."""
 
 
 def _file_texts(url: str, column: str) -> Iterator[str]:
@@ -60,7 +70,10 @@ def _file_texts(url: str, column: str) -> Iterator[str]:
 
 
 def file_corpus(pattern: str, column: str = "text", max_bytes: int | None = None) -> Corpus:
-    """Files matched by ``pattern`` (``stdlib`` for the standard library): a text file is one document."""
+    """Files matched by ``pattern`` (``stdlib`` for the standard library, ``site-packages`` for the installed packages'
+    sources): a text file is one document."""
+    if pattern == SITE_PACKAGES:
+        return site_packages_corpus(max_bytes)
     if pattern == STDLIB:
         import sysconfig
 
@@ -90,6 +103,136 @@ def file_corpus(pattern: str, column: str = "text", max_bytes: int | None = None
 
     return Corpus(count=None if any(u.lower().endswith((".jsonl", ".ndjson", ".parquet", ".pq")) for u in urls) else len(urls),
                   texts=texts, where=f"--input {pattern}")
+
+
+SITE_PACKAGES = "site-packages"
+"""``--input site-packages``: the Python sources of the installed packages, split by package (:func:`site_packages_corpus`)."""
+PROJECT = "ddiloco"
+"""Left out of the site-packages corpus: the project's own code is not text someone else wrote."""
+MAX_SOURCE_BYTES = 1 << 20
+"""Larger .py files are left out: generated tables (Unicode data, parser states), not code."""
+VAL_SHARE = 0.02
+TOKENIZER_BYTES = 64 << 20
+"""The first this many bytes of the training documents are what a BPE is trained on."""
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    package: str
+    rel: str
+    """The path its distribution's RECORD gives (never the machine's own)."""
+    path: str
+    nbytes: int
+
+
+def _dist_name(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def installed_sources(exclude: tuple[str, ...] = (PROJECT,),
+                      max_file_bytes: int = MAX_SOURCE_BYTES) -> tuple[dict[str, str], list[SourceFile]]:
+    """(distribution -> version, the ``.py`` files their RECORDs list): the first distribution of a name on sys.path,
+    as imports see it; a file listed twice counts once."""
+    import importlib.metadata as md
+
+    versions: dict[str, str] = {}
+    files: list[SourceFile] = []
+    seen: set[str] = set()
+    for dist in md.distributions():
+        name = _dist_name(dist.metadata["Name"] or "")
+        if not name or name in versions or name in exclude:
+            continue
+        versions[name] = dist.version
+        for f in dist.files or ():
+            rel = str(f)
+            if not rel.endswith(".py"):
+                continue
+            path = os.path.realpath(dist.locate_file(f))
+            try:
+                size = os.path.getsize(path)
+            except OSError:
+                continue
+            if 0 < size <= max_file_bytes and path not in seen:
+                seen.add(path)
+                files.append(SourceFile(name, rel, path, size))
+    return versions, files
+
+
+def validation_packages(sizes: dict[str, int], share: float) -> set[str]:
+    """Packages in a fixed order (a hash of the name), each taken for validation if it still fits in ``share`` of the bytes:
+    whole packages validate, so no file of a validation package is trained on."""
+    from ddiloco.platform.data.core import stable_hash
+
+    target, total, out = share * sum(sizes.values()), 0, set()
+    for name in sorted(sizes, key=lambda n: stable_hash(f"val:{n}")):
+        if total + sizes[name] <= target:
+            out.add(name)
+            total += sizes[name]
+    return out
+
+
+def _first_bytes(files: list[SourceFile], cap: float | None) -> list[SourceFile]:
+    if cap is None:
+        return files
+    out, total = [], 0
+    for f in files:
+        if total >= cap:
+            break
+        out.append(f)
+        total += f.nbytes
+    return out
+
+
+def site_packages_corpus(max_bytes: int | None = None, val_share: float = VAL_SHARE, tokenizer_bytes: int = TOKENIZER_BYTES) -> Corpus:
+    """The ``.py`` files of the installed distributions (the project's own left out): whole packages validate
+    (:func:`validation_packages`), the rest train. Files are ordered by a hash of package and path, so any contiguous
+    range of the training stream (a learner's shard) mixes packages. ``max_bytes`` caps each side's share of it.
+
+    The corpus's record (for the manifest) lists every package with its version, split, files and bytes, and a sha256
+    of that listing: the same environment gives the same digest, on any machine."""
+    from ddiloco.platform.data.core import stable_hash
+
+    versions, files = installed_sources()
+    sizes: dict[str, int] = {}
+    for f in files:
+        sizes[f.package] = sizes.get(f.package, 0) + f.nbytes
+    val_packages = validation_packages(sizes, val_share)
+    files.sort(key=lambda f: (stable_hash(f"{f.package}/{f.rel}"), f.package, f.rel))
+    train = _first_bytes([f for f in files if f.package not in val_packages], None if max_bytes is None else max_bytes * (1 - val_share))
+    val = _first_bytes([f for f in files if f.package in val_packages], None if max_bytes is None else max_bytes * val_share)
+    if not train or not val:
+        raise ConfigError(f"the installed packages hold {len(train)} training and {len(val)} validation source files: need both")
+    docs = train + val
+    digest = hashlib.sha256()
+    per: dict[str, dict[str, Any]] = {}
+    for f in docs:
+        digest.update(f"{f.package}\t{versions[f.package]}\t{f.rel}\t{f.nbytes}\n".encode())
+        p = per.setdefault(f.package, {"name": f.package, "version": versions[f.package],
+                                       "split": "val" if f.package in val_packages else "train", "files": 0, "bytes": 0})
+        p["files"] += 1
+        p["bytes"] += f.nbytes
+    rules = {"max_file_bytes": MAX_SOURCE_BYTES, "val_share": val_share, "max_bytes": max_bytes, "excluded": [PROJECT]}
+    digest.update(json.dumps(rules, sort_keys=True).encode())
+
+    def read(f: SourceFile) -> str:
+        with open(f.path, "rb") as fh:
+            return fh.read().decode("utf-8", "replace")
+
+    def texts() -> Iterator[str]:
+        return (read(f) for f in docs)
+
+    def tokenizer_texts() -> Iterator[str]:
+        return (read(f) for f in _first_bytes(train, tokenizer_bytes))
+
+    import sys
+
+    record = {
+        "corpus": SITE_PACKAGES, "corpus_sha256": digest.hexdigest(), "python": sys.version.split()[0], "rules": rules,
+        "train_bytes": sum(f.nbytes for f in train), "val_bytes": sum(f.nbytes for f in val),
+        "train_files": len(train), "val_files": len(val), "packages": sorted(per.values(), key=lambda p: p["name"]),
+    }
+    return Corpus(count=len(docs), texts=texts, where="the installed packages' Python sources",
+                  validation=lambda i: i >= len(train), tokenizer_texts=tokenizer_texts, record=record)
 
 
 def hf_corpus(url: str, split: str = "train", column: str = "text") -> Corpus:
@@ -126,6 +269,7 @@ class _ShardWriter:
         self._tokens = 0
         self._rows: list[list[int]] = []
         self._row_tokens = 0
+        self._sha: Any = None
 
     @property
     def empty(self) -> bool:
@@ -141,6 +285,8 @@ class _ShardWriter:
         self._current = name
         self._file = fsspec.open(f"{self.out}/{name}", "wb").open()
         self._tokens = 0
+        # A parquet writer's bytes go straight to the file: only .bin shards are hashed as written.
+        self._sha = hashlib.sha256() if self.fmt == "bin" else None
         if self.fmt == "parquet":
             import pyarrow as pa
             import pyarrow.parquet as pq
@@ -162,7 +308,7 @@ class _ShardWriter:
             self._writer.close()
             self._writer = None
         self._file.close()
-        self.entries.append(ShardEntry(self._current, self._tokens))
+        self.entries.append(ShardEntry(self._current, self._tokens, None if self._sha is None else self._sha.hexdigest()))
         self._file = None
 
     def write(self, docs: list[list[int]]) -> None:
@@ -170,7 +316,9 @@ class _ShardWriter:
             if self._file is None:
                 self._open()
             if self.fmt == "bin":
-                self._file.write(np.asarray(doc, dtype=self.dtype).tobytes())
+                raw = np.asarray(doc, dtype=self.dtype).tobytes()
+                self._file.write(raw)
+                self._sha.update(raw)
             else:
                 self._rows.append(doc)
                 self._row_tokens += len(doc)
@@ -210,7 +358,7 @@ def prepare(
         raise ConfigError(f"--format must be bin or parquet, got {fmt!r}")
     out = out.rstrip("/")
     if train_tokenizer is not None:
-        text = train_bpe(corpus.texts(), train_tokenizer)
+        text = train_bpe((corpus.tokenizer_texts or corpus.texts)(), train_tokenizer)
         write_text(tokenizer_json_url(out), text)
         tok: TextTokenizer = load_tokenizer(tokenizer_json_url(out))
     else:
@@ -226,12 +374,15 @@ def prepare(
     last: list[int] | None = None
     pending: list[str] = []
 
+    def validates(doc: int) -> bool:
+        return corpus.validation(doc) if corpus.validation is not None else is_val(doc, val_fraction)
+
     def flush() -> None:
         nonlocal docs, tokens, last
         encoded = [ids + eot for ids in tok.encode_batch(pending)]
         for ids in encoded:
             if last is not None:  # one document behind, so the very last can go to validation if none did
-                (val if is_val(docs - 1, val_fraction) else train).write([last])
+                (val if validates(docs - 1) else train).write([last])
             last = ids
             docs += 1
             tokens += len(ids)
@@ -247,7 +398,7 @@ def prepare(
         flush()
     if last is None:
         raise ConfigError(f"{corpus.where} holds no documents")
-    (val if is_val(docs - 1, val_fraction) or val.empty else train).write([last])
+    (val if validates(docs - 1) or val.empty else train).write([last])
     train.close()
     val.close()
     if not train.entries:
@@ -255,7 +406,7 @@ def prepare(
     manifest = Manifest(
         dtype=dtype, train=train.entries, val=val.entries[0], vocab_size=tok.vocab_size, tokenizer_sha256=tok.sha256,
         tokenizer="tokenizer.json" if tok.json is not None else tok.source, eot_id=tok.eot_id,
-        extra={"documents": docs, "source": corpus.where, "format": fmt},
+        extra={"documents": docs, "source": corpus.where, "format": fmt, **corpus.record},
     )
     write_manifest(f"{out}/manifest.json", manifest)
     return manifest

@@ -18,6 +18,8 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import torch
+
 from ddiloco.learner_worker.dist import Dist
 from ddiloco.learner_worker.learner import Learner, StepReport
 from ddiloco.learner_worker.link import LearnerLink
@@ -25,6 +27,7 @@ from ddiloco.learner_worker.outbox import Outgoing
 from ddiloco.learner_worker.uploader import Upload
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.ledger import open_ledger
+from ddiloco.platform.models import build_model
 from ddiloco.platform.runtime import RunContext
 from ddiloco.synchronizer.evaluation import evaluate_and_record
 from ddiloco.synchronizer.service import Synchronizer
@@ -94,6 +97,8 @@ class InProcessRun:
     """Every token a learner stepped on, including work lost when it went down (the ledger only
     knows what was reported before that)."""
     links: dict[str, LinkFigures] = field(default_factory=dict)
+    eval_model: torch.nn.Module | None = None
+    """Where the global model is evaluated when it is not the synchronizer's own (CPU) model: on the learners' GPU."""
 
     @property
     def elapsed_s(self) -> float:
@@ -111,16 +116,18 @@ def in_memory_config(cfg: RunConfig) -> RunConfig:
     )
 
 
-def sim_learner(ctx: RunContext, learner_id: str, *, index: int | None = None, num_learners: int | None = None) -> Learner:
+def sim_learner(ctx: RunContext, learner_id: str, *, index: int | None = None, num_learners: int | None = None,
+                device: torch.device | None = None) -> Learner:
     """A learner of ``ctx``'s run driven by a simulation: its link has no threads (see :func:`sim_step`).
 
-    ``index`` and ``num_learners`` default to the learner's place in the config."""
+    ``index`` and ``num_learners`` default to the learner's place in the config; ``device`` to the CPU."""
     place, region, _ = ctx.cfg.learners.resolve(learner_id)
     # Transfers are timed on the simulated clock: instantaneous, unless the event loop models their time.
     return Learner(
         ctx.cfg, learner_id, link=LearnerLink(ctx, learner_id, region, elapsed=ctx.now), clock=ctx.now,
-        # A simulation trains on the CPU whatever learners.device says: its figures are the same on every machine.
-        dist=Dist.single(),
+        # A simulation trains where it is told, not where learners.device says: by default on the CPU, so its
+        # figures are the same on every machine.
+        dist=Dist.single(device),
         index=place if index is None else index,
         num_learners=ctx.cfg.learners.count if num_learners is None else num_learners,
     )
@@ -154,8 +161,12 @@ def run_inprocess(
     max_steps_per_learner: int | None = None,
     adversaries: Mapping[str, float] | None = None,
     upload_bps: Mapping[str, float] | None = None,
+    device: torch.device | None = None,
 ) -> InProcessRun:
     """Train until the learners together have trained ``total_tokens``; returns the run's handles.
+
+    ``device``: where every learner trains and the global model is evaluated (default: the CPU; the learners take
+    their turns on one GPU, one step at a time, as the simulated clock orders them).
 
     ``adversaries``: learner -> k; that learner sends -k times what it learned, with honest counts (an
     attack the outlier check cannot see for small k, see ``merge.clip_factor``). ``upload_bps``: learner ->
@@ -173,6 +184,8 @@ def run_inprocess(
     ids = cfg.learners.learner_ids()
     M = len(ids)
     run = InProcessRun(ctx=ctx, sync=sync, learners={}, clock=clock, t0=clock.t)
+    if device is not None and device.type != "cpu":
+        run.eval_model = build_model(cfg.model, seed=cfg.seed).to(device)
     speeds = {lid: speed for lid, _, speed in ids}
     index = {lid: i for i, (lid, _, _) in enumerate(ids)}
     outages = sorted(outages or [], key=lambda o: o.start_s)
@@ -180,7 +193,7 @@ def run_inprocess(
     poll_s = sync_poll_s if sync_poll_s is not None else max(cfg.synchronizer.poll_s, step_time_s / 4)
 
     def new_learner(lid: str) -> Learner:
-        learner = sim_learner(ctx, lid, index=index[lid], num_learners=M)
+        learner = sim_learner(ctx, lid, index=index[lid], num_learners=M, device=device)
         learner.start(clock.t)
         return learner
 
@@ -295,5 +308,6 @@ def flip(k: float) -> Callable[[Outgoing], None]:
 
 
 def _evaluate(run: InProcessRun, tokens: int) -> EvalPoint:
-    loss, acc = evaluate_and_record(run.ctx, run.clock.t, cache=run.sync.state, model=run.sync.layout.model)
+    model = run.eval_model if run.eval_model is not None else run.sync.layout.model
+    loss, acc = evaluate_and_record(run.ctx, run.clock.t, cache=run.sync.state, model=model)
     return EvalPoint(run.clock.t - run.t0, tokens, loss, acc)

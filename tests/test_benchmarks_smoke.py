@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -179,6 +180,19 @@ def test_gpu_suite_plan_fits_ten_minutes():
     caps = [int(c) for c in re.findall(r"cap\s+(\d+) s", out.stdout)]
     total = int(re.search(r"sum of caps\s+(\d+) s", out.stdout).group(1))
     assert len(caps) == 8 and sum(caps) == total <= 600
+
+
+def test_quality_gpu_script_refuses_what_it_cannot_run():
+    """The GPU quality plan's script (its --dry-run is the --quick plan that test_quality_smoke.py runs): a bad option, and
+    a machine without a GPU unless --dry-run, are told at once."""
+    bad = subprocess.run(["bash", str(BENCH / "quality_gpu.sh"), "--bogus"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "usage" in bad.stderr
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+    if shutil.which("nvidia-smi", path=env["PATH"]):
+        pytest.skip("this machine has nvidia-smi: the script would start the GPU plan")
+    nogpu = subprocess.run(["bash", str(BENCH / "quality_gpu.sh"), "decoupled"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert nogpu.returncode == 2 and "--dry-run" in nogpu.stderr
 
 
 def test_the_cuda_tests_plugin_keeps_only_the_gpu_tests():

@@ -45,6 +45,10 @@ def test_prepare_round_trip(store_url, fmt):
     assert 0 < len(want_val) < len(want_train)
     assert manifest.val.tokens == len(want_val) and manifest.train_tokens == len(want_train)
     assert len(manifest.train) > 1 and all(s.tokens >= 1000 for s in manifest.train[:-1])
+    # .bin shards carry the sha256 of their bytes as written (a parquet writer's bytes are not seen).
+    for entry in [*manifest.train, manifest.val]:
+        with fsspec.open(f"{out}/{entry.path}", "rb") as f:
+            assert entry.sha256 == (hashlib.sha256(f.read()).hexdigest() if fmt == "bin" else None)
 
     data = DataConfig(source="tokens", manifest=f"{out}/manifest.json", block_tokens=1024)
     ds = build_dataset(data, ModelConfig(seq_len=16, vocab_size=300))
@@ -129,3 +133,23 @@ def test_prepare_from_a_saved_hf_dataset(tmp_path):
     assert manifest.tokenizer_sha256 == tokenizer.tokenizer_sha256
     tok = load_tokenizer(str(tmp_path / "tok" / "tokenizer.json"))
     assert manifest.train_tokens + manifest.val.tokens == sum(len(ids) + 1 for ids in tok.encode_batch(DOCS))
+
+
+def test_site_packages_corpus_splits_whole_packages():
+    from ddiloco.data_prepare import PROJECT, site_packages_corpus, validation_packages
+
+    sizes = {f"pkg{i}": 1000 * (1 + i % 7) for i in range(40)}
+    val = validation_packages(sizes, 0.1)
+    assert val == validation_packages(dict(reversed(sizes.items())), 0.1)  # the order of the listing does not matter
+    assert 0 < sum(sizes[p] for p in val) <= 0.1 * sum(sizes.values())
+
+    corpus = site_packages_corpus(max_bytes=200_000, val_share=0.1)
+    record = corpus.record
+    assert record["corpus_sha256"] == site_packages_corpus(max_bytes=200_000, val_share=0.1).record["corpus_sha256"]
+    split = {p["name"]: p["split"] for p in record["packages"]}
+    assert PROJECT not in split and set(split.values()) == {"train", "val"}
+    assert corpus.count == record["train_files"] + record["val_files"]
+    # Training documents first, then validation ones, each a whole file of its package.
+    assert [corpus.validation(i) for i in range(corpus.count)] == [False] * record["train_files"] + [True] * record["val_files"]
+    assert all(p["version"] and p["files"] > 0 and p["bytes"] > 0 for p in record["packages"])
+    assert "/" not in json.dumps(record["packages"])  # no path of this machine is recorded

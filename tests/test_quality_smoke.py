@@ -181,3 +181,104 @@ def test_outage_schedule_is_seeded_and_sized():
     down = sum(o.end_s - o.start_s for o in a)
     assert down == pytest.approx(0.25 * 256.0 * 4, rel=1e-3)
     assert not P.all_down_at_some_point(a, len(ids))
+
+
+# --- the GPU plan (issue #26) at --quick sizes, on the CPU ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpu_quick(tmp_path_factory):
+    """``--scale gpu --quick`` from the checkout, into a folder of the test's: the four regimes on a tiny Llama, about a
+    minute on 2 cores (most of it listing the installed packages and training the learners)."""
+    out = tmp_path_factory.mktemp("quality-gpu")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "quality.py"), "--scale", "gpu", "--quick", "--device", "cpu", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / O.GPU_RESULTS_NAME).read_text()), proc.stdout, out, cmd
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(700)
+def test_gpu_plan_rows_corpus_and_plot(gpu_quick):
+    data, stdout, out, _ = gpu_quick
+    from ddiloco.bench.provenance import code_digest
+
+    rows = {r["regime"]: r for r in data["rows"]}
+    assert list(rows) == list(P.GPU_REGIMES) and data["scale"]["name"] == P.GPU_QUICK.name
+    spec = P.gpu_specs(P.GPU_QUICK)[0]
+    cfg = P.build_run_config(spec, P.GPU_QUICK, True)
+    step = tokens_per_step(cfg.model, cfg.learners.batch_size)
+    assert max(r["tokens"] for r in rows.values()) - min(r["tokens"] for r in rows.values()) <= step
+    corpus = data["corpus"]
+    for r in rows.values():
+        assert (r["model"], r["scale"], r["code"], r["device"]) == (P.GPU_MODEL, P.GPU_QUICK.name, code_digest(), "cpu")
+        assert r["val_loss"] < math.log(P.GPU_QUICK_VOCAB), r
+        assert 1.5 < r["bytes_per_val_token"] < 8.0 and r["nats_per_byte"] == pytest.approx(r["val_loss"] / r["bytes_per_val_token"])
+        assert r["bytes_per_token"] > 0 and r["real_s"] > 0 and r["profile"]["learner.compute"] > 0
+        assert r["corpus"]["corpus_sha256"] == corpus["corpus_sha256"]
+    # Data-parallel sends every gradient in float32 every step, diloco every H = 4 steps, decoupled in int8.
+    assert rows["data_parallel"]["bytes_per_token"] > 3 * rows["diloco"]["bytes_per_token"] > 3 * rows["decoupled"]["bytes_per_token"]
+    chaos = rows["decoupled_chaos"]
+    assert chaos["knobs"]["speeds"] != [1.0] * 8 and 0.1 < chaos["lost_fraction"] < 0.4 and chaos["goodput"] < rows["decoupled"]["goodput"]
+    # The manifest: every package with its version and split, none of them the project, whole packages on one side;
+    # the shard hashes are those of the files on disk.
+    names = [p["name"] for p in corpus["packages"]]
+    assert "ddiloco" not in names and len(names) == len(set(names)) and all(p["version"] for p in corpus["packages"])
+    assert {p["split"] for p in corpus["packages"]} == {"train", "val"}
+    shards = rows["decoupled"]["corpus"]["shards"]
+    folder = ROOT / P.gpu_data_dir(True)
+    for s in shards:
+        assert s["sha256"] == hashlib.sha256((folder / s["path"]).read_bytes()).hexdigest()
+    assert sum(s["tokens"] for s in shards) == rows["decoupled"]["corpus"]["train_tokens"] + rows["decoupled"]["corpus"]["val_tokens"]
+    assert [g["goal"].split(" /")[0] for g in data["goals"]] == [g for g, _, _ in P.GPU_GOALS]
+    assert all(isinstance(g["pass"], bool) for g in data["goals"])
+    png = out / f"{O.GPU_PLOT_STEM}-{P.GPU_MODEL}.png"
+    assert png.stat().st_size > 1000 and f"wrote {png}" in stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(700)
+def test_gpu_plan_resumes_from_its_results_file(gpu_quick):
+    before, _, out, cmd = gpu_quick
+    proc = subprocess.run([*cmd, "--only", "decoupled,diloco"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "keeping 4 of this scale, code and corpus" in proc.stdout and "training 0" in proc.stdout
+    after = json.loads((out / O.GPU_RESULTS_NAME).read_text())
+    assert [r["val_loss"] for r in after["rows"]] == [r["val_loss"] for r in before["rows"]]
+
+
+def test_gpu_plan_is_sized_as_the_issue_asks():
+    """>= 20M non-embedding parameters, >= 250M tokens a regime, sequences >= 512, 8 learners, bf16 autocast through
+    learners.device and torch.compile; every regime the same tokens, seed, batch and schedule."""
+    import torch
+
+    from ddiloco.platform.models import build_model
+
+    cfgs = {s.regime: P.build_run_config(s, P.GPU, False, "cuda") for s in P.gpu_specs(P.GPU)}
+    assert list(cfgs) == list(P.GPU_REGIMES)
+    c = cfgs["decoupled"]
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        model = build_model(c.model)
+    embedding = model.get_input_embeddings().weight.numel()
+    assert sum(p.numel() for p in model.parameters()) - embedding >= 20_000_000
+    assert c.model.kind == "hf" and c.model.seq_len >= 512 and c.learners.compile and c.learners.device == "cuda"
+    assert P.GPU.learners == 8 and P.GPU.learners * P.GPU.steps * tokens_per_step(c.model, c.learners.batch_size) >= 250_000_000
+    for cfg in cfgs.values():
+        assert (cfg.token_budget, cfg.seed, cfg.learners.batch_size, cfg.inner) == (c.token_budget, c.seed, c.learners.batch_size, c.inner)
+        assert cfg.learners.count == 8
+    assert (cfgs["decoupled"].fragments.count, cfgs["decoupled"].fragments.period) == (24, 24)
+    assert cfgs["diloco"].fragments.count == 1 and cfgs["diloco"].quorum.min_count == 8
+
+
+def test_gpu_plan_publishes_into_its_own_files(tmp_path):
+    from ddiloco.bench.quality.report import GPU_BEGIN, GPU_END, with_docs_block
+
+    repo = O.checkout(ROOT)
+    dest = O.destination(None, publish=True, full_plan=True, repo=repo, gpu=True)
+    assert (dest.results, dest.docs_page, dest.gpu) == (ROOT / O.PUBLISHED_GPU_RESULTS, ROOT / O.DOCS_PAGE, True)
+    with pytest.raises(ValueError, match="full plan"):
+        O.destination(None, publish=True, full_plan=False, repo=repo, gpu=True)
+    assert O.destination(tmp_path, publish=False, full_plan=False, repo=repo, gpu=True).results == tmp_path / O.GPU_RESULTS_NAME
+    page = (ROOT / O.DOCS_PAGE).read_text()
+    new = with_docs_block(page, f"{GPU_BEGIN}\nnew\n{GPU_END}", GPU_BEGIN, GPU_END)
+    assert "\nnew\n" in new and new.split(GPU_BEGIN)[0] == page.split(GPU_BEGIN)[0]

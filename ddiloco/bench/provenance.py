@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import platform
@@ -28,6 +29,15 @@ def git_state(root: Path = ROOT) -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         pass
     return out
+
+
+def code_digest(root: Path = ROOT) -> str:
+    """sha256 of the package's Python sources (``ddiloco/**/*.py``, by relative path): what a result was computed
+    with, the same in a git checkout, a copy without git, and after results are committed beside it."""
+    digest = hashlib.sha256()
+    for path in sorted((root / "ddiloco").rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def load_average() -> float | None:

@@ -22,6 +22,8 @@ class ShardEntry:
     path: str
     """Relative to the manifest's folder, or an absolute URL."""
     tokens: int
+    sha256: str | None = None
+    """Of the shard's bytes, as written (``.bin`` shards; None where the writer could not see them)."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +71,8 @@ def read_manifest(url: str) -> Manifest:
             raise ValueError(f"format is {body.get('format')!r}, expected {MANIFEST_FORMAT!r}")
         if body["dtype"] not in DTYPES:
             raise ValueError(f"dtype {body['dtype']!r} is not one of {sorted(DTYPES)}")
-        train = [ShardEntry(str(s["path"]), int(s["tokens"])) for s in body["train"]]
-        val = ShardEntry(str(body["val"]["path"]), int(body["val"]["tokens"]))
+        train = [ShardEntry(str(s["path"]), int(s["tokens"]), s.get("sha256")) for s in body["train"]]
+        val = ShardEntry(str(body["val"]["path"]), int(body["val"]["tokens"]), body["val"].get("sha256"))
         return Manifest(
             dtype=body["dtype"], train=train, val=val, vocab_size=int(body["vocab_size"]),
             tokenizer_sha256=str(body["tokenizer_sha256"]), tokenizer=body.get("tokenizer"),

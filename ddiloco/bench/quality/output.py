@@ -15,23 +15,28 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.bench.provenance import json_safe
-from ddiloco.bench.quality.plan import MODELS
-from ddiloco.bench.quality.report import docs_block, rows_from_json, with_docs_block, with_targeted
+from ddiloco.bench.quality.plan import GPU_SCALES
+from ddiloco.bench.quality.report import GPU_BEGIN, GPU_END, docs_block, gpu_docs_block, rows_from_json, with_docs_block, with_targeted
 from ddiloco.bench.quality.run import Row
 
 PUBLISHED_RESULTS = Path("benchmarks") / "results" / "quality.json"
+PUBLISHED_GPU_RESULTS = PUBLISHED_RESULTS.with_name("quality_gpu.json")
 PUBLISHED_PLOTS = Path("docs")
 DOCS_PAGE = PUBLISHED_PLOTS / "quality.md"
 RESULTS_NAME = "quality.json"
+GPU_RESULTS_NAME = "quality_gpu.json"
+GPU_PLOT_STEM = "quality-gpu"
 
 
 @dataclass(frozen=True)
 class Destination:
     results: Path
     plots: Path
-    """Folder of the quality-<model>[-ablations].png plots."""
+    """Folder of the quality-<model>[-ablations].png plots (quality-gpu-<model>.png for the GPU plan)."""
     docs_page: Path | None = None
     """docs/quality.md, whose generated block is rewritten (published runs only)."""
+    gpu: bool = False
+    """The GPU plan's files: its own results file, plot names and block of the docs page."""
 
 
 def checkout(path: Path) -> Path | None:
@@ -42,35 +47,55 @@ def checkout(path: Path) -> Path | None:
     return p if found else None
 
 
-def destination(out: Path | None, *, publish: bool, full_plan: bool, repo: Path | None) -> Destination:
+def destination(out: Path | None, *, publish: bool, full_plan: bool, repo: Path | None, gpu: bool = False) -> Destination:
     """Where a run's files go (without ``out`` or ``publish``: a new temporary directory, made here);
-    ``repo`` is the checkout the command runs in (or was given), if any.
+    ``repo`` is the checkout the command runs in (or was given), if any. The GPU plan publishes row by row
+    (``full_plan``: not --quick), into its own results file and block of the docs page.
 
     Raises ValueError, saying what to change, for a publish that is not of the full plan or has no
     checkout, and for an ``out`` that would overwrite the published files."""
     if publish:
         if not full_plan:
-            raise ValueError("--publish writes the published results: it needs the full plan "
-                             "(no --quick, --only, --no-ablations, --no-sweep, and every model)")
+            raise ValueError("--publish writes the published results: it needs the full plan (--scale gpu: without --quick; "
+                             "otherwise no --quick, --only, --no-ablations, --no-sweep, and every model)")
         if out is not None:
             raise ValueError("--publish writes into the checkout; leave out --out")
         if repo is None:
             raise ValueError("--publish needs a ddiloco checkout: run it from one, or pass --repo PATH")
-        return Destination(repo / PUBLISHED_RESULTS, repo / PUBLISHED_PLOTS, repo / DOCS_PAGE)
+        return Destination(repo / (PUBLISHED_GPU_RESULTS if gpu else PUBLISHED_RESULTS), repo / PUBLISHED_PLOTS, repo / DOCS_PAGE, gpu)
     if out is None:
         out = Path(tempfile.mkdtemp(prefix="ddiloco-bench-quality-"))
     elif repo is not None and out.resolve() in ((repo / PUBLISHED_RESULTS).parent.resolve(), (repo / PUBLISHED_PLOTS).resolve()):
         raise ValueError(f"--out {out} is where the published results are; only --publish with the full plan writes there")
-    return Destination(out / RESULTS_NAME, out)
+    return Destination(out / (GPU_RESULTS_NAME if gpu else RESULTS_NAME), out, gpu=gpu)
+
+
+def read_rows(dest: Destination) -> list[Row]:
+    """The rows a destination's results file already holds (none when there is no file yet)."""
+    if not dest.results.is_file():
+        return []
+    return rows_from_json(json.loads(dest.results.read_text()))
+
+
+def write_results(result: dict[str, Any], dest: Destination) -> None:
+    """The results file alone, written whole through a temporary file (a command killed mid-write leaves the old one)."""
+    dest.results.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.results.with_name(dest.results.name + ".tmp")
+    tmp.write_text(json.dumps(json_safe(result), indent=1) + "\n")
+    tmp.replace(dest.results)
 
 
 def write(result: dict[str, Any], rows: Sequence[Row], dest: Destination) -> list[Path]:
     """Write the results file, the plots and (if the destination has one) the docs page; returns what was written."""
-    dest.results.parent.mkdir(parents=True, exist_ok=True)
-    dest.results.write_text(json.dumps(json_safe(result), indent=1) + "\n")
-    written = [dest.results, *save_plots(rows, dest.plots)]
+    write_results(result, dest)
+    written = [dest.results, *save_plots(rows, dest.plots, GPU_PLOT_STEM if dest.gpu else "quality")]
     if dest.docs_page is not None:
-        dest.docs_page.write_text(with_docs_block(dest.docs_page.read_text(), docs_block(result, rows)))
+        page = dest.docs_page.read_text()
+        if dest.gpu:
+            page = with_docs_block(page, gpu_docs_block(result, rows, GPU_PLOT_STEM), GPU_BEGIN, GPU_END)
+        else:
+            page = with_docs_block(page, docs_block(result, rows))
+        dest.docs_page.write_text(page)
         written.append(dest.docs_page)
     return written
 
@@ -94,13 +119,14 @@ STYLE = {
     "decoupled_failures": ("tab:purple", ":"),
     "diloco_stragglers": ("tab:green", (0, (1, 1))),
     "diloco_failures": ("tab:purple", (0, (5, 1, 1, 1))),
+    "decoupled_chaos": ("tab:green", "-."),
 }
 """(colour, line style) of the main rows, the same in every plot."""
 
 
-def save_plots(rows: Sequence[Row], out_dir: Path) -> list[Path]:
-    """quality-<model>.png: val loss vs tokens and vs simulated wall-clock, one line per regime;
-    and quality-<model>-ablations.png for a model with ablations."""
+def save_plots(rows: Sequence[Row], out_dir: Path, stem: str = "quality") -> list[Path]:
+    """<stem>-<model>.png: val loss vs tokens and vs simulated wall-clock, one line per regime;
+    and <stem>-<model>-ablations.png for a model with ablations."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,10 +134,8 @@ def save_plots(rows: Sequence[Row], out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for model in MODELS:
+    for model in dict.fromkeys(r.model for r in rows):
         mine = [r for r in rows if r.model == model]
-        if not mine:
-            continue
         main = [r for r in mine if r.group in ("regime", "reference")]
         extra = [r for r in mine if r.group in ("ablation", "sweep", "noise") or r.regime in ("decoupled", "decoupled_stragglers")]
         for kind, sel in (("", main), ("-ablations", extra)):
@@ -137,9 +161,10 @@ def save_plots(rows: Sequence[Row], out_dir: Path) -> list[Path]:
                 ax.grid(alpha=0.3)
                 ax.set_ylim(lo - 0.05 * abs(lo), hi + 0.02 * abs(hi))
             axes[1].legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-            fig.suptitle(f"{model}: validation loss by regime{' (ablations and sweep)' if kind else ''}")
+            at = f" ({mine[0].scale} scale)" if mine[0].scale in GPU_SCALES else ""
+            fig.suptitle(f"{model}{at}: validation loss by regime{' (ablations and sweep)' if kind else ''}")
             fig.tight_layout()
-            p = out_dir / f"quality-{model}{kind}.png"
+            p = out_dir / f"{stem}-{model}{kind}.png"
             fig.savefig(p)
             plt.close(fig)
             paths.append(p)

@@ -64,6 +64,71 @@ def llama_data_dir(quick: bool) -> str:
     return f"{LLAMA_DATA_ROOT}/stdlib-bpe{LLAMA_VOCAB}-{llama_corpus_bytes(quick)}"
 
 
+# --- the GPU scale (issue #26): where the method's claim can fail ------------------------------------
+
+GPU = Scale("gpu", steps=480, learners=8, evals=20)
+"""8 learners x 480 steps x 128 sequences x 512 tokens = 251,658,240 tokens per regime (docs/quality.md has the sizing)."""
+GPU_QUICK = Scale("gpu-quick", steps=24, learners=8, evals=4)
+"""``--scale gpu --quick``: the same plan at tiny sizes (12,288 tokens a regime), which runs on a CPU in a minute or two."""
+GPU_SCALES = (GPU.name, GPU_QUICK.name)
+GPU_MODEL = "llama"
+GPU_REGIMES = ("data_parallel", "diloco", "decoupled", "decoupled_chaos")
+GPU_GOALS = (("decoupled", "data_parallel", 0.02), ("decoupled", "diloco", 0.01), ("decoupled_chaos", "data_parallel", 0.03))
+"""(row, reference row, largest relative excess of the row's final validation loss over the reference's)."""
+GPU_VOCAB, GPU_QUICK_VOCAB = 8192, 512
+GPU_QUICK_CORPUS_BYTES = 2_000_000
+"""--quick reads this much of the installed packages' sources (the full scale reads all of them)."""
+
+
+def is_gpu(scale: Scale) -> bool:
+    return scale.name in GPU_SCALES
+
+
+def gpu_vocab(quick: bool) -> int:
+    return GPU_QUICK_VOCAB if quick else GPU_VOCAB
+
+
+def gpu_data_dir(quick: bool) -> str:
+    """Where the GPU plan's token shards live (relative to the working directory; prepared once, reused while the
+    installed packages are the same)."""
+    return f"{LLAMA_DATA_ROOT}/site-packages-bpe{gpu_vocab(quick)}-{'quick' if quick else 'full'}"
+
+
+def gpu_sections(quick: bool, device: str = "auto") -> dict[str, Any]:
+    """The GPU plan's config sections: a Llama of 25.7M non-embedding parameters (d 512, 8 layers, SwiGLU 1408, tied
+    8192-token embeddings), sequences of 512, 128 a learner step, bf16 autocast and torch.compile on the device; P = H = 24.
+    --quick: the same shape of run, tiny (and not compiled: on a CPU compiling costs more than it saves)."""
+    if quick:
+        d, ffn, layers, heads, seq, batch, P, warm, lr = 32, 64, 1, 4, 32, 2, 4, 2, 3e-3
+    else:
+        d, ffn, layers, heads, seq, batch, P, warm, lr = 512, 1408, 8, 8, 512, 128, 24, 24, 2e-3
+    vocab = gpu_vocab(quick)
+    model = {"kind": "hf", "vocab_size": vocab, "seq_len": seq, "hf_config": {
+        "model_type": "llama", "hidden_size": d, "intermediate_size": ffn, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": heads, "max_position_embeddings": seq,
+        "tie_word_embeddings": True, "use_cache": False}}
+    return {
+        "model": model,
+        "data": {"source": "tokens", "manifest": f"{gpu_data_dir(quick)}/manifest.json", "val_batches": 2 if quick else 4},
+        "learners": {"batch_size": batch, "device": device, "compile": not quick},
+        "inner": {"lr": lr, "warmup_steps": warm, "schedule": "cosine", "min_lr_ratio": 0.1},
+        "fragments": {"count": P, "every": P},
+    }
+
+
+def gpu_specs(scale: Scale) -> list[RunSpec]:
+    """The four rows of the GPU plan (``GPU_REGIMES``); the chaos row has the CPU plan's stragglers and outages at once."""
+    M = scale.learners
+    sync = deep_merge(SYNC, {"fragments": {"count": 1}, "quorum": {"min_count": M}})
+    speeds = (STRAGGLER_SPEEDS * (M // len(STRAGGLER_SPEEDS) + 1))[:M]
+    return [
+        RunSpec(GPU_MODEL, "data_parallel", "regime"),
+        RunSpec(GPU_MODEL, "diloco", "regime", sync),
+        RunSpec(GPU_MODEL, "decoupled", "regime"),
+        RunSpec(GPU_MODEL, "decoupled_chaos", "regime", speeds=speeds, failures=FAILURE_FRACTION),
+    ]
+
+
 def model_sections(model: str, quick: bool) -> dict[str, Any]:
     """The config sections of a model at a scale: model, data, batch, inner optimizer, fragments P and period H."""
     if model in ("dense", "moe"):
@@ -476,10 +541,11 @@ def deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_run_config(spec: RunSpec, scale: Scale, quick: bool) -> RunConfig:
+def build_run_config(spec: RunSpec, scale: Scale, quick: bool, device: str = "auto") -> RunConfig:
+    """A row's config; ``device`` is the GPU plan's ``learners.device`` (the CPU plan always trains on the CPU)."""
     from ddiloco.platform.config import build_config, tokens_per_step
 
-    sections = model_sections(spec.model, quick)
+    sections = gpu_sections(quick, device) if is_gpu(scale) else model_sections(spec.model, quick)
     region: dict[str, Any] = {"name": "dc", "learners": scale.learners}
     if spec.speeds:
         region["speeds"] = list(spec.speeds)

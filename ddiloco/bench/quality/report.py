@@ -13,16 +13,23 @@ from ddiloco.bench.quality.plan import (
     GOAL_COMM_RATIO,
     GOAL_PREFIXES,
     GOALS_VS_DILOCO,
+    GPU_GOALS,
+    GPU_MODEL,
+    GPU_REGIMES,
+    GPU_SCALES,
     MODELS,
     ROBUST_GATE,
     ROBUST_PUBLISH_SHARE,
     Scale,
+    is_gpu,
     robust_gate_pairs,
     row_outages,
 )
 from ddiloco.bench.quality.run import Row
 
 BEGIN, END = "<!-- quality:begin (written by `ddiloco bench quality --publish`) -->", "<!-- quality:end -->"
+GPU_BEGIN = "<!-- quality-gpu:begin (written by `ddiloco bench quality --scale gpu --publish`) -->"
+GPU_END = "<!-- quality-gpu:end -->"
 
 
 def find(rows: Sequence[Row], model: str, regime: str) -> Row | None:
@@ -79,6 +86,19 @@ def goals(rows: Sequence[Row]) -> list[dict[str, Any]]:
                         "value": ratio})
     out += robust_goals(rows)
     out += adaptive_goals(rows)
+    return out
+
+
+def gpu_goals(rows: Sequence[Row]) -> list[dict[str, Any]]:
+    """Issue #26's goals (``GPU_GOALS``): each row's final validation loss over its reference row's, at equal tokens."""
+    out = []
+    for regime, ref_name, tol in GPU_GOALS:
+        r, ref = find(rows, GPU_MODEL, regime), find(rows, GPU_MODEL, ref_name)
+        if r is None or ref is None:
+            continue
+        ratio = r.val_loss / ref.val_loss
+        out.append({"goal": f"{regime} / {ref_name} final validation loss <= {1 + tol:.2f} at equal tokens", "pass": ratio <= 1 + tol,
+                    "figure": f"{r.val_loss:.4f} / {ref.val_loss:.4f} = {ratio:.4f}", "value": ratio})
     return out
 
 
@@ -248,7 +268,7 @@ def time_breakdown(rows: Sequence[Row]) -> dict[str, Any]:
 
 
 def row_json(r: Row) -> dict[str, Any]:
-    d = {**asdict(r), "nats_per_byte": r.nats_per_byte}
+    d = {**asdict(r), "nats_per_byte": r.nats_per_byte, "train_tokens_per_s": r.train_tokens_per_s}
     # The issue's keys first.
     head = ["model", "regime", "tokens", "val_loss", "nats_per_byte", "val_accuracy", "bytes_per_token", "goodput"]
     return {**{k: d[k] for k in head}, **{k: v for k, v in d.items() if k not in head}}
@@ -260,8 +280,9 @@ def rows_from_json(data: dict[str, Any]) -> list[Row]:
 
 
 def results(rows: Sequence[Row], *, scale: Scale, jobs: int, date: str, total_real_s: float, cpu_s: float,
-            provenance: dict[str, Any]) -> dict[str, Any]:
-    """The results file's content (``provenance``: commit, dirty and machine, as the other benchmarks write them)."""
+            provenance: dict[str, Any], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The results file's content (``provenance``: commit, dirty and machine, as the other benchmarks write them;
+    ``extra``: what else the plan records, such as the GPU plan's corpus)."""
     return {
         "benchmark": "quality",
         "date": date,
@@ -269,8 +290,9 @@ def results(rows: Sequence[Row], *, scale: Scale, jobs: int, date: str, total_re
         "scale": asdict(scale),
         "jobs": jobs,
         "total_real_s": round(total_real_s, 1),
+        **(extra or {}),
         "rows": [row_json(r) for r in rows],
-        "goals": goals(rows),
+        "goals": gpu_goals(rows) if is_gpu(scale) else goals(rows),
         "ablations": ablation_lines(rows),
         "notes": notes(rows),
         "cpu_s": cpu_s,
@@ -284,7 +306,8 @@ def rescored(data: dict[str, Any]) -> dict[str, Any]:
     rows = rows_from_json(data)
     targeted = [{**t, "goals": goals(rows_from_json(t)), "ablations": ablation_lines(rows_from_json(t))}
                 for t in data.get("targeted", [])]
-    return {**data, "goals": goals(rows), "ablations": ablation_lines(rows), "notes": notes(rows),
+    gpu = data["scale"]["name"] in GPU_SCALES
+    return {**data, "goals": gpu_goals(rows) if gpu else goals(rows), "ablations": ablation_lines(rows), "notes": notes(rows),
             **({"targeted": targeted} if targeted else {})}
 
 
@@ -412,10 +435,77 @@ def ablation_table(ablations: Sequence[dict[str, Any]]) -> list[str]:
                      f"{100 * a['delta']:+.2f}% | {a['lower']} |" for a in ablations]
 
 
-def with_docs_block(page: str, block: str) -> str:
-    """``page`` with its generated block replaced by ``block`` (appended if the page has none)."""
-    if BEGIN in page and END in page:
-        head, rest = page.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
+def with_docs_block(page: str, block: str, begin: str = BEGIN, end: str = END) -> str:
+    """``page`` with its generated block (between ``begin`` and ``end``) replaced by ``block`` (appended if the page has none)."""
+    if begin in page and end in page:
+        head, rest = page.split(begin, 1)
+        _, tail = rest.split(end, 1)
         return head + block + tail
     return page.rstrip() + "\n\n" + block + "\n"
+
+
+# --- the GPU plan ---------------------------------------------------------------------------------
+
+
+def gpu_table(rows: Sequence[Row]) -> list[str]:
+    """The GPU plan's markdown table: losses per token and per byte, their ratios to the references, bytes per token,
+    and the wall-clock of each regime (real seconds, training throughput, simulated seconds)."""
+    dp, ref = find(rows, GPU_MODEL, "data_parallel"), find(rows, GPU_MODEL, "diloco")
+    cols = ["regime", "tokens", "val loss (nats/token)", "nats/byte", "÷ data-parallel", "÷ diloco", "bytes/token", "goodput",
+            "wall-clock (real s)", "train tokens/s", "simulated s", "merges", "device"]
+    align = ["---" if i in (0, len(cols) - 1) else "---:" for i in range(len(cols))]
+    out = ["| " + " | ".join(cols) + " |", "| " + " | ".join(align) + " |"]
+    for r in rows:
+        tps = r.train_tokens_per_s
+        out.append("| " + " | ".join([
+            r.regime, f"{r.tokens:,}", f"{r.val_loss:.4f}", "" if r.nats_per_byte is None else f"{r.nats_per_byte:.4f}",
+            "" if dp is None else f"{r.val_loss / dp.val_loss:.4f}", "" if ref is None else f"{r.val_loss / ref.val_loss:.4f}",
+            f"{r.bytes_per_token:.3f}", f"{r.goodput:.3f}", f"{r.real_s:.0f}", "" if tps is None else f"{tps:,.0f}",
+            f"{r.wall_clock_s:.0f}", str(r.merges), r.device or ""]) + " |")
+    return out
+
+
+def gpu_docs_block(result: dict[str, Any], rows: Sequence[Row], plot_stem: str) -> str:
+    """The GPU plan's generated block of docs/quality.md, markers included: where and on what it ran, the table, the
+    goals, the rows not run yet and the plot of every regime's curve."""
+    m, c = result["machine"], (rows[0].corpus if rows else None) or {}
+    codes = sorted({(r.code or "unknown")[:10] for r in rows})
+    per_regime = rows[0].tokens if rows else 0
+    epochs = f", {per_regime / c['train_tokens']:.2f} epochs of it per regime" if c.get("train_tokens") and per_regime else ""
+    lines = [
+        GPU_BEGIN,
+        "",
+        f"Rows written {result['date'][:10]} at code `{', '.join(codes)}` (sha256 of `ddiloco/**/*.py`; git commit "
+        f"`{(result.get('commit') or 'unknown')[:10]}`{' with uncommitted changes' if result.get('dirty') else ''}) on "
+        f"{m.get('gpu') or 'no GPU'}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}. Scale "
+        f"`{result['scale']['name']}`: {result['scale']['learners']} learners x {result['scale']['steps']} steps; "
+        f"{sum(r.real_s for r in rows):.0f} s of training rows{_prepare_note(result)}.",
+        "",
+        f"Corpus: the Python sources of {c.get('packages', '?')} installed packages (Python {c.get('python', '?')}), "
+        f"{c.get('train_bytes', 0) / 1e6:.1f} MB training and {c.get('val_bytes', 0) / 1e6:.1f} MB validation (whole packages), "
+        f"{c.get('train_tokens', 0):,} / {c.get('val_tokens', 0):,} tokens of a {c.get('vocab_size', '?')}-token BPE trained "
+        f"here{epochs}; corpus digest `{str(c.get('corpus_sha256'))[:16]}`, tokenizer `{str(c.get('tokenizer_sha256'))[:16]}` "
+        "(the package list and every shard's sha256 are in the results file).",
+        "",
+        *gpu_table(rows),
+        "",
+        "Goals (measured, not tuned to pass):",
+        "",
+        *goal_lines(result["goals"]),
+    ]
+    missing = [g for g in GPU_REGIMES if find(rows, GPU_MODEL, g) is None]
+    if missing:
+        lines += ["", f"Not run yet at this code: {', '.join(f'`{g}`' for g in missing)} (`--only {','.join(missing)}`)."]
+    if result.get("notes"):
+        lines += ["", "Notes:", "", *[f"- {n}" for n in result["notes"]]]
+    if rows:
+        lines += ["", f"![validation loss of every regime vs tokens and simulated wall-clock]({plot_stem}-{GPU_MODEL}.png)"]
+    return "\n".join([*lines, "", GPU_END])
+
+
+def _prepare_note(result: dict[str, Any]) -> str:
+    s = result.get("prepare_s")
+    if s is None:
+        return ""
+    what = "preparing the corpus (listing, BPE, token shards)" if result.get("prepared") else "checking the prepared corpus"
+    return f"; {what} took {s:.0f} s in the last command"

@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ddiloco.bench.quality.plan import RunSpec, Scale, build_run_config, row_outages, spec_scale
+from ddiloco.bench.quality.plan import RunSpec, Scale, build_run_config, is_gpu, row_outages, spec_scale
 
 if TYPE_CHECKING:
+    import torch
+
     from ddiloco.platform.config import RunConfig
 
 
@@ -64,10 +67,24 @@ class Row:
     bytes_per_val_token: float | None = None
     """UTF-8 bytes of text per validation target token (1 for byte-level models, None for images):
     ``val_loss / bytes_per_val_token`` is nats per byte, comparable across tokenizers."""
+    scale: str | None = None
+    """The plan's scale (``full``, ``quick``, ``gpu``, ``gpu-quick``) the row was trained at."""
+    code: str | None = None
+    """sha256 of the package's sources it was trained with (:func:`ddiloco.bench.provenance.code_digest`)."""
+    device: str | None = None
+    """Where it trained: ``cpu``, or the GPU's name."""
+    corpus: dict[str, Any] | None = None
+    """The token corpus it read (token shards only): the manifest's corpus digest, tokenizer and shard sha256s."""
 
     @property
     def nats_per_byte(self) -> float | None:
         return None if not self.bytes_per_val_token else self.val_loss / self.bytes_per_val_token
+
+    @property
+    def train_tokens_per_s(self) -> float | None:
+        """Tokens per second of the training steps alone (forward, backward, AdamW), over the whole row."""
+        secs = self.profile.get("learner.compute")
+        return self.tokens / secs if secs else None
 
 
 PROFILE_KEYS = {
@@ -114,25 +131,53 @@ def counting_sql() -> Iterator[None]:
         event.remove(Engine, "after_cursor_execute", after)
 
 
-def run_spec(spec: RunSpec, scale: Scale, quick: bool) -> Row:
-    """Train one row and measure it, with the profile of its real time."""
+def run_spec(spec: RunSpec, scale: Scale, quick: bool, device: str = "auto") -> Row:
+    """Train one row and measure it, with the profile of its real time. The CPU plan trains on the CPU; the GPU
+    plan where ``device`` says (``auto``: the GPU when there is one)."""
     import torch
 
+    from ddiloco.bench.provenance import code_digest
+    from ddiloco.learner_worker.device import resolve_device
     from ddiloco.platform import spans
 
-    torch.set_num_threads(1)
+    gpu = is_gpu(scale)
+    t0 = time.perf_counter()
+    scale = spec_scale(spec, scale)
+    cfg = build_run_config(spec, scale, quick, device)
+    where = resolve_device(cfg.learners.device) if gpu else torch.device("cpu")
+    # Pool workers share the cores; a row on a GPU is alone, and its synchronizer's merges and decoding use a few.
+    torch.set_num_threads(min(8, os.cpu_count() or 1) if where.type == "cuda" else 1)
     # The first AdamW of a process imports torch._dynamo (seconds): not the run's time.
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
     t0 = time.perf_counter()
-    scale = spec_scale(spec, scale)
-    cfg = build_run_config(spec, scale, quick)
     with spans.collecting() as totals, counting_sql():
         dp = spec.regime.startswith("data_parallel")
-        row = _run_data_parallel(spec, cfg, scale) if dp else _run_decoupled(spec, cfg, scale)
+        row = _run_data_parallel(spec, cfg, scale, where) if dp else _run_decoupled(spec, cfg, scale, where)
     row.real_s = round(time.perf_counter() - t0, 2)
     row.profile = profile_of(totals)
     row.bytes_per_val_token = bytes_per_val_token(cfg)
+    row.scale, row.code, row.corpus = scale.name, code_digest(), corpus_summary(cfg)
+    row.device = torch.cuda.get_device_name(where) if where.type == "cuda" else where.type
     return row
+
+
+def corpus_summary(cfg: RunConfig) -> dict[str, Any] | None:
+    """What a row's token corpus is: the manifest's corpus digest and sizes, the tokenizer's and every shard's sha256."""
+    if cfg.data.source != "tokens" or cfg.data.manifest is None:
+        return None
+    from ddiloco.platform.manifest import read_manifest
+
+    m = read_manifest(cfg.data.manifest)
+    keys = ("corpus", "corpus_sha256", "python", "train_bytes", "val_bytes", "train_files", "val_files", "documents")
+    return {
+        **{k: m.extra[k] for k in keys if k in m.extra},
+        "packages": len(m.extra.get("packages", ())),
+        "tokenizer_sha256": m.tokenizer_sha256,
+        "vocab_size": m.vocab_size,
+        "train_tokens": m.train_tokens,
+        "val_tokens": m.val.tokens,
+        "shards": [{"path": e.path, "tokens": e.tokens, "sha256": e.sha256} for e in [*m.train, m.val]],
+    }
 
 
 def bytes_per_val_token(cfg: RunConfig) -> float | None:
@@ -181,6 +226,28 @@ def prepare_bench_data(quick: bool) -> str:
     return out
 
 
+def prepare_gpu_data(quick: bool) -> tuple[str, dict[str, Any], bool]:
+    """The GPU plan's BPE shards of the installed packages' Python sources: (manifest URL, the corpus's record, whether
+    they were prepared now). Prepared once and reused while the installed packages are the same (the manifest's corpus
+    digest); another environment's shards are prepared again, their manifest removed first so no run reads them half-written."""
+    from pathlib import Path
+
+    from ddiloco.bench.quality.plan import GPU_QUICK_CORPUS_BYTES, gpu_data_dir, gpu_vocab
+    from ddiloco.data_prepare import VAL_SHARE, prepare, site_packages_corpus
+    from ddiloco.platform.manifest import read_manifest
+
+    out = gpu_data_dir(quick)
+    url = f"{out}/manifest.json"
+    # --quick's slice is small: a larger share of it validates, so the evaluation windows do not overlap much.
+    corpus = site_packages_corpus(GPU_QUICK_CORPUS_BYTES if quick else None, val_share=0.05 if quick else VAL_SHARE)
+    if Path(url).exists():
+        if read_manifest(url).extra.get("corpus_sha256") == corpus.record["corpus_sha256"]:
+            return url, read_manifest(url).extra, False
+        Path(url).unlink()
+    manifest = prepare(corpus, out, train_tokenizer=gpu_vocab(quick), val_fraction=VAL_SHARE)
+    return url, manifest.extra, True
+
+
 def _knobs(cfg: RunConfig, spec: RunSpec, scale: Scale) -> dict[str, Any]:
     return {
         "learners": cfg.learners.count,
@@ -209,7 +276,7 @@ def _knobs(cfg: RunConfig, spec: RunSpec, scale: Scale) -> dict[str, Any]:
     }
 
 
-def _run_decoupled(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
+def _run_decoupled(spec: RunSpec, cfg: RunConfig, scale: Scale, device: torch.device) -> Row:
     from sqlalchemy import select
 
     from ddiloco.inprocess import run_inprocess
@@ -228,8 +295,7 @@ def _run_decoupled(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
         demand = upload_demand(cfg)
         upload_bps = {lid: share * demand for lid, share in zip(ids, spec.upload_shares, strict=True)}
     run = run_inprocess(cfg, total_tokens=total, step_time_s=1.0, outages=outages, eval_every_tokens=max(1, total // scale.evals),
-                        upload_bps=upload_bps,
-                        adversaries=adversaries)
+                        upload_bps=upload_bps, adversaries=adversaries, device=device)
     final = run.evals[-1]
     elapsed = run.elapsed_s
     speeds = [s for _, _, s in cfg.learners.learner_ids()]
@@ -290,25 +356,29 @@ def _link_json(f: Any, bandwidth: float) -> dict[str, Any]:
             "cadence_changes": f.cadence_changes, "steps_per_cadence": dict(sorted(f.cadences.items()))}
 
 
-def _run_data_parallel(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
+def _run_data_parallel(spec: RunSpec, cfg: RunConfig, scale: Scale, device: torch.device) -> Row:
     """M replicas' gradients averaged every step: one model, M micro-batches (one per learner shard,
-    the same streams the DiLoCo learners read), each loss / M, one AdamW step."""
+    the same streams the DiLoCo learners read), each loss / M, one AdamW step. The forward and loss are
+    the learners' own (bf16 autocast on a GPU, torch.compile when ``learners.compile``)."""
     import torch
 
+    from ddiloco.learner_worker.learner import _LossModule
     from ddiloco.learner_worker.schedule import lr_factor, param_groups
     from ddiloco.platform.config import tokens_per_step
     from ddiloco.platform.data import build_dataset
-    from ddiloco.platform.models import build_model, compute_loss, evaluate
+    from ddiloco.platform.models import build_model
     from ddiloco.platform.spans import span
+    from ddiloco.synchronizer.evaluation import evaluate_global
 
     M, icfg = scale.learners, cfg.inner
-    model = build_model(cfg.model, seed=cfg.seed)
+    model = build_model(cfg.model, seed=cfg.seed).to(device)
     model.train()
+    net = _LossModule(model, device)
+    net = torch.compile(net) if cfg.learners.compile else net
     # The learners' own parameter groups and schedule: the rows differ in how replicas meet, nothing else.
     opt = torch.optim.AdamW(param_groups(model, icfg.weight_decay), lr=icfg.lr, betas=(icfg.beta1, icfg.beta2))
     data = build_dataset(cfg.data, cfg.model)
     streams = [data.train_batches(m, M, cfg.learners.batch_size, seed=cfg.seed * 1_000_003) for m in range(M)]
-    val = data.val_batches(cfg.learners.batch_size)
     tps = tokens_per_step(cfg.model, cfg.learners.batch_size)
     total = M * scale.steps * tps
     every = max(1, total // scale.evals)
@@ -318,7 +388,7 @@ def _run_data_parallel(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
     # The spans the in-process rows' learner and evaluation use, so every row's profile reads alike.
     def ev(tokens: int, t: float) -> None:
         with span("sync.eval"):
-            loss, acc = evaluate(model, val)
+            loss, acc = evaluate_global(cfg, {}, model=model)
         curve.append([tokens, t, loss, acc])
 
     ev(0, 0.0)
@@ -330,7 +400,8 @@ def _run_data_parallel(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
                 g["lr"] = lr
             opt.zero_grad(set_to_none=True)
             for m in range(M):
-                loss, _ = compute_loss(model, next(streams[m]))
+                batch = next(streams[m])
+                loss = net(batch.inputs.to(device, non_blocking=True), batch.targets.to(device, non_blocking=True), batch.tokens)
                 (loss / M).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), icfg.grad_clip)
             opt.step()
@@ -353,26 +424,38 @@ def _run_data_parallel(spec: RunSpec, cfg: RunConfig, scale: Scale) -> Row:
     )
 
 
-def _run_one(args: tuple[RunSpec, Scale, bool]) -> Row:
-    spec, scale, quick = args
-    row = run_spec(spec, scale, quick)
+def _run_one(args: tuple[RunSpec, Scale, bool, str]) -> Row:
+    spec, scale, quick, device = args
+    row = run_spec(spec, scale, quick, device)
     print(f"  {row.model:6s} {row.regime:30s} loss {row.val_loss:.4f}  goodput {row.goodput:.3f}  "
           f"B/token {row.bytes_per_token:9.2f}  {row.real_s:6.1f}s", flush=True)
     return row
 
 
-def run_all(specs: Sequence[RunSpec], scale: Scale, quick: bool, jobs: int = 1) -> list[Row]:
-    """Every row, in plan order (runs are seeded: ``jobs`` changes the time taken, not the figures)."""
-    work = [(s, scale, quick) for s in specs]
+def run_all(specs: Sequence[RunSpec], scale: Scale, quick: bool, jobs: int = 1, *, device: str = "auto",
+            done: Callable[[Row], None] | None = None) -> list[Row]:
+    """Every row, in plan order (runs are seeded: ``jobs`` changes the time taken, not the figures); ``done`` is
+    called with each row as soon as it is trained, so a plan cut short keeps the rows it finished."""
+    work = [(s, scale, quick, device) for s in specs]
     if jobs <= 1:
-        return [_run_one(w) for w in work]
+        rows = []
+        for w in work:
+            rows.append(_run_one(w))
+            if done is not None:
+                done(rows[-1])
+        return rows
     # Longest first, so the pool does not end waiting for one slow run.
     order = sorted(range(len(work)), key=lambda i: -_cost(work[i][0]))
     import multiprocessing as mp
 
     with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-        futures = {i: pool.submit(_run_one, work[i]) for i in order}
-        return [futures[i].result() for i in range(len(work))]
+        futures = {pool.submit(_run_one, work[i]): i for i in order}
+        rows_at: dict[int, Row] = {}
+        for future in as_completed(futures):
+            rows_at[futures[future]] = future.result()
+            if done is not None:
+                done(rows_at[futures[future]])
+        return [rows_at[i] for i in range(len(work))]
 
 
 def _cost(spec: RunSpec) -> float:
