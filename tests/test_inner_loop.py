@@ -127,7 +127,7 @@ def test_compiled_learner_trains():
 def test_the_inner_loop_trains_on_a_gpu_and_its_fragments_merge(compiled):
     from ddiloco.learner_worker.learner import Learner
     from ddiloco.learner_worker.link import LearnerLink
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import runs as runs_q
 
     _, clock, ctx, sync = sim_run(
         learners={"device": "cuda", "compile": compiled, "regions": [{"name": "us", "learners": 1}]},
@@ -148,6 +148,6 @@ def test_the_inner_loop_trains_on_a_gpu_and_its_fragments_merge(compiled):
     assert all(math.isfinite(x) for x in losses)
     assert lrs[-1] < lrs[1]  # the cosine decays after its warm-up step
     with ctx.transaction() as s:
-        versions = q.latest_version_numbers(s, ctx.run_id)
+        versions = runs_q.latest_version_numbers(s, ctx.run_id)
     assert max(versions.values()) >= 1, versions  # the GPU learner's outer gradients were merged
     assert received >= 1  # and the merged versions came back onto the GPU

@@ -28,7 +28,10 @@ from ddiloco.platform.config import ConfigError, codec_ladder, tokens_per_step
 from ddiloco.platform.faults import fault_point
 from ddiloco.platform.fragments import fragment_views, shard_fragments
 from ddiloco.platform.ids import InvalidIdError, global_key, outer_state_key, submission_key
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import errors as errors_q
+from ddiloco.platform.ledger import learner as learner_q
+from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import FragmentVersion, Submission
 from ddiloco.platform.models.weights import load_weights, read_weights
 from ddiloco.platform.run_state import Layout, build_layout, read_version, register_run
@@ -184,7 +187,7 @@ class Synchronizer:
             try:
                 for fragment, subs in snap.pending.items():
                     self._pass_fragment(fragment, subs, snap, now, drain, result)
-            except q.LeaseLostError:
+            except errors_q.LeaseLostError:
                 log.warning("%s lost the lease while merging", self.holder)
                 self._stand_down()
                 return PollResult(role="standby")
@@ -201,7 +204,7 @@ class Synchronizer:
         if not self._registered:
             register_run(self.ctx, self.layout)
             with self.ctx.reading() as s:
-                recorded = q.require_run(s, self.ctx.run_id).config_json
+                recorded = runs_q.require_run(s, self.ctx.run_id).config_json
             # Two shard counts in one run would give a fragment two leases: merged twice, or by neither.
             shards = json.loads(recorded).get("synchronizer", {}).get("shards", 1)
             if shards != self.cfg.synchronizer.shards:
@@ -220,7 +223,7 @@ class Synchronizer:
         if candidates:
             with self.ctx.transaction() as s:
                 for shard in candidates:
-                    token = q.acquire_lease(s, self.ctx.run_id, self.holder, self.cfg.synchronizer.lease_ttl_s, to_datetime(now),
+                    token = sync_q.acquire_lease(s, self.ctx.run_id, self.holder, self.cfg.synchronizer.lease_ttl_s, to_datetime(now),
                                             shard=shard)
                     if token is not None:
                         got = (shard, token)
@@ -248,7 +251,7 @@ class Synchronizer:
         holders' lease rows (acquire_lease reads them FOR UPDATE) while they renew and publish."""
         shards = [self.pinned] if self.pinned is not None else list(range(self.cfg.synchronizer.shards))
         with self.ctx.reading() as s:
-            live = {lease.shard for lease in q.leases(s, self.ctx.run_id) if lease.expires_at > to_datetime(now)}
+            live = {lease.shard for lease in sync_q.leases(s, self.ctx.run_id) if lease.expires_at > to_datetime(now)}
         return [shard for shard in shards if shard not in live]
 
     def _stand_down(self) -> None:
@@ -262,7 +265,7 @@ class Synchronizer:
         if self._bootstrapped:
             return
         with self.ctx.reading() as s:  # a read: it need not wait for (or hold) the write lock
-            have = q.latest_version_numbers(s, self.ctx.run_id)
+            have = runs_q.latest_version_numbers(s, self.ctx.run_id)
         if self.cfg.model.init_from and not self._own <= set(have):
             source = f"model.init_from {self.cfg.model.init_from}"
             load_weights(self.layout.model, read_weights(self.cfg.model.init_from, source), source)
@@ -278,16 +281,16 @@ class Synchronizer:
             return
         self._last_status = now
         with self.ctx.transaction() as s:
-            q.update_learner_statuses(s, self.ctx.run_id, to_datetime(now), self.liveness)
+            sync_q.update_learner_statuses(s, self.ctx.run_id, to_datetime(now), self.liveness)
 
     def _snapshot(self, now: float) -> Snapshot:
         """Read learners, pending work and versions; fold the live median step time into the averages."""
         run_id, now_dt = self.ctx.run_id, to_datetime(now)
         with self.ctx.reading() as s:
-            rows = q.learners(s, run_id)
-            pending = q.pending_submissions(s, run_id, fragments=self._pending_filter())
-            latest = q.latest_versions(s, run_id)
-        snaps = q.learner_snapshots(rows)
+            rows = runs_q.learners(s, run_id)
+            pending = sync_q.pending_submissions(s, run_id, fragments=self._pending_filter())
+            latest = runs_q.latest_versions(s, run_id)
+        snaps = runs_q.learner_snapshots(rows)
         live = frozenset(liveness.live_ids(liveness.learner_verdicts(snaps, now_dt, self.liveness)))
         step_s = liveness.median_live_step_s(snaps, now_dt, self.liveness)
         if step_s:
@@ -308,12 +311,12 @@ class Synchronizer:
             grace_s=pol.grace_window(self.stats, self.grace_policy),
         )
 
-    def _pending_filter(self) -> q.FragmentFilter | None:
+    def _pending_filter(self) -> sync_q.FragmentFilter | None:
         """Which pending submissions this shard decides: its fragments; shard 0 also those naming no fragment
         of the run (to reject them). None (all) when the run has one shard."""
         if self.cfg.synchronizer.shards == 1:
             return None
-        return q.FragmentFilter(tuple(sorted(self._own)), len(self.layout.fragments) if self.shard == 0 else None)
+        return sync_q.FragmentFilter(tuple(sorted(self._own)), len(self.layout.fragments) if self.shard == 0 else None)
 
     def _pass_fragment(self, fragment: int, subs: list[Submission], snap: Snapshot, now: float, drain: bool,
                        result: PollResult) -> None:
@@ -331,7 +334,7 @@ class Synchronizer:
         reason = decision.reason if decision.merge else f"drain: {decision.reason}"
         try:
             published, rejected = self._merge(fragment, subs, snap, now, decision, reason)
-        except q.VersionConflictError as err:
+        except errors_q.VersionConflictError as err:
             log.warning("version conflict on fragment %s: %s", fragment, err)
             self.state.pop(fragment, None)
             return
@@ -356,7 +359,7 @@ class Synchronizer:
         with span("sync.merge"):
             outcome = merge_fragment(current, members, self.merge_policy, live_learners=len(snap.live), workspace=self.workspace)
         t_q = decision.quorum_reached_at if decision.quorum_reached_at is not None else now
-        record = q.MergeRecord(
+        record = sync_q.MergeRecord(
             quorum=decision.quorum,
             live_learners=len(snap.live),
             grace_window_s=decision.grace_s if math.isfinite(decision.grace_s) else -1.0,
@@ -365,7 +368,7 @@ class Synchronizer:
             reason=reason,
             detail={**outcome.detail, "rejected": [{"submission": i, "reason": r} for i, r in rejected]},
         )
-        merged = [q.MergedIn(m["submission"], m["weight"], m["norm"], m["staleness"]) for m in outcome.detail["members"]]
+        merged = [sync_q.MergedIn(m["submission"], m["weight"], m["norm"], m["staleness"]) for m in outcome.detail["members"]]
         self._publish(fragment, outcome.version, outcome.params, outcome.momentum, now, merged=merged, rejected=rejected, record=record)
         self.stats = pol.update_stats(
             self.stats,
@@ -410,7 +413,7 @@ class Synchronizer:
         layout = FlatLayout.of(self.layout.shapes(fragment))
         rows = self.workspace.rows(layout, len(subs))
         with self.ctx.reading() as s:
-            history = q.recent_merged_norm_steps(s, self.ctx.run_id, fragment, limit=NORM_HISTORY)
+            history = sync_q.recent_merged_norm_steps(s, self.ctx.run_id, fragment, limit=NORM_HISTORY)
         recent = Norms([n / pol.norm_steps(c, self.cfg.fragments.period) for n, c in history], [n for n, _ in history])
         # Only a fragment without a norm history is judged by the optimizer's bound (a pass over its parameters).
         plausible = self._plausible_step_norm(fragment, layout.numel) if len(history) < pol.MIN_NORM_HISTORY else None
@@ -498,7 +501,7 @@ class Synchronizer:
     ) -> str | Member:
         """A reason to reject the submission, or the decoded member."""
         if sb.learner_id not in snap.regions:
-            return f"{q.UNKNOWN_LEARNER} {sb.learner_id!r}"
+            return f"{learner_q.UNKNOWN_LEARNER} {sb.learner_id!r}"
         why = (pol.check_claims(sb.c_steps, sb.c_tokens, sb.tokens_new, sb.base_version, snap.most_tokens[sb.learner_id])
                or pol.check_staleness(version, sb.base_version, self.cfg.merge.max_staleness))
         if why:
@@ -542,9 +545,9 @@ class Synchronizer:
         momentum: dict[str, torch.Tensor] | None,
         now: float,
         *,
-        merged: list[q.MergedIn] | None = None,
+        merged: list[sync_q.MergedIn] | None = None,
         rejected: list[tuple[int, str]] | None = None,
-        record: q.MergeRecord | None = None,
+        record: sync_q.MergeRecord | None = None,
     ) -> None:
         """Write the version's blobs, then the one ledger transaction that commits it (fenced by the lease)."""
         with span("sync.publish"):
@@ -557,13 +560,13 @@ class Synchronizer:
             base = self._compact(fragment, version, params, attempt)
             fault_point("sync.before_commit")
             with self.ctx.transaction() as s:
-                q.publish_version(
+                sync_q.publish_version(
                     s,
                     self.ctx.run_id,
                     fragment,
                     version,
-                    blob=q.BlobRef(blob.key, blob.sha256, blob.nbytes),
-                    state=q.BlobRef(state.key, state.sha256, state.nbytes),
+                    blob=sync_q.BlobRef(blob.key, blob.sha256, blob.nbytes),
+                    state=sync_q.BlobRef(state.key, state.sha256, state.nbytes),
                     holder=self.holder,
                     token=self.token,
                     now=to_datetime(now),
@@ -574,7 +577,9 @@ class Synchronizer:
                     compact_json=None if base is None else base[1].to_json(),
                 )
                 for sub_id, why in rejected or []:
-                    q.record_event(s, self.ctx.run_id, "submission_rejected", self.holder, f"submission {sub_id}: {why}", to_datetime(now))
+                    runs_q.record_event(
+                        s, self.ctx.run_id, "submission_rejected", self.holder, f"submission {sub_id}: {why}", to_datetime(now)
+                    )
             replaced = self.state.get(fragment)
             self.state[fragment] = GlobalFragment(version, params, momentum)
             if base is not None:
@@ -616,7 +621,7 @@ class Synchronizer:
         """Reject submissions outside a merge, each with its reason."""
         metrics.observe_rejections(self.ctx.run_id, rejected)
         with self.ctx.transaction() as s:
-            q.reject_submissions(s, self.ctx.run_id, rejected, holder=self.holder, token=self.token, now=to_datetime(now),
+            sync_q.reject_submissions(s, self.ctx.run_id, rejected, holder=self.holder, token=self.token, now=to_datetime(now),
                                  shard=self.shard)
 
     # --- the global model and retention ---------------------------------------------------------
@@ -648,7 +653,7 @@ class Synchronizer:
             if self.held is not None:
                 # Hand over at once instead of making the standby wait for the lease to expire.
                 with self.ctx.transaction() as s:
-                    q.release_lease(s, self.ctx.run_id, self.holder, self.held[1], to_datetime(self.ctx.now()), shard=self.held[0])
+                    sync_q.release_lease(s, self.ctx.run_id, self.holder, self.held[1], to_datetime(self.ctx.now()), shard=self.held[0])
                 self.held = None
 
     def _renew_loop(self, stop: threading.Event) -> None:
@@ -665,7 +670,7 @@ class Synchronizer:
                 continue
             try:
                 with self.ctx.transaction() as s:
-                    renewed = q.renew_lease(s, self.ctx.run_id, self.holder, token, ttl, to_datetime(self.ctx.now()), shard=shard)
+                    renewed = sync_q.renew_lease(s, self.ctx.run_id, self.holder, token, ttl, to_datetime(self.ctx.now()), shard=shard)
                     fault_point("sync.renew_lease")
                 if not renewed:
                     log.warning("%s could not renew its lease of shard %s (token %s)", self.holder, shard, token)
@@ -680,7 +685,7 @@ class Synchronizer:
         finally:
             self._poll_started = None
         with self.ctx.reading() as s:
-            run = q.get_run(s, self.ctx.run_id)
+            run = runs_q.get_run(s, self.ctx.run_id)
         return result, run is not None and run.status != "running" and result.role == "active"
 
     def _poll_failed(self, retry_state: RetryCallState) -> None:
@@ -727,9 +732,9 @@ def collect_garbage(ctx: RunContext) -> tuple[int, int]:
     """Delete blobs the retention policy lets go; returns (versions, submissions) deleted."""
     rcfg = ctx.cfg.synchronizer.retention
     with ctx.transaction() as s:
-        versions = q.versions_for_gc(s, ctx.run_id, rcfg.keep_last, rcfg.checkpoint_every)
-        subs = [] if rcfg.keep_submission_blobs else q.submissions_for_gc(s, ctx.run_id)
-        owner = {row.id: row.region for row in q.learners(s, ctx.run_id)}
+        versions = sync_q.versions_for_gc(s, ctx.run_id, rcfg.keep_last, rcfg.checkpoint_every)
+        subs = [] if rcfg.keep_submission_blobs else sync_q.submissions_for_gc(s, ctx.run_id)
+        owner = {row.id: row.region for row in runs_q.learners(s, ctx.run_id)}
     store = ctx.store()
     # Only keys under this run's own prefixes (versions: what the synchronizer wrote) or derived from a
     # submission's ids are ever deleted: a row's key could name another run's, or a pending, blob.
@@ -746,5 +751,5 @@ def collect_garbage(ctx: RunContext) -> tuple[int, int]:
             continue
         ctx.store(owner.get(sb.learner_id)).delete(key)
     with ctx.transaction() as s:
-        q.mark_blobs_deleted(s, versions, subs)
+        sync_q.mark_blobs_deleted(s, versions, subs)
     return len(versions), len(subs)
