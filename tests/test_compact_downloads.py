@@ -14,7 +14,8 @@ from ddiloco.platform.compact import CompactError, CompactRef, Ref, plan_downloa
 from ddiloco.platform.compression import CompactBase, apply_encoded, compact_version, encode_against, error_bound
 from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger.models import FragmentVersion
-from ddiloco.synchronizer.service import Synchronizer, collect_garbage
+from ddiloco.synchronizer.gc import collect_garbage
+from ddiloco.synchronizer.service import Synchronizer
 
 VERSIONS = 1_200
 

@@ -126,10 +126,9 @@ def test_counts_no_learner_sends_are_refused_at_registration():
 
 def test_clipping_scales_an_update_under_the_outlier_bar_to_what_an_honest_one_could_move():
     from ddiloco.synchronizer.merge import FlatDelta, FlatLayout, Member
-    from ddiloco.synchronizer.service import Norms
+    from ddiloco.synchronizer.validate import Norms, ValidationPolicy, clip
 
-    cfg, clock, ctx, sync, honest = attacked_run()
-    sync.cfg = sync.cfg.model_copy(update={"merge": sync.cfg.merge.model_copy(update={"clip_factor": 2.0})})
+    policy = ValidationPolicy(period=H, outlier_factor=10.0, max_staleness=4, clip_factor=2.0)
     layout = FlatLayout.of({"w": (10,)})
 
     def member(lid: str, value: float, c_steps: int) -> Member:
@@ -139,7 +138,9 @@ def test_clipping_scales_an_update_under_the_outlier_bar_to_what_an_honest_one_c
 
     recent = Norms(per_step=[0.1] * 8, whole=[0.1 * H] * 8)
     fair, bold, liar = member("us-0", 0.1 * H / 10**0.5, H), member("us-1", 3 * 0.1 * H / 10**0.5, H), member("eu-1", 1.0, 10 * H)
-    out = {m.learner: m for m in sync._clip([fair, bold, liar], recent)}
+    members, clipped = clip([fair, bold, liar], recent, policy)
+    out = {m.learner: m for m in members}
+    assert [c.learner for c in clipped] == ["us-1", "eu-1"]  # each with the norm it had and the bound it was clipped to
     assert out["us-0"].norm == pytest.approx(0.1 * H)  # an honest update is untouched
     assert out["us-1"].norm == pytest.approx(2 * 0.1 * H)  # 3x the median: scaled to 2x
     assert float(out["us-1"].delta.row.norm()) == pytest.approx(2 * 0.1 * H, rel=1e-5)  # the row the merge reads, too

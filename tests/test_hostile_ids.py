@@ -14,7 +14,7 @@ from ddiloco.platform.ledger import open_ledger, session_factory
 from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import Run
-from ddiloco.synchronizer.service import holder_name
+from ddiloco.synchronizer.lease import holder_name
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 HOSTILE = [PHISH, "a b", "x" * 65, "../other", "run\n", "<b>", "", "ops@evil.example"]

@@ -22,7 +22,7 @@ from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger.models import Submission
 from ddiloco.platform.runtime import to_datetime
 from ddiloco.platform.store import encode_tensors, sha256_hex
-from ddiloco.synchronizer.service import collect_garbage
+from ddiloco.synchronizer.gc import collect_garbage
 
 
 def register(ctx, clock, fragment: int, key: str, data: bytes, learner: str = "us-1", uid: str | None = None) -> int:

@@ -29,7 +29,8 @@ from ddiloco.platform.ledger.models import REJECTED, Submission
 from ddiloco.platform.ledger.roles import grants
 from ddiloco.platform.runtime import RunContext
 from ddiloco.synchronizer.evaluation import evaluate_and_record
-from ddiloco.synchronizer.service import Synchronizer, collect_garbage
+from ddiloco.synchronizer.gc import collect_garbage
+from ddiloco.synchronizer.service import Synchronizer
 from ddiloco.ui import queries as uq
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)

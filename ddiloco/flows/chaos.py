@@ -18,7 +18,7 @@ from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import Learner
 from ddiloco.platform.runtime import RunContext
-from ddiloco.synchronizer.service import parse_holder
+from ddiloco.synchronizer.lease import parse_holder
 
 log = logging.getLogger("ddiloco.chaos")
 

@@ -26,7 +26,8 @@ from ddiloco.platform.run_state import build_layout, register_run
 from ddiloco.platform.runtime import RunContext, to_timestamp
 from ddiloco.platform.summary import RunSummary, run_summary
 from ddiloco.synchronizer.evaluation import evaluate_and_record
-from ddiloco.synchronizer.service import Synchronizer, holder_name
+from ddiloco.synchronizer.lease import holder_name
+from ddiloco.synchronizer.service import Synchronizer
 
 SUPERVISE_EVERY_S = 1.0
 STOP_TIMEOUT_S = 60.0
