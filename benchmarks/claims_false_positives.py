@@ -47,7 +47,7 @@ def one_run(args: tuple[int, int, bool]) -> dict:
 
     from ddiloco.inprocess import Outage, run_inprocess
     from ddiloco.platform.config import tokens_per_step
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import reports as reports_q
     from ddiloco.platform.ledger.models import Submission
 
     seed, steps, quick = args
@@ -61,7 +61,7 @@ def one_run(args: tuple[int, int, bool]) -> dict:
     with run.ctx.reading() as s:
         rows = list(s.execute(select(Submission.status, Submission.reject_reason, Submission.learner_id, Submission.fragment,
                                      Submission.c_steps, Submission.base_version, Submission.created_at)).all())
-        acct = q.token_accounting(s, run.ctx.run_id)
+        acct = reports_q.token_accounting(s, run.ctx.run_id)
     fates = Counter(r[0] for r in rows)
     reasons = Counter((r[1] or "").split(":")[0] for r in rows if r[0] == "rejected")
     details = [{"learner": r[2], "fragment": r[3], "c_steps": r[4], "base": r[5], "at_s": round((r[6] - rows[0][6]).total_seconds(), 1),

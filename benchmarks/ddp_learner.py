@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     exit_on_sigterm()
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import runs as runs_q
     from ddiloco.testing.net import wait_for
     from ddiloco.testing.processes import ProcessRun
 
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def v0() -> bool:
             with run.ctx.transaction() as s:
-                return len(q.latest_version_numbers(s, run.ctx.run_id)) == cfg.fragments.count
+                return len(runs_q.latest_version_numbers(s, run.ctx.run_id)) == cfg.fragments.count
 
         wait_for(v0, 300, "the synchronizer to publish version 0")
         gate = tmp / "gate"

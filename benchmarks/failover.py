@@ -82,7 +82,8 @@ from common import base_parser, exit_on_sigterm, header, median, verdict, write_
 from ddiloco.platform.config import build_config
 from ddiloco.platform.fragments import shard_fragments
 from ddiloco.platform.ledger import open_ledger
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import Event, FragmentSpec, FragmentVersion, Heartbeat
 from ddiloco.platform.runtime import RunContext
 from ddiloco.testing.net import wait_for
@@ -151,7 +152,7 @@ def role_seen(run: ProcessRun, label: str, role: str) -> bool:
 
 def lease(run: ProcessRun):
     with run.ro.transaction() as s:
-        row = q.current_lease(s, run.ctx.run_id)
+        row = sync_q.current_lease(s, run.ctx.run_id)
         return None if row is None else (row.holder, row.token, row.acquired_at.timestamp(), row.expires_at.timestamp())
 
 
@@ -313,7 +314,7 @@ def shard_map(run: ProcessRun, shards: int) -> list[tuple[int, ...]]:
 def shard_leases(run: ProcessRun) -> dict[int, tuple[str, int, float, float]]:
     """shard -> (holder, token, acquired_at, expires_at) of every shard's lease row."""
     with run.ro.transaction() as s:
-        return {r.shard: (r.holder, r.token, r.acquired_at.timestamp(), r.expires_at.timestamp()) for r in q.leases(s, run.ro.run_id)}
+        return {r.shard: (r.holder, r.token, r.acquired_at.timestamp(), r.expires_at.timestamp()) for r in sync_q.leases(s, run.ro.run_id)}
 
 
 def shard_version_count(run: ProcessRun, frags: Sequence[int]) -> int:
@@ -481,7 +482,7 @@ def run_variant(args, prewarm: bool) -> dict:
 
         def v0() -> bool:
             with run.ro.transaction() as s:
-                return len(q.latest_version_numbers(s, run.ctx.run_id)) == cfg.fragments.count
+                return len(runs_q.latest_version_numbers(s, run.ctx.run_id)) == cfg.fragments.count
 
         wait_for(v0, 120, "version 0")
         for lid in LEARNERS:
@@ -502,7 +503,7 @@ def run_variant(args, prewarm: bool) -> dict:
 
         def learners_stepping() -> bool:
             with run.ro.transaction() as s:
-                rows = q.learners(s, run.ctx.run_id)
+                rows = runs_q.learners(s, run.ctx.run_id)
                 return len(rows) == len(LEARNERS) and all(r.step > 0 for r in rows)
 
         wait_for(learners_stepping, 180, "both learners to step")

@@ -6,7 +6,7 @@ rejected and pending, heartbeats every 2 s, evaluations every 10 s, GC caught up
 place to the current schema (the migration's time is reported), then times each call a step makes,
 through the very functions the learner, synchronizer and dashboard call:
 
-  learner.exchange     registration + heartbeat + poll, one transaction (``queries.learner_exchange``)
+  learner.exchange     registration + heartbeat + poll, one transaction (``ledger.learner.learner_exchange``)
   sync.poll_read       learners, pending submissions, fragment heads (``Synchronizer._snapshot``'s reads)
   sync.decision        recent merged norms of a fragment (the outlier check's input)
   sync.publish         a merge of 2 submissions (``publish_version``; rolled back, the ledger stays as filled)
@@ -203,7 +203,7 @@ def migrate(url: str) -> dict[str, float]:
     (the checkpoints it keeps for good) as a running synchronizer's first passes would: their seconds."""
     from sqlalchemy import func, select
 
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import synchronizer as sync_q
     from ddiloco.platform.ledger.engine import make_engine, session_factory, upgrade
     from ddiloco.platform.ledger.models import GC_VERSIONS, FragmentVersion
 
@@ -217,7 +217,7 @@ def migrate(url: str) -> dict[str, float]:
         while True:
             with S.begin() as s:
                 before = s.scalar(select(func.count()).select_from(FragmentVersion).where(FragmentVersion.run_id == RUN, GC_VERSIONS))
-                q.versions_for_gc(s, RUN, KEEP_LAST, CHECKPOINT_EVERY)
+                sync_q.versions_for_gc(s, RUN, KEEP_LAST, CHECKPOINT_EVERY)
                 after = s.scalar(select(func.count()).select_from(FragmentVersion).where(FragmentVersion.run_id == RUN, GC_VERSIONS))
             passes += 1
             if after == before:
@@ -257,8 +257,16 @@ def measure(url: str, reps: int, page_reps: int, offset: int = 0) -> dict[str, l
     importable (the current code, or --old's). ``offset`` keeps the ids of one round's writes unique."""
     from sqlalchemy.orm import Session
 
-    from ddiloco.platform.ledger import queries as q
     from ddiloco.platform.ledger.engine import make_engine, reader_of, session_factory
+
+    try:
+        from ddiloco.platform.ledger import learner as learner_q
+        from ddiloco.platform.ledger import reports as reports_q
+        from ddiloco.platform.ledger import runs as runs_q
+        from ddiloco.platform.ledger import synchronizer as sync_q
+    except ImportError:  # --old's code, from before the ledger's queries were split by caller role (#27)
+        from ddiloco.platform.ledger import queries as learner_q  # type: ignore[no-redef]
+        reports_q = runs_q = sync_q = learner_q  # type: ignore[misc]
     from ddiloco.ui import queries as uq
 
     engine = make_engine(url)
@@ -266,11 +274,11 @@ def measure(url: str, reps: int, page_reps: int, offset: int = 0) -> dict[str, l
     W, R = session_factory(engine), session_factory(reader)
     page_engine = uq.read_only_engine(url)
     now = T0 + timedelta(days=400)
-    new = hasattr(q, "learner_exchange")
-    blob = q.BlobRef("b", "0" * 64, 1)
+    new = hasattr(learner_q, "learner_exchange")
+    blob = sync_q.BlobRef("b", "0" * 64, 1)
 
     def sub(tag: str, i: int, fragment: int = 0) -> Any:
-        return q.SubmissionIn(f"bench-{tag}-{i}", fragment, 0, 24, 512, 512, 10**12, f"k/{tag}/{i}", "c" * 64, 1000, "int8")
+        return learner_q.SubmissionIn(f"bench-{tag}-{i}", fragment, 0, 24, 512, 512, 10**12, f"k/{tag}/{i}", "c" * 64, 1000, "int8")
 
     @contextmanager
     def rolled_back(factory: Any) -> Iterator[Any]:
@@ -282,39 +290,40 @@ def measure(url: str, reps: int, page_reps: int, offset: int = 0) -> dict[str, l
 
     def exchange(i: int) -> None:
         with rolled_back(W) as s:
-            q.learner_exchange(s, RUN, "l0", 0, [sub("x", i)], q.Beat(1, 10**12, 1.0, 512.0, 1.0, 1.0, history=i % 2 == 0), now)
+            beat = learner_q.Beat(1, 10**12, 1.0, 512.0, 1.0, 1.0, history=i % 2 == 0)
+            learner_q.learner_exchange(s, RUN, "l0", 0, [sub("x", i)], beat, now)
 
     def poll(i: int) -> None:
         with R.begin() as s:
-            q.latest_versions(s, RUN)
-            q.get_run(s, RUN)
+            runs_q.latest_versions(s, RUN)
+            runs_q.get_run(s, RUN)
 
     def register(i: int) -> None:
         with rolled_back(W) as s:
-            q.register_submissions(s, RUN, "l0", 0, [sub("r", i)], now)
+            learner_q.register_submissions(s, RUN, "l0", 0, [sub("r", i)], now)
 
     def heartbeat(i: int) -> None:
         with rolled_back(W) as s:
-            q.record_heartbeat(s, RUN, "l0", 0, now=now, step=1, tokens=10**12, loss=1.0, tokens_per_s=1.0, step_time_s=1.0)
+            learner_q.record_heartbeat(s, RUN, "l0", 0, now=now, step=1, tokens=10**12, loss=1.0, tokens_per_s=1.0, step_time_s=1.0)
 
     def poll_read(i: int) -> None:
         with R.begin() as s:
-            q.learners(s, RUN)
-            q.pending_submissions(s, RUN)
-            q.latest_versions(s, RUN)
+            runs_q.learners(s, RUN)
+            sync_q.pending_submissions(s, RUN)
+            runs_q.latest_versions(s, RUN)
 
     def decision(i: int) -> None:
         with R.begin() as s:
-            q.recent_merged_norms(s, RUN, i % FRAGMENTS if i >= 0 else 0, limit=8, per_step=True)
+            sync_q.recent_merged_norms(s, RUN, i % FRAGMENTS if i >= 0 else 0, limit=8, per_step=True)
 
     def publish(i: int) -> None:
         with rolled_back(W) as s:
-            ids = [q.register_submission(s, RUN, f"l{k}", 0, sub(f"p{k}", i, fragment=5), now)[0] for k in range(2)]
-            top = q.latest_version_numbers(s, RUN)[5]
+            ids = [learner_q.register_submission(s, RUN, f"l{k}", 0, sub(f"p{k}", i, fragment=5), now)[0] for k in range(2)]
+            top = runs_q.latest_version_numbers(s, RUN)[5]
             t0 = time.perf_counter()
-            q.publish_version(
+            sync_q.publish_version(
                 s, RUN, 5, top + 1, blob=blob, state=blob, holder="sync-3", token=3, now=now,
-                merged=[q.MergedIn(x, 1.0, 1.0, 0) for x in ids], record=q.MergeRecord(1, 8, 0.0, 0.0, 0.0, "bench", {}),
+                merged=[sync_q.MergedIn(x, 1.0, 1.0, 0) for x in ids], record=sync_q.MergeRecord(1, 8, 0.0, 0.0, 0.0, "bench", {}),
             )
             publish_s.append(time.perf_counter() - t0)
 
@@ -322,19 +331,19 @@ def measure(url: str, reps: int, page_reps: int, offset: int = 0) -> dict[str, l
 
     def gc(i: int) -> None:
         with rolled_back(W) as s:
-            versions = q.versions_for_gc(s, RUN, KEEP_LAST, CHECKPOINT_EVERY)
-            subs = q.submissions_for_gc(s, RUN)
-            q.learners(s, RUN)
+            versions = sync_q.versions_for_gc(s, RUN, KEEP_LAST, CHECKPOINT_EVERY)
+            subs = sync_q.submissions_for_gc(s, RUN)
+            runs_q.learners(s, RUN)
             if new:
-                q.mark_blobs_deleted(s, versions, subs)
+                sync_q.mark_blobs_deleted(s, versions, subs)
             else:
-                q.mark_blobs_deleted(s, [s.merge(v) for v in versions], [s.merge(x) for x in subs])
+                sync_q.mark_blobs_deleted(s, [s.merge(v) for v in versions], [s.merge(x) for x in subs])
                 s.flush()
 
     def token_totals(i: int) -> None:
         with rolled_back(W) as s:
-            q.token_accounting(s, RUN)
-            sum(q.latest_version_numbers(s, RUN).values())
+            reports_q.token_accounting(s, RUN)
+            sum(runs_q.latest_version_numbers(s, RUN).values())
 
     def run_page(i: int) -> None:
         with Session(page_engine) as s:

@@ -78,7 +78,7 @@ from ddiloco.learner_worker.learner import Learner
 from ddiloco.learner_worker.link import LearnerLink
 from ddiloco.platform.config import build_config
 from ddiloco.platform.data import Batch, build_dataset
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.models import build_model, compute_loss
 from ddiloco.testing.net import wait_for
 from ddiloco.testing.processes import ProcessRun
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def v0_published() -> bool:
             with run.ctx.transaction() as s:
-                return len(q.latest_version_numbers(s, run.ctx.run_id)) == cfg.fragments.count
+                return len(runs_q.latest_version_numbers(s, run.ctx.run_id)) == cfg.fragments.count
 
         wait_for(v0_published, 120, "the synchronizer to publish version 0")
         n_params = sum(p.numel() for p in bare.model.parameters())

@@ -5,7 +5,7 @@ disjoint sets of learners, in two modes:
   * one_per_tx: one submission per transaction — the honest unit (a learner registers each fragment
     as soon as its blob is uploaded);
   * batch: --fragments submissions per transaction (one learner sending every fragment at once).
-Meanwhile one synchronizer process loops: poll (queries.pending_counts, the synchronizer's poll, timed
+Meanwhile one synchronizer process loops: poll (ledger.synchronizer.pending_counts, the synchronizer's poll, timed
 through its read-write engine and through a read-only engine), then claim every pending submission of
 the readiest fragment with publish_version (one transaction per merge). A separate poller process
 runs the same poll every --poll-interval s, so the poll's p50/p99 have enough samples even when a
@@ -48,9 +48,9 @@ def _now() -> datetime:
 
 
 def _blob(key: str):
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import synchronizer as sync_q
 
-    return q.BlobRef(key, "0" * 64, 1)
+    return sync_q.BlobRef(key, "0" * 64, 1)
 
 
 # --- processes -----------------------------------------------------------------------------------------
@@ -61,14 +61,15 @@ def _blob(key: str):
 
 def learner_worker(phases: list[tuple[str, bool]], learners: list[str], fragments: int, seconds: float, barrier, out) -> None:
     try:
+        from ddiloco.platform.ledger import learner as learner_q
         from ddiloco.platform.ledger import open_ledger, session_factory
-        from ddiloco.platform.ledger import queries as q
+        from ddiloco.platform.ledger import runs as runs_q
 
         for phase, (url, batch) in enumerate(phases):
             engine = open_ledger(url, migrate=False)
             S = session_factory(engine)
             with S() as s:
-                q.get_run(s, RUN)  # connect before the start line
+                runs_q.get_run(s, RUN)  # connect before the start line
             state = {lid: [0, 0] for lid in learners}  # learner -> [sequence number, tokens so far]
             per_tx = fragments if batch else 1
             barrier.wait(timeout=300)
@@ -90,9 +91,9 @@ def learner_worker(phases: list[tuple[str, bool]], learners: list[str], fragment
                         frag = seq % fragments
                         uid = f"p{phase}s{seq}"
                         key = f"{RUN}/submissions/f{frag}/{lid}/{uid}.safetensors"
-                        batch_subs.append(q.SubmissionIn(uid, frag, 0, 1, 512, 512, st[1], key, "0" * 64, 1024, "int4"))
+                        batch_subs.append(learner_q.SubmissionIn(uid, frag, 0, 1, 512, 512, st[1], key, "0" * 64, 1024, "int4"))
                     # What a learner's upload thread does with whatever it has queued: one statement.
-                    q.register_submissions(s, RUN, lid, 0, batch_subs, now)
+                    learner_q.register_submissions(s, RUN, lid, 0, batch_subs, now)
                 subs += per_tx
                 txs += 1
             elapsed = time.perf_counter() - t0
@@ -105,7 +106,8 @@ def learner_worker(phases: list[tuple[str, bool]], learners: list[str], fragment
 def synchronizer_worker(phases: list[tuple[str, bool]], token: int, fragments: int, seconds: float, barrier, out) -> None:
     try:
         from ddiloco.platform.ledger import make_engine, open_ledger, session_factory
-        from ddiloco.platform.ledger import queries as q
+        from ddiloco.platform.ledger import runs as runs_q
+        from ddiloco.platform.ledger import synchronizer as sync_q
 
         versions_by_url: dict[str, dict[int, int]] = {}
         for phase, (url, _batch) in enumerate(phases):
@@ -118,7 +120,7 @@ def synchronizer_worker(phases: list[tuple[str, bool]], token: int, fragments: i
             R = session_factory(ro_engine)
             for factory in (S, R):
                 with factory() as s:
-                    q.get_run(s, RUN)
+                    runs_q.get_run(s, RUN)
             barrier.wait(timeout=300)
             t0 = time.perf_counter()
             deadline = t0 + seconds
@@ -128,11 +130,11 @@ def synchronizer_worker(phases: list[tuple[str, bool]], token: int, fragments: i
             while time.perf_counter() < deadline:
                 p0 = time.perf_counter()
                 with R() as s:
-                    q.pending_counts(s, RUN)
+                    sync_q.pending_counts(s, RUN)
                 polls_ro.append((time.perf_counter() - p0) * 1000)
                 p0 = time.perf_counter()
                 with S() as s:
-                    counts = q.pending_counts(s, RUN)
+                    counts = sync_q.pending_counts(s, RUN)
                 polls.append((time.perf_counter() - p0) * 1000)
                 # Claim the readiest fragment (quorum K = 1), then poll again.
                 ready = [(n, f) for f, n in counts.items() if n >= 1]
@@ -140,15 +142,15 @@ def synchronizer_worker(phases: list[tuple[str, bool]], token: int, fragments: i
                     fragment = max(ready)[1]
                     m0 = time.perf_counter()
                     with S.begin() as s:
-                        pending = q.pending_submissions(s, RUN, fragment)
+                        pending = sync_q.pending_submissions(s, RUN, fragment)
                         version = versions[fragment] + 1
-                        q.publish_version(
+                        sync_q.publish_version(
                             s, RUN, fragment, version,
                             blob=_blob(f"{RUN}/global/f{fragment}/v{version}.safetensors"),
                             state=_blob(f"{RUN}/outer/f{fragment}/v{version}.safetensors"),
                             holder=HOLDER, token=token, now=_now(),
-                            merged=[q.MergedIn(p.id, float(p.c_tokens), 1.0, 0) for p in pending],
-                            record=q.MergeRecord(1, 0, 0.0, 0.0, time.perf_counter() - m0, "bench", {}),
+                            merged=[sync_q.MergedIn(p.id, float(p.c_tokens), 1.0, 0) for p in pending],
+                            record=sync_q.MergeRecord(1, 0, 0.0, 0.0, time.perf_counter() - m0, "bench", {}),
                         )
                     versions[fragment] = version
                     claims += len(pending)
@@ -167,13 +169,14 @@ def poller_worker(phases: list[tuple[str, bool]], seconds: float, interval: floa
     enough samples for a p99 however long the merges take."""
     try:
         from ddiloco.platform.ledger import open_ledger, session_factory
-        from ddiloco.platform.ledger import queries as q
+        from ddiloco.platform.ledger import runs as runs_q
+        from ddiloco.platform.ledger import synchronizer as sync_q
 
         for phase, (url, _batch) in enumerate(phases):
             engine = open_ledger(url, migrate=False)
             S = session_factory(engine)
             with S() as s:
-                q.get_run(s, RUN)
+                runs_q.get_run(s, RUN)
             barrier.wait(timeout=300)
             t0 = time.perf_counter()
             polls: list[float] = []
@@ -181,7 +184,7 @@ def poller_worker(phases: list[tuple[str, bool]], seconds: float, interval: floa
             while time.perf_counter() < t0 + seconds:
                 p0 = time.perf_counter()
                 with S() as s:
-                    q.pending_counts(s, RUN)
+                    sync_q.pending_counts(s, RUN)
                 polls.append((time.perf_counter() - p0) * 1000)
                 next_poll += interval
                 time.sleep(max(0.0, next_poll - time.perf_counter()))  # the poll interval, not synchronisation
@@ -199,7 +202,8 @@ def setup_ledger(url: str, learners: int, fragments: int) -> tuple[list[str], in
     from sqlalchemy import insert
 
     from ddiloco.platform.ledger import open_ledger, session_factory
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import runs as runs_q
+    from ddiloco.platform.ledger import synchronizer as sync_q
     from ddiloco.platform.ledger.models import Learner
 
     engine = open_ledger(url)
@@ -222,12 +226,14 @@ def setup_ledger(url: str, learners: int, fragments: int) -> tuple[list[str], in
         busy_s=0.0,
     )
     with S.begin() as s:
-        q.create_run(s, RUN, config_json="{}", code_version="bench", git_commit=None, num_fragments=fragments, token_budget=10**12, now=now)
+        runs_q.create_run(
+            s, RUN, config_json="{}", code_version="bench", git_commit=None, num_fragments=fragments, token_budget=10**12, now=now
+        )
         s.execute(insert(Learner), [dict(run_id=RUN, id=lid, region="bench", **zero) for lid in ids])
-        token = q.acquire_lease(s, RUN, HOLDER, 24 * 3600, now)
+        token = sync_q.acquire_lease(s, RUN, HOLDER, 24 * 3600, now)
     with S.begin() as s:
         for f in range(fragments):
-            q.publish_version(s, RUN, f, 0, blob=_blob(f"g{f}"), state=_blob(f"o{f}"), holder=HOLDER, token=token, now=now)
+            sync_q.publish_version(s, RUN, f, 0, blob=_blob(f"g{f}"), state=_blob(f"o{f}"), holder=HOLDER, token=token, now=now)
     engine.dispose()
     return ids, token
 
@@ -273,8 +279,9 @@ def baseline(url: str, seconds: float) -> dict:
     and register_submission one per transaction. Their ratio is the ledger code's own overhead."""
     from sqlalchemy import insert, select
 
+    from ddiloco.platform.ledger import learner as learner_q
     from ddiloco.platform.ledger import open_ledger, session_factory
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import synchronizer as sync_q
     from ddiloco.platform.ledger.models import Event, Learner
 
     engine = open_ledger(url, migrate=False)
@@ -292,12 +299,13 @@ def baseline(url: str, seconds: float) -> dict:
         while time.perf_counter() - t0 < seconds:
             with S.begin() as s:
                 uid = f"base{n}"
-                q.register_submission(s, RUN, lid, 0, q.SubmissionIn(uid, n % 2, 0, 1, 1, 1, n + 1, "k", "0" * 64, 1, "int4"), _now())
+                sub = learner_q.SubmissionIn(uid, n % 2, 0, 1, 1, 1, n + 1, "k", "0" * 64, 1, "int4")
+                learner_q.register_submission(s, RUN, lid, 0, sub, _now())
             n += 1
         reg = n / (time.perf_counter() - t0)
         with S.begin() as s:  # leave no pending baseline rows for the measured phases
-            ids = [sub.id for sub in q.pending_submissions(s, RUN)]
-            q.reject_submissions(s, RUN, [(i, "baseline") for i in ids], holder=HOLDER, token=1, now=_now())
+            ids = [sub.id for sub in sync_q.pending_submissions(s, RUN)]
+            sync_q.reject_submissions(s, RUN, [(i, "baseline") for i in ids], holder=HOLDER, token=1, now=_now())
     finally:
         engine.dispose()
     return {

@@ -408,7 +408,7 @@ def run_setting(lab: Lab, label: str, rate_mbit: float | None, rtt_ms: list[floa
 
     from ddiloco.learner_worker.link import CADENCE_EVENT
     from ddiloco.platform.config import build_config
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import runs as runs_q
     from ddiloco.platform.ledger.models import Event, Heartbeat, Learner, Submission
     from ddiloco.platform.runtime import RunContext
     from ddiloco.platform.summary import run_summary
@@ -438,7 +438,7 @@ def run_setting(lab: Lab, label: str, rate_mbit: float | None, rtt_ms: list[floa
                 if p.poll() is not None:
                     raise SystemExit(f"a process of {label} exited early (code {p.returncode}); logs in {logs}")
             with ctx.reading() as s:
-                rows = {r.id: r for r in q.learners(s, run_id)}
+                rows = {r.id: r for r in runs_q.learners(s, run_id)}
             return all(lid in rows and rows[lid].step > 0 for lid in learners)
 
         if not poll_until(all_stepping, 180, interval_s=0.5, transient=(Exception,)):

@@ -15,7 +15,7 @@ vocabulary 32,000, tied embeddings; 100.09 M parameters in P = 24 fragments). Ev
 
 Each simulated learner, every second: writes its fragment's int8 blob (encoded once per fragment,
 written anew under the key its ids give) through ``FragmentStore.put_bytes``, then registers it in
-the learner's one ledger transaction per step, ``queries.learner_exchange`` (registration + heartbeat
+the learner's one ledger transaction per step, ``ledger.learner.learner_exchange`` (registration + heartbeat
 + reading every fragment head), with honest counts (c_steps = H, c_tokens = H steps of tokens, one
 step of new tokens) and the base version it read in its previous exchange. Learners are threads of
 ``--drivers`` driver processes; the driver's own lag (submissions started behind schedule) is
@@ -201,7 +201,7 @@ def learner_loop(ctx, lid: str, region: str, offset: float, first: int, blobs: l
                  t_start: float, stop, counts: tuple[int, int, int], records: list) -> None:
     """One simulated learner: every STEP_S, write the next fragment's blob and register it in the step's one exchange."""
     from ddiloco.platform.ids import submission_key
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import learner as learner_q
     from ddiloco.platform.runtime import to_datetime
 
     H, tokens_step, P = counts
@@ -223,12 +223,12 @@ def learner_loop(ctx, lid: str, region: str, offset: float, first: int, blobs: l
             t0 = time.perf_counter()
             blob = store.put_bytes(submission_key(ctx.run_id, frag, lid, uid), blobs[frag])
             t1 = time.perf_counter()
-            sub = q.SubmissionIn(uid, frag, heads.get(frag, 0), H, H * tokens_step, tokens_step, step * tokens_step, blob.key,
+            sub = learner_q.SubmissionIn(uid, frag, heads.get(frag, 0), H, H * tokens_step, tokens_step, step * tokens_step, blob.key,
                                  blob.sha256, blob.nbytes, "int8", data_batches=step)
-            beat = q.Beat(step, step * tokens_step, 3.0, tokens_step / STEP_S, STEP_S, STEP_S, history=k % 2 == 0,
+            beat = learner_q.Beat(step, step * tokens_step, 3.0, tokens_step / STEP_S, STEP_S, STEP_S, history=k % 2 == 0,
                           queue_depth=0, oldest_unsent_s=0.0)
             with ctx.transaction() as s:
-                ex = q.learner_exchange(s, ctx.run_id, lid, 0, [sub], beat, to_datetime(time.time()))
+                ex = learner_q.learner_exchange(s, ctx.run_id, lid, 0, [sub], beat, to_datetime(time.time()))
             t_put, t_ex = t1 - t0, time.perf_counter() - t1
             heads = {f: h.version for f, h in ex.heads.items()}
         except Exception as err:  # noqa: BLE001 - counted and reported; the learner goes on with its next step
@@ -296,11 +296,11 @@ def make_blobs(ctx, cfg, out: Path) -> dict[str, Any]:
     import torch
 
     from ddiloco.platform.compression import encode_delta
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import runs as runs_q
     from ddiloco.platform.store import encode_tensors
 
     with ctx.reading() as s:
-        specs = q.fragment_specs(s, ctx.run_id)
+        specs = runs_q.fragment_specs(s, ctx.run_id)
     out.mkdir(parents=True, exist_ok=True)
     sizes, params = [], 0
     for p, tensors in sorted(specs.items()):
@@ -480,7 +480,8 @@ def run_point(args, learners: int, shards: int, stack_env: dict[str, str]) -> di
     from common import machine_busy
 
     from ddiloco.bench.provenance import git_state, load_average
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import learner as learner_q
+    from ddiloco.platform.ledger import synchronizer as sync_q
     from ddiloco.platform.runtime import RunContext
     from ddiloco.testing.postgres import scratch_database, server_url
     from ddiloco.testing.processes import ProcessCluster, write_config
@@ -547,7 +548,7 @@ def run_point(args, learners: int, shards: int, stack_env: dict[str, str]) -> di
             time.sleep(0.2)
             try:
                 with ctx.reading() as s:
-                    heads = {f: h.version for f, h in q.read_heads(s, run_id).items()}
+                    heads = {f: h.version for f, h in learner_q.read_heads(s, run_id).items()}
             except Exception:  # noqa: BLE001 - the run row may not exist yet
                 heads = {}
         phase("synchronizers_ready")
@@ -557,7 +558,7 @@ def run_point(args, learners: int, shards: int, stack_env: dict[str, str]) -> di
         ids = cfg.learners.learner_ids()
         with ctx.transaction() as s:
             for lid, region, _speed in ids:
-                q.register_learner(s, run_id, lid, region, now, host="sync-sustain", pid=os.getpid())
+                learner_q.register_learner(s, run_id, lid, region, now, host="sync-sustain", pid=os.getpid())
         from ddiloco.platform.fragments import shard_fragments
 
         with ctx.reading() as s:
@@ -610,7 +611,7 @@ def run_point(args, learners: int, shards: int, stack_env: dict[str, str]) -> di
                 snap0 = {"profiles": [read_profile(p) for p in profiles], "busy": machine_busy(), "load": load_average(),
                          "uptime": _uptime()}
             with ctx.reading() as s:
-                counts = q.pending_counts(s, run_id)
+                counts = sync_q.pending_counts(s, run_id)
             by_shard = {k: sum(counts.get(f, 0) for f in frags) for k, frags in enumerate(assignment)}
             samples.append((now, sum(counts.values()), by_shard))
             if not args.quiet and len(samples) % 15 == 0:

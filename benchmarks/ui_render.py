@@ -365,7 +365,7 @@ def time_queries(url: str) -> dict[str, float]:
     """Each dashboard query once, on a fresh read-only engine (cold database caches aside)."""
     from sqlalchemy.orm import Session
 
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import reports as reports_q
     from ddiloco.platform.summary import run_summary
     from ddiloco.ui import queries as uq
 
@@ -374,7 +374,7 @@ def time_queries(url: str) -> dict[str, float]:
     calls = {
         "runs_overview": lambda s: uq.runs_overview(s, now),
         "health_snapshot": lambda s: uq.health_snapshot(s, RUN, now),
-        "run_aggregates": lambda s: q.run_aggregates(s, RUN),
+        "run_aggregates": lambda s: reports_q.run_aggregates(s, RUN),
         "run_summary": lambda s: run_summary(s, RUN, now),
         "submission_stats": lambda s: uq.submission_stats(s, RUN),
         "learners_frame": lambda s: uq.learners_frame(s, RUN, now),

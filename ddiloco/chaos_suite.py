@@ -35,7 +35,10 @@ from ddiloco.platform.config import RunConfig, build_config, tokens_per_step
 from ddiloco.platform.fragments import shard_fragments
 from ddiloco.platform.ids import submission_key
 from ddiloco.platform.invariants import check_run
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import errors as errors_q
+from ddiloco.platform.ledger import learner as learner_q
+from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import Base, FragmentSpec, FragmentVersion, Learner, Submission
 from ddiloco.platform.runtime import RunContext, to_datetime
 from ddiloco.platform.store import FragmentStore
@@ -194,7 +197,7 @@ class Suite:
 
     def versions_total(self) -> int:
         with self.ctx.reading() as s:
-            return sum(q.latest_version_numbers(s, self.run_id).values())
+            return sum(runs_q.latest_version_numbers(s, self.run_id).values())
 
     def learner_row(self, lid: str) -> Learner | None:
         with self.ctx.reading() as s:
@@ -205,7 +208,7 @@ class Suite:
 
     def holder(self, shard: int = 0) -> str | None:
         with self.ctx.reading() as s:
-            lease = q.current_lease(s, self.run_id, shard)
+            lease = sync_q.current_lease(s, self.run_id, shard)
         return lease.holder if lease else None
 
     def shard_fragments(self, shard: int) -> tuple[int, ...]:
@@ -342,7 +345,7 @@ class Suite:
     def backlog(self, fragments: tuple[int, ...]) -> int:
         """Pending submissions of ``fragments``."""
         with self.ctx.reading() as s:
-            return sum(n for f, n in q.pending_counts(s, self.run_id).items() if f in fragments)
+            return sum(n for f, n in sync_q.pending_counts(s, self.run_id).items() if f in fragments)
 
     def store_outage(self, seconds: float) -> Injection:
         versions = self.versions_total()
@@ -402,7 +405,7 @@ class Suite:
         store = FragmentStore(self.cfg.storage.url)
         now = to_datetime(time.time())
         with self.ctx.reading() as s:
-            specs = q.fragment_specs(s, self.run_id)
+            specs = runs_q.fragment_specs(s, self.run_id)
             learner = s.get(Learner, (self.run_id, "us-0"))
         shapes = {n: tuple(shape) for n, shape in specs[0]}
         good = {n: torch.full(sh, 1e-4) for n, sh in shapes.items()}
@@ -435,22 +438,22 @@ class Suite:
         planned.append(("unknown learner", "bad-ghost", put(good, "bad-ghost", lid="ghost"), {"lid": "ghost"}, "unknown learner"))
         cases: dict[str, tuple[str, str]] = {}
         with self.ctx.transaction() as s:
-            base = q.latest_version_numbers(s, self.run_id)[0]
+            base = runs_q.latest_version_numbers(s, self.run_id)[0]
 
             def register(uid: str, blob, *, fragment: int = 0, lid: str = "us-0", sha: str | None = None, steps: int = 4):
-                sub = q.SubmissionIn(uid, fragment, base, steps, 512, 0, learner.inc_tokens_trained, blob.key,
+                sub = learner_q.SubmissionIn(uid, fragment, base, steps, 512, 0, learner.inc_tokens_trained, blob.key,
                                      sha or blob.sha256, blob.nbytes, "none")
-                return q.register_submission(s, self.run_id, lid, learner.incarnation, sub, now)[0]
+                return learner_q.register_submission(s, self.run_id, lid, learner.incarnation, sub, now)[0]
 
             for case, uid, blob, kwargs, needle in planned:
                 cases[case] = (register(uid, blob, **kwargs), needle)
         # The same id again with other content: refused, never a silent no-op (its own transaction).
         try:
             with self.ctx.transaction() as s:
-                q.register_submission(s, self.run_id, "us-0", learner.incarnation, q.SubmissionIn(
+                learner_q.register_submission(s, self.run_id, "us-0", learner.incarnation, learner_q.SubmissionIn(
                     "bad-corrupt", 0, base, 4, 512, 0, 0, "x", "0" * 64, 1, "none"), now)
             duplicate_ok = False
-        except q.SubmissionConflictError:
+        except errors_q.SubmissionConflictError:
             duplicate_ok = True
 
         def decided() -> bool:
@@ -476,7 +479,7 @@ class Suite:
         store = FragmentStore(self.cfg.storage.url)
         now = to_datetime(time.time())
         with self.ctx.reading() as s:
-            specs = q.fragment_specs(s, self.run_id)
+            specs = runs_q.fragment_specs(s, self.run_id)
             learner = s.get(Learner, (self.run_id, "us-0"))
         fragment = self.cfg.fragments.count - 1
         shapes = {n: tuple(shape) for n, shape in specs[fragment]}
@@ -486,7 +489,7 @@ class Suite:
         cases: dict[str, tuple[list[int], str]] = {}
         refused = 0
         with self.ctx.transaction() as s:
-            base = q.latest_version_numbers(s, self.run_id)[fragment]
+            base = runs_q.latest_version_numbers(s, self.run_id)[fragment]
 
             def lie(name: str, value: float, c_steps: int, c_tokens: int, *, copies: int = 1, base_version: int | None = None) -> None:
                 nonlocal refused
@@ -496,12 +499,12 @@ class Suite:
                     uid = f"hostile-{len(cases)}-{i}"
                     blob = store.put(submission_key(self.run_id, fragment, "us-0", uid), enc, meta)
                     try:
-                        sub = q.SubmissionIn(uid, fragment, base if base_version is None else base_version, c_steps, c_tokens, 0,
+                        sub = learner_q.SubmissionIn(uid, fragment, base if base_version is None else base_version, c_steps, c_tokens, 0,
                                              learner.inc_tokens_trained, blob.key, blob.sha256, blob.nbytes, "none")
                     except ValueError:
                         refused += 1  # refused before it reaches the ledger
                         return
-                    ids.append(q.register_submission(s, self.run_id, "us-0", learner.incarnation, sub, now)[0])
+                    ids.append(learner_q.register_submission(s, self.run_id, "us-0", learner.incarnation, sub, now)[0])
                 cases[name] = (ids, "")
 
             lie("weight 2^62", 1e-4, 3, 2**62)
@@ -583,7 +586,7 @@ class Suite:
 
         def v0() -> bool:
             with self.ctx.reading() as s:
-                return len(q.latest_version_numbers(s, self.run_id)) == self.cfg.fragments.count
+                return len(runs_q.latest_version_numbers(s, self.run_id)) == self.cfg.fragments.count
 
         if not _wait(v0, 180):
             raise RuntimeError("the synchronizer did not publish version 0")

@@ -85,7 +85,7 @@ def _read_only_run(
     creates a ledger. An unknown run, an unreadable ledger or any of ``refused`` is one line and exit 2."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from ddiloco.platform.ledger.queries import UnknownRunError
+    from ddiloco.platform.ledger import errors as errors_q
     from ddiloco.platform.runtime import RunContext
 
     cfg = _config(config)
@@ -96,7 +96,7 @@ def _read_only_run(
     ctx = RunContext.open(cfg, run_id, engine=_existing_ledger(url))
     try:
         yield ctx
-    except (UnknownRunError, *refused) as err:
+    except (errors_q.UnknownRunError, *refused) as err:
         err_console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(2) from None
     except SQLAlchemyError as err:
@@ -367,21 +367,22 @@ def ledger_roles(
 @app.command("runs")
 def runs(ledger: str | None = LedgerOpt, config: Path | None = ConfigOpt) -> None:
     """List the runs in the ledger (read-only: a missing or outdated ledger is refused, never created or migrated)."""
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import reports as reports_q
+    from ddiloco.platform.ledger import runs as runs_q
     from ddiloco.platform.ledger import session_factory
 
     engine = _existing_ledger(_plain(_ledger_url(ledger, config)))
     table = Table("run", "status", "created", "fragments", "versions", "tokens")
     with session_factory(engine).begin() as s:
-        for r in q.list_runs(s):
-            versions = sum(q.latest_version_numbers(s, r.id).values())
+        for r in runs_q.list_runs(s):
+            versions = sum(runs_q.latest_version_numbers(s, r.id).values())
             table.add_row(
                 r.id,
                 r.status,
                 r.created_at.strftime("%Y-%m-%d %H:%M:%S"),
                 str(r.num_fragments),
                 str(versions),
-                str(q.token_accounting(s, r.id).trained),
+                str(reports_q.token_accounting(s, r.id).trained),
             )
     console.print(table)
 

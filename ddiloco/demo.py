@@ -19,7 +19,8 @@ from rich.table import Table
 
 from ddiloco.flows.launchers import warm_up
 from ddiloco.platform.config import ChaosEvent, RunConfig, build_config
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import reports as reports_q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.summary import RunSummary, breakdown_line, run_summary
 
@@ -133,12 +134,12 @@ def _show_progress(cfg: RunConfig, run_id: str, seconds: float, thread: threadin
             thread.join(timeout=1.0)
             try:
                 with ctx.transaction() as s:
-                    if q.get_run(s, run_id) is None:
+                    if runs_q.get_run(s, run_id) is None:
                         continue
-                    versions = q.latest_version_numbers(s, run_id)
-                    evals = q.evaluations(s, run_id)
-                    acct = q.token_accounting(s, run_id)
-                    events = [e for e in q.events(s, run_id, limit=50) if e.kind in NOTEWORTHY and e.id not in shown_events]
+                    versions = runs_q.latest_version_numbers(s, run_id)
+                    evals = runs_q.evaluations(s, run_id)
+                    acct = reports_q.token_accounting(s, run_id)
+                    events = [e for e in runs_q.events(s, run_id, limit=50) if e.kind in NOTEWORTHY and e.id not in shown_events]
             except Exception:  # noqa: BLE001 - the ledger may not exist for the first second
                 continue
             for e in reversed(events):

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from ddiloco.platform.config import ConfigError, RunConfig, build_config
 from ddiloco.platform.fragments import assemble
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.models import build_model
 from ddiloco.platform.models.hf import is_hf
 from ddiloco.platform.models.weights import WEIGHTS_FILE
@@ -50,7 +50,7 @@ class Export:
 def recorded_config(ctx: RunContext) -> RunConfig:
     """The config the run recorded in the ledger (its model, seed and data are the run's truth)."""
     with ctx.reading() as s:
-        run = q.require_run(s, ctx.run_id)
+        run = runs_q.require_run(s, ctx.run_id)
         config_json = run.config_json
     try:
         return build_config(json.loads(config_json))
@@ -61,13 +61,13 @@ def recorded_config(ctx: RunContext) -> RunConfig:
 def global_params(ctx: RunContext, version: int | None = None) -> tuple[dict[str, torch.Tensor], dict[int, int]]:
     """The fragments' tensors at ``version`` (None: every fragment's newest) and the version taken for each."""
     with ctx.reading() as s:
-        latest = q.latest_versions(s, ctx.run_id)
+        latest = runs_q.latest_versions(s, ctx.run_id)
         if not latest:
             raise ExportError(f"run {ctx.run_id} has no published global version yet")
         if version is None:
             rows = latest
         else:
-            rows = {f: q.get_version(s, ctx.run_id, f, min(version, row.version)) for f, row in latest.items()}
+            rows = {f: runs_q.get_version(s, ctx.run_id, f, min(version, row.version)) for f, row in latest.items()}
     if version is None:
         return newest_params(ctx), {f: row.version for f, row in rows.items()}
     pieces: dict[str, torch.Tensor] = {}

@@ -94,7 +94,7 @@ def submit_raw(ctx, clock, fragment: int, tensors: dict, *, learner: str = "us-1
 
     from ddiloco.platform.compression import encode_delta
     from ddiloco.platform.ids import submission_key
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import learner as learner_q
     from ddiloco.platform.runtime import to_datetime
 
     store = ctx.store("us")
@@ -103,9 +103,9 @@ def submit_raw(ctx, clock, fragment: int, tensors: dict, *, learner: str = "us-1
     blob = store.put(submission_key(ctx.run_id, fragment, learner, uid), enc, meta)
     if corrupt_after:
         store.fs.pipe_file(store.path(blob.key), b"\x00garbage" * 10)
-    sub = q.SubmissionIn(uid, fragment, base, c_steps, c_tokens, tokens_new, 300, blob.key, blob.sha256, blob.nbytes, "none")
+    sub = learner_q.SubmissionIn(uid, fragment, base, c_steps, c_tokens, tokens_new, 300, blob.key, blob.sha256, blob.nbytes, "none")
     with ctx.transaction() as s:
-        return q.register_submission(s, ctx.run_id, learner, 0, sub, to_datetime(clock.t))[0]
+        return learner_q.register_submission(s, ctx.run_id, learner, 0, sub, to_datetime(clock.t))[0]
 
 
 def shapes_of(sync, fragment: int) -> dict:  # noqa: ANN001

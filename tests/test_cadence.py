@@ -201,7 +201,7 @@ def test_a_thin_link_makes_an_adaptive_learner_send_less_often_and_every_honest_
     """At 2 kB/s a learner can upload a quarter of its int8 sends (8 kB a step): it goes to int4 every 4 H
     steps, records each choice as an event and in its heartbeats, and nothing it sends is rejected (the
     synchronizer weighs and judges updates of up to adaptive_max_periods periods as honest)."""
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import reports as reports_q
     from ddiloco.platform.ledger.models import Event, Heartbeat, Learner, Submission
     from ddiloco.platform.summary import run_summary
 
@@ -213,7 +213,7 @@ def test_a_thin_link_makes_an_adaptive_learner_send_less_often_and_every_honest_
         rows = {r.id: r for r in s.scalars(select(Learner))}
         beats = list(s.scalars(select(Heartbeat).where(Heartbeat.link_json.is_not(None))))
         summary = run_summary(s, run.ctx.run_id, run.ctx.now_dt())
-        assert q.token_accounting(s, run.ctx.run_id).balanced
+        assert reports_q.token_accounting(s, run.ctx.run_id).balanced
     assert not [x.reject_reason for x in subs if x.status == "rejected"]
     assert {x.codec for x in subs} == {"int8", "int4"} and max(x.c_steps for x in subs) > 2 * H
     assert {e.actor for e in events} == {"us-0", "us-1"}

@@ -12,9 +12,10 @@ from support import tiny_config
 from ddiloco.inprocess import run_inprocess
 from ddiloco.platform.compact import CompactError, CompactRef, Ref, plan_download
 from ddiloco.platform.compression import CompactBase, apply_encoded, compact_version, encode_against, error_bound
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger.models import FragmentVersion
-from ddiloco.synchronizer.service import Synchronizer, collect_garbage
+from ddiloco.synchronizer.gc import collect_garbage
+from ddiloco.synchronizer.service import Synchronizer
 
 VERSIONS = 1_200
 
@@ -147,7 +148,7 @@ def test_learners_download_compact_versions_within_the_bound_and_fewer_bytes():
     run = _run("compact-run")
     ctx = run.ctx
     with ctx.reading() as s:
-        heads = q.latest_versions(s, ctx.run_id)
+        heads = runs_q.latest_versions(s, ctx.run_id)
         rows = s.scalars(select(FragmentVersion).where(FragmentVersion.run_id == ctx.run_id)).all()
     assert all(r.compact_json for r in rows)
     assert max(h.version for h in heads.values()) > 8, "the base must have moved on at least twice"
@@ -176,7 +177,7 @@ def test_gc_deletes_a_version_s_compact_blobs_but_keeps_the_base_in_use():
     collect_garbage(ctx)
     store = ctx.store()
     with ctx.reading() as s:
-        heads = q.latest_versions(s, ctx.run_id)
+        heads = runs_q.latest_versions(s, ctx.run_id)
         rows = s.scalars(select(FragmentVersion).where(FragmentVersion.run_id == ctx.run_id)).all()
     deleted = [r for r in rows if r.blob_deleted]
     assert deleted, "GC must have let old versions go"
@@ -196,13 +197,13 @@ def test_a_new_holder_takes_the_base_over_from_the_ledger():
     run = _run("compact-takeover")
     ctx = run.ctx
     with ctx.reading() as s:
-        before = {p: CompactRef.parse(h.compact_json) for p, h in q.latest_versions(s, ctx.run_id).items()}
+        before = {p: CompactRef.parse(h.compact_json) for p, h in runs_q.latest_versions(s, ctx.run_id).items()}
     fresh = Synchronizer(ctx, holder="sync-standby", shard=0)
     assert not fresh.bases
     params = {}
     for p in before:
         with ctx.reading() as s:
-            st = fresh._fragment_state(p, q.latest_versions(s, ctx.run_id))
+            st = fresh._fragment_state(p, runs_q.latest_versions(s, ctx.run_id))
         params[p] = st
         base, ref = fresh.bases[p]
         assert base.version == before[p].base and ref == before[p]
@@ -240,7 +241,7 @@ def test_a_link_limited_learner_takes_each_fragment_once_per_send():
     run = run_inprocess(cfg, total_tokens=total, step_time_s=1.0, upload_bps={f"us-{i}": 2_000.0 for i in range(3)})
     with run.ctx.reading() as s:
         sends = dict(s.execute(select(Submission.learner_id, func.count()).group_by(Submission.learner_id)).all())
-        versions = sum(h.version for h in q.latest_versions(s, run.ctx.run_id).values())
+        versions = sum(h.version for h in runs_q.latest_versions(s, run.ctx.run_id).values())
     for lid, learner in run.learners.items():
         link = learner.link
         assert link.cadence.every > cfg.fragments.period, "the thin link must hold the learner to a longer period"

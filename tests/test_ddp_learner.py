@@ -42,7 +42,8 @@ from ddiloco.learner_worker.link import LearnerLink
 from ddiloco.platform.config import ConfigError, build_config
 from ddiloco.platform.data import Batch
 from ddiloco.platform.ledger import open_ledger
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import reports as reports_q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger.models import FragmentVersion, Submission
 from ddiloco.platform.ledger.models import Learner as LearnerRow
 from ddiloco.platform.runtime import RunContext
@@ -420,7 +421,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
         assert "rank 1" in log and "exit" in log, log[-2000:]
         before = _submissions(run)
         with run.ctx.transaction() as s:
-            assert q.token_accounting(s, "ddpkill").balanced
+            assert reports_q.token_accounting(s, "ddpkill").balanced
             position = s.get(LearnerRow, ("ddpkill", "us-0")).data_batches
         assert position and position > 0
 
@@ -447,8 +448,8 @@ def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
             lambda: any(sb.status == "merged" for sb in _submissions(run, "i1-")), 60, "the relaunched job's work to be merged"
         )
         with run.ctx.transaction() as s:
-            assert q.token_accounting(s, "ddpkill").balanced
-            kinds = [e.kind for e in q.events(s, "ddpkill")]
+            assert reports_q.token_accounting(s, "ddpkill").balanced
+            kinds = [e.kind for e in runs_q.events(s, "ddpkill")]
         assert "learner_restarted" in kinds
         # The relaunch resumed AdamW from the killed job's DCP state, and its data where the newest registered
         # submission left it: no micro-batch is trained twice.

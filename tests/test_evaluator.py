@@ -16,7 +16,7 @@ from support import tiny_config
 from ddiloco.inprocess import SimClock, in_memory_config, sim_learner, sim_step
 from ddiloco.platform import spans
 from ddiloco.platform.ledger import open_ledger
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.runtime import RunContext, to_datetime, to_timestamp
 from ddiloco.synchronizer.evaluation import evaluate_global, newest_params
 from ddiloco.synchronizer.evaluator import Evaluator
@@ -56,8 +56,8 @@ def test_the_synchronizer_pass_never_evaluates_and_the_evaluator_records_publish
             sync.poll_once(clock.t)
     evaluator = Evaluator(ctx, series=TensorBoardSeries(tmp_path / "tb"))
     with ctx.reading() as s:
-        assert q.evaluations(s, ctx.run_id) == []
-        published = q.latest_version_numbers(s, ctx.run_id)
+        assert runs_q.evaluations(s, ctx.run_id) == []
+        published = runs_q.latest_version_numbers(s, ctx.run_id)
     assert totals.get("sync.eval.calls", 0) == 0 and totals["sync.merge.calls"] > 0
     assert sum(published.values()) > 0
 
@@ -69,8 +69,8 @@ def test_the_synchronizer_pass_never_evaluates_and_the_evaluator_records_publish
         sync.poll_once(clock.t)
     later, _ = evaluator.evaluate_once(clock.t)
     with ctx.reading() as s:
-        evals = q.evaluations(s, ctx.run_id)
-        now_published = q.latest_version_numbers(s, ctx.run_id)
+        evals = runs_q.evaluations(s, ctx.run_id)
+        now_published = runs_q.latest_version_numbers(s, ctx.run_id)
     assert [e.val_loss for e in evals] == [loss, later]
     assert [e.versions_total for e in evals] == [sum(published.values()), sum(now_published.values())]
     assert evals[1].versions_total > evals[0].versions_total and evals[1].tokens > evals[0].tokens
@@ -111,7 +111,7 @@ def test_ddiloco_evaluate_is_its_own_process_and_stops_when_the_run_has_ended(tm
     ctx = RunContext.open(cfg, cfg.name)
     Synchronizer(ctx, holder="sync").poll_once()  # registers the run and publishes version 0
     with ctx.transaction() as s:
-        q.set_run_status(s, ctx.run_id, "finished", to_datetime(ctx.now()))
+        runs_q.set_run_status(s, ctx.run_id, "finished", to_datetime(ctx.now()))
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     proc = subprocess.run([sys.executable, "-m", "ddiloco", "evaluate", "--config", str(config), "--run", cfg.name],
@@ -119,7 +119,7 @@ def test_ddiloco_evaluate_is_its_own_process_and_stops_when_the_run_has_ended(tm
                           env={**os.environ, TENSORBOARD_ENV: str(tmp_path / "tb")})
     assert proc.returncode == 0, proc.stderr[-2000:]
     with ctx.reading() as s:
-        evals = q.evaluations(s, ctx.run_id)
+        evals = runs_q.evaluations(s, ctx.run_id)
     assert len(evals) == 1 and evals[0].versions_total == 0  # version 0 of every fragment, evaluated once
     # DDILOCO_TENSORBOARD_DIR: the process wrote that evaluation to TensorBoard under the run's name.
     assert [(step, pytest.approx(value)) for step, value, _ in scalars(tmp_path / "tb" / cfg.name)["eval/val_loss"]] == [

@@ -72,9 +72,9 @@ def test_decoupled_reduces_exactly_to_synchronous_diloco():
     expected = reference_diloco(cfg)
     got = {n: p.detach() for n, p in run.sync.global_model().named_parameters()}
     with run.ctx.transaction() as s:
-        from ddiloco.platform.ledger import queries as q
+        from ddiloco.platform.ledger import runs as runs_q
 
-        assert q.latest_version_numbers(s, run.ctx.run_id) == {0: ROUNDS}
+        assert runs_q.latest_version_numbers(s, run.ctx.run_id) == {0: ROUNDS}
     moved = max(float((expected[n] - build_model(cfg.model, seed=cfg.seed).state_dict()[n]).abs().max()) for n in expected)
     assert moved > 1e-3, "the reference did not train: the comparison would be vacuous"
     for name, tensor in expected.items():

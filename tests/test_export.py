@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 from ddiloco.inprocess import SimClock, sim_learner, sim_step
 from ddiloco.platform.config import build_config
 from ddiloco.platform.data import build_dataset
+from ddiloco.platform.ledger import errors as errors_q
 from ddiloco.platform.ledger import make_engine
-from ddiloco.platform.ledger import queries as q
-from ddiloco.platform.ledger.queries import UnknownRunError
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.models.weights import WeightsError, read_weights
 from ddiloco.platform.run_state import build_layout, read_version, register_run
 from ddiloco.platform.runtime import RunContext
@@ -75,7 +75,7 @@ def test_export_hf_round_trips_through_from_pretrained(ledger_url, store_url, tm
     cfg = run_config(ledger_url, store_url)
     ctx = train(cfg)
     with ctx.reading() as s:
-        assert min(q.latest_version_numbers(s, ctx.run_id).values()) >= 1
+        assert min(runs_q.latest_version_numbers(s, ctx.run_id).values()) >= 1
     done = export_run(ctx, to=str(tmp_path / "out"), fmt="hf")
     assert {"config.json", "model.safetensors", "ddiloco-run.json"} <= set(done.files)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
@@ -97,7 +97,7 @@ def test_cli_exports_version_n_and_a_new_run_starts_from_it(ledger_url, store_ur
     assert result.exit_code == 0, result.output
     exported = read_weights(out)
     with ctx.reading() as s:
-        rows = [q.get_version(s, ctx.run_id, f, 1) for f in range(4)]
+        rows = [runs_q.get_version(s, ctx.run_id, f, 1) for f in range(4)]
     at_v1: dict[str, torch.Tensor] = {}
     for row in rows:
         at_v1.update(read_version(ctx.store(), row))
@@ -123,7 +123,7 @@ def test_export_refuses_what_it_cannot_write(tmp_path):
                         "data": {"max_bytes": 100_000}, "learners": {"regions": [{"name": "us", "learners": 1}], "batch_size": 2},
                         "ledger": {"url": f"sqlite:///{tmp_path}/l.db"}, "storage": {"url": f"file://{tmp_path}/store"}})
     ctx = RunContext.open(cfg, clock=SimClock())
-    with pytest.raises(UnknownRunError, match="is not in the ledger"):
+    with pytest.raises(errors_q.UnknownRunError, match="is not in the ledger"):
         export_run(ctx, to=str(tmp_path / "a"))
     register_run(ctx, build_layout(ctx))
     with pytest.raises(ExportError, match="has no published global version"):

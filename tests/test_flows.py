@@ -12,7 +12,7 @@ from support import tiny_config
 from ddiloco.flows.chaos import seeded_schedule
 from ddiloco.flows.supervise import LearnerView, budget_reached, relaunch_decisions
 from ddiloco.platform.ledger import make_engine, open_ledger, session_factory
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import runs as runs_q
 
 
 @pytest.fixture(scope="module")
@@ -105,19 +105,19 @@ def test_training_run_supervises_relaunches_and_finishes(prefect_harness, tmp_pa
     assert summary["val_loss_end"] < summary["val_loss_start"]
     engine = open_ledger(cfg.ledger.url)
     with session_factory(engine).begin() as s:
-        run = q.get_run(s, "flowrun")
-        events = q.events(s, "flowrun", limit=100_000)
+        run = runs_q.get_run(s, "flowrun")
+        events = runs_q.events(s, "flowrun", limit=100_000)
     assert run.status == "finished" and run.flow_run_url
     kinds = {e.kind: e.detail for e in events}
     assert kinds["chaos"].startswith("SIGKILL learner eu-0")
     # The supervisor saw the process end and relaunched it (rejoining is covered in test_processes).
     assert kinds["learner_relaunched"] == "eu-0: its process or flow run ended"
     # It recorded each launch and the exit it saw, the timeline the summary accounts the learners' seconds by.
-    exits = [(e.actor, e.detail) for e in events if e.kind == q.LEARNER_EXITED]
-    launches = sorted((e.at, e.actor) for e in events if e.kind == q.LEARNER_LAUNCHED)
+    exits = [(e.actor, e.detail) for e in events if e.kind == runs_q.LEARNER_EXITED]
+    launches = sorted((e.at, e.actor) for e in events if e.kind == runs_q.LEARNER_LAUNCHED)
     assert [(actor, detail.split(" (pid")[0]) for actor, detail in exits] == [("eu-0", "SIGKILL learner eu-0")]  # at the kill
     assert sorted(a for _, a in launches) == ["eu-0", "eu-0", "us-0"]
-    exited_at = next(e.at for e in events if e.kind == q.LEARNER_EXITED)
+    exited_at = next(e.at for e in events if e.kind == runs_q.LEARNER_EXITED)
     assert launches[0][0] < exited_at <= launches[-1][0] and launches[-1][1] == "eu-0"
     assert sum(summary["time_breakdown"].values()) == pytest.approx(summary["learner_s"])
     with get_client(sync_client=True) as client:
@@ -135,4 +135,4 @@ def test_evaluate_flow_fn_records_an_evaluation(tmp_path):
     result = evaluate_flow.fn(cfg)
     assert 5.0 < result["val_loss"] < 6.0  # an untrained byte model: about ln(256)
     with session_factory(open_ledger(cfg.ledger.url)).begin() as s:
-        assert [e.val_loss for e in q.evaluations(s, "evalfn")] == [result["val_loss"]]
+        assert [e.val_loss for e in runs_q.evaluations(s, "evalfn")] == [result["val_loss"]]

@@ -291,7 +291,7 @@ def test_a_run_with_split_embeddings_trains_and_learners_agree_with_the_global_m
     from support import tiny_config
 
     from ddiloco.inprocess import run_inprocess, sim_learner
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import runs as runs_q
     from ddiloco.synchronizer.evaluation import evaluate_global, newest_params
 
     cfg = tiny_config(
@@ -304,8 +304,8 @@ def test_a_run_with_split_embeddings_trains_and_learners_agree_with_the_global_m
     assert {param_name(k) for k in split_keys} == {"tok_embed.weight", "lm_head.weight"}
     assert imbalance(layout.fragments) < 1.1
     with run.ctx.reading() as s:
-        latest = q.latest_version_numbers(s, run.ctx.run_id)
-        specs = q.fragment_specs(s, run.ctx.run_id)
+        latest = runs_q.latest_version_numbers(s, run.ctx.run_id)
+        specs = runs_q.fragment_specs(s, run.ctx.run_id)
     assert min(latest.values()) >= 3  # every fragment, split pieces included, was merged several times
     # The ledger records the layout by piece key and shape.
     assert {k for rows in specs.values() for k, _ in rows} == {pc.key for f in layout.fragments for pc in f.pieces}

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from support import tiny_config
 
 from ddiloco.inprocess import Outage, run_inprocess
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.run_state import read_version
 
 FIXTURE = Path(__file__).parent / "fixtures" / "golden_rounds.safetensors"
@@ -59,7 +59,7 @@ def golden_fragments() -> dict[str, torch.Tensor]:
         outages = [Outage("eu-0", 5.0, 12.0)] if kind == "decoupled" else []
         run = run_inprocess(cfg, total_tokens=4 * 4 * cfg.model.seq_len * 30, outages=outages)
         with run.ctx.reading() as s:
-            latest = q.latest_versions(s, run.ctx.run_id)
+            latest = runs_q.latest_versions(s, run.ctx.run_id)
         store = run.ctx.store()
         for p, row in sorted(latest.items()):
             for name, t in read_version(store, row).items():

@@ -14,7 +14,8 @@ from support import drive, setup_run, shapes_of
 
 from ddiloco.platform.compression import encode_delta
 from ddiloco.platform.ids import submission_key
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import learner as learner_q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger.models import Submission
 from ddiloco.platform.runtime import to_datetime
 from ddiloco.platform.store import (
@@ -172,16 +173,16 @@ def register_raw(ctx, clock, fragment: int, data: bytes, *, nbytes: int | None =
     uid = uuid.uuid4().hex[:12]
     key = submission_key(ctx.run_id, fragment, learner, uid)
     plant(ctx.store("us"), key, data)
-    sub = q.SubmissionIn(uid, fragment, 0, 3, 300, 300, 300, key, sha256_hex(data), len(data) if nbytes is None else nbytes, "none")
+    sub = learner_q.SubmissionIn(uid, fragment, 0, 3, 300, 300, 300, key, sha256_hex(data), len(data) if nbytes is None else nbytes, "none")
     with ctx.transaction() as s:
-        return q.register_submission(s, ctx.run_id, learner, 0, sub, to_datetime(clock.t))[0]
+        return learner_q.register_submission(s, ctx.run_id, learner, 0, sub, to_datetime(clock.t))[0]
 
 
 def test_poison_submissions_are_rejected_and_their_fragment_keeps_publishing():
     cfg, clock, ctx, sync, good = setup_run()
     with ctx.transaction() as s:
-        q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t))
-        before = q.latest_version_numbers(s, ctx.run_id)[0]
+        learner_q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t))
+        before = runs_q.latest_version_numbers(s, ctx.run_id)[0]
     enc, meta = encode_delta({n: torch.zeros(s_) for n, s_ in shapes_of(sync, 0).items()}, "none")
     honest = encode_tensors(enc, meta)
     deep_meta = encode_tensors(enc, {**meta, "tensors": deep_json()})
@@ -201,7 +202,7 @@ def test_poison_submissions_are_rejected_and_their_fragment_keeps_publishing():
             row = s.get(Submission, sid)
             assert row.status == "rejected" and needle in row.reject_reason, (needle, row.status, row.reject_reason)
             assert ctx.cfg.storage.url not in row.reject_reason
-        after = q.latest_version_numbers(s, ctx.run_id)[0]
+        after = runs_q.latest_version_numbers(s, ctx.run_id)[0]
     assert after >= before + 2, (before, after)
 
 

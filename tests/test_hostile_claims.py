@@ -10,7 +10,9 @@ import pytest
 import torch
 from support import drive, setup_run, submit_raw, tiny_config
 
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import learner as learner_q
+from ddiloco.platform.ledger import reports as reports_q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger.models import Learner as LearnerRow
 from ddiloco.platform.ledger.models import Submission
 from ddiloco.platform.models import evaluate
@@ -63,7 +65,7 @@ def attacked_run():  # noqa: ANN201
     """The shared live run, with the attacker us-1 registered as a learner."""
     cfg, clock, ctx, sync, honest = setup_run()
     with ctx.transaction() as s:
-        q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t))
+        learner_q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t))
     return cfg, clock, ctx, sync, honest
 
 
@@ -105,8 +107,8 @@ def test_a_lying_learner_is_rejected_with_reasons_and_the_honest_run_is_unchange
             row = s.get(Submission, sid)
             assert row.status == "rejected" and needle in row.reject_reason, (row.c_steps, row.c_tokens, row.reject_reason)
         honest_rows = s.query(Submission).filter(Submission.learner_id == "us-0").all()
-        versions = q.latest_version_numbers(s, ctx.run_id)
-        acct = q.token_accounting(s, ctx.run_id)
+        versions = runs_q.latest_version_numbers(s, ctx.run_id)
+        acct = reports_q.token_accounting(s, ctx.run_id)
     assert all(r.status == "merged" for r in honest_rows if r.status != "pending"), "honest work rejected"
     assert all(v >= 2 for v in versions.values()), versions  # every fragment kept publishing
     assert acct.rejected == sum(TPS for _ in lies)  # the attacker's claimed new tokens are counted, as rejected
@@ -119,15 +121,14 @@ def test_counts_no_learner_sends_are_refused_at_registration():
         fields = {"uid": "u", "fragment": 0, "base_version": 0, "c_steps": 4, "c_tokens": 4 * TPS, "tokens_new": TPS,
                   "tokens_total": TPS, "blob_key": "k", "sha256": "0" * 64, "nbytes": 10, "codec": "int8"} | bad
         with pytest.raises(ValueError, match="implausible counts"):
-            q.SubmissionIn(**fields)
+            learner_q.SubmissionIn(**fields)
 
 
 def test_clipping_scales_an_update_under_the_outlier_bar_to_what_an_honest_one_could_move():
     from ddiloco.synchronizer.merge import FlatDelta, FlatLayout, Member
-    from ddiloco.synchronizer.service import Norms
+    from ddiloco.synchronizer.validate import Norms, ValidationPolicy, clip
 
-    cfg, clock, ctx, sync, honest = attacked_run()
-    sync.cfg = sync.cfg.model_copy(update={"merge": sync.cfg.merge.model_copy(update={"clip_factor": 2.0})})
+    policy = ValidationPolicy(period=H, outlier_factor=10.0, max_staleness=4, clip_factor=2.0)
     layout = FlatLayout.of({"w": (10,)})
 
     def member(lid: str, value: float, c_steps: int) -> Member:
@@ -137,7 +138,9 @@ def test_clipping_scales_an_update_under_the_outlier_bar_to_what_an_honest_one_c
 
     recent = Norms(per_step=[0.1] * 8, whole=[0.1 * H] * 8)
     fair, bold, liar = member("us-0", 0.1 * H / 10**0.5, H), member("us-1", 3 * 0.1 * H / 10**0.5, H), member("eu-1", 1.0, 10 * H)
-    out = {m.learner: m for m in sync._clip([fair, bold, liar], recent)}
+    members, clipped = clip([fair, bold, liar], recent, policy)
+    out = {m.learner: m for m in members}
+    assert [c.learner for c in clipped] == ["us-1", "eu-1"]  # each with the norm it had and the bound it was clipped to
     assert out["us-0"].norm == pytest.approx(0.1 * H)  # an honest update is untouched
     assert out["us-1"].norm == pytest.approx(2 * 0.1 * H)  # 3x the median: scaled to 2x
     assert float(out["us-1"].delta.row.norm()) == pytest.approx(2 * 0.1 * H, rel=1e-5)  # the row the merge reads, too
@@ -148,9 +151,9 @@ def test_tokens_per_step_are_judged_by_the_ranks_a_learner_registered_with():
     cfg, clock, ctx, sync, honest = setup_run()
     limit = cfg.learners.max_world_size
     with ctx.transaction() as s:
-        q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t), world_size=2, max_world_size=limit)
-        q.register_learner(s, ctx.run_id, "us-2", "us", to_datetime(clock.t), max_world_size=limit)  # one rank
-        q.register_learner(s, ctx.run_id, "us-3", "us", to_datetime(clock.t), max_world_size=limit)
+        learner_q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t), world_size=2, max_world_size=limit)
+        learner_q.register_learner(s, ctx.run_id, "us-2", "us", to_datetime(clock.t), max_world_size=limit)  # one rank
+        learner_q.register_learner(s, ctx.run_id, "us-3", "us", to_datetime(clock.t), max_world_size=limit)
         # Written around the registration (a learner's role may update its own row): the run's limit still caps it.
         s.get(LearnerRow, (ctx.run_id, "us-3")).world_size = 10 * limit
     # The yardstick: the recorded world, capped by the run's limit; a row from before world sizes were recorded: the limit.

@@ -15,26 +15,28 @@ from support import setup_run, shapes_of
 from ddiloco.inprocess import sim_step
 from ddiloco.platform.compression import encode_delta
 from ddiloco.platform.ids import global_key, learner_state_key, outer_state_key, submission_key
+from ddiloco.platform.ledger import errors as errors_q
+from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.ledger import open_ledger, session_factory
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger.models import Submission
 from ddiloco.platform.runtime import to_datetime
 from ddiloco.platform.store import encode_tensors, sha256_hex
-from ddiloco.synchronizer.service import collect_garbage
+from ddiloco.synchronizer.gc import collect_garbage
 
 
 def register(ctx, clock, fragment: int, key: str, data: bytes, learner: str = "us-1", uid: str | None = None) -> int:
-    sub = q.SubmissionIn(uid or uuid.uuid4().hex[:12], fragment, 0, 3, 300, 300, 300, key, sha256_hex(data), len(data), "none")
+    sub = learner_q.SubmissionIn(uid or uuid.uuid4().hex[:12], fragment, 0, 3, 300, 300, 300, key, sha256_hex(data), len(data), "none")
     with ctx.transaction() as s:
-        return q.register_submission(s, ctx.run_id, learner, 0, sub, to_datetime(clock.t))[0]
+        return learner_q.register_submission(s, ctx.run_id, learner, 0, sub, to_datetime(clock.t))[0]
 
 
 def test_a_submission_naming_other_blobs_is_rejected_and_gc_deletes_none_of_them():
     cfg, clock, ctx, sync, good = setup_run()
     with ctx.transaction() as s:
-        q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t))
-        q.register_learner(s, ctx.run_id, "us-2", "us", to_datetime(clock.t))
-        newest = q.latest_versions(s, ctx.run_id)[0]
+        learner_q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t))
+        learner_q.register_learner(s, ctx.run_id, "us-2", "us", to_datetime(clock.t))
+        newest = runs_q.latest_versions(s, ctx.run_id)[0]
     store = ctx.store("us")
     enc, meta = encode_delta({n: torch.full(s_, 1e-4) for n, s_ in shapes_of(sync, 0).items()}, "none")
     data = encode_tensors(enc, meta)
@@ -73,7 +75,7 @@ def test_a_submission_naming_other_blobs_is_rejected_and_gc_deletes_none_of_them
 def test_gc_deletes_a_decided_submissions_own_blob_under_its_derived_key():
     cfg, clock, ctx, sync, good = setup_run()
     with ctx.transaction() as s:
-        q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t))
+        learner_q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t))
     store = ctx.store("us")
     uid = uuid.uuid4().hex[:12]
     key = submission_key(ctx.run_id, 0, "us-1", uid)
@@ -93,19 +95,19 @@ def test_an_id_registered_again_with_other_content_is_refused(ledger_url):
     now = to_datetime(1_700_000_000.0)
     try:
         with session_factory(engine).begin() as s:
-            q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=2, token_budget=10, now=now)
-            q.register_learner(s, "r", "a", "us", now)
-        first = q.SubmissionIn("u1", 0, 0, 3, 300, 300, 300, submission_key("r", 0, "a", "u1"), "0" * 64, 100, "none")
+            runs_q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=2, token_budget=10, now=now)
+            learner_q.register_learner(s, "r", "a", "us", now)
+        first = learner_q.SubmissionIn("u1", 0, 0, 3, 300, 300, 300, submission_key("r", 0, "a", "u1"), "0" * 64, 100, "none")
         with session_factory(engine).begin() as s:
-            sid, created = q.register_submission(s, "r", "a", 0, first, now)
+            sid, created = learner_q.register_submission(s, "r", "a", 0, first, now)
         assert created
         with session_factory(engine).begin() as s:
-            assert q.register_submission(s, "r", "a", 0, first, now) == (sid, False)  # a retry: a no-op
+            assert learner_q.register_submission(s, "r", "a", 0, first, now) == (sid, False)  # a retry: a no-op
         for change in ({"fragment": 1}, {"c_tokens": 600, "tokens_new": 600, "tokens_total": 600}, {"sha256": "1" * 64}):
-            other = q.SubmissionIn(**{**first.__dict__, **change})
-            with pytest.raises(q.SubmissionConflictError, match="already registered with other content"), \
+            other = learner_q.SubmissionIn(**{**first.__dict__, **change})
+            with pytest.raises(errors_q.SubmissionConflictError, match="already registered with other content"), \
                     session_factory(engine).begin() as s:
-                q.register_submission(s, "r", "a", 0, other, now)
+                learner_q.register_submission(s, "r", "a", 0, other, now)
         with session_factory(engine)() as s:
             row = s.get(Submission, sid)
             assert (row.fragment, row.c_tokens, row.sha256) == (0, 300, "0" * 64)

@@ -142,7 +142,7 @@ def test_the_inner_loop_trains_on_a_gpu_and_its_fragments_merge(compiled, parall
 def _train_on_the_gpu(ctx, clock, sync) -> None:
     from ddiloco.learner_worker.learner import Learner
     from ddiloco.learner_worker.link import LearnerLink
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import runs as runs_q
 
     # Built as a learner process builds it (no process group): on the device the config names.
     learner = Learner(ctx.cfg, "us-0", index=0, num_learners=1, link=LearnerLink(ctx, "us-0", "us"), clock=ctx.now)
@@ -160,6 +160,6 @@ def _train_on_the_gpu(ctx, clock, sync) -> None:
     assert all(math.isfinite(x) for x in losses)
     assert lrs[-1] < lrs[1]  # the cosine decays after its warm-up step
     with ctx.transaction() as s:
-        versions = q.latest_version_numbers(s, ctx.run_id)
+        versions = runs_q.latest_version_numbers(s, ctx.run_id)
     assert max(versions.values()) >= 1, versions  # the GPU learner's outer gradients were merged
     assert received >= 1  # and the merged versions came back onto the GPU

@@ -27,8 +27,11 @@ from ddiloco.platform.invariants import (
     newest_versions,
     version_problems,
 )
+from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.ledger import make_engine
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import reports as reports_q
+from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import FragmentVersion, Learner
 from ddiloco.platform.runtime import RunContext
 from ddiloco.testing.processes import write_config
@@ -44,8 +47,10 @@ def sub(sid: int, status: str, merged: int | None = None, reason: str | None = N
     return SubmissionRow(sid, fragment, status, merged, reason, f"r/submissions/f{fragment}/us-0/{sid}.safetensors", nbytes)
 
 
-def acct(trained: int, merged: int = 0, rejected: int = 0, pending: int = 0, lost: int = 0, in_flight: int = 0) -> q.TokenAccounting:
-    return q.TokenAccounting(trained, merged, rejected, pending, lost, in_flight)
+def acct(
+    trained: int, merged: int = 0, rejected: int = 0, pending: int = 0, lost: int = 0, in_flight: int = 0
+) -> reports_q.TokenAccounting:
+    return reports_q.TokenAccounting(trained, merged, rejected, pending, lost, in_flight)
 
 
 # --- the pure checks -----------------------------------------------------------------------------------
@@ -125,29 +130,29 @@ class Run:
         self.store = self.ctx.store()
         self.token = 0
         with self.ctx.transaction() as s:
-            q.create_run(s, "inv", config_json=self.cfg.to_json(), code_version="test", git_commit=None, num_fragments=2,
+            runs_q.create_run(s, "inv", config_json=self.cfg.to_json(), code_version="test", git_commit=None, num_fragments=2,
                          token_budget=10**9, now=NOW)
-            q.register_learner(s, "inv", "us-0", "us", NOW)
-            self.token = q.acquire_lease(s, "inv", "sync", 3600, NOW)
+            learner_q.register_learner(s, "inv", "us-0", "us", NOW)
+            self.token = sync_q.acquire_lease(s, "inv", "sync", 3600, NOW)
         self.publish(0, 0)
         self.publish(1, 0)
         self.subs = [self.submit(f"u{i}", tokens_total=100 * (i + 1)) for i in range(3)]
-        self.publish(0, 1, merged=[q.MergedIn(self.subs[0], 1.0, 1.0, 0)], rejected=[(self.subs[1], "norm outlier")])
+        self.publish(0, 1, merged=[sync_q.MergedIn(self.subs[0], 1.0, 1.0, 0)], rejected=[(self.subs[1], "norm outlier")])
 
-    def blob(self, key: str, value: float) -> q.BlobRef:
+    def blob(self, key: str, value: float) -> sync_q.BlobRef:
         info = self.store.put(key, {"w": torch.full((4,), value)})
-        return q.BlobRef(info.key, info.sha256, info.nbytes)
+        return sync_q.BlobRef(info.key, info.sha256, info.nbytes)
 
     def publish(self, fragment: int, version: int, **decided) -> None:
         blob = self.blob(global_key("inv", fragment, version), float(version))
         state = self.blob(outer_state_key("inv", fragment, version), 0.0)
         with self.ctx.transaction() as s:
-            q.publish_version(s, "inv", fragment, version, blob=blob, state=state, holder="sync", token=self.token, now=NOW, **decided)
+            sync_q.publish_version(s, "inv", fragment, version, blob=blob, state=state, holder="sync", token=self.token, now=NOW, **decided)
 
     def submit(self, uid: str, tokens_total: int) -> int:
         blob = self.blob(submission_key("inv", 0, "us-0", uid), 1e-3)
         with self.ctx.transaction() as s:
-            sid, _ = q.register_submission(s, "inv", "us-0", 0, q.SubmissionIn(
+            sid, _ = learner_q.register_submission(s, "inv", "us-0", 0, learner_q.SubmissionIn(
                 uid, 0, 0, 2, 100, 100, tokens_total, blob.key, blob.sha256, blob.nbytes, "none"), NOW)
         return sid
 
@@ -175,8 +180,8 @@ def test_a_corrupted_ledger_is_reported_and_the_command_exits_1(run):
     with run.ctx.transaction() as s:
         s.execute(delete(FragmentVersion).where(FragmentVersion.fragment == 0, FragmentVersion.version == 1))
         s.execute(update(Learner).values(tokens_trained=Learner.tokens_trained + 7))
-        pending_key = q.pending_submissions(s, "inv")[0].blob_key
-        newest_f1 = q.get_version(s, "inv", 1, 0)
+        pending_key = sync_q.pending_submissions(s, "inv")[0].blob_key
+        newest_f1 = runs_q.get_version(s, "inv", 1, 0)
     run.store.delete(pending_key)
     run.store.fs.pipe_file(run.store.path(newest_f1.blob_key), b"\0" * 32)
 

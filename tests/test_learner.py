@@ -7,7 +7,8 @@ from support import sim_run
 
 from ddiloco.inprocess import sim_learner, sim_step
 from ddiloco.learner_worker.state import is_complete
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import reports as reports_q
+from ddiloco.platform.ledger import runs as runs_q
 
 
 def _adamw_state(learner) -> dict[str, torch.Tensor]:
@@ -27,7 +28,7 @@ def test_restarted_learner_resumes_its_adamw_state_and_the_newest_global_version
     saved = _adamw_state(first)
     first.finish_saves()
     with ctx.transaction() as s:
-        newest = q.latest_version_numbers(s, ctx.run_id)
+        newest = runs_q.latest_version_numbers(s, ctx.run_id)
     assert max(newest.values()) > 0
     second = sim_learner(ctx, "us-0", index=0, num_learners=1)
     second.start(clock.t)
@@ -136,7 +137,6 @@ def test_a_slow_link_queues_one_blob_per_fragment_and_loses_no_token():
     import torch
 
     from ddiloco.platform.compression import decode_delta
-    from ddiloco.platform.ledger import queries as q
     from ddiloco.platform.ledger.models import Submission
     from ddiloco.platform.store import FragmentStore
 
@@ -157,7 +157,7 @@ def test_a_slow_link_queues_one_blob_per_fragment_and_loses_no_token():
     assert outbox.oldest_unsent_s(clock.t) == 0.0
     with ctx.reading() as s:
         rows = s.query(Submission).filter(Submission.learner_id == "us-0").all()
-        acct = q.token_accounting(s, ctx.run_id)
+        acct = reports_q.token_accounting(s, ctx.run_id)
     assert len(rows) == P
     assert sum(r.tokens_new for r in rows) == learner.tokens_total == acct.pending  # every token in the accounting
     store = FragmentStore(cfg.storage.url)

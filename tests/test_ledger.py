@@ -9,15 +9,20 @@ from sqlalchemy import inspect, select, text
 from sqlalchemy.exc import StatementError
 
 from ddiloco.platform import liveness
+from ddiloco.platform.ledger import errors as errors_q
+from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.ledger import open_ledger, session_factory
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import rejections as rejections_q
+from ddiloco.platform.ledger import reports as reports_q
+from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.engine import alembic_config
 from ddiloco.platform.ledger.models import MERGED, PENDING, REJECTED, Base, Run, Submission
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 RUN = "r1"
-BLOB = q.BlobRef("r1/global/f0/v0.safetensors", "a" * 64, 100)
-STATE = q.BlobRef("r1/outer/f0/v0.safetensors", "b" * 64, 50)
+BLOB = sync_q.BlobRef("r1/global/f0/v0.safetensors", "a" * 64, 100)
+STATE = sync_q.BlobRef("r1/outer/f0/v0.safetensors", "b" * 64, 50)
 EXPECTED_TABLES = {
     "alembic_version",
     "runs",
@@ -49,18 +54,18 @@ def run(ledger):
     """A run with 2 fragments and a synchronizer holding the lease (token 1, TTL 1 h from T0)."""
     engine, S = ledger
     with S.begin() as s:
-        q.create_run(s, RUN, config_json="{}", code_version="t", git_commit=None, num_fragments=2, token_budget=10_000, now=T0)
-        assert q.acquire_lease(s, RUN, "sync", 3600, T0) == 1
+        runs_q.create_run(s, RUN, config_json="{}", code_version="t", git_commit=None, num_fragments=2, token_budget=10_000, now=T0)
+        assert sync_q.acquire_lease(s, RUN, "sync", 3600, T0) == 1
     return S
 
 
-def sub(uid: str, fragment: int = 0, base: int = 0, tokens_new: int = 100, tokens_total: int = 100) -> q.SubmissionIn:
-    return q.SubmissionIn(uid, fragment, base, 4, tokens_new, tokens_new, tokens_total, f"k/{uid}", "c" * 64, 10, "int8")
+def sub(uid: str, fragment: int = 0, base: int = 0, tokens_new: int = 100, tokens_total: int = 100) -> learner_q.SubmissionIn:
+    return learner_q.SubmissionIn(uid, fragment, base, 4, tokens_new, tokens_new, tokens_total, f"k/{uid}", "c" * 64, 10, "int8")
 
 
 def publish(S, version: int, fragment: int = 0, *, holder: str = "sync", token: int = 1, now: datetime = T0, **kw):
     with S.begin() as s:
-        return q.publish_version(s, RUN, fragment, version, blob=BLOB, state=STATE, holder=holder, token=token, now=now, **kw)
+        return sync_q.publish_version(s, RUN, fragment, version, blob=BLOB, state=STATE, holder=holder, token=token, now=now, **kw)
 
 
 # --- schema ---------------------------------------------------------------------------------------
@@ -84,7 +89,7 @@ def test_migration_creates_schema_and_is_idempotent(ledger_url):
 
             assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
         with session_factory(engine).begin() as s:
-            q.create_run(s, "keep", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=T0)
+            runs_q.create_run(s, "keep", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=T0)
     finally:
         engine.dispose()
 
@@ -94,7 +99,7 @@ def test_migration_creates_schema_and_is_idempotent(ledger_url):
         with again.connect() as conn:
             assert conn.execute(text("SELECT count(*) FROM alembic_version")).scalar_one() == 1
         with session_factory(again)() as s:
-            assert [r.id for r in q.list_runs(s)] == ["keep"]
+            assert [r.id for r in runs_q.list_runs(s)] == ["keep"]
     finally:
         again.dispose()
 
@@ -102,30 +107,34 @@ def test_migration_creates_schema_and_is_idempotent(ledger_url):
 def test_create_run_is_idempotent(ledger):
     _, S = ledger
     with S.begin() as s:
-        assert q.create_run(s, RUN, config_json='{"a": 1}', code_version="t", git_commit="abc", num_fragments=3, token_budget=5, now=T0)
+        assert runs_q.create_run(
+            s, RUN, config_json='{"a": 1}', code_version="t", git_commit="abc", num_fragments=3, token_budget=5, now=T0
+        )
     with S.begin() as s:
-        assert not q.create_run(s, RUN, config_json='{"a": 2}', code_version="u", git_commit=None, num_fragments=9, token_budget=9, now=T0)
+        assert not runs_q.create_run(
+            s, RUN, config_json='{"a": 2}', code_version="u", git_commit=None, num_fragments=9, token_budget=9, now=T0
+        )
     with S() as s:
-        runs = q.list_runs(s)
+        runs = runs_q.list_runs(s)
         assert len(runs) == 1 and runs[0].config_json == '{"a": 1}' and runs[0].num_fragments == 3
-        assert [e.kind for e in q.events(s, RUN)] == ["run_created"]
-        with pytest.raises(q.UnknownRunError):
-            q.require_run(s, "nope")
+        assert [e.kind for e in runs_q.events(s, RUN)] == ["run_created"]
+        with pytest.raises(errors_q.UnknownRunError):
+            runs_q.require_run(s, "nope")
 
 
 def test_datetimes_read_back_timezone_aware(run):
     S = run
     local = T0.astimezone(timezone(timedelta(hours=5)))  # same instant, other offset
     with S.begin() as s:
-        q.create_run(s, "r2", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=local)
+        runs_q.create_run(s, "r2", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=local)
     with S() as s:
         r = s.scalars(select(Run).where(Run.id == "r2")).one()
         assert r.created_at.tzinfo is not None and r.created_at.utcoffset() == timedelta(0)
         assert r.created_at == T0
-        lease = q.current_lease(s, RUN)
+        lease = sync_q.current_lease(s, RUN)
         assert lease.expires_at.utcoffset() == timedelta(0) and lease.expires_at == T0 + timedelta(hours=1)
     with S.begin() as s, pytest.raises(StatementError, match="timezone-aware"):
-        q.record_event(s, RUN, "x", None, "", datetime(2026, 1, 1))
+        runs_q.record_event(s, RUN, "x", None, "", datetime(2026, 1, 1))
         s.flush()
 
 
@@ -137,108 +146,108 @@ def test_incarnations_and_token_accounting_stay_balanced(run):
 
     def acct():
         with S() as s:
-            a = q.token_accounting(s, RUN)
+            a = reports_q.token_accounting(s, RUN)
         assert a.balanced, a
         return a
 
     with S.begin() as s:
-        assert q.register_learner(s, RUN, "us-0", "us", T0) == 0
-        assert q.register_learner(s, RUN, "eu-0", "eu", T0) == 0
-    assert acct() == q.TokenAccounting(0, 0, 0, 0, 0, 0)
+        assert learner_q.register_learner(s, RUN, "us-0", "us", T0) == 0
+        assert learner_q.register_learner(s, RUN, "eu-0", "eu", T0) == 0
+    assert acct() == reports_q.TokenAccounting(0, 0, 0, 0, 0, 0)
 
     with S.begin() as s:
-        assert q.record_heartbeat(s, RUN, "us-0", 0, now=T0, step=3, tokens=300, loss=2.0, tokens_per_s=10, step_time_s=0.1)
-    assert acct() == q.TokenAccounting(trained=300, merged=0, rejected=0, pending=0, lost=0, in_flight=300)
+        assert learner_q.record_heartbeat(s, RUN, "us-0", 0, now=T0, step=3, tokens=300, loss=2.0, tokens_per_s=10, step_time_s=0.1)
+    assert acct() == reports_q.TokenAccounting(trained=300, merged=0, rejected=0, pending=0, lost=0, in_flight=300)
 
     with S.begin() as s:
-        a_id, created = q.register_submission(s, RUN, "us-0", 0, sub("a", tokens_new=200, tokens_total=200), T0)
+        a_id, created = learner_q.register_submission(s, RUN, "us-0", 0, sub("a", tokens_new=200, tokens_total=200), T0)
         assert created
-        b_id, _ = q.register_submission(s, RUN, "us-0", 0, sub("b", fragment=1, tokens_new=150, tokens_total=350), T0)
+        b_id, _ = learner_q.register_submission(s, RUN, "us-0", 0, sub("b", fragment=1, tokens_new=150, tokens_total=350), T0)
     # The submission reported 350 tokens trained: more than the last heartbeat said.
-    assert acct() == q.TokenAccounting(trained=350, merged=0, rejected=0, pending=350, lost=0, in_flight=0)
+    assert acct() == reports_q.TokenAccounting(trained=350, merged=0, rejected=0, pending=350, lost=0, in_flight=0)
 
     publish(S, 0)
-    publish(S, 1, merged=[q.MergedIn(a_id, 1.0, 1.0, 0)], record=q.MergeRecord(1, 2, 0, 0, 0, "quorum", {}))
+    publish(S, 1, merged=[sync_q.MergedIn(a_id, 1.0, 1.0, 0)], record=sync_q.MergeRecord(1, 2, 0, 0, 0, "quorum", {}))
     with S.begin() as s:
-        q.reject_submissions(s, RUN, [(b_id, "norm outlier")], holder="sync", token=1, now=T0)
-        q.record_heartbeat(s, RUN, "us-0", 0, now=T0, step=5, tokens=500, loss=1.5, tokens_per_s=10, step_time_s=0.1)
-    assert acct() == q.TokenAccounting(trained=500, merged=200, rejected=150, pending=0, lost=0, in_flight=150)
+        sync_q.reject_submissions(s, RUN, [(b_id, "norm outlier")], holder="sync", token=1, now=T0)
+        learner_q.record_heartbeat(s, RUN, "us-0", 0, now=T0, step=5, tokens=500, loss=1.5, tokens_per_s=10, step_time_s=0.1)
+    assert acct() == reports_q.TokenAccounting(trained=500, merged=200, rejected=150, pending=0, lost=0, in_flight=150)
 
     # Restart: the 150 unsubmitted tokens of incarnation 0 are lost; the new incarnation starts at 0.
     with S.begin() as s:
-        assert q.register_learner(s, RUN, "us-0", "us", T0 + timedelta(seconds=1)) == 1
-    assert acct() == q.TokenAccounting(trained=500, merged=200, rejected=150, pending=0, lost=150, in_flight=0)
+        assert learner_q.register_learner(s, RUN, "us-0", "us", T0 + timedelta(seconds=1)) == 1
+    assert acct() == reports_q.TokenAccounting(trained=500, merged=200, rejected=150, pending=0, lost=150, in_flight=0)
 
     with S.begin() as s:
         # The old incarnation wakes up and heartbeats: refused, and it changes nothing.
-        assert not q.record_heartbeat(s, RUN, "us-0", 0, now=T0, step=9, tokens=900, loss=1.0, tokens_per_s=1, step_time_s=1)
-        assert q.record_heartbeat(s, RUN, "us-0", 1, now=T0, step=1, tokens=80, loss=1.0, tokens_per_s=1, step_time_s=1)
-        learner = {row.id: row for row in q.learners(s, RUN)}["us-0"]
+        assert not learner_q.record_heartbeat(s, RUN, "us-0", 0, now=T0, step=9, tokens=900, loss=1.0, tokens_per_s=1, step_time_s=1)
+        assert learner_q.record_heartbeat(s, RUN, "us-0", 1, now=T0, step=1, tokens=80, loss=1.0, tokens_per_s=1, step_time_s=1)
+        learner = {row.id: row for row in runs_q.learners(s, RUN)}["us-0"]
         assert learner.incarnation == 1 and learner.status == "recovering"
-    assert acct() == q.TokenAccounting(trained=580, merged=200, rejected=150, pending=0, lost=150, in_flight=80)
+    assert acct() == reports_q.TokenAccounting(trained=580, merged=200, rejected=150, pending=0, lost=150, in_flight=80)
 
     # A late submission from incarnation 0 is rejected, and its tokens move from lost to rejected.
     with S.begin() as s:
-        late_id, created = q.register_submission(s, RUN, "us-0", 0, sub("late", tokens_new=100, tokens_total=600), T0)
+        late_id, created = learner_q.register_submission(s, RUN, "us-0", 0, sub("late", tokens_new=100, tokens_total=600), T0)
         assert created
     with S() as s:
         late = s.get(Submission, late_id)
         assert late.status == REJECTED and "superseded incarnation 0" in late.reject_reason
-    assert acct() == q.TokenAccounting(trained=580, merged=200, rejected=250, pending=0, lost=50, in_flight=80)
+    assert acct() == reports_q.TokenAccounting(trained=580, merged=200, rejected=250, pending=0, lost=50, in_flight=80)
 
     with S.begin() as s:
-        q.register_submission(s, RUN, "us-0", 1, sub("c", tokens_new=80, tokens_total=80), T0)
-    assert acct() == q.TokenAccounting(trained=580, merged=200, rejected=250, pending=80, lost=50, in_flight=0)
+        learner_q.register_submission(s, RUN, "us-0", 1, sub("c", tokens_new=80, tokens_total=80), T0)
+    assert acct() == reports_q.TokenAccounting(trained=580, merged=200, rejected=250, pending=80, lost=50, in_flight=0)
 
 
 def test_registration_records_the_incarnations_world_size_within_the_runs_limit(run):
     S = run
     with S.begin() as s:
-        assert q.register_learner(s, RUN, "us-0", "us", T0, world_size=2, max_world_size=8) == 0
-        assert q.register_learner(s, RUN, "eu-0", "eu", T0) == 0  # one rank unless told
+        assert learner_q.register_learner(s, RUN, "us-0", "us", T0, world_size=2, max_world_size=8) == 0
+        assert learner_q.register_learner(s, RUN, "eu-0", "eu", T0) == 0  # one rank unless told
     with S() as s:
-        assert {r.id: r.world_size for r in q.learners(s, RUN)} == {"us-0": 2, "eu-0": 1}
+        assert {r.id: r.world_size for r in runs_q.learners(s, RUN)} == {"us-0": 2, "eu-0": 1}
     with S.begin() as s:  # relaunched on one node of 8 ranks: the new incarnation's world is recorded
-        assert q.register_learner(s, RUN, "us-0", "us", T0 + timedelta(seconds=1), world_size=8, max_world_size=8) == 1
+        assert learner_q.register_learner(s, RUN, "us-0", "us", T0 + timedelta(seconds=1), world_size=8, max_world_size=8) == 1
     # Above the run's limit: refused before anything is written, the current incarnation stands.
-    with pytest.raises(q.WorldSizeError, match="world size 9 is above learners.max_world_size 8"), S.begin() as s:
-        q.register_learner(s, RUN, "us-0", "us", T0 + timedelta(seconds=2), world_size=9, max_world_size=8)
-    with pytest.raises(q.WorldSizeError, match="at least one rank"), S.begin() as s:
-        q.register_learner(s, RUN, "new-0", "us", T0, world_size=0)
+    with pytest.raises(errors_q.WorldSizeError, match="world size 9 is above learners.max_world_size 8"), S.begin() as s:
+        learner_q.register_learner(s, RUN, "us-0", "us", T0 + timedelta(seconds=2), world_size=9, max_world_size=8)
+    with pytest.raises(errors_q.WorldSizeError, match="at least one rank"), S.begin() as s:
+        learner_q.register_learner(s, RUN, "new-0", "us", T0, world_size=0)
     with S() as s:
-        rows = {r.id: r for r in q.learners(s, RUN)}
+        rows = {r.id: r for r in runs_q.learners(s, RUN)}
     assert (rows["us-0"].incarnation, rows["us-0"].world_size) == (1, 8) and "new-0" not in rows
 
 
 def test_register_submission_twice_is_a_noop(run):
     S = run
     with S.begin() as s:
-        q.register_learner(s, RUN, "us-0", "us", T0)
-        first = q.register_submission(s, RUN, "us-0", 0, sub("u1", tokens_new=100, tokens_total=100), T0)
+        learner_q.register_learner(s, RUN, "us-0", "us", T0)
+        first = learner_q.register_submission(s, RUN, "us-0", 0, sub("u1", tokens_new=100, tokens_total=100), T0)
     with S.begin() as s:
         # The same registration again (a retry): nothing changes.
-        again = q.register_submission(s, RUN, "us-0", 0, sub("u1", tokens_new=100, tokens_total=100), T0)
+        again = learner_q.register_submission(s, RUN, "us-0", 0, sub("u1", tokens_new=100, tokens_total=100), T0)
     assert first[1] is True and again == (first[0], False)
     # The same uid with other numbers is refused: its tokens would appear nowhere in the accounting.
-    with pytest.raises(q.SubmissionConflictError), S.begin() as s:
-        q.register_submission(s, RUN, "us-0", 0, sub("u1", fragment=1, tokens_new=999, tokens_total=999), T0)
+    with pytest.raises(errors_q.SubmissionConflictError), S.begin() as s:
+        learner_q.register_submission(s, RUN, "us-0", 0, sub("u1", fragment=1, tokens_new=999, tokens_total=999), T0)
     with S() as s:
         rows = s.scalars(select(Submission)).all()
         assert len(rows) == 1 and rows[0].fragment == 0 and rows[0].tokens_new == 100
-        assert q.pending_counts(s, RUN) == {0: 1}
-        assert q.token_accounting(s, RUN).pending == 100
-        learner = q.learners(s, RUN)[0]
+        assert sync_q.pending_counts(s, RUN) == {0: 1}
+        assert reports_q.token_accounting(s, RUN).pending == 100
+        learner = runs_q.learners(s, RUN)[0]
         assert learner.inc_tokens_submitted == 100
 
 
 def test_submission_from_unknown_learner_is_rejected(run):
     S = run
     with S.begin() as s:
-        sid, created = q.register_submission(s, RUN, "ghost", 0, sub("g"), T0)
+        sid, created = learner_q.register_submission(s, RUN, "ghost", 0, sub("g"), T0)
     with S() as s:
         row = s.get(Submission, sid)
         assert created and row.status == REJECTED and "unknown learner" in row.reject_reason
-        assert q.pending_counts(s, RUN) == {}
+        assert sync_q.pending_counts(s, RUN) == {}
 
 
 # --- versions ---------------------------------------------------------------------------------------
@@ -247,74 +256,76 @@ def test_submission_from_unknown_learner_is_rejected(run):
 def test_publish_version_is_dense(run):
     S = run
     assert publish(S, 0) is None
-    with pytest.raises(q.VersionConflictError, match="next version is v1"):
+    with pytest.raises(errors_q.VersionConflictError, match="next version is v1"):
         publish(S, 2)  # a gap
-    with pytest.raises(q.VersionConflictError):
+    with pytest.raises(errors_q.VersionConflictError):
         publish(S, 0)  # a duplicate
     publish(S, 1)
     publish(S, 0, fragment=1)  # fragments are independent
     publish(S, 1, fragment=1)
-    with pytest.raises(q.VersionConflictError):
+    with pytest.raises(errors_q.VersionConflictError):
         publish(S, 1, fragment=1)  # not twice
     with S() as s:
-        assert q.latest_version_numbers(s, RUN) == {0: 1, 1: 1}
-        assert {f: v.version for f, v in q.latest_versions(s, RUN).items()} == {0: 1, 1: 1}
-        v1 = q.get_version(s, RUN, 0, 1)
+        assert runs_q.latest_version_numbers(s, RUN) == {0: 1, 1: 1}
+        assert {f: v.version for f, v in runs_q.latest_versions(s, RUN).items()} == {0: 1, 1: 1}
+        v1 = runs_q.get_version(s, RUN, 0, 1)
         assert v1.lease_token == 1 and v1.synchronizer == "sync" and v1.blob_key == BLOB.key
 
 
 def test_a_submission_is_merged_at_most_once(run):
     S = run
     with S.begin() as s:
-        q.register_learner(s, RUN, "us-0", "us", T0)
-        a, _ = q.register_submission(s, RUN, "us-0", 0, sub("a"), T0)
-        b, _ = q.register_submission(s, RUN, "us-0", 0, sub("b"), T0)
+        learner_q.register_learner(s, RUN, "us-0", "us", T0)
+        a, _ = learner_q.register_submission(s, RUN, "us-0", 0, sub("a"), T0)
+        b, _ = learner_q.register_submission(s, RUN, "us-0", 0, sub("b"), T0)
     publish(S, 0)
-    rec = q.MergeRecord(quorum=1, live_learners=1, grace_window_s=0.5, grace_waited_s=0.1, merge_s=0.01, reason="quorum", detail={"x": 1})
-    merge_id = publish(S, 1, merged=[q.MergedIn(a, 2.0, 3.0, 0)], record=rec)
+    rec = sync_q.MergeRecord(
+        quorum=1, live_learners=1, grace_window_s=0.5, grace_waited_s=0.1, merge_s=0.01, reason="quorum", detail={"x": 1}
+    )
+    merge_id = publish(S, 1, merged=[sync_q.MergedIn(a, 2.0, 3.0, 0)], record=rec)
     assert merge_id is not None
-    with pytest.raises(q.AlreadyDecidedError, match=str(a)):
-        publish(S, 2, merged=[q.MergedIn(b, 1.0, 1.0, 0), q.MergedIn(a, 1.0, 1.0, 0)], record=rec)
+    with pytest.raises(errors_q.AlreadyDecidedError, match=str(a)):
+        publish(S, 2, merged=[sync_q.MergedIn(b, 1.0, 1.0, 0), sync_q.MergedIn(a, 1.0, 1.0, 0)], record=rec)
     with S() as s:
         # The refused publish left nothing behind: no v2, b still pending.
-        assert q.latest_version_numbers(s, RUN) == {0: 1}
+        assert runs_q.latest_version_numbers(s, RUN) == {0: 1}
         ra, rb = s.get(Submission, a), s.get(Submission, b)
         assert (ra.status, ra.merged_version, ra.merge_id, ra.weight, ra.norm) == (MERGED, 1, merge_id, 2.0, 3.0)
         assert rb.status == PENDING and rb.merged_version is None
-        assert q.pending_counts(s, RUN) == {0: 1}
-    with pytest.raises(q.AlreadyDecidedError):
+        assert sync_q.pending_counts(s, RUN) == {0: 1}
+    with pytest.raises(errors_q.AlreadyDecidedError):
         with S.begin() as s:
-            q.reject_submissions(s, RUN, [(a, "too late")], holder="sync", token=1, now=T0)
+            sync_q.reject_submissions(s, RUN, [(a, "too late")], holder="sync", token=1, now=T0)
 
 
 def test_reject_submissions_records_reasons(run):
     S = run
     with S.begin() as s:
-        q.register_learner(s, RUN, "us-0", "us", T0)
-        ids = [q.register_submission(s, RUN, "us-0", 0, sub(f"u{i}"), T0)[0] for i in range(3)]
+        learner_q.register_learner(s, RUN, "us-0", "us", T0)
+        ids = [learner_q.register_submission(s, RUN, "us-0", 0, sub(f"u{i}"), T0)[0] for i in range(3)]
     with S.begin() as s:
         reasons = [(ids[0], "stale: base v0, current v9"), (ids[1], "non-finite values")]
-        q.reject_submissions(s, RUN, reasons, holder="sync", token=1, now=T0)
-    with pytest.raises(q.LeaseLostError):
+        sync_q.reject_submissions(s, RUN, reasons, holder="sync", token=1, now=T0)
+    with pytest.raises(errors_q.LeaseLostError):
         with S.begin() as s:
-            q.reject_submissions(s, RUN, [(ids[2], "x")], holder="other", token=1, now=T0)
+            sync_q.reject_submissions(s, RUN, [(ids[2], "x")], holder="other", token=1, now=T0)
     with S() as s:
         rows = {r.id: r for r in s.scalars(select(Submission))}
         assert rows[ids[0]].status == REJECTED and rows[ids[0]].reject_reason == "stale: base v0, current v9"
         assert rows[ids[1]].reject_reason == "non-finite values" and rows[ids[1]].decided_at == T0
         assert rows[ids[2]].status == PENDING and rows[ids[2]].reject_reason is None
-        details = [e.detail for e in q.events(s, RUN) if e.kind == "submission_rejected"]
+        details = [e.detail for e in runs_q.events(s, RUN) if e.kind == "submission_rejected"]
         assert sorted(details) == sorted([f"submission {ids[0]}: stale: base v0, current v9", f"submission {ids[1]}: non-finite values"])
 
 
 def test_reasons_are_counted_by_their_class():
-    assert q.reason_class("stale: based on v1, now v3") == q.reason_class("stale: based on v0, now v9") == "stale"
-    assert q.reason_class("norm outlier: 9.1x the median") == "norm outlier"
-    assert q.reason_class("superseded incarnation 3 (current 4)") == "superseded incarnation"
-    assert q.reason_class("unknown learner 'x-9'") == "unknown learner"
-    assert q.reason_class("Non-finite values") == "non finite values"
-    assert q.reason_class(None) == q.reason_class("") == "unknown" and q.reason_class("42") == "other"
-    assert len(q.reason_class("a" * 500)) == 48
+    assert rejections_q.reason_class("stale: based on v1, now v3") == rejections_q.reason_class("stale: based on v0, now v9") == "stale"
+    assert rejections_q.reason_class("norm outlier: 9.1x the median") == "norm outlier"
+    assert rejections_q.reason_class("superseded incarnation 3 (current 4)") == "superseded incarnation"
+    assert rejections_q.reason_class("unknown learner 'x-9'") == "unknown learner"
+    assert rejections_q.reason_class("Non-finite values") == "non finite values"
+    assert rejections_q.reason_class(None) == rejections_q.reason_class("") == "unknown" and rejections_q.reason_class("42") == "other"
+    assert len(rejections_q.reason_class("a" * 500)) == 48
 
 
 def test_rejected_work_is_read_from_running_totals_not_the_rejected_rows(run):
@@ -328,21 +339,21 @@ def test_rejected_work_is_read_from_running_totals_not_the_rejected_rows(run):
 
     S = run
     with S.begin() as s:
-        q.register_learner(s, RUN, "us-0", "us", T0)
-        q.register_learner(s, RUN, "eu-0", "eu", T0)
-        ids = [q.register_submission(s, RUN, "us-0", 0, sub(f"u{i}", tokens_new=10 + i), T0)[0] for i in range(6)]
-        eu = q.register_submission(s, RUN, "eu-0", 0, sub("e", fragment=1, tokens_new=7), T0)[0]
-        q.register_submission(s, RUN, "ghost", 0, sub("g", tokens_new=5), T0)  # rejected at registration
+        learner_q.register_learner(s, RUN, "us-0", "us", T0)
+        learner_q.register_learner(s, RUN, "eu-0", "eu", T0)
+        ids = [learner_q.register_submission(s, RUN, "us-0", 0, sub(f"u{i}", tokens_new=10 + i), T0)[0] for i in range(6)]
+        eu = learner_q.register_submission(s, RUN, "eu-0", 0, sub("e", fragment=1, tokens_new=7), T0)[0]
+        learner_q.register_submission(s, RUN, "ghost", 0, sub("g", tokens_new=5), T0)  # rejected at registration
     publish(S, 0)
     publish(S, 0, fragment=1)
     with S.begin() as s:  # figures in every reason: one class each
-        q.reject_submissions(s, RUN, [(ids[i], f"stale: based on v{i}, now v9") for i in range(3)], holder="sync", token=1, now=T0)
-    publish(S, 1, merged=[q.MergedIn(ids[3], 1.0, 1.0, 0)], rejected=[(ids[4], "norm outlier: 9.1x")],
-            record=q.MergeRecord(1, 2, 1, 1, 0, "quorum", {}))
-    publish(S, 1, fragment=1, rejected=[(eu, "stale: based on v0, now v3")], record=q.MergeRecord(1, 2, 0, 1, 0, "quorum", {}))
+        sync_q.reject_submissions(s, RUN, [(ids[i], f"stale: based on v{i}, now v9") for i in range(3)], holder="sync", token=1, now=T0)
+    publish(S, 1, merged=[sync_q.MergedIn(ids[3], 1.0, 1.0, 0)], rejected=[(ids[4], "norm outlier: 9.1x")],
+            record=sync_q.MergeRecord(1, 2, 1, 1, 0, "quorum", {}))
+    publish(S, 1, fragment=1, rejected=[(eu, "stale: based on v0, now v3")], record=sync_q.MergeRecord(1, 2, 0, 1, 0, "quorum", {}))
     with S.begin() as s:
-        q.register_learner(s, RUN, "eu-0", "eu", T0)  # a replacement: the old incarnation's next send is superseded
-        q.register_submission(s, RUN, "eu-0", 0, sub("late", fragment=1, tokens_new=3), T0)
+        learner_q.register_learner(s, RUN, "eu-0", "eu", T0)  # a replacement: the old incarnation's next send is superseded
+        learner_q.register_submission(s, RUN, "eu-0", 0, sub("late", fragment=1, tokens_new=3), T0)
 
     def reads(fn):
         seen = []
@@ -359,15 +370,15 @@ def test_rejected_work_is_read_from_running_totals_not_the_rejected_rows(run):
         return out
 
     with S() as s:
-        totals = {(t.learner_id, t.reason): (t.submissions, t.tokens) for t in q.rejected_totals(s, RUN)}
+        totals = {(t.learner_id, t.reason): (t.submissions, t.tokens) for t in reports_q.rejected_totals(s, RUN)}
         assert totals == {("us-0", "stale"): (3, 10 + 11 + 12), ("us-0", "norm outlier"): (1, 14), ("eu-0", "stale"): (1, 7),
                           ("eu-0", "superseded incarnation"): (1, 3), ("ghost", "unknown learner"): (1, 5)}
         snap = read_snapshot(s, RUN)
         assert totals_problems(snap.stored, snap.scanned) == []
-    agg = reads(lambda s: q.run_aggregates(s, RUN))
+    agg = reads(lambda s: reports_q.run_aggregates(s, RUN))
     assert agg.rejected_reasons == {"stale": 4, "norm outlier": 1, "superseded incarnation": 1, "unknown learner": 1}
     assert (agg.submissions, agg.bytes_sent) == (9, 9 * 10)  # the ghost's counted once, by the totals
-    fates = reads(lambda s: learner_fates(s, RUN, q.learners(s, RUN)))
+    fates = reads(lambda s: learner_fates(s, RUN, runs_q.learners(s, RUN)))
     assert (fates["us-0"].rejected, fates["us-0"].merged, fates["us-0"].pending) == (4, 1, 1)
     assert (fates["eu-0"].rejected, fates["eu-0"].merged, fates["eu-0"].tokens_merged) == (2, 0, 0)
 
@@ -378,37 +389,37 @@ def test_rejected_work_is_read_from_running_totals_not_the_rejected_rows(run):
 def test_lease_acquire_renew_expire_takeover_and_fencing(ledger):
     _, S = ledger
     with S.begin() as s:
-        q.create_run(s, RUN, config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=T0)
+        runs_q.create_run(s, RUN, config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=T0)
     t = lambda sec: T0 + timedelta(seconds=sec)  # noqa: E731
 
     with S.begin() as s:
-        assert q.acquire_lease(s, RUN, "A", 3, t(0)) == 1
-        assert q.acquire_lease(s, RUN, "B", 3, t(1)) is None  # A's lease is live
-        assert q.acquire_lease(s, RUN, "A", 3, t(2)) == 1  # re-acquire = renew, same token
-        assert q.renew_lease(s, RUN, "A", 1, 3, t(4))  # now expires at t(7)
-        assert not q.renew_lease(s, RUN, "A", 2, 3, t(4))  # wrong token
-        assert q.acquire_lease(s, RUN, "B", 3, t(6.9)) is None
+        assert sync_q.acquire_lease(s, RUN, "A", 3, t(0)) == 1
+        assert sync_q.acquire_lease(s, RUN, "B", 3, t(1)) is None  # A's lease is live
+        assert sync_q.acquire_lease(s, RUN, "A", 3, t(2)) == 1  # re-acquire = renew, same token
+        assert sync_q.renew_lease(s, RUN, "A", 1, 3, t(4))  # now expires at t(7)
+        assert not sync_q.renew_lease(s, RUN, "A", 2, 3, t(4))  # wrong token
+        assert sync_q.acquire_lease(s, RUN, "B", 3, t(6.9)) is None
     publish(S, 0, holder="A", token=1, now=t(5))
     # A stops renewing: at t(7) its lease has expired even before anyone takes over.
-    with pytest.raises(q.LeaseLostError):
+    with pytest.raises(errors_q.LeaseLostError):
         publish(S, 1, holder="A", token=1, now=t(7))
     with S.begin() as s:
-        assert q.acquire_lease(s, RUN, "B", 3, t(8)) == 2  # takeover bumps the token
-        assert not q.renew_lease(s, RUN, "A", 1, 3, t(8.5))  # taken over: A cannot renew any more
-    with pytest.raises(q.LeaseLostError, match="token 1"):
+        assert sync_q.acquire_lease(s, RUN, "B", 3, t(8)) == 2  # takeover bumps the token
+        assert not sync_q.renew_lease(s, RUN, "A", 1, 3, t(8.5))  # taken over: A cannot renew any more
+    with pytest.raises(errors_q.LeaseLostError, match="token 1"):
         publish(S, 1, holder="A", token=1, now=t(8.5))  # the stale holder is fenced off
-    with pytest.raises(q.LeaseLostError):
+    with pytest.raises(errors_q.LeaseLostError):
         publish(S, 1, holder="A", token=2, now=t(8.5))  # right token, wrong holder
     publish(S, 1, holder="B", token=2, now=t(9))
     with S.begin() as s:
-        q.release_lease(s, RUN, "B", 2, t(9))
-        assert q.acquire_lease(s, RUN, "A", 3, t(9)) == 3  # released: taken at once
-        assert not q.renew_lease(s, RUN, "B", 2, 3, t(9))
+        sync_q.release_lease(s, RUN, "B", 2, t(9))
+        assert sync_q.acquire_lease(s, RUN, "A", 3, t(9)) == 3  # released: taken at once
+        assert not sync_q.renew_lease(s, RUN, "B", 2, 3, t(9))
     with S() as s:
-        lease = q.current_lease(s, RUN)
+        lease = sync_q.current_lease(s, RUN)
         assert (lease.holder, lease.token, lease.expires_at) == ("A", 3, t(12))
-        assert [v.lease_token for v in (q.get_version(s, RUN, 0, 0), q.get_version(s, RUN, 0, 1))] == [1, 2]
-        acquired = [e for e in reversed(q.events(s, RUN)) if e.kind == "lease_acquired"]
+        assert [v.lease_token for v in (runs_q.get_version(s, RUN, 0, 0), runs_q.get_version(s, RUN, 0, 1))] == [1, 2]
+        acquired = [e for e in reversed(runs_q.events(s, RUN)) if e.kind == "lease_acquired"]
         assert [(e.actor, e.detail.split(";")[0]) for e in acquired] == [("A", "token 1"), ("B", "token 2"), ("A", "token 3")]
 
 
@@ -418,20 +429,20 @@ def test_a_lapsed_lease_nobody_took_over_is_renewed_with_its_token(ledger):
     Nobody can have published under another token meanwhile, so the holder keeps its lease and its token."""
     _, S = ledger
     with S.begin() as s:
-        q.create_run(s, RUN, config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=T0)
+        runs_q.create_run(s, RUN, config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=T0)
     t = lambda sec: T0 + timedelta(seconds=sec)  # noqa: E731
     with S.begin() as s:
-        assert q.acquire_lease(s, RUN, "A", 2, t(0)) == 1
+        assert sync_q.acquire_lease(s, RUN, "A", 2, t(0)) == 1
     publish(S, 0, holder="A", token=1, now=t(1))
     with S.begin() as s:
-        assert q.renew_lease(s, RUN, "A", 1, 2, t(5))  # lapsed at t(2), nobody took it: renewed until t(7)
+        assert sync_q.renew_lease(s, RUN, "A", 1, 2, t(5))  # lapsed at t(2), nobody took it: renewed until t(7)
     publish(S, 1, holder="A", token=1, now=t(6))  # the pass's merge lands
     with S.begin() as s:
-        assert q.acquire_lease(s, RUN, "A", 2, t(20)) == 1  # lapsed again: the same holder keeps its token
-        assert q.acquire_lease(s, RUN, "B", 2, t(21)) is None
-        assert q.acquire_lease(s, RUN, "B", 2, t(23)) == 2  # lapsed, and someone else wants it: a takeover
-        assert not q.renew_lease(s, RUN, "A", 1, 2, t(24))
-    with pytest.raises(q.LeaseLostError):
+        assert sync_q.acquire_lease(s, RUN, "A", 2, t(20)) == 1  # lapsed again: the same holder keeps its token
+        assert sync_q.acquire_lease(s, RUN, "B", 2, t(21)) is None
+        assert sync_q.acquire_lease(s, RUN, "B", 2, t(23)) == 2  # lapsed, and someone else wants it: a takeover
+        assert not sync_q.renew_lease(s, RUN, "A", 1, 2, t(24))
+    with pytest.raises(errors_q.LeaseLostError):
         publish(S, 2, holder="A", token=1, now=t(24))
 
 
@@ -445,19 +456,19 @@ def test_versions_for_gc_keeps_newest_checkpoints_and_pending_bases(run):
     for v in range(3):  # fragment 1: v0..v2
         publish(S, v, fragment=1)
     with S.begin() as s:
-        q.register_learner(s, RUN, "us-0", "us", T0)
-        q.register_submission(s, RUN, "us-0", 0, sub("p", fragment=0, base=3), T0)  # pending on v3
-        done, _ = q.register_submission(s, RUN, "us-0", 0, sub("d", fragment=0, base=6), T0)
-        q.reject_submissions(s, RUN, [(done, "x")], holder="sync", token=1, now=T0)  # decided: does not pin v6
+        learner_q.register_learner(s, RUN, "us-0", "us", T0)
+        learner_q.register_submission(s, RUN, "us-0", 0, sub("p", fragment=0, base=3), T0)  # pending on v3
+        done, _ = learner_q.register_submission(s, RUN, "us-0", 0, sub("d", fragment=0, base=6), T0)
+        sync_q.reject_submissions(s, RUN, [(done, "x")], holder="sync", token=1, now=T0)  # decided: does not pin v6
     with S() as s:
-        gc = sorted((v.fragment, v.version) for v in q.versions_for_gc(s, RUN, keep_last=3, checkpoint_every=5))
+        gc = sorted((v.fragment, v.version) for v in sync_q.versions_for_gc(s, RUN, keep_last=3, checkpoint_every=5))
     # keep: newest 3 (10, 11, 12), every 5th (0, 5, 10), pending base 3; fragment 1 is all "newest".
     assert gc == [(0, 1), (0, 2), (0, 4), (0, 6), (0, 7), (0, 8), (0, 9)]
     with S.begin() as s:
-        q.mark_blobs_deleted(s, q.versions_for_gc(s, RUN, keep_last=3, checkpoint_every=5), [])
+        sync_q.mark_blobs_deleted(s, sync_q.versions_for_gc(s, RUN, keep_last=3, checkpoint_every=5), [])
     with S() as s:
-        assert q.versions_for_gc(s, RUN, keep_last=3, checkpoint_every=5) == []
-        assert [x.id for x in q.submissions_for_gc(s, RUN)] == [done]
+        assert sync_q.versions_for_gc(s, RUN, keep_last=3, checkpoint_every=5) == []
+        assert [x.id for x in sync_q.submissions_for_gc(s, RUN)] == [done]
 
 
 # --- liveness ---------------------------------------------------------------------------------------
@@ -469,33 +480,33 @@ def test_update_learner_statuses_dead_and_straggling(run):
     S = run
     with S.begin() as s:
         for lid in ("a", "b", "c", "d"):
-            q.register_learner(s, RUN, lid, "us", T0)
+            learner_q.register_learner(s, RUN, lid, "us", T0)
         for lid, st in (("a", 0.10), ("b", 0.12), ("c", 0.50), ("d", 0.10)):
-            q.record_heartbeat(s, RUN, lid, 0, now=T0, step=2, tokens=100, loss=1.0, tokens_per_s=1, step_time_s=st)
+            learner_q.record_heartbeat(s, RUN, lid, 0, now=T0, step=2, tokens=100, loss=1.0, tokens_per_s=1, step_time_s=st)
         # d's last heartbeat is rewritten to 30 s ago (no sleeping).
         s.execute(text("UPDATE learners SET last_heartbeat_at = :t WHERE id = 'd'"), {"t": T0 - timedelta(seconds=30)})
     now = T0 + timedelta(seconds=5)
     with S.begin() as s:
-        verdicts = q.update_learner_statuses(s, RUN, now, POLICY)
+        verdicts = sync_q.update_learner_statuses(s, RUN, now, POLICY)
         assert liveness.live_ids(verdicts) == ["a", "b", "c"]
     with S.begin() as s:
-        q.update_learner_statuses(s, RUN, now, POLICY)  # a second pass declares nobody dead again
-        status = {row.id: row.status for row in q.learners(s, RUN)}
+        sync_q.update_learner_statuses(s, RUN, now, POLICY)  # a second pass declares nobody dead again
+        status = {row.id: row.status for row in runs_q.learners(s, RUN)}
         assert status == {"a": "alive", "b": "alive", "c": "straggling", "d": "dead"}
-        acct = q.token_accounting(s, RUN)
+        acct = reports_q.token_accounting(s, RUN)
         assert acct.lost == 100 and acct.in_flight == 300 and acct.balanced
-        dead_events = [e for e in q.events(s, RUN) if e.kind == "learner_dead"]
+        dead_events = [e for e in runs_q.events(s, RUN) if e.kind == "learner_dead"]
         assert len(dead_events) == 1 and dead_events[0].actor == "d"
     # Everyone falls silent, then d comes back with a heartbeat.
     later = T0 + timedelta(seconds=60)
     with S.begin() as s:
-        assert liveness.live_ids(q.update_learner_statuses(s, RUN, later, POLICY)) == []
-        q.record_heartbeat(s, RUN, "d", 0, now=later, step=3, tokens=150, loss=1.0, tokens_per_s=1, step_time_s=0.1)
+        assert liveness.live_ids(sync_q.update_learner_statuses(s, RUN, later, POLICY)) == []
+        learner_q.record_heartbeat(s, RUN, "d", 0, now=later, step=3, tokens=150, loss=1.0, tokens_per_s=1, step_time_s=0.1)
     with S() as s:
-        status = {row.id: row.status for row in q.learners(s, RUN)}
+        status = {row.id: row.status for row in runs_q.learners(s, RUN)}
         assert status == {"a": "dead", "b": "dead", "c": "dead", "d": "recovering"}
-        assert liveness.live_ids(liveness.learner_verdicts(q.learner_snapshots(q.learners(s, RUN)), later, POLICY)) == ["d"]
-        assert sorted(e.actor for e in q.events(s, RUN) if e.kind == "learner_dead") == ["a", "b", "c", "d"]
+        assert liveness.live_ids(liveness.learner_verdicts(runs_q.learner_snapshots(runs_q.learners(s, RUN)), later, POLICY)) == ["d"]
+        assert sorted(e.actor for e in runs_q.events(s, RUN) if e.kind == "learner_dead") == ["a", "b", "c", "d"]
 
 
 # --- upgrading a run's ledger in place -----------------------------------------------------------------
@@ -544,22 +555,24 @@ def test_a_ledger_written_before_the_heads_upgrades_in_place(ledger_url):
         upgrade(engine)
         S = session_factory(engine)
         with S() as s:
-            assert q.latest_version_numbers(s, RUN) == {0: 3, 1: 1}
-            assert q.latest_versions(s, RUN)[0].blob_key == "g/0/3"
-            assert q.token_accounting(s, RUN) == q.TokenAccounting(400, merged=300, rejected=100, pending=0, lost=0, in_flight=0)
+            assert runs_q.latest_version_numbers(s, RUN) == {0: 3, 1: 1}
+            assert runs_q.latest_versions(s, RUN)[0].blob_key == "g/0/3"
+            want = reports_q.TokenAccounting(400, merged=300, rejected=100, pending=0, lost=0, in_flight=0)
+            assert reports_q.token_accounting(s, RUN) == want
             snap = read_snapshot(s, RUN)
             assert totals_problems(snap.stored, snap.scanned) == []
-            agg = q.run_aggregates(s, RUN)
+            agg = reports_q.run_aggregates(s, RUN)
             assert agg.longest_merge_gap_s == 20.0 and agg.last_merged_at == T0 + timedelta(seconds=50)  # 20 -> 40
             assert (agg.submissions, agg.bytes_sent) == (4, 10 + 11 + 12 + 13)
-            assert q.rejected_totals(s, RUN) == [q.RejectedTotal("us-0", "stale", 1, 100, 13)]  # filled by the upgrade
-            assert q.learners(s, RUN)[0].loss == 1.0
-            assert q.learners(s, RUN)[0].world_size is None  # registered before world sizes were recorded
+            assert reports_q.rejected_totals(s, RUN) == [reports_q.RejectedTotal("us-0", "stale", 1, 100, 13)]  # filled by the upgrade
+            assert runs_q.learners(s, RUN)[0].loss == 1.0
+            assert runs_q.learners(s, RUN)[0].world_size is None  # registered before world sizes were recorded
             # Only the version GC had settled is out of its partial index.
-            assert [(v.fragment, v.version) for v in q.versions_for_gc(s, RUN, keep_last=1, checkpoint_every=100)] == [(0, 1), (0, 2)]
-        publish(S, 4, merged=[], record=q.MergeRecord(1, 1, 0, 0, 0, "after upgrade", {}))
+            assert [(v.fragment, v.version) for v in sync_q.versions_for_gc(s, RUN, keep_last=1, checkpoint_every=100)] == [(0, 1), (0, 2)]
+        publish(S, 4, merged=[], record=sync_q.MergeRecord(1, 1, 0, 0, 0, "after upgrade", {}))
         with S.begin() as s:
-            got = q.learner_exchange(s, RUN, "us-0", 0, [sub("new")], q.Beat(10, 500, 0.5, 1.0, 1.0), T0 + timedelta(seconds=60))
+            beat = learner_q.Beat(10, 500, 0.5, 1.0, 1.0)
+            got = learner_q.learner_exchange(s, RUN, "us-0", 0, [sub("new")], beat, T0 + timedelta(seconds=60))
         assert got.current and got.heads[0].version == 4
         with S() as s:
             snap = read_snapshot(s, RUN)
@@ -597,7 +610,7 @@ def test_an_upgraded_long_run_leaves_gc_nothing_to_walk_on_postgresql(fresh_post
         # 6 entries: one leaf page (and the metapage), not the 20,000 rows' old versions (~80 pages)
         assert pages <= 2, pages
         with session_factory(engine)() as s:
-            assert [(v.fragment, v.version) for v in q.versions_for_gc(s, RUN, keep_last=1, checkpoint_every=100_000)] == [
+            assert [(v.fragment, v.version) for v in sync_q.versions_for_gc(s, RUN, keep_last=1, checkpoint_every=100_000)] == [
                 (0, 9997), (0, 9998), (1, 9997), (1, 9998)]
     finally:
         engine.dispose()

@@ -16,8 +16,12 @@ from datetime import datetime, timezone
 import pytest
 from sqlalchemy import select
 
+from ddiloco.platform.ledger import errors as errors_q
+from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.ledger import open_ledger, session_factory
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import reports as reports_q
+from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import MERGED, Event, FragmentVersion, Merge, Run, Submission
 
 pytestmark = pytest.mark.slow
@@ -25,7 +29,7 @@ pytestmark = pytest.mark.slow
 CTX = mp.get_context("spawn")
 RUN = "race"
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
-BLOB = q.BlobRef("race/global/f0/v.safetensors", "a" * 64, 1)
+BLOB = sync_q.BlobRef("race/global/f0/v.safetensors", "a" * 64, 1)
 JOIN_TIMEOUT = 60
 
 
@@ -33,19 +37,19 @@ def _now() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def _sub(uid: str, fragment: int = 0, tokens_total: int = 10) -> q.SubmissionIn:
-    return q.SubmissionIn(uid, fragment, 0, 1, 10, 10, tokens_total, f"k/{uid}", "c" * 64, 1, "int8")
+def _sub(uid: str, fragment: int = 0, tokens_total: int = 10) -> learner_q.SubmissionIn:
+    return learner_q.SubmissionIn(uid, fragment, 0, 1, 10, 10, tokens_total, f"k/{uid}", "c" * 64, 1, "int8")
 
 
 def _setup(url: str, *, learners: int = 1, lease_holder: str | None = None, lease_ttl: float = 3600) -> int | None:
     engine = open_ledger(url)
     try:
         with session_factory(engine).begin() as s:
-            q.create_run(s, RUN, config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=T0)
+            runs_q.create_run(s, RUN, config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=T0)
             for i in range(learners):
-                q.register_learner(s, RUN, f"l{i}", "us", T0)
+                learner_q.register_learner(s, RUN, f"l{i}", "us", T0)
             if lease_holder:
-                return q.acquire_lease(s, RUN, lease_holder, lease_ttl, _now())
+                return sync_q.acquire_lease(s, RUN, lease_holder, lease_ttl, _now())
     finally:
         engine.dispose()
     return None
@@ -144,7 +148,7 @@ def _register_same(S, idx: int, n: int) -> int:
     for i in order:
         learner, nth = f"l{i % LEARNERS}", i // LEARNERS
         with S.begin() as s:
-            _, was_created = q.register_submission(
+            _, was_created = learner_q.register_submission(
                 s, RUN, learner, 0, _sub(f"u{i:04d}", fragment=i % 3, tokens_total=10 * (nth + 1)), _now()
             )
             created += was_created
@@ -160,8 +164,8 @@ def test_concurrent_registration_of_same_uids(pool, ledger_url):
         with session_factory(engine)() as s:
             uids = s.scalars(select(Submission.uid)).all()
             assert len(uids) == 200 and len(set(uids)) == 200
-            assert sum(q.pending_counts(s, RUN).values()) == 200
-            acct = q.token_accounting(s, RUN)
+            assert sum(sync_q.pending_counts(s, RUN).values()) == 200
+            acct = reports_q.token_accounting(s, RUN)
             assert acct.pending == 2000 and acct.balanced  # tokens counted once per uid
     finally:
         engine.dispose()
@@ -176,12 +180,12 @@ def _publish_race(S, idx: int, token: int, wins_wanted: int) -> dict:
     wins, conflicts = [], 0
     while len(wins) < wins_wanted:
         with S() as s:  # read, then publish in another transaction: as a synchronizer that merged meanwhile
-            latest = q.latest_version_numbers(s, RUN).get(0, -1)
+            latest = runs_q.latest_version_numbers(s, RUN).get(0, -1)
         try:
             with S.begin() as s:
-                q.publish_version(s, RUN, 0, latest + 1, blob=BLOB, state=BLOB, holder="sync", token=token, now=_now())
+                sync_q.publish_version(s, RUN, 0, latest + 1, blob=BLOB, state=BLOB, holder="sync", token=token, now=_now())
             wins.append(latest + 1)
-        except (q.VersionConflictError, IntegrityError, OperationalError):
+        except (errors_q.VersionConflictError, IntegrityError, OperationalError):
             conflicts += 1
     return {"wins": wins, "conflicts": conflicts}
 
@@ -216,22 +220,22 @@ def _merge_race(S, idx: int, token: int, ids: list[int]) -> dict:
     while remaining:
         batch = remaining[: rng.randint(1, 4)]
         with S() as s:
-            latest = q.latest_version_numbers(s, RUN).get(0, -1)
+            latest = runs_q.latest_version_numbers(s, RUN).get(0, -1)
         try:
             with S.begin() as s:
-                q.publish_version(
+                sync_q.publish_version(
                     s, RUN, 0, latest + 1, blob=BLOB, state=BLOB, holder="sync", token=token, now=_now(),
-                    merged=[q.MergedIn(i, 1.0, 1.0, 0) for i in batch],
-                    record=q.MergeRecord(1, 4, 0.0, 0.0, 0.0, f"worker {idx}", {}),
+                    merged=[sync_q.MergedIn(i, 1.0, 1.0, 0) for i in batch],
+                    record=sync_q.MergeRecord(1, 4, 0.0, 0.0, 0.0, f"worker {idx}", {}),
                 )
             merged.extend(batch)
             remaining = remaining[len(batch):]
-        except q.AlreadyDecidedError:
+        except errors_q.AlreadyDecidedError:
             refused += 1  # rolled back as a whole: nothing of this batch was merged
             with S() as s:
-                pending = {x.id for x in q.pending_submissions(s, RUN, 0)}
+                pending = {x.id for x in sync_q.pending_submissions(s, RUN, 0)}
             remaining = [i for i in remaining if i in pending]
-        except (q.VersionConflictError, IntegrityError, OperationalError):
+        except (errors_q.VersionConflictError, IntegrityError, OperationalError):
             pass  # someone published first: re-read the latest version and try again
     return {"merged": merged, "refused": refused}
 
@@ -242,8 +246,8 @@ def test_concurrent_merges_merge_each_submission_once(pool, ledger_url):
     S = session_factory(engine)
     try:
         with S.begin() as s:
-            q.publish_version(s, RUN, 0, 0, blob=BLOB, state=BLOB, holder="sync", token=token, now=_now())
-            ids = [q.register_submission(s, RUN, "l0", 0, _sub(f"s{i}"), T0)[0] for i in range(120)]
+            sync_q.publish_version(s, RUN, 0, 0, blob=BLOB, state=BLOB, holder="sync", token=token, now=_now())
+            ids = [learner_q.register_submission(s, RUN, "l0", 0, _sub(f"s{i}"), T0)[0] for i in range(120)]
         orders = [ids[k * 30:] + ids[: k * 30] for k in range(4)]  # same ids, overlapping windows
         results = pool.run(_merge_race, [(ledger_url, token, order) for order in orders])
         claimed = [i for r in results for i in r["merged"]]
@@ -259,7 +263,7 @@ def test_concurrent_merges_merge_each_submission_once(pool, ledger_url):
             for r in rows:
                 per_version[r.merged_version] = per_version.get(r.merged_version, 0) + 1
             assert {m.version: m.included for m in merges} == per_version
-            assert sorted(q.latest_version_numbers(s, RUN).values()) == [len(merges)]
+            assert sorted(runs_q.latest_version_numbers(s, RUN).values()) == [len(merges)]
     finally:
         engine.dispose()
 
@@ -286,10 +290,10 @@ def _lease_contend(S, idx: int, duration: float, seed: int) -> dict:
     while (t := time.time()) < start + duration or (newest < MIN_TOKENS and t < start + 3 * duration):
         now = _now()
         with S.begin() as s:
-            token = q.acquire_lease(s, RUN, holder, TTL, now)
+            token = sync_q.acquire_lease(s, RUN, holder, TTL, now)
         if token is None:
             with S() as s:
-                lease = q.current_lease(s, RUN)
+                lease = sync_q.current_lease(s, RUN)
                 newest = max(newest, lease.token if lease else 0)
             time.sleep(0.01)  # standby poll interval
             continue
@@ -299,13 +303,13 @@ def _lease_contend(S, idx: int, duration: float, seed: int) -> dict:
         # Do some "work": publish the next version under the fencing token.
         try:
             with S.begin() as s:
-                latest = q.latest_version_numbers(s, RUN).get(0, -1)
+                latest = runs_q.latest_version_numbers(s, RUN).get(0, -1)
                 pub_now = _now()
-                q.publish_version(s, RUN, 0, latest + 1, blob=BLOB, state=BLOB, holder=holder, token=token, now=pub_now)
+                sync_q.publish_version(s, RUN, 0, latest + 1, blob=BLOB, state=BLOB, holder=holder, token=token, now=pub_now)
             publishes.append((token, latest + 1, pub_now.timestamp()))
-        except q.LeaseLostError:
+        except errors_q.LeaseLostError:
             fenced += 1
-        except (q.VersionConflictError, IntegrityError, OperationalError):
+        except (errors_q.VersionConflictError, IntegrityError, OperationalError):
             pass
         if rng.random() < 0.3:
             # Stall past the TTL without renewing, then wake up and try to publish with the old token.
@@ -315,10 +319,10 @@ def _lease_contend(S, idx: int, duration: float, seed: int) -> dict:
                 time.sleep(0.005)
             try:
                 with S.begin() as s:
-                    latest = q.latest_version_numbers(s, RUN).get(0, -1)
-                    q.publish_version(s, RUN, 0, latest + 1, blob=BLOB, state=BLOB, holder=holder, token=token, now=_now())
+                    latest = runs_q.latest_version_numbers(s, RUN).get(0, -1)
+                    sync_q.publish_version(s, RUN, 0, latest + 1, blob=BLOB, state=BLOB, holder=holder, token=token, now=_now())
                 stale_published += 1
-            except q.LeaseLostError:
+            except errors_q.LeaseLostError:
                 fenced += 1
     return {"holder": holder, "held": held, "publishes": publishes, "fenced": fenced, "stale_published": stale_published}
 

@@ -20,13 +20,17 @@ from typer.testing import CliRunner
 from ddiloco.cli import app
 from ddiloco.inprocess import SimClock, sim_learner, sim_step
 from ddiloco.platform.invariants import check_run
+from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.ledger import open_ledger, session_factory
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import reports as reports_q
+from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import REJECTED, Submission
 from ddiloco.platform.ledger.roles import grants
 from ddiloco.platform.runtime import RunContext
 from ddiloco.synchronizer.evaluation import evaluate_and_record
-from ddiloco.synchronizer.service import Synchronizer, collect_garbage
+from ddiloco.synchronizer.gc import collect_garbage
+from ddiloco.synchronizer.service import Synchronizer
 from ddiloco.ui import queries as uq
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
@@ -241,7 +245,7 @@ def test_each_role_does_its_whole_job_through_the_real_code(ledger):
         engines.append(owner.engine)
         assert check_run(owner) == []
         with owner.reading() as s:
-            assert q.token_accounting(s, cfg.name).merged > 0
+            assert reports_q.token_accounting(s, cfg.name).merged > 0
     finally:
         for engine in engines:
             engine.dispose()
@@ -251,19 +255,19 @@ def _run_with_learners(ledger: Ledger) -> str:
     """A run with version 0 of one fragment, learner us-1 registered and one pending submission of us-1."""
     run = f"r{uuid.uuid4().hex[:6]}"
     S = session_factory(open_ledger(ledger.admin))
-    blob = q.BlobRef(f"{run}/global/f0/v0.safetensors", "a" * 64, 1)
+    blob = sync_q.BlobRef(f"{run}/global/f0/v0.safetensors", "a" * 64, 1)
     with S.begin() as s:
-        q.create_run(s, run, config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=10**6, now=T0)
-        token = q.acquire_lease(s, run, "sync", 3600, T0)
-        q.publish_version(s, run, 0, 0, blob=blob, state=blob, holder="sync", token=token, now=T0)
-        q.register_learner(s, run, "us-1", "us", T0)
-        q.register_submission(s, run, "us-1", 0, _sub("b1"), T0)
+        runs_q.create_run(s, run, config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=10**6, now=T0)
+        token = sync_q.acquire_lease(s, run, "sync", 3600, T0)
+        sync_q.publish_version(s, run, 0, 0, blob=blob, state=blob, holder="sync", token=token, now=T0)
+        learner_q.register_learner(s, run, "us-1", "us", T0)
+        learner_q.register_submission(s, run, "us-1", 0, _sub("b1"), T0)
     S.kw["bind"].dispose()
     return run
 
 
-def _sub(uid: str, tokens: int = 100) -> q.SubmissionIn:
-    return q.SubmissionIn(uid, 0, 0, 4, tokens, tokens, tokens, f"k-{uid}", "c" * 64, 10, "none")
+def _sub(uid: str, tokens: int = 100) -> learner_q.SubmissionIn:
+    return learner_q.SubmissionIn(uid, 0, 0, 4, tokens, tokens, tokens, f"k-{uid}", "c" * 64, 10, "none")
 
 
 def test_a_learner_writes_only_its_own_rows(ledger):
@@ -273,14 +277,15 @@ def test_a_learner_writes_only_its_own_rows(ledger):
     try:
         # Its own work goes through the real learner queries.
         with S.begin() as s:
-            assert q.register_learner(s, run, "us-0", "us", T0) == 0
-            got = q.learner_exchange(s, run, "us-0", 0, [_sub("a1")], q.Beat(5, 100, 2.0, 10.0, 0.1), T0 + timedelta(seconds=1))
+            assert learner_q.register_learner(s, run, "us-0", "us", T0) == 0
+            beat = learner_q.Beat(5, 100, 2.0, 10.0, 0.1)
+            got = learner_q.learner_exchange(s, run, "us-0", 0, [_sub("a1")], beat, T0 + timedelta(seconds=1))
             assert got.current and got.registered[0][1] and got.heads[0].version == 0
-            assert q.record_heartbeat(s, run, "us-0", 0, now=T0, step=6, tokens=120, loss=1.9, tokens_per_s=1.0, step_time_s=0.1)
-            assert q.set_optimizer_state(s, run, "us-0", f"{run}/learners/us-0/o", "d" * 64) is None
+            assert learner_q.record_heartbeat(s, run, "us-0", 0, now=T0, step=6, tokens=120, loss=1.9, tokens_per_s=1.0, step_time_s=0.1)
+            assert learner_q.set_optimizer_state(s, run, "us-0", f"{run}/learners/us-0/o", "d" * 64) is None
         with S() as s:  # and it sees no one else's rows
-            assert [r.id for r in q.learners(s, run)] == ["us-0"]
-            assert {p.learner_id for p in q.pending_submissions(s, run)} == {"us-0"}
+            assert [r.id for r in runs_q.learners(s, run)] == ["us-0"]
+            assert {p.learner_id for p in sync_q.pending_submissions(s, run)} == {"us-0"}
 
         # Another learner's rows: refused, or invisible to an update.
         other = {"run": run, "t": T0}
@@ -288,15 +293,15 @@ def test_a_learner_writes_only_its_own_rows(ledger):
             engine, "INSERT INTO heartbeats (run_id, learner_id, incarnation, at, step, tokens, tokens_per_s, step_time_s) "
             "VALUES (:run, 'us-1', 0, :t, 1, 1, 1, 1)", other)
         with pytest.raises(ProgrammingError, match="row-level security"), S.begin() as s:
-            q.register_submission(s, run, "us-1", 0, _sub("forged"), T0)
+            learner_q.register_submission(s, run, "us-1", 0, _sub("forged"), T0)
         with pytest.raises(ProgrammingError, match="row-level security"), S.begin() as s:
-            q.register_learner(s, run, "us-9", "us", T0)
+            learner_q.register_learner(s, run, "us-9", "us", T0)
         assert "row-level security" in refused(
             engine, "INSERT INTO events (run_id, at, kind, actor, detail) VALUES (:run, :t, 'learner_joined', 'us-1', '')", other)
         with engine.begin() as conn:
             assert conn.execute(text("UPDATE learners SET step = 999 WHERE run_id = :run AND id = 'us-1'"), other).rowcount == 0
         with pytest.raises(ProgrammingError, match="row-level security"), S.begin() as s:
-            q.record_heartbeat(s, run, "us-1", 0, now=T0, step=7, tokens=1, loss=None, tokens_per_s=1, step_time_s=1)
+            learner_q.record_heartbeat(s, run, "us-1", 0, now=T0, step=7, tokens=1, loss=None, tokens_per_s=1, step_time_s=1)
         # Its own submission only as a pending one, and never an id of its choosing (the sequence is everyone's).
         assert "row-level security" in refused(
             engine, "INSERT INTO submissions (run_id, learner_id, uid, fragment, base_version, c_steps, c_tokens, tokens_new, "
@@ -326,12 +331,12 @@ def test_a_learner_writes_only_its_own_rows(ledger):
         ):
             assert "permission denied" in refused(engine, sql, other), sql
         with pytest.raises(ProgrammingError, match="permission denied"), S.begin() as s:
-            q.acquire_lease(s, run, "us-0", 3600, T0 + timedelta(days=1))
+            sync_q.acquire_lease(s, run, "us-0", 3600, T0 + timedelta(days=1))
         with pytest.raises(ProgrammingError, match="permission denied"), S.begin() as s:
-            q.reject_submissions(s, run, [(1, "x")], holder="us-0", token=1, now=T0)
+            sync_q.reject_submissions(s, run, [(1, "x")], holder="us-0", token=1, now=T0)
 
         # The rejection function: only for the caller's own identity, and only for a superseded incarnation.
-        function = f"SELECT {q.REJECT_SUPERSEDED}(:run, :who, 0, ARRAY[:id]::bigint[], 'x', :t)"
+        function = f"SELECT {learner_q.REJECT_SUPERSEDED}(:run, :who, 0, ARRAY[:id]::bigint[], 'x', :t)"
         with S() as s:
             mine = s.scalars(select(Submission.id).where(Submission.run_id == run, Submission.learner_id == "us-0")).one()
         assert "may not reject submissions of learner us-1" in refused(engine, function, {**other, "who": "us-1", "id": mine})
@@ -349,21 +354,21 @@ def test_a_superseded_learner_role_rejects_its_own_work_with_the_accounting_kept
     admin = open_ledger(ledger.admin)
     try:
         with S.begin() as s:
-            q.register_learner(s, run, "us-0", "us", T0)
-            q.record_heartbeat(s, run, "us-0", 0, now=T0, step=3, tokens=300, loss=1.0, tokens_per_s=1, step_time_s=1)
-            assert q.register_learner(s, run, "us-0", "us", T0) == 1  # its replacement: 300 tokens counted as lost
+            learner_q.register_learner(s, run, "us-0", "us", T0)
+            learner_q.record_heartbeat(s, run, "us-0", 0, now=T0, step=3, tokens=300, loss=1.0, tokens_per_s=1, step_time_s=1)
+            assert learner_q.register_learner(s, run, "us-0", "us", T0) == 1  # its replacement: 300 tokens counted as lost
         with S.begin() as s:
-            late = q.learner_exchange(s, run, "us-0", 0, [_sub("late", 100)], q.Beat(4, 400, 1.0, 1.0, 1.0), T0)
+            late = learner_q.learner_exchange(s, run, "us-0", 0, [_sub("late", 100)], learner_q.Beat(4, 400, 1.0, 1.0, 1.0), T0)
         assert not late.current
         with session_factory(admin)() as s:
             row = s.get(Submission, late.registered[0][0])
             assert row.status == REJECTED and row.reject_reason == "superseded incarnation 0 (current 1)"
-            acct = q.token_accounting(s, run)
+            acct = reports_q.token_accounting(s, run)
             assert (acct.rejected, acct.lost, acct.pending) == (100, 200, 100) and acct.balanced
-            assert q.scanned_tokens(s, run)[REJECTED] == q.decided_tokens(s, run)[REJECTED]
-            assert [t for t in q.rejected_totals(s, run) if t.learner_id == "us-0"] == [
-                q.RejectedTotal("us-0", "superseded incarnation", 1, 100, row.nbytes)]
-            assert any(e.kind == "submission_rejected" and e.actor == "us-0" for e in q.events(s, run))
+            assert reports_q.scanned_tokens(s, run)[REJECTED] == reports_q.decided_tokens(s, run)[REJECTED]
+            assert [t for t in reports_q.rejected_totals(s, run) if t.learner_id == "us-0"] == [
+                reports_q.RejectedTotal("us-0", "superseded incarnation", 1, 100, row.nbytes)]
+            assert any(e.kind == "submission_rejected" and e.actor == "us-0" for e in runs_q.events(s, run))
     finally:
         engine.dispose()
         admin.dispose()

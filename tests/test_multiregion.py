@@ -134,7 +134,7 @@ def test_learner_in_a_region_namespace_submits_through_the_shaped_link(postgres_
     from sqlalchemy import select
 
     from ddiloco.platform.config import build_config
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import runs as runs_q
     from ddiloco.platform.ledger.models import Submission
     from ddiloco.platform.runtime import RunContext
     from ddiloco.platform.store import FragmentStore
@@ -158,7 +158,7 @@ def test_learner_in_a_region_namespace_submits_through_the_shaped_link(postgres_
         try:
             learner.wait(timeout=150)
             with ctx.reading() as s:
-                row = {r.id: r for r in q.learners(s, run_id)}.get("us-0")
+                row = {r.id: r for r in runs_q.learners(s, run_id)}.get("us-0")
                 subs = s.execute(
                     select(Submission.blob_key, Submission.sha256, Submission.nbytes).where(
                         Submission.run_id == run_id, Submission.learner_id == "us-0"

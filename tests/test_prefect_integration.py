@@ -30,7 +30,8 @@ from typer.testing import CliRunner
 
 from ddiloco.cli import app
 from ddiloco.platform.ledger import open_ledger, session_factory
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import reports as reports_q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.testing.compose import INFRA, dotenv, localize_url, render_compose, service_command
 from ddiloco.testing.net import Webhook, free_port
 from ddiloco.testing.postgres import scratch_database
@@ -123,7 +124,7 @@ def test_compose_services_come_up_on_one_postgres_in_their_own_databases(stack, 
 
         def trained_and_merged():
             with sessions.begin() as s:
-                acct = q.token_accounting(s, "compose") if q.get_run(s, "compose") else None
+                acct = reports_q.token_accounting(s, "compose") if runs_q.get_run(s, "compose") else None
             return acct if acct is not None and acct.merged > 0 else None
 
         wait_for(trained_and_merged, 180, "the learner's updates merged in the compose ledger")
@@ -368,9 +369,9 @@ def test_training_run_from_the_readmes_deployment_run_on_two_region_pools(stack,
 
     def learner_rows():
         with sessions.begin() as s:
-            if q.get_run(s, "pools") is None:
+            if runs_q.get_run(s, "pools") is None:
                 return None
-            rows = q.learners(s, "pools")
+            rows = runs_q.learners(s, "pools")
         return rows if len(rows) == 2 and all(r.pid for r in rows) else None
 
     rows = wait_for(learner_rows, 240, "both learners to register")
@@ -382,7 +383,7 @@ def test_training_run_from_the_readmes_deployment_run_on_two_region_pools(stack,
 
     def relaunched():
         with sessions.begin() as s:
-            row = {r.id: r for r in q.learners(s, "pools")}[victim.id]
+            row = {r.id: r for r in runs_q.learners(s, "pools")}[victim.id]
         return row.incarnation >= 1
 
     wait_for(relaunched, 240, "the supervisor to relaunch the killed learner")
@@ -396,9 +397,9 @@ def test_training_run_from_the_readmes_deployment_run_on_two_region_pools(stack,
     state = wait_for(finished, 300, "the training run to finish")
     assert state.is_completed(), state
     with sessions.begin() as s:
-        run = q.get_run(s, "pools")
-        kinds = {e.kind for e in q.events(s, "pools", limit=100_000)}
-        acct = q.token_accounting(s, "pools")
+        run = runs_q.get_run(s, "pools")
+        kinds = {e.kind for e in runs_q.events(s, "pools", limit=100_000)}
+        acct = reports_q.token_accounting(s, "pools")
     assert run.status == "finished"
     assert "learner_relaunched" in kinds
     # The worker reported the killed learner's flow run Crashed and the supervisor relaunched it: both alerts fired.

@@ -14,7 +14,9 @@ from support import tiny_config
 from ddiloco.platform.compression import decode_delta
 from ddiloco.platform.fragments import shard_fragments
 from ddiloco.platform.invariants import check_run
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import reports as reports_q
+from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import FragmentVersion, Learner, Merge, Submission
 from ddiloco.platform.run_state import build_layout
 from ddiloco.platform.store import FragmentStore
@@ -40,7 +42,7 @@ def process_config(name: str, **extra):
 
 def v0_published(run: ProcessRun) -> bool:
     with run.ctx.transaction() as s:
-        return len(q.latest_version_numbers(s, run.ctx.run_id)) == run.cfg.fragments.count
+        return len(runs_q.latest_version_numbers(s, run.ctx.run_id)) == run.cfg.fragments.count
 
 
 def test_learner_killed_mid_upload_leaves_no_dangling_row_and_rejoins(tmp_path):
@@ -75,9 +77,9 @@ def test_learner_killed_mid_upload_leaves_no_dangling_row_and_rejoins(tmp_path):
 
         wait_for(rejoined_and_merged, 180, "the restarted learner's work to be merged")
         with run.ctx.transaction() as s:
-            kinds = [e.kind for e in q.events(s, "killmid")]
+            kinds = [e.kind for e in runs_q.events(s, "killmid")]
             assert "learner_restarted" in kinds
-            acct = q.token_accounting(s, "killmid")
+            acct = reports_q.token_accounting(s, "killmid")
         assert acct.balanced and acct.merged > 0
         assert check_run(run.ctx) == []
     finally:
@@ -89,7 +91,7 @@ def recompute_version(run: ProcessRun, fragment: int, version: int) -> tuple[dic
     cfg = run.cfg
     store = FragmentStore(cfg.storage.url)
     with run.ctx.transaction() as s:
-        prev = q.get_version(s, cfg.name, fragment, version - 1)
+        prev = runs_q.get_version(s, cfg.name, fragment, version - 1)
         merge = s.scalar(select(Merge).where(Merge.run_id == cfg.name, Merge.fragment == fragment, Merge.version == version))
         detail = json.loads(merge.detail_json)
         subs = {sb.id: sb for sb in s.scalars(select(Submission).where(Submission.id.in_([m["submission"] for m in detail["members"]])))}
@@ -174,7 +176,7 @@ def test_a_killed_shard_is_taken_over_while_the_other_shard_keeps_publishing(tmp
 
     def lease_of(label: str):
         with run.ctx.transaction() as s:
-            return next((lease for lease in q.leases(s, "shards") if lease.holder.startswith(f"{label}@")), None)
+            return next((lease for lease in sync_q.leases(s, "shards") if lease.holder.startswith(f"{label}@")), None)
 
     try:
         run.synchronizer("sync-a", faults="sync.mid_merge:3")  # stops dead in its third merge

@@ -14,8 +14,10 @@ from ddiloco.inprocess import SimClock, in_memory_config, run_inprocess
 from ddiloco.platform.config import ConfigError, RunConfig
 from ddiloco.platform.fragments import shard_fragments
 from ddiloco.platform.invariants import check_run
+from ddiloco.platform.ledger import errors as errors_q
 from ddiloco.platform.ledger import open_ledger
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import FragmentVersion, Merge, SynchronizerLease
 from ddiloco.platform.runtime import RunContext
 from ddiloco.synchronizer.service import Synchronizer
@@ -52,14 +54,14 @@ def test_each_shard_publishes_only_its_own_fragments_under_its_own_lease():
     assert (a.shard, b.shard) == (0, 1)
     with ctx.reading() as s:
         by_fragment = {v.fragment: v for v in s.scalars(select(FragmentVersion).where(FragmentVersion.run_id == "own"))}
-        leases = {lease.shard: (lease.holder, lease.token) for lease in q.leases(s, "own")}
+        leases = {lease.shard: (lease.holder, lease.token) for lease in sync_q.leases(s, "own")}
     assert leases == {0: ("a", 1), 1: ("b", 1)}
     assert {f: by_fragment[f].synchronizer for f in by_fragment} == {
         **{f: "a" for f in a.assignment[0]}, **{f: "b" for f in a.assignment[1]}}
     # A holder cannot publish under another shard's fence: the ledger refuses it.
-    blob = q.BlobRef("own/x", "0" * 64, 1)
-    with pytest.raises(q.LeaseLostError, match="shard 1"), ctx.transaction() as s:
-        q.publish_version(s, "own", a.assignment[1][0], 1, blob=blob, state=blob, holder="a", token=1, now=ctx.now_dt(),
+    blob = sync_q.BlobRef("own/x", "0" * 64, 1)
+    with pytest.raises(errors_q.LeaseLostError, match="shard 1"), ctx.transaction() as s:
+        sync_q.publish_version(s, "own", a.assignment[1][0], 1, blob=blob, state=blob, holder="a", token=1, now=ctx.now_dt(),
                           shard=1)
 
 
@@ -74,7 +76,7 @@ def test_a_standby_takes_over_whichever_shard_lapsed_and_nothing_else():
     assert c.poll_once(clock.t).role == "active" and (c.shard, c.token) == (1, 2)
     assert b.poll_once(clock.t).role == "standby"  # back from the dead: both shards are held now
     with ctx.reading() as s:
-        events = [e.detail for e in q.events(s, "lapse") if e.kind == "lease_acquired"]
+        events = [e.detail for e in runs_q.events(s, "lapse") if e.kind == "lease_acquired"]
     assert "shard 1; token 2; took over from b" in events
 
 
@@ -143,7 +145,7 @@ def test_a_two_shard_run_trains_with_dense_versions_and_every_submission_merged_
     assert check_run(run.ctx) == []  # dense versions per fragment, fencing, fates, blobs, token accounting
     with run.ctx.reading() as s:
         merges = list(s.scalars(select(Merge).where(Merge.run_id == "two")))
-        heads = q.latest_version_numbers(s, "two")
+        heads = runs_q.latest_version_numbers(s, "two")
     members = [m["submission"] for mg in merges for m in json.loads(mg.detail_json)["members"]]
     assert len(members) == len(set(members)), "a submission was merged twice"
     assert min(heads.values()) >= 2, f"every fragment should have merged: {heads}"

@@ -17,8 +17,11 @@ from sqlalchemy import Engine, event
 from support import tiny_config
 
 from ddiloco.inprocess import SimClock, sim_learner
+from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.ledger import open_ledger, session_factory
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import reports as reports_q
+from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.runtime import RunContext
 from ddiloco.synchronizer.service import Synchronizer
 
@@ -95,33 +98,33 @@ def test_a_learner_step_is_one_transaction_of_at_most_three_statements(ledger_ur
 def test_a_merge_commits_in_four_statements(ledger_url):
     engine = open_ledger(ledger_url)
     S = session_factory(engine)
-    blob = q.BlobRef("b", "a" * 64, 1)
+    blob = sync_q.BlobRef("b", "a" * 64, 1)
     try:
         with S.begin() as s:
-            q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=T0)
-            token = q.acquire_lease(s, "r", "sync", 3600, T0)
+            runs_q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=T0)
+            token = sync_q.acquire_lease(s, "r", "sync", 3600, T0)
             for i in range(8):
-                q.register_learner(s, "r", f"l{i}", "us", T0)
-            q.publish_version(s, "r", 0, 0, blob=blob, state=blob, holder="sync", token=token, now=T0)
+                learner_q.register_learner(s, "r", f"l{i}", "us", T0)
+            sync_q.publish_version(s, "r", 0, 0, blob=blob, state=blob, holder="sync", token=token, now=T0)
         merges = 3
         with counting() as counter:
             for version in range(1, merges + 1):
                 now = T0 + timedelta(seconds=version)
                 with S.begin() as s:
-                    ids = [q.register_submission(s, "r", f"l{i}", 0, q.SubmissionIn(
+                    ids = [learner_q.register_submission(s, "r", f"l{i}", 0, learner_q.SubmissionIn(
                         f"v{version}-{i}", 0, version - 1, 4, 100, 100, 100 * version, f"k{version}-{i}", "c" * 64, 10, "int8"), now)[0]
                         for i in range(8)]
                 with S.begin() as s:
                     counter.on = True
-                    q.publish_version(
+                    sync_q.publish_version(
                         s, "r", 0, version, blob=blob, state=blob, holder="sync", token=token, now=now,
-                        merged=[q.MergedIn(i, 1.0, 1.0, 0) for i in ids],
-                        record=q.MergeRecord(1, 8, 0.0, 0.0, 0.0, "quorum", {}),
+                        merged=[sync_q.MergedIn(i, 1.0, 1.0, 0) for i in ids],
+                        record=sync_q.MergeRecord(1, 8, 0.0, 0.0, 0.0, "quorum", {}),
                     )
                     counter.on = False
         assert counter.statements <= 4 * merges, counter.seen
         with S() as s:
-            assert q.token_accounting(s, "r").merged == 8 * 100 * merges  # the totals the statements kept
+            assert reports_q.token_accounting(s, "r").merged == 8 * 100 * merges  # the totals the statements kept
     finally:
         engine.dispose()
 
@@ -132,25 +135,25 @@ def test_an_exchange_of_a_superseded_incarnation_registers_nothing_live(ledger_u
     rejected and its row untouched, the current one's is pending with its heartbeat written."""
     engine = open_ledger(ledger_url)
     S = session_factory(engine)
-    blob = q.BlobRef("b", "a" * 64, 1)
+    blob = sync_q.BlobRef("b", "a" * 64, 1)
     try:
         with S.begin() as s:
-            q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=T0)
-            token = q.acquire_lease(s, "r", "sync", 3600, T0)
-            q.publish_version(s, "r", 0, 0, blob=blob, state=blob, holder="sync", token=token, now=T0)
-            q.register_learner(s, "r", "l", "us", T0)
+            runs_q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=T0)
+            token = sync_q.acquire_lease(s, "r", "sync", 3600, T0)
+            sync_q.publish_version(s, "r", 0, 0, blob=blob, state=blob, holder="sync", token=token, now=T0)
+            learner_q.register_learner(s, "r", "l", "us", T0)
             if superseded:
-                q.register_learner(s, "r", "l", "us", T0)
-        sub = q.SubmissionIn("u", 0, 0, 4, 100, 100, 100, "k", "c" * 64, 10, "int8")
-        beat = q.Beat(step=7, tokens=120, loss=2.5, tokens_per_s=10.0, step_time_s=0.1)
+                learner_q.register_learner(s, "r", "l", "us", T0)
+        sub = learner_q.SubmissionIn("u", 0, 0, 4, 100, 100, 100, "k", "c" * 64, 10, "int8")
+        beat = learner_q.Beat(step=7, tokens=120, loss=2.5, tokens_per_s=10.0, step_time_s=0.1)
         with S.begin() as s:
-            got = q.learner_exchange(s, "r", "l", 0, [sub], beat, T0 + timedelta(seconds=1))
+            got = learner_q.learner_exchange(s, "r", "l", 0, [sub], beat, T0 + timedelta(seconds=1))
         assert got.current is not superseded and got.run_status == "running"
         assert {f: h.version for f, h in got.heads.items()} == {0: 0}
         with S() as s:
-            row = {r.id: r for r in q.learners(s, "r")}["l"]
-            pending = q.pending_submissions(s, "r")
-            assert q.token_accounting(s, "r").balanced
+            row = {r.id: r for r in runs_q.learners(s, "r")}["l"]
+            pending = sync_q.pending_submissions(s, "r")
+            assert reports_q.token_accounting(s, "r").balanced
         if superseded:
             assert pending == [] and row.step == 0 and row.loss is None
         else:
@@ -164,20 +167,20 @@ def test_an_exchange_returns_only_the_heads_newer_than_the_learner_has_seen(ledg
     exchange returns a fragment's head only when it is newer than the version the learner says it has seen."""
     engine = open_ledger(ledger_url)
     S = session_factory(engine)
-    blob = q.BlobRef("b", "a" * 64, 1)
+    blob = sync_q.BlobRef("b", "a" * 64, 1)
     form = '{"codec":"int8","base":0}'
     try:
         with S.begin() as s:
-            q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=3, token_budget=1, now=T0)
-            token = q.acquire_lease(s, "r", "sync", 3600, T0)
+            runs_q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=3, token_budget=1, now=T0)
+            token = sync_q.acquire_lease(s, "r", "sync", 3600, T0)
             for f in range(3):
-                q.publish_version(s, "r", f, 0, blob=blob, state=blob, holder="sync", token=token, now=T0, compact_json=form)
-            q.publish_version(s, "r", 1, 1, blob=blob, state=blob, holder="sync", token=token, now=T0, compact_json=form)
-            q.register_learner(s, "r", "l", "us", T0)
+                sync_q.publish_version(s, "r", f, 0, blob=blob, state=blob, holder="sync", token=token, now=T0, compact_json=form)
+            sync_q.publish_version(s, "r", 1, 1, blob=blob, state=blob, holder="sync", token=token, now=T0, compact_json=form)
+            learner_q.register_learner(s, "r", "l", "us", T0)
 
         def heads(known):
             with S.begin() as s:
-                return {f: h.version for f, h in q.learner_exchange(s, "r", "l", 0, [], None, T0, known=known).heads.items()}
+                return {f: h.version for f, h in learner_q.learner_exchange(s, "r", "l", 0, [], None, T0, known=known).heads.items()}
 
         assert heads(None) == {0: 0, 1: 1, 2: 0}
         assert heads({}) == {0: 0, 1: 1, 2: 0}
@@ -185,7 +188,7 @@ def test_an_exchange_returns_only_the_heads_newer_than_the_learner_has_seen(ledg
         assert heads({0: 0, 1: 1, 2: 0}) == {}
         assert heads({0: 0, 2: 0}) == {1: 1}  # a fragment it has not seen comes whole
         with S.begin() as s:
-            got = q.learner_exchange(s, "r", "l", 0, [], None, T0, known={0: 0, 2: 0}).heads[1]
+            got = learner_q.learner_exchange(s, "r", "l", 0, [], None, T0, known={0: 0, 2: 0}).heads[1]
         assert got.compact_json == form and got.sha256 == "a" * 64
     finally:
         engine.dispose()

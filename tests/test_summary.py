@@ -10,28 +10,32 @@ import pytest
 
 from ddiloco.platform.config import DataConfig, ModelConfig, build_config, tokens_per_step
 from ddiloco.platform.data import build_dataset
+from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.ledger import open_ledger, session_factory
-from ddiloco.platform.ledger import queries as q
-from ddiloco.platform.ledger.queries import EXITED, JOINED, LAUNCHED, READY, SILENT, Moment, RunAggregates, TokenAccounting
+from ddiloco.platform.ledger import reports as reports_q
+from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.ledger.models import Learner
 from ddiloco.platform.summary import DP_BYTES_PER_PARAM, TIME_BUCKETS, breakdown_line, learner_states, run_summary, summarize
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 GPT = {"kind": "gpt", "seq_len": 64}
+
+LAUNCHED, JOINED, READY, SILENT, EXITED = (reports_q.LAUNCHED, reports_q.JOINED, reports_q.READY, reports_q.SILENT, reports_q.EXITED)
 
 
 def at(s: float) -> datetime:
     return T0 + timedelta(seconds=s)
 
 
-def aggregates(**changes) -> RunAggregates:
+def aggregates(**changes) -> reports_q.RunAggregates:
     """Two learners, 100 s of a running run: 6,400 tokens trained, 4,096 merged."""
-    base = RunAggregates(
+    base = reports_q.RunAggregates(
         run="r",
         status="running",
         created_at=T0,
         finished_at=None,
         config={"model": GPT, "learners": {"batch_size": 4}},
-        tokens=TokenAccounting(trained=6400, merged=4096, rejected=1024, pending=256, lost=512, in_flight=512),
+        tokens=reports_q.TokenAccounting(trained=6400, merged=4096, rejected=1024, pending=256, lost=512, in_flight=512),
         versions={0: 3, 1: 2},
         longest_merge_gap_s=40.0,  # merged at 20, 30 and 70 s
         last_merged_at=at(70),
@@ -67,7 +71,7 @@ def test_goodput_is_the_merged_share_times_the_busy_share():
     assert summarize(aggregates(), at(100)).goodput == pytest.approx(0.64 * 0.75)
     # Busier than allocated (clock skew) caps at 1; nothing trained is no goodput.
     assert summarize(aggregates(busy_s=500.0), at(100)).goodput == pytest.approx(0.64)
-    assert summarize(aggregates(tokens=TokenAccounting(0, 0, 0, 0, 0, 0)), at(100)).goodput == 0.0
+    assert summarize(aggregates(tokens=reports_q.TokenAccounting(0, 0, 0, 0, 0, 0)), at(100)).goodput == 0.0
 
 
 def test_without_timelines_every_second_not_busy_is_idle_and_busy_seconds_split_by_token_fate():
@@ -80,11 +84,11 @@ def test_without_timelines_every_second_not_busy_is_idle_and_busy_seconds_split_
     assert list(s.time_breakdown) == list(TIME_BUCKETS)
     assert (s.availability_bound, s.goodput_of_bound) == (1.0, pytest.approx(s.goodput))
     # Busy seconds with nothing trained merged nothing.
-    assert summarize(aggregates(tokens=TokenAccounting(0, 0, 0, 0, 0, 0)), at(100)).time_breakdown["unmerged"] == 150.0
+    assert summarize(aggregates(tokens=reports_q.TokenAccounting(0, 0, 0, 0, 0, 0)), at(100)).time_breakdown["unmerged"] == 150.0
 
 
-def moments(*pairs: tuple[float, str]) -> list[Moment]:
-    return [Moment(at(t), kind) for t, kind in pairs]
+def moments(*pairs: tuple[float, str]) -> list[reports_q.Moment]:
+    return [reports_q.Moment(at(t), kind) for t, kind in pairs]
 
 
 def test_a_learners_seconds_follow_its_launches_first_steps_and_exits():
@@ -115,7 +119,7 @@ def test_the_breakdown_sums_to_the_learner_seconds_and_the_bound_leaves_out_the_
         "a": moments((0, LAUNCHED), (4, JOINED), (5, READY), (40, EXITED), (60, LAUNCHED), (63, JOINED), (64, READY)),
         "b": moments((0, LAUNCHED), (2, JOINED), (3, READY)),
     }
-    agg = aggregates(timelines=timelines, busy_s=155.0, tokens=TokenAccounting(6400, 6400, 0, 0, 0, 0))
+    agg = aggregates(timelines=timelines, busy_s=155.0, tokens=reports_q.TokenAccounting(6400, 6400, 0, 0, 0, 0))
     s = summarize(agg, at(100))
     # Up 71 + 97 = 168 s, of which 155 stepping (all merged): 13 s idle.
     assert s.time_breakdown == pytest.approx(
@@ -160,9 +164,9 @@ def test_token_accounting_of_learner_rows():
         )
 
     rows = [row("alive", 100, 10, 50, 20), row("dead", 0, 0, 40, 10), row("straggling", 0, 0, 5, 9)]
-    acct = q.account_tokens(rows, {"merged": 60, "rejected": 20, "pending": 19})
+    acct = reports_q.account_tokens(rows, {"merged": 60, "rejected": 20, "pending": 19})
     # Unsubmitted tokens of a live learner are in flight; a dead learner's are lost.
-    assert acct == TokenAccounting(trained=195, merged=60, rejected=20, pending=19, lost=10 + 30, in_flight=30 + 0)
+    assert acct == reports_q.TokenAccounting(trained=195, merged=60, rejected=20, pending=19, lost=10 + 30, in_flight=30 + 0)
 
 
 # --- tokens per step: one rule, the one the batches follow --------------------------------------------
@@ -195,13 +199,13 @@ def test_a_vision_runs_data_parallel_baseline_counts_examples_not_seq_len(tmp_pa
     cfg = build_config({"name": "v", "model": {"kind": "vision"}, "data": {"source": "digits"}, "learners": {"batch_size": 8}})
     engine = open_ledger(f"sqlite:///{tmp_path}/ledger.db")
     with session_factory(engine).begin() as s:
-        q.create_run(
+        runs_q.create_run(
             s, "v", config_json=cfg.to_json(), code_version="t", git_commit=None, num_fragments=1, token_budget=10**6, now=T0
         )
-        q.set_fragment_specs(s, "v", [(0, ["w"], 1000, 4000)])
-        q.register_learner(s, "v", "us-0", "us", T0)
+        runs_q.set_fragment_specs(s, "v", [(0, ["w"], 1000, 4000)])
+        learner_q.register_learner(s, "v", "us-0", "us", T0)
         # 10 steps of 8 images: 80 examples trained.
-        q.record_heartbeat(s, "v", "us-0", 0, now=at(1), step=10, tokens=80, loss=1.0, tokens_per_s=80, step_time_s=0.1)
+        learner_q.record_heartbeat(s, "v", "us-0", 0, now=at(1), step=10, tokens=80, loss=1.0, tokens_per_s=80, step_time_s=0.1)
     with session_factory(engine)() as s:
         summary = run_summary(s, "v", at(2))
     engine.dispose()
@@ -215,31 +219,31 @@ def test_a_ledgers_launches_registrations_heartbeats_and_exits_give_the_breakdow
     S = session_factory(engine)
 
     def beat(s, lid: str, incarnation: int, t: float, busy: float) -> None:
-        q.record_heartbeat(s, "r", lid, incarnation, now=at(t), step=int(t), tokens=0, loss=None, tokens_per_s=0.0, step_time_s=0.1,
+        learner_q.record_heartbeat(s, "r", lid, incarnation, now=at(t), step=int(t), tokens=0, loss=None, tokens_per_s=0.0, step_time_s=0.1,
                            busy_s=busy)
 
     with S.begin() as s:
-        q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=10, now=T0)
+        runs_q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=10, now=T0)
         for lid in ("a", "b"):
-            q.record_event(s, "r", q.LEARNER_LAUNCHED, lid, "launched", T0)
+            runs_q.record_event(s, "r", runs_q.LEARNER_LAUNCHED, lid, "launched", T0)
         # b joins at 2 and steps from 3 to the end, 95 s of it busy.
-        q.register_learner(s, "r", "b", "us", at(2))
+        learner_q.register_learner(s, "r", "b", "us", at(2))
         beat(s, "b", 0, 3, 0.0)
         beat(s, "b", 0, 99, 95.0)
         # a joins at 4, steps from 5, is last heard of at 38, exits at 40; relaunched at 60, it registers at 63 and steps from 64.
-        q.register_learner(s, "r", "a", "us", at(4))
+        learner_q.register_learner(s, "r", "a", "us", at(4))
         beat(s, "a", 0, 5, 0.0)
         beat(s, "a", 0, 38, 30.0)
-        q.record_event(s, "r", q.LEARNER_EXITED, "a", "its process or flow run ended", at(40))
-        q.record_event(s, "r", q.LEARNER_LAUNCHED, "a", "relaunched", at(60))
-        q.register_learner(s, "r", "a", "us", at(63))
+        runs_q.record_event(s, "r", runs_q.LEARNER_EXITED, "a", "its process or flow run ended", at(40))
+        runs_q.record_event(s, "r", runs_q.LEARNER_LAUNCHED, "a", "relaunched", at(60))
+        learner_q.register_learner(s, "r", "a", "us", at(63))
         beat(s, "a", 1, 64, 0.0)
         beat(s, "a", 1, 99, 30.0)
-        q.record_event(s, "r", "learner_dead", "b", "not a timeline event", at(70))
-        q.set_run_status(s, "r", "finished", at(100))
+        runs_q.record_event(s, "r", "learner_dead", "b", "not a timeline event", at(70))
+        runs_q.set_run_status(s, "r", "finished", at(100))
     with S() as s:
         summary = run_summary(s, "r", at(1000))
-        timeline = q.run_aggregates(s, "r").timelines["a"]
+        timeline = reports_q.run_aggregates(s, "r").timelines["a"]
     engine.dispose()
     assert [(m.kind, (m.at - T0).total_seconds()) for m in timeline] == [
         ("launched", 0.0), ("joined", 4.0), ("ready", 5.0), ("silent", 38.0), ("exited", 40.0), ("launched", 60.0), ("joined", 63.0),
@@ -255,15 +259,15 @@ def test_a_ledgers_launches_registrations_heartbeats_and_exits_give_the_breakdow
 def test_a_ledger_without_launch_events_counts_from_registrations_and_last_heartbeats(tmp_path):
     engine = open_ledger(f"sqlite:///{tmp_path}/ledger.db")
     with session_factory(engine).begin() as s:
-        q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=10, now=T0)
-        q.register_learner(s, "r", "a", "us", at(4))
+        runs_q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=10, now=T0)
+        learner_q.register_learner(s, "r", "a", "us", at(4))
         for t, inc in ((5, 0), (38, 0), (64, 1), (80, 1)):
             if t == 64:
-                q.register_learner(s, "r", "a", "us", at(63))
-            q.record_heartbeat(s, "r", "a", inc, now=at(t), step=1, tokens=0, loss=None, tokens_per_s=0.0, step_time_s=0.1)
+                learner_q.register_learner(s, "r", "a", "us", at(63))
+            learner_q.record_heartbeat(s, "r", "a", inc, now=at(t), step=1, tokens=0, loss=None, tokens_per_s=0.0, step_time_s=0.1)
         # The learner is dead at the end: down from its last heartbeat (80).
-        s.get(q.Learner, ("r", "a")).status = "dead"
-        q.set_run_status(s, "r", "finished", at(100))
+        s.get(Learner, ("r", "a")).status = "dead"
+        runs_q.set_run_status(s, "r", "finished", at(100))
     with session_factory(engine)() as s:
         summary = run_summary(s, "r", at(100))
     engine.dispose()

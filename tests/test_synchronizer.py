@@ -13,7 +13,7 @@ from ddiloco.inprocess import SimClock, in_memory_config, run_inprocess
 from ddiloco.platform import spans
 from ddiloco.platform.data import build_dataset
 from ddiloco.platform.ledger import open_ledger
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger.models import Merge
 from ddiloco.platform.models import build_model, evaluate
 from ddiloco.platform.runtime import RunContext
@@ -52,7 +52,7 @@ def test_evaluation_is_a_plain_function_of_the_published_fragments():
     want, _ = evaluate(build_model(cfg.model, seed=cfg.seed), build_dataset(cfg.data, cfg.model).val_batches(cfg.learners.batch_size))
     assert loss == pytest.approx(want, rel=1e-6) and acc is None
     with ctx.reading() as s:
-        assert [e.val_loss for e in q.evaluations(s, "evalfn")] == [loss]
+        assert [e.val_loss for e in runs_q.evaluations(s, "evalfn")] == [loss]
     # The parameters given are the ones evaluated: all zero gives uniform logits, loss ln(vocab).
     zeros = {n: torch.zeros_like(p) for n, p in build_model(cfg.model).named_parameters()}
     zero_loss, _ = evaluate_global(cfg, zeros)

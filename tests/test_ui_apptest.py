@@ -18,8 +18,10 @@ from streamlit.testing.v1 import AppTest
 from ui_support import RunLedger, build_run_ledger, copy_ledger
 
 from ddiloco.platform import liveness
+from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.ledger import open_ledger, session_factory
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import Learner, Run, Submission
 from ddiloco.platform.summary import run_summary
 from ddiloco.ui import APP_PATH, LEDGER_URL_ENV, loaders, widgets
@@ -114,7 +116,7 @@ def test_run_health_page_shows_the_ledgers_numbers(monkeypatch, run_ledger):
     engine = open_ledger(run_ledger.url, migrate=False, read_only=True)
     with Session(engine) as s:
         expected = run_summary(s, run_ledger.run_id, now)
-        evals = q.evaluations(s, run_ledger.run_id)
+        evals = runs_q.evaluations(s, run_ledger.run_id)
         learners = {x.id: x for x in s.scalars(select(Learner))}
         fates = {
             (lid, status): n
@@ -170,9 +172,9 @@ def test_run_health_with_rejections_chaos_and_a_prefect_flow_run(monkeypatch, ru
     flow_url = "http://prefect.internal:4200/runs/flow-run/1234"
     with session_factory(engine).begin() as s:
         s.get(Run, ledger.run_id).flow_run_url = flow_url
-        q.record_event(s, ledger.run_id, "chaos", "chaos-flow", "SIGKILL learner eu-1", ledger.end - timedelta(seconds=40))
-        sub = q.SubmissionIn("u1", 0, 0, 1, 128, 128, 128, "k/u1", "0" * 64, 10, "none")
-        q.register_submission(s, ledger.run_id, "ghost", 0, sub, ledger.end)
+        runs_q.record_event(s, ledger.run_id, "chaos", "chaos-flow", "SIGKILL learner eu-1", ledger.end - timedelta(seconds=40))
+        sub = learner_q.SubmissionIn("u1", 0, 0, 1, 128, 128, 128, "k/u1", "0" * 64, 10, "none")
+        learner_q.register_submission(s, ledger.run_id, "ghost", 0, sub, ledger.end)
     engine.dispose()
     at = open_app(monkeypatch, ledger.url, ledger.end + timedelta(seconds=1), run=ledger.run_id, page=RUN_HEALTH)
     assert [b.proto.url for b in at.get("link_button")] == [flow_url]
@@ -187,7 +189,7 @@ def test_a_dead_synchronizer_is_shown_as_down_and_the_ledger_is_untouched(monkey
     ledger = copy_ledger(run_ledger, tmp_path)
     engine = open_ledger(ledger.url)
     with session_factory(engine).begin() as s:
-        lease = q.current_lease(s, ledger.run_id)
+        lease = sync_q.current_lease(s, ledger.run_id)
         # Its lease ran out 5 s before the end and no standby took over.
         lease.expires_at = ledger.end - timedelta(seconds=5)
     engine.dispose()
@@ -221,7 +223,7 @@ def test_empty_ledger_and_a_run_with_no_heartbeats(monkeypatch, tmp_path):
     assert "no runs yet" in texts(at)
     now = loaders.utcnow()
     with session_factory(engine).begin() as s:
-        q.create_run(s, "fresh", config_json="{}", code_version="t", git_commit=None, num_fragments=2, token_budget=100, now=now)
+        runs_q.create_run(s, "fresh", config_json="{}", code_version="t", git_commit=None, num_fragments=2, token_budget=100, now=now)
     engine.dispose()
     st.cache_data.clear()  # as if the cache's TTL had passed
     at = open_app(monkeypatch, url, page=RUN_HEALTH)

@@ -27,7 +27,7 @@ import pytest
 from ui_support import RunLedger, build_run_ledger, copy_ledger, shift_times
 
 from ddiloco.platform.ledger import make_engine, session_factory
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger.models import Run
 from ddiloco.testing.net import free_port
 
@@ -238,7 +238,7 @@ class LiveLedger:
         with session_factory(engine).begin() as s:
             s.get(Run, self.ledger.run_id).flow_run_url = FLOW_RUN_URL
             dead_at = self.ledger.end - timedelta(seconds=45)
-            q.record_event(s, self.ledger.run_id, "chaos", "chaos-flow", "SIGKILL learner eu-1 (region eu)", dead_at)
+            runs_q.record_event(s, self.ledger.run_id, "chaos", "chaos-flow", "SIGKILL learner eu-1 (region eu)", dead_at)
         engine.dispose()
 
     def ends_now(self) -> RunLedger:

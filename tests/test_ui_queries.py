@@ -14,8 +14,9 @@ from sqlalchemy.orm import Session
 from ui_support import RunLedger, build_run_ledger, copy_ledger_to
 
 from ddiloco.platform import liveness
+from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.ledger import open_ledger, session_factory
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger.models import (
     Evaluation,
     Event,
@@ -150,7 +151,7 @@ def test_progress_frames_match_the_ledger(ro, run_ledger):
         kinds = set(s.scalars(select(Event.kind)))
         quorums = list(s.scalars(select(Merge.quorum).order_by(Merge.at, Merge.id)))
         thin = uq.versions_frame(s, run, max_points=5)
-        newest = q.latest_version_numbers(s, run)
+        newest = runs_q.latest_version_numbers(s, run)
     assert len(versions) == n_versions and len(merges) == n_merges and len(evals) == n_evals
     assert list(merges["quorum"]) == quorums
     assert merges["at"].is_monotonic_increasing
@@ -195,8 +196,8 @@ def test_rejection_reasons_are_grouped(tmp_path, run_ledger):
     engine = open_ledger(ledger.url)
     with session_factory(engine).begin() as s:
         for uid in ("a", "b"):
-            sub = q.SubmissionIn(uid, 0, 0, 1, 128, 128, 128, f"k/{uid}", "0" * 64, 10, "none")
-            q.register_submission(s, ledger.run_id, "ghost", 0, sub, ledger.end)
+            sub = learner_q.SubmissionIn(uid, 0, 0, 1, 128, 128, 128, f"k/{uid}", "0" * 64, 10, "none")
+            learner_q.register_submission(s, ledger.run_id, "ghost", 0, sub, ledger.end)
     engine.dispose()
     ro = uq.read_only_engine(ledger.url)
     with Session(ro) as s:
@@ -214,7 +215,7 @@ def test_a_finished_run_is_judged_as_of_its_end(tmp_path, run_ledger):
     ledger = copy_ledger(run_ledger, tmp_path)
     engine = open_ledger(ledger.url)
     with session_factory(engine).begin() as s:
-        q.set_run_status(s, ledger.run_id, "finished", ledger.end)
+        runs_q.set_run_status(s, ledger.run_id, "finished", ledger.end)
     engine.dispose()
     ro = uq.read_only_engine(ledger.url)
     later = ledger.end + timedelta(days=3)
@@ -265,7 +266,7 @@ def test_empty_ledger_and_run_without_heartbeats(tmp_path):
         assert uq.runs_overview(s, T0).empty
         assert uq.run_page(s, "nothing", T0) is None
     with session_factory(engine).begin() as s:
-        q.create_run(s, "fresh", config_json="{}", code_version="t", git_commit=None, num_fragments=2, token_budget=100, now=T0)
+        runs_q.create_run(s, "fresh", config_json="{}", code_version="t", git_commit=None, num_fragments=2, token_budget=100, now=T0)
     with Session(ro) as s:
         page = uq.run_page(s, "fresh", T0 + timedelta(seconds=5))
         assert (page.summary.tokens, page.summary.versions, page.summary.submissions) == (0, {}, 0)
@@ -391,7 +392,7 @@ def test_the_staleness_read_is_planned_the_same_whatever_the_history_on_postgres
 
     engine = open_ledger(fresh_postgres_database)
     with session_factory(engine).begin() as s:
-        q.create_run(s, "long", config_json="{}", code_version="t", git_commit=None, num_fragments=4, token_budget=10**12, now=T0)
+        runs_q.create_run(s, "long", config_json="{}", code_version="t", git_commit=None, num_fragments=4, token_budget=10**12, now=T0)
     costs = {}
     for versions in (2_000, 20_000):
         with engine.begin() as conn:

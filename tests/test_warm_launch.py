@@ -12,8 +12,9 @@ import pytest
 from support import tiny_config
 
 from ddiloco.flows.launchers import SubprocessLauncher, WarmProcess
+from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.ledger import open_ledger, session_factory
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.testing.processes import write_config
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="warm launches fork: Linux only")
@@ -27,9 +28,9 @@ def test_a_warm_launch_runs_the_command_with_the_launchers_environment_into_its_
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     engine = open_ledger(url)
     with session_factory(engine).begin() as s:
-        q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=10, now=T0)
-        q.register_learner(s, "r", "us-0", "us", T0)
-        q.set_run_status(s, "r", "finished", T0.replace(minute=1))
+        runs_q.create_run(s, "r", config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=10, now=T0)
+        learner_q.register_learner(s, "r", "us-0", "us", T0)
+        runs_q.set_run_status(s, "r", "finished", T0.replace(minute=1))
     engine.dispose()
     config = write_config(tiny_config(name="r", ledger={"url": f"sqlite:///{tmp_path / 'elsewhere.db'}"}), tmp_path / "config.yaml")
     launcher = SubprocessLauncher(config, "r", tmp_path / "logs", secrets={"DDILOCO_LEDGER__URL": url})

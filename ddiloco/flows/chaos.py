@@ -14,10 +14,11 @@ import threading
 from dataclasses import dataclass
 
 from ddiloco.platform.config import ChaosEvent, RunConfig
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import Learner
 from ddiloco.platform.runtime import RunContext
-from ddiloco.synchronizer.service import parse_holder
+from ddiloco.synchronizer.lease import parse_holder
 
 log = logging.getLogger("ddiloco.chaos")
 
@@ -71,7 +72,7 @@ def apply_event(ctx: RunContext, event: ChaosEvent) -> ChaosResult:
     """Carry out one chaos event on this host and record it in the ledger's events."""
     if event.action == "kill_synchronizer":
         with ctx.transaction() as s:
-            lease = q.current_lease(s, ctx.run_id)
+            lease = sync_q.current_lease(s, ctx.run_id)
         parsed = parse_holder(lease.holder) if lease else None
         if parsed is None or parsed[1] != socket.gethostname():
             result = ChaosResult(False, "no active synchronizer on this host")
@@ -100,7 +101,7 @@ def apply_event(ctx: RunContext, event: ChaosEvent) -> ChaosResult:
             result = ChaosResult(False, f"unknown action {event.action}")
     if result.applied:
         with ctx.transaction() as s:
-            q.record_event(s, ctx.run_id, "chaos", "chaos", result.detail, ctx.now_dt())
+            runs_q.record_event(s, ctx.run_id, "chaos", "chaos", result.detail, ctx.now_dt())
         log.info("chaos: %s", result.detail)
     return result
 

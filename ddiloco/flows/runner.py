@@ -19,12 +19,15 @@ from ddiloco.flows.chaos import apply_event, seeded_schedule
 from ddiloco.flows.launchers import Handle, Launcher, SubprocessLauncher, secret_env
 from ddiloco.flows.supervise import LearnerView, budget_reached, relaunch_decisions
 from ddiloco.platform.config import RunConfig
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import reports as reports_q
+from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.run_state import build_layout, register_run
 from ddiloco.platform.runtime import RunContext, to_timestamp
 from ddiloco.platform.summary import RunSummary, run_summary
 from ddiloco.synchronizer.evaluation import evaluate_and_record
-from ddiloco.synchronizer.service import Synchronizer, holder_name
+from ddiloco.synchronizer.lease import holder_name
+from ddiloco.synchronizer.service import Synchronizer
 
 SUPERVISE_EVERY_S = 1.0
 STOP_TIMEOUT_S = 60.0
@@ -54,7 +57,7 @@ def local_launcher(cfg: RunConfig, run_id: str, workdir: str | Path) -> Subproce
 
 def _versions_ready(ctx: RunContext) -> bool:
     with ctx.transaction() as s:
-        return len(q.latest_version_numbers(s, ctx.run_id)) == ctx.cfg.fragments.count
+        return len(runs_q.latest_version_numbers(s, ctx.run_id)) == ctx.cfg.fragments.count
 
 
 def _wait(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -83,7 +86,7 @@ def supervise(
         launcher.close(0.0)  # an error or an interrupt (Ctrl-C, a test's timeout) leaves no process of the run behind
         raise
     with ctx.transaction() as s:
-        q.set_run_status(s, run_id, "finished", ctx.now_dt())
+        runs_q.set_run_status(s, run_id, "finished", ctx.now_dt())
     alerts.emit("ddiloco.run.finished", run_resource)
     launcher.close(STOP_TIMEOUT_S)
     return finish_run(ctx)
@@ -125,9 +128,9 @@ def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext
                 held[event.target] = elapsed + event.duration_s
         now = time.time()
         with ctx.transaction() as s:
-            rows = {r.id: r for r in q.learners(s, run_id)}
-            acct = q.token_accounting(s, run_id)
-            versions = sum(q.latest_version_numbers(s, run_id).values())
+            rows = {r.id: r for r in runs_q.learners(s, run_id)}
+            acct = reports_q.token_accounting(s, run_id)
+            versions = sum(runs_q.latest_version_numbers(s, run_id).values())
         if versions > published:
             published = versions
             alerts.emit("ddiloco.version.published", run_resource, **{"ddiloco.versions": str(versions)})
@@ -154,7 +157,7 @@ def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext
             launcher.stop(learners[lid], kill=True)
             learners[lid] = _launch_learner(ctx, launcher, lid, regions[lid], f"relaunched: {reason}")
             with ctx.transaction() as s:
-                q.record_event(s, run_id, "learner_relaunched", "supervisor", f"{lid}: {reason}", ctx.now_dt())
+                runs_q.record_event(s, run_id, "learner_relaunched", "supervisor", f"{lid}: {reason}", ctx.now_dt())
             log.info("relaunched learner %s: %s", lid, reason)
             learner_resource = alerts.LEARNER_RESOURCE.format(run_id=run_id, learner_id=lid)
             alerts.emit("ddiloco.learner.relaunched", learner_resource, **{"ddiloco.run": run_id})
@@ -164,7 +167,7 @@ def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext
             syncs.append(h)
             live_syncs.append(h)
             with ctx.transaction() as s:
-                q.record_event(s, run_id, "synchronizer_launched", "supervisor", h.name, ctx.now_dt())
+                runs_q.record_event(s, run_id, "synchronizer_launched", "supervisor", h.name, ctx.now_dt())
         if not launcher.is_running(evaluator):
             evaluator = launcher.start_evaluator()
         if progress:
@@ -180,13 +183,13 @@ def _launch_learner(ctx: RunContext, launcher: Launcher, lid: str, region: str, 
     """Start a learner's process and record when (its timeline's launch: see ``summary.time_breakdown``)."""
     handle = launcher.start_learner(lid, region)
     with ctx.transaction() as s:
-        q.record_event(s, ctx.run_id, q.LEARNER_LAUNCHED, lid, why, ctx.now_dt())
+        runs_q.record_event(s, ctx.run_id, runs_q.LEARNER_LAUNCHED, lid, why, ctx.now_dt())
     return handle
 
 
 def _record_exit(ctx: RunContext, lid: str, why: str) -> None:
     with ctx.transaction() as s:
-        q.record_event(s, ctx.run_id, q.LEARNER_EXITED, lid, why, ctx.now_dt())
+        runs_q.record_event(s, ctx.run_id, runs_q.LEARNER_EXITED, lid, why, ctx.now_dt())
 
 
 def finish_run(ctx: RunContext) -> RunSummary:
@@ -198,7 +201,7 @@ def finish_run(ctx: RunContext) -> RunSummary:
               f"the lease of shard {shard} for the final merge")
         cache.update(final.state)
         with ctx.transaction() as s:
-            q.release_lease(s, ctx.run_id, final.holder, final.token, ctx.now_dt(), shard=shard)
+            sync_q.release_lease(s, ctx.run_id, final.holder, final.token, ctx.now_dt(), shard=shard)
     evaluate_and_record(ctx, ctx.now(), cache=cache)
     with ctx.transaction() as s:
         return run_summary(s, ctx.run_id, ctx.now_dt())

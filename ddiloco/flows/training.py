@@ -20,7 +20,7 @@ from ddiloco.flows.chaos import apply_event, seeded_schedule
 from ddiloco.flows.launchers import DeploymentLauncher, Launcher
 from ddiloco.flows.runner import local_launcher, register, supervise
 from ddiloco.platform.config import RunConfig
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.summary import RunSummary
 from ddiloco.synchronizer.evaluation import evaluate_and_record
@@ -54,7 +54,7 @@ def _loss_plot_markdown(ctx: RunContext) -> str:
     import matplotlib.pyplot as plt
 
     with ctx.transaction() as s:
-        evals = q.evaluations(s, ctx.run_id)
+        evals = runs_q.evaluations(s, ctx.run_id)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([e.tokens for e in evals], [e.val_loss for e in evals], marker="o")
     ax.set_xlabel("tokens merged")

@@ -18,7 +18,7 @@ from ddiloco.learner_worker.meter import LinkMeter
 from ddiloco.platform.compact import CompactError, CompactRef, Ref, plan_download
 from ddiloco.platform.compression import CompactBase, CompressionError, Tensors, apply_encoded
 from ddiloco.platform.faults import fault_point
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.run_state import read_version
 from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.spans import span
@@ -62,7 +62,7 @@ class Downloader:
         self.delta_codecs: dict[str, int] = {}
         """Compact downloads by the codec of their delta."""
 
-    def receive(self, heads: dict[int, q.HeadRef], fragments: int, *, once_per_send: bool, prefer: str | None) -> list[int]:
+    def receive(self, heads: dict[int, learner_q.HeadRef], fragments: int, *, once_per_send: bool, prefer: str | None) -> list[int]:
         """Download every head of the learner's ``fragments`` newer than what it holds into the inbox; returns them.
 
         ``once_per_send``: the learner's link holds it to a longer send period than H, so it takes a fragment's
@@ -105,7 +105,7 @@ class Downloader:
         with self._lock:
             return p in self._delivered and p not in self._awaiting and p not in self._sent_since
 
-    def _download(self, store: FragmentStore, row: q.HeadRef, prefer: str | None) -> tuple[Tensors, int]:
+    def _download(self, store: FragmentStore, row: learner_q.HeadRef, prefer: str | None) -> tuple[Tensors, int]:
         """A version's tensors and the bytes fetched for them: by its compact form when the run publishes one (the
         blobs :func:`plan_download` picks; within the download codec's bound of the full blob), else the full blob."""
         try:

@@ -22,7 +22,9 @@ from ddiloco.learner_worker.meter import LinkMeter
 from ddiloco.learner_worker.outbox import Outbox, Outgoing
 from ddiloco.learner_worker.uploader import Uploader
 from ddiloco.platform.ids import learner_state_key
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import errors as errors_q
+from ddiloco.platform.ledger import learner as learner_q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger.models import Learner as LearnerRow
 from ddiloco.platform.redact import redact_url
 from ddiloco.platform.runtime import RunContext, ledger_retry, to_datetime
@@ -95,7 +97,7 @@ class LearnerLink:
         )
         self.cadence_changes = 0
         """Times an adaptive learner changed its send period or codec."""
-        self._heads: dict[int, q.HeadRef] = {}
+        self._heads: dict[int, learner_q.HeadRef] = {}
         """The newest head seen of each fragment (an exchange returns only newer ones; a skipped one is taken later)."""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -123,14 +125,14 @@ class LearnerLink:
     def join(self, now: float) -> Resume:
         """Fetch every fragment's newest version, then register a new incarnation; what it resumes from."""
         with self.ctx.reading() as s:
-            q.require_run(s, self.ctx.run_id)
+            runs_q.require_run(s, self.ctx.run_id)
         self.poll()
         missing = self.downloader.missing(self.num_fragments)
         if missing:
             raise RunNotReadyError(f"run {self.ctx.run_id!r} has no global version of fragments {missing} yet")
         # Registered only once ready, so a learner waiting for version 0 does not pile up incarnations.
         with self.ctx.transaction() as s:
-            self.incarnation = q.register_learner(
+            self.incarnation = learner_q.register_learner(
                 s, self.ctx.run_id, self.learner_id, self.region, to_datetime(now),
                 host=socket.gethostname(), pid=os.getpid(), flow_run_url=self.flow_run_url,
                 world_size=self.world_size, max_world_size=self.ctx.cfg.learners.max_world_size,
@@ -159,7 +161,7 @@ class LearnerLink:
         key = url.removeprefix(self._store_url() + "/")
         try:
             with self.ctx.transaction() as s:
-                old = q.set_optimizer_state(s, self.ctx.run_id, self.learner_id, key, STATE_FORMAT)
+                old = learner_q.set_optimizer_state(s, self.ctx.run_id, self.learner_id, key, STATE_FORMAT)
         except Exception as err:  # noqa: BLE001 - see the docstring
             log.warning("could not record the saved state %s: %s", key, redact_url(str(err)))
             return
@@ -175,7 +177,7 @@ class LearnerLink:
         while True:
             try:
                 return self.join(now())
-            except (RunNotReadyError, q.UnknownRunError):
+            except (RunNotReadyError, errors_q.UnknownRunError):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(self.ctx.cfg.learners.poll_s)
@@ -190,10 +192,10 @@ class LearnerLink:
             return self.exchange()
         with span("learner.poll"):
             with self.ctx.reading() as s:
-                status, heads = q.poll_run(s, self.ctx.run_id)
+                status, heads = learner_q.poll_run(s, self.ctx.run_id)
             return self._receive(status, heads)
 
-    def exchange(self, subs: list[q.SubmissionIn] | None = None, *, force_history: bool = False) -> list[int]:
+    def exchange(self, subs: list[learner_q.SubmissionIn] | None = None, *, force_history: bool = False) -> list[int]:
         """One ledger transaction for everything a step says and asks: register ``subs``, write the live
         figures (kept as a heartbeat row every ``learners.heartbeat_s``), read the run's status and every
         fragment's head; then download the newer versions. Returns the fragments downloaded."""
@@ -204,7 +206,7 @@ class LearnerLink:
                 history = force_history or self._last_heartbeat is None or now - self._last_heartbeat >= self.ctx.cfg.learners.heartbeat_s
                 hb = self._stats()
                 waiting = self.outbox.queue_state(now)
-                beat = q.Beat(hb.step, hb.tokens, hb.loss, hb.tokens_per_s, hb.step_time_s, hb.busy_s, history=history,
+                beat = learner_q.Beat(hb.step, hb.tokens, hb.loss, hb.tokens_per_s, hb.step_time_s, hb.busy_s, history=history,
                               queue_depth=waiting.depth, oldest_unsent_s=round(waiting.oldest_unsent_s, 3),
                               link_json=self.link_json(now, hb.step_time_s))
             with self._events_lock:
@@ -226,13 +228,13 @@ class LearnerLink:
         return self._receive(result.run_status, heads)
 
     @ledger_retry
-    def _commit_exchange(self, subs: list[q.SubmissionIn], beat: q.Beat | None, now: float,
-                         events: list[tuple[str, str]], known: dict[int, int]) -> q.Exchange:
+    def _commit_exchange(self, subs: list[learner_q.SubmissionIn], beat: learner_q.Beat | None, now: float,
+                         events: list[tuple[str, str]], known: dict[int, int]) -> learner_q.Exchange:
         with self.ctx.transaction() as s:
-            return q.learner_exchange(s, self.ctx.run_id, self.learner_id, self.incarnation, subs, beat, to_datetime(now),
+            return learner_q.learner_exchange(s, self.ctx.run_id, self.learner_id, self.incarnation, subs, beat, to_datetime(now),
                                       events=events, known=known)
 
-    def _receive(self, status: str | None, heads: dict[int, q.HeadRef]) -> list[int]:
+    def _receive(self, status: str | None, heads: dict[int, learner_q.HeadRef]) -> list[int]:
         """Note the run's end; download every head newer than what the learner holds into the inbox."""
         if status is not None and status != "running":
             self.run_finished = True

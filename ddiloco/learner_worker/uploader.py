@@ -16,7 +16,7 @@ from ddiloco.learner_worker.outbox import Item, Outbox, Outgoing
 from ddiloco.platform.compression import encode_delta
 from ddiloco.platform.faults import fault_point
 from ddiloco.platform.ids import submission_key
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.spans import span
 
@@ -34,7 +34,7 @@ class Upload:
     """An upload begun by :meth:`Uploader.begin_upload`: its blobs are written, its rows not yet."""
 
     outs: list[Outgoing]
-    subs: list[q.SubmissionIn]
+    subs: list[learner_q.SubmissionIn]
     token: int
     """The link meter's transfer."""
 
@@ -55,7 +55,7 @@ class Uploader:
         *,
         incarnation: Callable[[], int],
         codec: Callable[[], str],
-        register: Callable[[list[q.SubmissionIn]], object],
+        register: Callable[[list[learner_q.SubmissionIn]], object],
         failed: Callable[[list[Outgoing]], None],
         elapsed: Callable[[], float],
     ) -> None:
@@ -108,11 +108,11 @@ class Uploader:
         t0 = time.perf_counter()
         done = [] if registered is None else registered
         with span("learner.upload"):
-            written: list[tuple[Outgoing, q.SubmissionIn]] = []
+            written: list[tuple[Outgoing, learner_q.SubmissionIn]] = []
             since = self.elapsed()
             for i, out in enumerate(outs):
                 token, started = self.meter.begin("up", self.ctx.now()), self.elapsed()
-                subs: list[q.SubmissionIn] = []
+                subs: list[learner_q.SubmissionIn] = []
                 try:
                     subs = self.put_blobs([out])
                 finally:
@@ -126,7 +126,7 @@ class Uploader:
                     written, since = [], self.elapsed()
         self.upload_s += time.perf_counter() - t0
 
-    def put_blobs(self, outs: list[Outgoing]) -> list[q.SubmissionIn]:
+    def put_blobs(self, outs: list[Outgoing]) -> list[learner_q.SubmissionIn]:
         """Encode each submission with the codec in force and write its blob; what to register."""
         codec = self.codec()
         store = self.ctx.store(self.region)
@@ -138,7 +138,7 @@ class Uploader:
             blob = store.put(submission_key(self.ctx.run_id, out.fragment, self.learner_id, uid), tensors, meta)
             fault_point("learner.after_blob")
             subs.append(
-                q.SubmissionIn(
+                learner_q.SubmissionIn(
                     uid=uid, fragment=out.fragment, base_version=out.base_version, c_steps=out.c_steps,
                     c_tokens=out.c_tokens, tokens_new=out.tokens_new, tokens_total=out.tokens_total,
                     blob_key=blob.key, sha256=blob.sha256, nbytes=blob.nbytes, codec=codec,

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import rejections as rejections_q
+from ddiloco.platform.ledger import reports as reports_q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger.models import MERGED, PENDING, REJECTED, FragmentHead, FragmentVersion, Learner, Run, Submission
 from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.store import FragmentStore
@@ -84,7 +86,7 @@ class Totals:
 class Snapshot:
     versions: list[VersionRow]
     submissions: list[SubmissionRow]
-    accounting: q.TokenAccounting
+    accounting: reports_q.TokenAccounting
     stored: Totals | None = None
     scanned: Totals | None = None
 
@@ -164,7 +166,7 @@ def blob_problems(
     return problems
 
 
-def accounting_problems(acct: q.TokenAccounting) -> list[Problem]:
+def accounting_problems(acct: reports_q.TokenAccounting) -> list[Problem]:
     accounted = acct.merged + acct.rejected + acct.pending + acct.lost + acct.in_flight
     if acct.trained == accounted:
         return []
@@ -224,7 +226,7 @@ def check_snapshot(snap: Snapshot, intact: Mapping[int, bool], listed_size: Mapp
 
 def read_snapshot(session: Session, run_id: str) -> Snapshot:
     """The rows the checks need, from one transaction (raises UnknownRunError for a run not in the ledger)."""
-    q.require_run(session, run_id)
+    runs_q.require_run(session, run_id)
     versions = [
         VersionRow(*row)
         for row in session.execute(
@@ -241,7 +243,7 @@ def read_snapshot(session: Session, run_id: str) -> Snapshot:
             .where(Submission.run_id == run_id)
         )
     ]
-    return Snapshot(versions, submissions, q.token_accounting(session, run_id), stored_totals(session, run_id),
+    return Snapshot(versions, submissions, reports_q.token_accounting(session, run_id), stored_totals(session, run_id),
                     scanned_totals(session, run_id, versions))
 
 
@@ -259,7 +261,7 @@ def stored_totals(session: Session, run_id: str) -> Totals:
         merged={f: (int(t), int(n)) for f, _, _, _, t, n in heads if t or n},
         learners={lid: (int(n), int(t), int(b)) for lid, n, t, b in rows},
         rejected=(int(rejected[0]), int(rejected[1])),
-        rejected_by={(t.learner_id, t.reason): (t.submissions, t.tokens, t.nbytes) for t in q.rejected_totals(session, run_id)},
+        rejected_by={(t.learner_id, t.reason): (t.submissions, t.tokens, t.nbytes) for t in reports_q.rejected_totals(session, run_id)},
     )
 
 
@@ -289,7 +291,7 @@ def scanned_totals(session: Session, run_id: str, versions: list[VersionRow]) ->
         .where(Submission.run_id == run_id, Submission.status == REJECTED)
         .group_by(Submission.learner_id, Submission.reject_reason)
     ):
-        key = (lid, q.reason_class(reason))
+        key = (lid, rejections_q.reason_class(reason))
         was = rejected_by.get(key, (0, 0, 0))
         rejected_by[key] = (was[0] + int(n), was[1] + int(t), was[2] + int(b))
     return Totals(

@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ddiloco.platform.ledger.queries import reason_class
+from ddiloco.platform.ledger import rejections as rejections_q
 
 PORT_ENV = "DDILOCO_METRICS_PORT"
 
@@ -40,8 +40,8 @@ LEASE_HELD = Gauge("ddiloco_sync_lease_held", "1 while this synchronizer holds t
 
 
 def reason_label(why: str) -> str:
-    """A rejection reason as a label of few values: its class (``queries.reason_class``) in snake case."""
-    return reason_class(why).replace(" ", "_")[:40]
+    """A rejection reason as a label of few values: its class (``ledger.rejections.reason_class``) in snake case."""
+    return rejections_q.reason_class(why).replace(" ", "_")[:40]
 
 
 def observe_pass(run_id: str, holder: str, active: bool, pending: int | None = None) -> None:

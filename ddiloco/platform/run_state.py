@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ddiloco.platform.fragments import Fragment, partition_module
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger.models import FragmentVersion
 from ddiloco.platform.models import build_model
 from ddiloco.platform.runtime import RunContext, code_version
@@ -35,7 +35,7 @@ def register_run(ctx: RunContext, layout: Layout, flow_run_url: str | None = Non
     """Record the run, its effective config, code version and fragment layout (idempotent)."""
     version, commit = code_version()
     with ctx.transaction() as s:
-        created = q.create_run(
+        created = runs_q.create_run(
             s,
             ctx.run_id,
             config_json=ctx.cfg.to_json(),
@@ -46,7 +46,7 @@ def register_run(ctx: RunContext, layout: Layout, flow_run_url: str | None = Non
             now=ctx.now_dt(),
             flow_run_url=flow_run_url,
         )
-        q.set_fragment_specs(
+        runs_q.set_fragment_specs(
             s,
             ctx.run_id,
             [

@@ -11,8 +11,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from ddiloco.platform.config import ModelConfig, tokens_per_step
-from ddiloco.platform.ledger import queries as q
-from ddiloco.platform.ledger.queries import EXITED, JOINED, LAUNCHED, READY, SILENT, Moment, RunAggregates, TokenAccounting
+from ddiloco.platform.ledger import reports as reports_q
 
 DP_BYTES_PER_PARAM = 4
 """Data-parallel baseline: every replica sends a float32 gradient of every parameter each step."""
@@ -81,7 +80,7 @@ def step_tokens(config: Mapping[str, Any]) -> int:
         return 1
 
 
-def learner_states(moments: Sequence[Moment], start: datetime, end: datetime) -> dict[str, float]:
+def learner_states(moments: Sequence[reports_q.Moment], start: datetime, end: datetime) -> dict[str, float]:
     """Seconds of [start, end] one learner spent starting up, up, down and restarting, from its timeline (in time order).
 
     Up runs from an incarnation's first heartbeat to its process's exit; without a seen exit, to its last heartbeat
@@ -89,13 +88,13 @@ def learner_states(moments: Sequence[Moment], start: datetime, end: datetime) ->
     spent = {START_UP_S: 0.0, "up": 0.0, DOWN_S: 0.0, RESTART_S: 0.0}
     state, since, stepped = START_UP_S, start, False
     for i, m in enumerate(moments):
-        if m.kind == SILENT and any(n.kind == EXITED for n in _until_next_start(moments, i)):
+        if m.kind == reports_q.SILENT and any(n.kind == reports_q.EXITED for n in _until_next_start(moments, i)):
             continue  # the exit the supervisor saw ends it, not the last heartbeat
-        if m.kind == READY:
+        if m.kind == reports_q.READY:
             new, stepped = "up", True
-        elif m.kind in (EXITED, SILENT):
+        elif m.kind in (reports_q.EXITED, reports_q.SILENT):
             new = DOWN_S
-        elif m.kind == LAUNCHED or (m.kind == JOINED and state in (DOWN_S, "up")):
+        elif m.kind == reports_q.LAUNCHED or (m.kind == reports_q.JOINED and state in (DOWN_S, "up")):
             new = RESTART_S if stepped else START_UP_S
         else:
             new = state
@@ -105,11 +104,11 @@ def learner_states(moments: Sequence[Moment], start: datetime, end: datetime) ->
     return spent
 
 
-def _until_next_start(moments: Sequence[Moment], i: int) -> Sequence[Moment]:
+def _until_next_start(moments: Sequence[reports_q.Moment], i: int) -> Sequence[reports_q.Moment]:
     """The moments after ``i`` up to the next launch, registration or first step."""
     rest = moments[i + 1:]
     for j, m in enumerate(rest):
-        if m.kind in (LAUNCHED, JOINED, READY):
+        if m.kind in (reports_q.LAUNCHED, reports_q.JOINED, reports_q.READY):
             return rest[:j]
     return rest
 
@@ -118,7 +117,7 @@ def _overlap(a: datetime, b: datetime, start: datetime, end: datetime) -> float:
     return max(0.0, (min(b, end) - max(a, start)).total_seconds())
 
 
-def time_breakdown(agg: RunAggregates, end: datetime) -> dict[str, float]:
+def time_breakdown(agg: reports_q.RunAggregates, end: datetime) -> dict[str, float]:
     """Where the run's learner-seconds (learners x [created, end]) went, by ``TIME_BUCKETS``; they sum to the total.
 
     Time not up comes from each learner's timeline; a learner without one counts as up throughout. Busy seconds (capped
@@ -136,7 +135,7 @@ def time_breakdown(agg: RunAggregates, end: datetime) -> dict[str, float]:
     return out
 
 
-def _token_shares(acct: TokenAccounting) -> dict[str, float]:
+def _token_shares(acct: reports_q.TokenAccounting) -> dict[str, float]:
     """The share of trained tokens by fate; with nothing trained, busy time merged nothing."""
     if not acct.trained:
         return {UNMERGED_S: 1.0}
@@ -148,7 +147,7 @@ def _token_shares(acct: TokenAccounting) -> dict[str, float]:
     }
 
 
-def summarize(agg: RunAggregates, now: datetime) -> RunSummary:
+def summarize(agg: reports_q.RunAggregates, now: datetime) -> RunSummary:
     """The summary of a run as of ``now`` (its end, once it has finished)."""
     acct = agg.tokens
     end = agg.finished_at or now
@@ -200,4 +199,4 @@ def breakdown_line(summary: RunSummary) -> str:
 
 def run_summary(session: Session, run_id: str, now: datetime) -> RunSummary:
     """``summarize`` of the run's aggregates as the ledger holds them now."""
-    return summarize(q.run_aggregates(session, run_id), now)
+    return summarize(reports_q.run_aggregates(session, run_id), now)

@@ -11,7 +11,8 @@ import torch
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.data import build_dataset
 from ddiloco.platform.fragments import assemble
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import reports as reports_q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.models import build_model, evaluate
 from ddiloco.platform.run_state import read_version
 from ddiloco.platform.runtime import RunContext, to_datetime
@@ -26,7 +27,7 @@ def newest_params(ctx: RunContext, cache: Mapping[int, GlobalFragment] | None = 
     """Every fragment's newest published parameters as whole tensors by parameter name (row pieces
     reassembled), taken from ``cache`` where it holds that version."""
     with ctx.reading() as s:
-        latest = q.latest_versions(s, ctx.run_id)
+        latest = runs_q.latest_versions(s, ctx.run_id)
     cache = cache or {}
     store = ctx.store()
     pieces: dict[str, torch.Tensor] = {}
@@ -81,9 +82,9 @@ def evaluate_and_record(
     with span("sync.eval"):
         loss, acc = evaluate_global(ctx.cfg, newest_params(ctx, cache), model=model)
         with ctx.transaction() as s:
-            acct = q.token_accounting(s, ctx.run_id)
-            versions = sum(q.latest_version_numbers(s, ctx.run_id).values())
-            q.record_evaluation(
+            acct = reports_q.token_accounting(s, ctx.run_id)
+            versions = sum(runs_q.latest_version_numbers(s, ctx.run_id).values())
+            runs_q.record_evaluation(
                 s, ctx.run_id, now=to_datetime(now), tokens=acct.merged, versions_total=versions, val_loss=loss, val_accuracy=acc
             )
     if series is not None:

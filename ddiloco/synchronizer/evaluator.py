@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.models import build_model
 from ddiloco.platform.runtime import RunContext
 from ddiloco.synchronizer.evaluation import evaluate_and_record
@@ -55,7 +55,7 @@ class Evaluator:
     def published(self) -> dict[int, int]:
         """The newest published version of every fragment."""
         with self.ctx.reading() as s:
-            return q.latest_version_numbers(s, self.ctx.run_id)
+            return runs_q.latest_version_numbers(s, self.ctx.run_id)
 
     def evaluate_once(self, now: float | None = None) -> tuple[float, float | None] | None:
         """Evaluate and record the newest global model when versions were published since the last
@@ -75,7 +75,7 @@ class Evaluator:
         made, told = 0, False
         while not stop.is_set():
             with self.ctx.reading() as s:
-                run = q.get_run(s, self.ctx.run_id)
+                run = runs_q.get_run(s, self.ctx.run_id)
             ended = run is not None and run.status != "running"
             if run is None and not told:
                 # Deployments start in any order: the synchronizer may not have registered the run yet.

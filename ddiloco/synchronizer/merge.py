@@ -29,6 +29,7 @@ import torch
 from ddiloco.platform.fragments import param_name
 from ddiloco.synchronizer.outer import outer_step_
 from ddiloco.synchronizer.policy import capped_counts, participation_scale, token_weight
+from ddiloco.synchronizer.validate import learner_groups
 
 if TYPE_CHECKING:
     from ddiloco.platform.config import RunConfig
@@ -402,9 +403,7 @@ def merge_fragment(
     ws = workspace or MergeWorkspace(_row_device(members))
     layout = _layout_for(current, members)
     rows, sq_norms = _member_rows(layout, [m.delta for m in members], ws)  # [M, N] rows; per member, per tensor
-    by_learner: dict[str, list[int]] = {}
-    for i, m in enumerate(members):
-        by_learner.setdefault(m.learner, []).append(i)
+    by_learner = learner_groups([m.learner for m in members])
     weight = {
         lid: token_weight(*capped_counts(sum(members[i].c_steps for i in idx), sum(members[i].c_tokens for i in idx),
                                          policy.max_steps), policy.weighting)

@@ -12,8 +12,9 @@ import torch
 from ddiloco.platform import metrics
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.runtime import RunContext
+from ddiloco.synchronizer.lease import holder_name
 from ddiloco.synchronizer.outer import outer_step
-from ddiloco.synchronizer.service import Synchronizer, holder_name
+from ddiloco.synchronizer.service import Synchronizer
 
 log = logging.getLogger("ddiloco.synchronizer")
 

@@ -9,9 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
-import socket
-import statistics
 import threading
 import time
 import uuid
@@ -27,18 +24,23 @@ from ddiloco.platform.compression import CompactBase, CompressionError, compact_
 from ddiloco.platform.config import ConfigError, codec_ladder, tokens_per_step
 from ddiloco.platform.faults import fault_point
 from ddiloco.platform.fragments import fragment_views, shard_fragments
-from ddiloco.platform.ids import InvalidIdError, global_key, outer_state_key, submission_key
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ids import global_key, outer_state_key
+from ddiloco.platform.ledger import errors as errors_q
+from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import FragmentVersion, Submission
 from ddiloco.platform.models.weights import load_weights, read_weights
 from ddiloco.platform.run_state import Layout, build_layout, read_version, register_run
 from ddiloco.platform.runtime import RunContext, to_datetime, to_timestamp
 from ddiloco.platform.spans import span
-from ddiloco.platform.store import MAX_HEADER_BYTES, StoreError
+from ddiloco.platform.store import StoreError
 from ddiloco.synchronizer import policy as pol
 from ddiloco.synchronizer.evaluation import load_params, newest_params
+from ddiloco.synchronizer.gc import collect_garbage
+from ddiloco.synchronizer.lease import ShardLease, holder_name
 from ddiloco.synchronizer.merge import FlatDelta, FlatLayout, GlobalFragment, Member, MergePolicy, MergeWorkspace, merge_fragment
 from ddiloco.synchronizer.outer import momentum_from_blob, momentum_to_blob
+from ddiloco.synchronizer.validate import Norms, ValidationPolicy, admit, clip, judge_groups, judge_norm, recent_norms
 
 log = logging.getLogger("ddiloco.synchronizer")
 
@@ -83,28 +85,6 @@ class Snapshot:
     grace_s: float
 
 
-def holder_name(label: str = "sync") -> str:
-    """``label@host:pid``: unique per process, and tells a supervisor where the holder runs."""
-    return f"{label}@{socket.gethostname()}:{os.getpid()}"
-
-
-def parse_holder(holder: str) -> tuple[str, str, int] | None:
-    """(label, host, pid) of a holder name made by holder_name, else None."""
-    label, at, where = holder.rpartition("@")
-    host, colon, pid = where.rpartition(":")
-    if not at or not colon or not pid.isdigit():
-        return None
-    return label, host, int(pid)
-
-
-@dataclass(frozen=True)
-class Norms:
-    """A fragment's recently merged update norms: per inner step, and whole."""
-
-    per_step: list[float]
-    whole: list[float]
-
-
 class Synchronizer:
     def __init__(self, ctx: RunContext, holder: str | None = None, *, shard: int | None = None) -> None:
         """``shard``: hold only that shard's lease; None takes whichever shard's lease is free (one at a time)."""
@@ -115,11 +95,9 @@ class Synchronizer:
         shards = self.cfg.synchronizer.shards
         if shard is not None and not 0 <= shard < shards:
             raise ConfigError(f"shard {shard}: the run has {shards} synchronizer shard(s), numbered from 0")
-        self.pinned = shard
+        self.lease = ShardLease(ctx, self.holder, shard)
         self.assignment = shard_fragments([f.nbytes for f in self.layout.fragments], shards)
         """The fragments of every shard (the same in every process of the run)."""
-        self.held: tuple[int, int] | None = None
-        """(shard, fencing token) of the lease this holder has, if any."""
         self.state: dict[int, GlobalFragment] = {}
         """Newest published version of each fragment, as far as this holder knows (a cache of the store)."""
         fc = self.cfg.fragments
@@ -133,6 +111,7 @@ class Synchronizer:
         self.simulated_time = False
         """In-process runs: a merge takes no simulated time, so the sync-time average stays 0."""
         self.merge_policy = MergePolicy.from_config(self.cfg)
+        self.validation = ValidationPolicy.from_config(self.cfg)
         try:  # decode rows and version buffers, reused from merge to merge
             self.workspace = MergeWorkspace(self.cfg.synchronizer.merge_device)
         except ValueError as err:
@@ -154,6 +133,11 @@ class Synchronizer:
         self._detail_passes = 0
         self._poll_started: float | None = None
         self._fetch_pool = ThreadPoolExecutor(max_workers=FETCH_WORKERS, thread_name_prefix="fetch")
+
+    @property
+    def held(self) -> tuple[int, int] | None:
+        """(shard, fencing token) of the lease this holder has, if any."""
+        return self.lease.held
 
     @property
     def token(self) -> int | None:
@@ -184,7 +168,7 @@ class Synchronizer:
             try:
                 for fragment, subs in snap.pending.items():
                     self._pass_fragment(fragment, subs, snap, now, drain, result)
-            except q.LeaseLostError:
+            except errors_q.LeaseLostError:
                 log.warning("%s lost the lease while merging", self.holder)
                 self._stand_down()
                 return PollResult(role="standby")
@@ -201,7 +185,7 @@ class Synchronizer:
         if not self._registered:
             register_run(self.ctx, self.layout)
             with self.ctx.reading() as s:
-                recorded = q.require_run(s, self.ctx.run_id).config_json
+                recorded = runs_q.require_run(s, self.ctx.run_id).config_json
             # Two shard counts in one run would give a fragment two leases: merged twice, or by neither.
             shards = json.loads(recorded).get("synchronizer", {}).get("shards", 1)
             if shards != self.cfg.synchronizer.shards:
@@ -210,50 +194,25 @@ class Synchronizer:
             self._registered = True
 
     def _acquire(self, now: float) -> bool:
-        """Take or renew a shard's lease (the pinned one, else the one held, else the first free one); a new
-        token means someone else may have published that shard's fragments meanwhile."""
-        if self.held is not None:
-            candidates = [self.held[0]]
-        else:
-            candidates = self._free_shards(now)
-        got = None
-        if candidates:
-            with self.ctx.transaction() as s:
-                for shard in candidates:
-                    token = q.acquire_lease(s, self.ctx.run_id, self.holder, self.cfg.synchronizer.lease_ttl_s, to_datetime(now),
-                                            shard=shard)
-                    if token is not None:
-                        got = (shard, token)
-                        break
+        """Take or renew a shard's lease; a new token means someone else may have published that shard's
+        fragments meanwhile, so everything read under the old one is forgotten."""
+        got = self.lease.acquire(now)
         if got is None:
-            if self.held is not None:
-                log.warning("%s lost the lease of shard %s", self.holder, self.held[0])
             self._stand_down()
             return False
         if got != self.held:
             log.info("%s holds the lease of shard %s (fragments %s) with token %s", self.holder, got[0],
                      ",".join(map(str, self.assignment[got[0]])), got[1])
-            self.held = got
+            self.lease.held = got
             self._own = frozenset(self.assignment[got[0]])
             self.state.clear()
             self._bootstrapped = False
             self._detail_passes = TAKEOVER_DETAIL_PASSES
         return True
 
-    def _free_shards(self, now: float) -> list[int]:
-        """The shards a standby may take: never held, or their lease lapsed (the pinned one only, if pinned).
-
-        Read on a snapshot first, so that a standby whose every shard is held opens no write transaction: on
-        SQLite that would take the ledger's one write lock at every pass, and on PostgreSQL lock the live
-        holders' lease rows (acquire_lease reads them FOR UPDATE) while they renew and publish."""
-        shards = [self.pinned] if self.pinned is not None else list(range(self.cfg.synchronizer.shards))
-        with self.ctx.reading() as s:
-            live = {lease.shard for lease in q.leases(s, self.ctx.run_id) if lease.expires_at > to_datetime(now)}
-        return [shard for shard in shards if shard not in live]
-
     def _stand_down(self) -> None:
         """Forget the lease and everything read under it: the next pass starts from the ledger."""
-        self.held = None
+        self.lease.held = None
         self.state.clear()
         self.bases.clear()
 
@@ -262,7 +221,7 @@ class Synchronizer:
         if self._bootstrapped:
             return
         with self.ctx.reading() as s:  # a read: it need not wait for (or hold) the write lock
-            have = q.latest_version_numbers(s, self.ctx.run_id)
+            have = runs_q.latest_version_numbers(s, self.ctx.run_id)
         if self.cfg.model.init_from and not self._own <= set(have):
             source = f"model.init_from {self.cfg.model.init_from}"
             load_weights(self.layout.model, read_weights(self.cfg.model.init_from, source), source)
@@ -278,16 +237,16 @@ class Synchronizer:
             return
         self._last_status = now
         with self.ctx.transaction() as s:
-            q.update_learner_statuses(s, self.ctx.run_id, to_datetime(now), self.liveness)
+            sync_q.update_learner_statuses(s, self.ctx.run_id, to_datetime(now), self.liveness)
 
     def _snapshot(self, now: float) -> Snapshot:
         """Read learners, pending work and versions; fold the live median step time into the averages."""
         run_id, now_dt = self.ctx.run_id, to_datetime(now)
         with self.ctx.reading() as s:
-            rows = q.learners(s, run_id)
-            pending = q.pending_submissions(s, run_id, fragments=self._pending_filter())
-            latest = q.latest_versions(s, run_id)
-        snaps = q.learner_snapshots(rows)
+            rows = runs_q.learners(s, run_id)
+            pending = sync_q.pending_submissions(s, run_id, fragments=self._pending_filter())
+            latest = runs_q.latest_versions(s, run_id)
+        snaps = runs_q.learner_snapshots(rows)
         live = frozenset(liveness.live_ids(liveness.learner_verdicts(snaps, now_dt, self.liveness)))
         step_s = liveness.median_live_step_s(snaps, now_dt, self.liveness)
         if step_s:
@@ -308,12 +267,12 @@ class Synchronizer:
             grace_s=pol.grace_window(self.stats, self.grace_policy),
         )
 
-    def _pending_filter(self) -> q.FragmentFilter | None:
+    def _pending_filter(self) -> sync_q.FragmentFilter | None:
         """Which pending submissions this shard decides: its fragments; shard 0 also those naming no fragment
         of the run (to reject them). None (all) when the run has one shard."""
         if self.cfg.synchronizer.shards == 1:
             return None
-        return q.FragmentFilter(tuple(sorted(self._own)), len(self.layout.fragments) if self.shard == 0 else None)
+        return sync_q.FragmentFilter(tuple(sorted(self._own)), len(self.layout.fragments) if self.shard == 0 else None)
 
     def _pass_fragment(self, fragment: int, subs: list[Submission], snap: Snapshot, now: float, drain: bool,
                        result: PollResult) -> None:
@@ -331,7 +290,7 @@ class Synchronizer:
         reason = decision.reason if decision.merge else f"drain: {decision.reason}"
         try:
             published, rejected = self._merge(fragment, subs, snap, now, decision, reason)
-        except q.VersionConflictError as err:
+        except errors_q.VersionConflictError as err:
             log.warning("version conflict on fragment %s: %s", fragment, err)
             self.state.pop(fragment, None)
             return
@@ -356,7 +315,7 @@ class Synchronizer:
         with span("sync.merge"):
             outcome = merge_fragment(current, members, self.merge_policy, live_learners=len(snap.live), workspace=self.workspace)
         t_q = decision.quorum_reached_at if decision.quorum_reached_at is not None else now
-        record = q.MergeRecord(
+        record = sync_q.MergeRecord(
             quorum=decision.quorum,
             live_learners=len(snap.live),
             grace_window_s=decision.grace_s if math.isfinite(decision.grace_s) else -1.0,
@@ -365,7 +324,7 @@ class Synchronizer:
             reason=reason,
             detail={**outcome.detail, "rejected": [{"submission": i, "reason": r} for i, r in rejected]},
         )
-        merged = [q.MergedIn(m["submission"], m["weight"], m["norm"], m["staleness"]) for m in outcome.detail["members"]]
+        merged = [sync_q.MergedIn(m["submission"], m["weight"], m["norm"], m["staleness"]) for m in outcome.detail["members"]]
         self._publish(fragment, outcome.version, outcome.params, outcome.momentum, now, merged=merged, rejected=rejected, record=record)
         self.stats = pol.update_stats(
             self.stats,
@@ -410,8 +369,8 @@ class Synchronizer:
         layout = FlatLayout.of(self.layout.shapes(fragment))
         rows = self.workspace.rows(layout, len(subs))
         with self.ctx.reading() as s:
-            history = q.recent_merged_norm_steps(s, self.ctx.run_id, fragment, limit=NORM_HISTORY)
-        recent = Norms([n / pol.norm_steps(c, self.cfg.fragments.period) for n, c in history], [n for n, _ in history])
+            history = sync_q.recent_merged_norm_steps(s, self.ctx.run_id, fragment, limit=NORM_HISTORY)
+        recent = recent_norms(history, self.validation.period)
         # Only a fragment without a norm history is judged by the optimizer's bound (a pass over its parameters).
         plausible = self._plausible_step_norm(fragment, layout.numel) if len(history) < pol.MIN_NORM_HISTORY else None
         # Blob reads dominate on object stores: fetch and decode them concurrently (order is kept),
@@ -423,41 +382,12 @@ class Synchronizer:
                 rejected.append((sb.id, got))
             else:
                 members.append(got)
-        members, rejected = self._judge_groups(members, rejected, recent, plausible)
-        if self.cfg.merge.clip_factor is not None:
-            members = self._clip(members, recent)
-        return members, rejected
-
-    def _clip(self, members: list[Member], recent: Norms) -> list[Member]:
-        """``merge.clip_factor``: each learner's update is scaled down to at most that multiple of the
-        fragment's recent median norm per step, times its steps up to one send period (so claiming
-        more steps buys no room). A robust option beside the outlier check: an update too large to be
-        honest yet under the outlier bar moves the merge no more than an honest one could."""
-        if len(recent.per_step) < pol.MIN_NORM_HISTORY:
-            return members
-        median = statistics.median(recent.per_step)
-        by_learner: dict[str, list[Member]] = {}
-        for m in members:
-            by_learner.setdefault(m.learner, []).append(m)
-        out: list[Member] = []
-        for lid, group in by_learner.items():
-            rows = [m.delta.row for m in group if isinstance(m.delta, FlatDelta)]
-            if len(rows) != len(group):
-                out += group
-                continue
-            norm = group[0].norm if len(group) == 1 else float(torch.stack(rows).sum(dim=0).norm())
-            bound = self.cfg.merge.clip_factor * median * min(sum(m.c_steps for m in group), self.cfg.fragments.period)
-            if not norm > bound > 0:
-                out += group
-                continue
-            scale = bound / norm
-            for m in group:
-                m.delta.row.mul_(scale)  # the workspace row this merge reads
-                m.delta.sq_norms.mul_(scale * scale)
-                out.append(replace(m, norm=m.norm * scale))
+        members, too_large = judge_groups(members, recent, self.validation, plausible)
+        members, clipped = clip(members, recent, self.validation)
+        for c in clipped:
             log.info("clipped learner %s's update from %.4g to %.4g (%g x the recent median per step)",
-                     lid, norm, bound, self.cfg.merge.clip_factor)
-        return out
+                     c.learner, c.norm, c.bound, self.validation.clip_factor)
+        return members, rejected + too_large
 
     def _plausible_step_norm(self, fragment: int, numel: int) -> float:
         """What one inner step can move this fragment, by the run's optimizer settings."""
@@ -465,55 +395,14 @@ class Synchronizer:
         param_norm = math.sqrt(sum(float(t.float().pow(2).sum()) for t in cached.params.values())) if cached else 0.0
         return pol.plausible_step_norm(self.cfg.inner.lr, self.cfg.inner.weight_decay, numel, param_norm)
 
-    def _judge_groups(
-        self, members: list[Member], rejected: list[tuple[int, str]], recent: Norms, plausible: float | None
-    ) -> tuple[list[Member], list[tuple[int, str]]]:
-        """One learner's pending increments merge as one member: their summed norm is judged as a
-        whole (many small updates must not pass where their sum would not), and their claimed steps
-        weigh at most ``merge.max_periods`` periods together."""
-        by_learner: dict[str, list[Member]] = {}
-        for m in members:
-            by_learner.setdefault(m.learner, []).append(m)
-        kept: list[Member] = []
-        period = self.cfg.fragments.period
-        for group in by_learner.values():
-            why = None
-            if len(group) > 1:
-                steps = sum(m.c_steps for m in group)
-                rows = [m.delta.row if isinstance(m.delta, FlatDelta) else None for m in group]
-                if all(r is not None for r in rows):
-                    norm = float(torch.stack(rows).sum(dim=0).norm())
-                    why = pol.check_finite(norm) or pol.check_norm(
-                        norm / pol.norm_steps(steps, period), recent.per_step, self.cfg.merge.norm_outlier_factor,
-                        plausible=plausible, raw=(norm, recent.whole))
-            if why is not None:
-                rejected += [(m.submission, why) for m in group]
-            else:
-                kept += group  # their steps weigh at most merge.max_periods periods (MergePolicy.max_steps)
-        return kept, rejected
-
     def _validate(
         self, sb: Submission, version: int, layout: FlatLayout, row: torch.Tensor, recent: Norms, snap: Snapshot,
         plausible: float | None = None,
     ) -> str | Member:
         """A reason to reject the submission, or the decoded member."""
-        if sb.learner_id not in snap.regions:
-            return f"{q.UNKNOWN_LEARNER} {sb.learner_id!r}"
-        why = (pol.check_claims(sb.c_steps, sb.c_tokens, sb.tokens_new, sb.base_version, snap.most_tokens[sb.learner_id])
-               or pol.check_staleness(version, sb.base_version, self.cfg.merge.max_staleness))
+        why, key = admit(sb, self.ctx.run_id, version, snap.most_tokens.get(sb.learner_id), layout.numel, self.validation)
         if why:
             return why
-        # Reads are bounded by the registered size, and that by what any encoding of the fragment takes.
-        most = 8 * layout.numel + MAX_HEADER_BYTES
-        if sb.nbytes > most:
-            return f"blob: {sb.nbytes} bytes registered, more than the {most} any encoding of this fragment takes"
-        try:
-            # The key is derived, never taken from the row: a claimed key could name any blob.
-            key = submission_key(self.ctx.run_id, sb.fragment, sb.learner_id, sb.uid)
-        except InvalidIdError as err:
-            return f"blob: {err}"
-        if sb.blob_key != key:
-            return f"blob: registered under {sb.blob_key[:160]!r}, not under {key!r} that its ids give"
         try:
             tensors, meta = self.ctx.store(snap.regions[sb.learner_id]).get_with_metadata(key, sb.sha256, sb.nbytes)
             delta = FlatDelta(layout, row, decode_delta_into(tensors, meta, layout.items(), row))
@@ -525,11 +414,7 @@ class Synchronizer:
             # Whatever else a hostile blob makes the decoder raise is this blob's fault: it must not stall the fragment.
             return f"bad update: {type(err).__name__}: {' '.join(str(err).split())[:160]}"
         norm = delta.norm
-        # Judged per inner step and whole (see check_norm): increments of one fragment cover different
-        # numbers of steps, and one sent soon after a blended receipt carries more than its steps.
-        why = pol.check_finite(norm) or pol.check_norm(norm / pol.norm_steps(sb.c_steps, self.cfg.fragments.period),
-                                                       recent.per_step, self.cfg.merge.norm_outlier_factor,
-                                                       plausible=plausible, raw=(norm, recent.whole))
+        why = judge_norm(norm, sb.c_steps, recent, self.validation, plausible)
         if why:
             return why
         return Member(sb.id, sb.learner_id, delta, norm, sb.c_steps, sb.c_tokens, sb.base_version)
@@ -542,9 +427,9 @@ class Synchronizer:
         momentum: dict[str, torch.Tensor] | None,
         now: float,
         *,
-        merged: list[q.MergedIn] | None = None,
+        merged: list[sync_q.MergedIn] | None = None,
         rejected: list[tuple[int, str]] | None = None,
-        record: q.MergeRecord | None = None,
+        record: sync_q.MergeRecord | None = None,
     ) -> None:
         """Write the version's blobs, then the one ledger transaction that commits it (fenced by the lease)."""
         with span("sync.publish"):
@@ -557,13 +442,13 @@ class Synchronizer:
             base = self._compact(fragment, version, params, attempt)
             fault_point("sync.before_commit")
             with self.ctx.transaction() as s:
-                q.publish_version(
+                sync_q.publish_version(
                     s,
                     self.ctx.run_id,
                     fragment,
                     version,
-                    blob=q.BlobRef(blob.key, blob.sha256, blob.nbytes),
-                    state=q.BlobRef(state.key, state.sha256, state.nbytes),
+                    blob=sync_q.BlobRef(blob.key, blob.sha256, blob.nbytes),
+                    state=sync_q.BlobRef(state.key, state.sha256, state.nbytes),
                     holder=self.holder,
                     token=self.token,
                     now=to_datetime(now),
@@ -574,7 +459,9 @@ class Synchronizer:
                     compact_json=None if base is None else base[1].to_json(),
                 )
                 for sub_id, why in rejected or []:
-                    q.record_event(s, self.ctx.run_id, "submission_rejected", self.holder, f"submission {sub_id}: {why}", to_datetime(now))
+                    runs_q.record_event(
+                        s, self.ctx.run_id, "submission_rejected", self.holder, f"submission {sub_id}: {why}", to_datetime(now)
+                    )
             replaced = self.state.get(fragment)
             self.state[fragment] = GlobalFragment(version, params, momentum)
             if base is not None:
@@ -616,7 +503,7 @@ class Synchronizer:
         """Reject submissions outside a merge, each with its reason."""
         metrics.observe_rejections(self.ctx.run_id, rejected)
         with self.ctx.transaction() as s:
-            q.reject_submissions(s, self.ctx.run_id, rejected, holder=self.holder, token=self.token, now=to_datetime(now),
+            sync_q.reject_submissions(s, self.ctx.run_id, rejected, holder=self.holder, token=self.token, now=to_datetime(now),
                                  shard=self.shard)
 
     # --- the global model and retention ---------------------------------------------------------
@@ -638,39 +525,15 @@ class Synchronizer:
     def run(self, stop: threading.Event | None = None, until: float | None = None) -> None:
         """Poll until stopped (or the run is finished), as active or standby."""
         stop = stop or threading.Event()
-        renewer = threading.Thread(target=self._renew_loop, args=(stop,), name="lease-renewer", daemon=True)
+        renewer = threading.Thread(target=self.lease.renew_loop, args=(stop, lambda: self._poll_started), name="lease-renewer",
+                                   daemon=True)
         renewer.start()
         try:
             self._loop(stop, until)
         finally:
             stop.set()
             renewer.join(timeout=5)
-            if self.held is not None:
-                # Hand over at once instead of making the standby wait for the lease to expire.
-                with self.ctx.transaction() as s:
-                    q.release_lease(s, self.ctx.run_id, self.holder, self.held[1], to_datetime(self.ctx.now()), shard=self.held[0])
-                self.held = None
-
-    def _renew_loop(self, stop: threading.Event) -> None:
-        """Keep the lease alive while a long merge or evaluation runs on the main thread."""
-        ttl = self.cfg.synchronizer.lease_ttl_s
-        while not stop.wait(ttl / 3):
-            held = self.held
-            if held is None:
-                continue
-            shard, token = held
-            if self._poll_started is not None and time.monotonic() - self._poll_started > self.cfg.synchronizer.max_poll_s:
-                # A pass stuck this long is a hung synchronizer: let the lease lapse so a standby takes over.
-                log.error("%s: a poll has run for over %.0fs; no longer renewing the lease", self.holder, self.cfg.synchronizer.max_poll_s)
-                continue
-            try:
-                with self.ctx.transaction() as s:
-                    renewed = q.renew_lease(s, self.ctx.run_id, self.holder, token, ttl, to_datetime(self.ctx.now()), shard=shard)
-                    fault_point("sync.renew_lease")
-                if not renewed:
-                    log.warning("%s could not renew its lease of shard %s (token %s)", self.holder, shard, token)
-            except Exception:  # noqa: BLE001 - the ledger may be restarting; the fence keeps writes safe
-                log.exception("lease renewal failed")
+            self.lease.release()
 
     def _poll_and_check(self) -> tuple[PollResult, bool]:
         """One poll, then whether the run has finished and this synchronizer must drain it."""
@@ -680,7 +543,7 @@ class Synchronizer:
         finally:
             self._poll_started = None
         with self.ctx.reading() as s:
-            run = q.get_run(s, self.ctx.run_id)
+            run = runs_q.get_run(s, self.ctx.run_id)
         return result, run is not None and run.status != "running" and result.role == "active"
 
     def _poll_failed(self, retry_state: RetryCallState) -> None:
@@ -721,30 +584,3 @@ class Synchronizer:
                 self.poll_once(self.ctx.now(), drain=True)
                 break
             stop.wait(self.cfg.synchronizer.poll_s)
-
-
-def collect_garbage(ctx: RunContext) -> tuple[int, int]:
-    """Delete blobs the retention policy lets go; returns (versions, submissions) deleted."""
-    rcfg = ctx.cfg.synchronizer.retention
-    with ctx.transaction() as s:
-        versions = q.versions_for_gc(s, ctx.run_id, rcfg.keep_last, rcfg.checkpoint_every)
-        subs = [] if rcfg.keep_submission_blobs else q.submissions_for_gc(s, ctx.run_id)
-        owner = {row.id: row.region for row in q.learners(s, ctx.run_id)}
-    store = ctx.store()
-    # Only keys under this run's own prefixes (versions: what the synchronizer wrote) or derived from a
-    # submission's ids are ever deleted: a row's key could name another run's, or a pending, blob.
-    written_here = (f"{ctx.run_id}/global/", f"{ctx.run_id}/outer/")
-    for v in versions:
-        ref = compact.CompactRef.readable(v.compact_json)
-        for key in [v.blob_key, v.state_key, *(ref.own_keys(v.version) if ref else [])]:
-            if key.startswith(written_here):
-                store.delete(key)
-    for sb in subs:
-        try:
-            key = submission_key(ctx.run_id, sb.fragment, sb.learner_id, sb.uid)
-        except InvalidIdError:
-            continue
-        ctx.store(owner.get(sb.learner_id)).delete(key)
-    with ctx.transaction() as s:
-        q.mark_blobs_deleted(s, versions, subs)
-    return len(versions), len(subs)

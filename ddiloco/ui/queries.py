@@ -28,7 +28,9 @@ from sqlalchemy.orm import Session
 
 from ddiloco.platform import liveness
 from ddiloco.platform.fragments import shard_fragments
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import reports as reports_q
+from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.engine import make_engine
 from ddiloco.platform.ledger.models import (
     MERGED,
@@ -185,30 +187,16 @@ def run_info(session: Session, run_id: str) -> RunInfo | None:
 # --- health snapshots --------------------------------------------------------------------------------
 
 
-def learner_snapshots(session: Session, run_id: str) -> list[liveness.LearnerSnapshot]:
-    rows = session.connection().execute(
-        select(Learner.id, Learner.last_heartbeat_at, Learner.started_at, Learner.step, Learner.step_time_s, Learner.status)
-        .where(Learner.run_id == run_id)
-        .order_by(Learner.region, Learner.id)
-    )
-    return [liveness.LearnerSnapshot(i, hb, st, int(step), float(sts or 0.0), status) for i, hb, st, step, sts, status in rows]
-
-
 def lease_snapshots(session: Session, run_id: str) -> list[h.LeaseSnapshot]:
     """Every shard's lease (one row per shard ever held: as many as the run has shards)."""
     return [h.LeaseSnapshot(lease.holder, int(lease.token), lease.acquired_at, lease.expires_at, lease.shard)
-            for lease in q.leases(session, run_id)]
+            for lease in sync_q.leases(session, run_id)]
 
 
 def run_shards(info: RunInfo) -> int:
     """The run's synchronizer shards, as its recorded config says (1 when it does not say)."""
     shards = (info.config.get("synchronizer") or {}).get("shards", 1)
     return shards if isinstance(shards, int) and not isinstance(shards, bool) and shards >= 1 else 1
-
-
-def last_version_at(session: Session, run_id: str) -> datetime | None:
-    """When the newest global version of any fragment was published (version 0 counts)."""
-    return session.scalar(select(func.max(FragmentHead.created_at)).where(FragmentHead.run_id == run_id))
 
 
 @dataclass(frozen=True)
@@ -226,9 +214,10 @@ def health_snapshot(session: Session, run_id: str, now: datetime) -> RunHealthSn
         return None
     as_of = info.as_of(now)
     policy = info.policy
-    verdicts = liveness.learner_verdicts(learner_snapshots(session, run_id), as_of, policy)
+    verdicts = liveness.learner_verdicts(runs_q.read_learner_snapshots(session, run_id), as_of, policy)
     sync = h.synchronizer_verdict(
-        lease_snapshots(session, run_id), last_version_at(session, run_id), as_of, run_running=info.running, shards=run_shards(info)
+        lease_snapshots(session, run_id), reports_q.last_version_at(session, run_id), as_of, run_running=info.running,
+        shards=run_shards(info),
     )
     return RunHealthSnapshot(info, as_of, verdicts, sync, h.run_health(info.status, verdicts, sync, policy))
 
@@ -291,10 +280,10 @@ SUBMISSION_STATS_COLUMNS = ["learner", "status", "staleness", "submissions", "to
 
 def submission_stats(session: Session, run_id: str) -> pd.DataFrame:
     """``ledger.queries.submission_groups`` as a frame: the learner table and the staleness histogram."""
-    return stats_frame(q.submission_groups(session, run_id))
+    return stats_frame(reports_q.submission_groups(session, run_id))
 
 
-def stats_frame(groups: list[q.SubmissionGroup]) -> pd.DataFrame:
+def stats_frame(groups: list[reports_q.SubmissionGroup]) -> pd.DataFrame:
     return pd.DataFrame(groups, columns=SUBMISSION_STATS_COLUMNS)
 
 
@@ -437,7 +426,7 @@ def learner_fates(session: Session, run_id: str, learners: list[Any]) -> dict[st
         n, t = pending.get(lid, (0, 0))
         pending[lid] = (n + 1, t + int(tokens))
     rejected: dict[str, tuple[int, int]] = {}
-    for total in q.rejected_totals(session, run_id):
+    for total in reports_q.rejected_totals(session, run_id):
         n, t = rejected.get(total.learner_id, (0, 0))
         rejected[total.learner_id] = (n + total.submissions, t + total.tokens)
     out = {}
@@ -602,11 +591,6 @@ def _token_ranges(run_id: str, token: int) -> Any:
         seek(fv.version, False), seek(fv.version, True), seek(fv.created_at, False), seek(fv.created_at, True),
         seek(fv.synchronizer, False), FragmentHead.fragment,
     ).where(FragmentHead.run_id == run_id)
-
-
-def last_merge_at(session: Session, run_id: str) -> datetime | None:
-    """When the newest merged version (version > 0) was published: every merge publishes one, so the heads know."""
-    return session.scalar(select(func.max(FragmentHead.created_at)).where(FragmentHead.run_id == run_id, FragmentHead.version > 0))
 
 
 # --- versions and merges ---------------------------------------------------------------------------------
@@ -919,7 +903,7 @@ def run_page(session: Session, run_id: str, now: datetime) -> RunPage | None:
         return None
     learners = learners_frame(session, run_id, now, learner_rows(session, run_id))
     evaluations = evaluations_frame(session, run_id)
-    summary = summarize(q.run_aggregates(session, run_id), now)
+    summary = summarize(reports_q.run_aggregates(session, run_id), now)
     return RunPage(
         now=now,
         snapshot=snapshot,
@@ -927,7 +911,7 @@ def run_page(session: Session, run_id: str, now: datetime) -> RunPage | None:
         learners=learners,
         regions=regions_frame(learners),
         holders=synchronizer_holders(session, run_id),
-        last_merge_at=last_merge_at(session, run_id),
+        last_merge_at=reports_q.last_merge_at(session, run_id),
         versions=versions_frame(session, run_id),
         merges=merges_frame(session, run_id),
         staleness=staleness_frame(session, run_id),

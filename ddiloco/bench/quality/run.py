@@ -282,7 +282,7 @@ def _run_decoupled(spec: RunSpec, cfg: RunConfig, scale: Scale, device: torch.de
     from ddiloco.inprocess import run_inprocess
     from ddiloco.platform.compression import codec_nbytes
     from ddiloco.platform.config import tokens_per_step
-    from ddiloco.platform.ledger import queries as q
+    from ddiloco.platform.ledger import reports as reports_q
     from ddiloco.platform.ledger.models import Merge, Submission
 
     tps = tokens_per_step(cfg.model, cfg.learners.batch_size)
@@ -302,7 +302,7 @@ def _run_decoupled(spec: RunSpec, cfg: RunConfig, scale: Scale, device: torch.de
     capacity = sum(speeds) * elapsed * tps
     numel = {f.index: f.numel for f in run.sync.layout.fragments}
     with run.ctx.reading() as s:
-        acct = q.token_accounting(s, run.ctx.run_id)
+        acct = reports_q.token_accounting(s, run.ctx.run_id)
         subs = list(s.scalars(select(Submission).where(Submission.run_id == run.ctx.run_id)))
         merges = list(s.scalars(select(Merge).where(Merge.run_id == run.ctx.run_id)))
     sent = sum(sb.nbytes for sb in subs)

@@ -110,7 +110,7 @@ class Learner(Base):
     step: Mapped[int] = mapped_column(BigInteger, default=0)
     tokens_per_s: Mapped[float] = mapped_column(Float, default=0.0)
     step_time_s: Mapped[float] = mapped_column(Float, default=0.0)
-    # Token accounting summed over every incarnation (see queries.token_accounting).
+    # Token accounting summed over every incarnation (see ledger.reports.token_accounting).
     tokens_trained: Mapped[int] = mapped_column(BigInteger, default=0)
     tokens_submitted: Mapped[int] = mapped_column(BigInteger, default=0)
     tokens_lost: Mapped[int] = mapped_column(BigInteger, default=0)
@@ -224,7 +224,7 @@ class RejectionTotal(Base):
     learner_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     """As the submissions say: also an id no learner registered (an unknown learner's rejected work)."""
     reason: Mapped[str] = mapped_column(String(64), primary_key=True)
-    """The reason's class (``queries.reason_class``), not its text: the text carries figures, the class a few words."""
+    """The reason's class (``ledger.rejections.reason_class``), not its text: the text carries figures, the class a few words."""
     submissions: Mapped[int] = mapped_column(BigInteger, default=0)
     tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     nbytes: Mapped[int] = mapped_column(BigInteger, default=0)

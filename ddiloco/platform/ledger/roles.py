@@ -24,7 +24,8 @@ from sqlalchemy import func, literal_column
 from sqlalchemy.dialects import postgresql
 
 from ddiloco.platform.ids import validate_id
-from ddiloco.platform.ledger import queries as q
+from ddiloco.platform.ledger import learner as learner_q
+from ddiloco.platform.ledger import rejections as rejections_q
 from ddiloco.platform.ledger.models import PENDING, Base, Learner, RejectionTotal, Submission
 from ddiloco.platform.redact import MASK
 
@@ -197,17 +198,18 @@ def _sql(statement: object) -> str:
 
 def reject_superseded_function(plan: RolePlan) -> str:
     """CREATE FUNCTION: a learner's login role rejects its own pending submissions of a superseded incarnation
-    (``queries._reject_superseded``) with the synchronizer's rights, through the very statements the synchronizer's
-    rejections run (``queries.rejection``, ``queries.count_rejected``)."""
+    (``learner._reject_superseded``) with the synchronizer's rights, through the very statements the synchronizer's
+    rejections run (``rejections.rejection``, ``rejections.count_rejected``)."""
     p = {name: literal_column(name) for name in ("p_run", "p_learner", "p_ids", "p_reason", "p_at")}
     mine = (Submission.id == func.any(p["p_ids"])) & (Submission.learner_id == p["p_learner"])
-    reject = _sql(q.rejection(p["p_run"], mine, p["p_reason"], p["p_at"]))
-    count = _sql(q.count_rejected(p["p_run"], literal_column("v_tokens"), literal_column("v_count")))
+    reject = _sql(rejections_q.rejection(p["p_run"], mine, p["p_reason"], p["p_at"]))
+    count = _sql(rejections_q.count_rejected(p["p_run"], literal_column("v_tokens"), literal_column("v_count")))
     totals = {"run_id": p["p_run"], "learner_id": p["p_learner"], "reason": literal_column("v_class"),
               "submissions": literal_column("v_count"), "tokens": literal_column("v_tokens"), "nbytes": literal_column("v_bytes")}
-    count_by = _sql(q.count_rejected_by(postgresql.insert(RejectionTotal), [totals]))
+    count_by = _sql(rejections_q.count_rejected_by(postgresql.insert(RejectionTotal), [totals]))
     learners = Learner.__tablename__
-    return f"""CREATE OR REPLACE FUNCTION {q.REJECT_SUPERSEDED}(
+    superseded, unknown = (_literal(rejections_q.reason_class(why)) for why in (learner_q.SUPERSEDED, learner_q.UNKNOWN_LEARNER))
+    return f"""CREATE OR REPLACE FUNCTION {learner_q.REJECT_SUPERSEDED}(
     p_run text, p_learner text, p_incarnation integer, p_ids bigint[], p_reason text, p_at timestamptz
 ) RETURNS bigint LANGUAGE plpgsql SECURITY DEFINER SET search_path = {_ident(plan.schema)}, pg_temp AS $fn$
 DECLARE v_count bigint; v_tokens bigint; v_bytes bigint; v_class text;
@@ -219,7 +221,7 @@ BEGIN
     RAISE EXCEPTION 'incarnation % of learner % is current, not superseded', p_incarnation, p_learner USING ERRCODE = '42501';
   END IF;
   v_class := CASE WHEN EXISTS (SELECT FROM {learners} WHERE run_id = p_run AND id = p_learner)
-    THEN {_literal(q.reason_class(q.SUPERSEDED))} ELSE {_literal(q.reason_class(q.UNKNOWN_LEARNER))} END;
+    THEN {superseded} ELSE {unknown} END;
   WITH decided AS ({reject}) SELECT count(*), coalesce(sum(tokens_new), 0), coalesce(sum(nbytes), 0)
     INTO v_count, v_tokens, v_bytes FROM decided;
   IF v_count <> cardinality(p_ids) THEN
@@ -235,7 +237,7 @@ def _one_prefix(plan: RolePlan) -> str:
     """Refuse a second prefix on the same ledger: the learners' function (one per database) belongs to the first."""
     return (
         "DO $$ DECLARE owner text; BEGIN\n"
-        f"  SELECT pg_get_userbyid(proowner) INTO owner FROM pg_proc WHERE proname = {_literal(q.REJECT_SUPERSEDED)}\n"
+        f"  SELECT pg_get_userbyid(proowner) INTO owner FROM pg_proc WHERE proname = {_literal(learner_q.REJECT_SUPERSEDED)}\n"
         f"    AND pronamespace = {_literal(plan.schema)}::regnamespace;\n"
         f"  IF owner IS NOT NULL AND owner <> {_literal(plan.group(SYNCHRONIZER))} THEN\n"
         "    RAISE EXCEPTION 'this ledger''s roles were set up with another prefix (its function belongs to %): use that --prefix',\n"
@@ -269,7 +271,7 @@ def statements(plan: RolePlan) -> list[str]:
             if table in sequences and any(p.startswith("INSERT") for p in privileges):
                 out.append(f"GRANT USAGE ON SEQUENCE {sequences[table]} TO {role}")
     out += _policies(plan)
-    signature = f"{q.REJECT_SUPERSEDED}(text, text, integer, bigint[], text, timestamptz)"
+    signature = f"{learner_q.REJECT_SUPERSEDED}(text, text, integer, bigint[], text, timestamptz)"
     out += [
         reject_superseded_function(plan),
         f"ALTER FUNCTION {signature} OWNER TO {plan.group(SYNCHRONIZER)}",

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-from ddiloco.platform.ledger.queries import reason_class
+from ddiloco.platform.ledger.rejections import reason_class
 
 revision: str = "0007"
 down_revision: str | None = "0006"
