@@ -9,7 +9,6 @@ submissions (``fetch``, ``validate``), the merge (``merge.merge_fragment``), ver
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -145,9 +144,9 @@ class Synchronizer:
         if not self._registered:
             register_run(self.ctx, self.layout)
             with self.ctx.reading() as s:
-                recorded = runs_q.require_run(s, self.ctx.run_id).config_json
+                recorded = runs_q.recorded_config(runs_q.require_run(s, self.ctx.run_id))
             # Two shard counts in one run would give a fragment two leases: merged twice, or by neither.
-            shards = json.loads(recorded).get("synchronizer", {}).get("shards", 1)
+            shards = runs_q.recorded_shards(recorded)
             if shards != self.cfg.synchronizer.shards:
                 raise ConfigError(f"synchronizer.shards is {self.cfg.synchronizer.shards}, but run {self.ctx.run_id!r} "
                                   f"was started with {shards}: a run's shards are fixed")
