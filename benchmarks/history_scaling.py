@@ -7,7 +7,7 @@ place to the current schema (the migration's time is reported), then times each 
 through the very functions the learner, synchronizer and dashboard call:
 
   learner.exchange     registration + heartbeat + poll, one transaction (``ledger.learner.learner_exchange``)
-  sync.poll_read       learners, pending submissions, fragment heads (``Synchronizer._snapshot``'s reads)
+  sync.poll_read       learners, pending submissions, fragment heads (``synchronizer.snapshot.read_snapshot``'s reads)
   sync.decision        recent merged norms of a fragment (the outlier check's input)
   sync.publish         a merge of 2 submissions (``publish_version``; rolled back, the ledger stays as filled)
   sync.gc              GC's reads and its bulk mark (rolled back)

@@ -5,9 +5,9 @@ parameters = two d_model 1024 transformer blocks, whole tensors) and M submissio
 through a ``MergeWorkspace`` kept from merge to merge as the synchronizer keeps its own:
 
     for each submission: decode_delta_into (codec -> its row of the [M x N] buffer, with its norm)
-                         -> check_finite + check_norm   (what Synchronizer._validate does after the read)
+                         -> check_finite + check_norm   (what Fetcher._validate does after the read)
     then: merge_fragment (token weights, RDA, participation scale, Nesterov outer step) -> recycle
-          the version it replaced                      (what Synchronizer._merge / _publish do)
+          the version it replaced                      (what Synchronizer._merge / Publisher.publish do)
 
 Store I/O is ``store_throughput.py``'s job; a second figure adds the in-memory part of a read
 (sha256 + safetensors parse of the blob bytes).

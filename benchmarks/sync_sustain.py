@@ -106,7 +106,7 @@ def synchronizer_child(profile: str, command: list[str]) -> int:
     from ddiloco.platform import spans
     from ddiloco.platform import store as store_mod
     from ddiloco.platform.runtime import RunContext
-    from ddiloco.synchronizer import service
+    from ddiloco.synchronizer import fetch, service
 
     def timed_fn(fn, name: str):
         def wrapper(*a, **kw):
@@ -128,8 +128,8 @@ def synchronizer_child(profile: str, command: list[str]) -> int:
                 spans.add(name, time.perf_counter() - t0)
         return wrapper
 
-    # Where each is looked up at call time: the service's own imports, the store module's globals, the classes.
-    service.decode_delta_into = timed_fn(service.decode_delta_into, "t.decode")
+    # Where each is looked up at call time: the fetcher's and service's own imports, the store module's globals, the classes.
+    fetch.decode_delta_into = timed_fn(fetch.decode_delta_into, "t.decode")
     service.merge_fragment = timed_fn(service.merge_fragment, "t.merge_fragment")
     store_mod.decode_tensors = timed_fn(store_mod.decode_tensors, "t.blob_parse")
     store_mod.encode_tensors = timed_fn(store_mod.encode_tensors, "t.blob_encode")

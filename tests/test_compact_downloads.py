@@ -199,22 +199,22 @@ def test_a_new_holder_takes_the_base_over_from_the_ledger():
     with ctx.reading() as s:
         before = {p: CompactRef.parse(h.compact_json) for p, h in runs_q.latest_versions(s, ctx.run_id).items()}
     fresh = Synchronizer(ctx, holder="sync-standby", shard=0)
-    assert not fresh.bases
+    assert not fresh.publisher.bases
     params = {}
     for p in before:
         with ctx.reading() as s:
-            st = fresh._fragment_state(p, runs_q.latest_versions(s, ctx.run_id))
+            st = fresh.publisher.current(p, runs_q.latest_versions(s, ctx.run_id))
         params[p] = st
-        base, ref = fresh.bases[p]
+        base, ref = fresh.publisher.bases[p]
         assert base.version == before[p].base and ref == before[p]
         exact = ctx.store().get(before[p].base_blob.key, before[p].base_blob.sha256)
         assert all(torch.equal(base.tensors[n], exact[n]) for n in exact)
     every = ctx.cfg.compression.download_base_every
     for p, st in params.items():
         old = before[p]
-        base, ref = fresh._compact(p, st.version + 1, st.params, "-test.safetensors")
+        base, ref = fresh.publisher.write_compact(p, st.version + 1, st.params, "-test.safetensors")
         if st.version + 1 - old.base < every:
-            assert base is fresh.bases[p][0] and ref.base == old.base and ref.base_blob == old.base_blob
+            assert base is fresh.publisher.bases[p][0] and ref.base == old.base and ref.base_blob == old.base_blob
         else:
             assert ref.step_from == old.base and ref.base == st.version + 1
 

@@ -13,6 +13,7 @@ from ddiloco.flows.chaos import seeded_schedule
 from ddiloco.flows.supervise import LearnerView, budget_reached, relaunch_decisions
 from ddiloco.platform.ledger import make_engine, open_ledger, session_factory
 from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.liveness import LivenessPolicy
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def test_relaunch_decisions_with_reasons():
         LearnerView("silent", running=True, started_at=0.0, last_heartbeat=80.0),
         LearnerView("healthy", running=True, started_at=0.0, last_heartbeat=99.0),
     ]
-    out = relaunch_decisions(100.0, views, dead_after_s=10.0, startup_grace_s=60.0)
+    out = relaunch_decisions(100.0, views, liveness=LivenessPolicy(dead_after_s=10.0), startup_grace_s=60.0)
     assert out == {
         "ended": "its process or flow run ended",
         "stuck-start": "no heartbeat 60s after launch",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -53,9 +54,10 @@ def _run_command(args: list[str], log_path: str, env: dict[str, str]) -> None:
     os.close(out)
     os.environ.clear()
     os.environ.update(env)
-    from ddiloco.cli import app
-
-    app(args=args, prog_name="ddiloco")
+    # The program a cold launch execs (``python -m ddiloco``), run in this warm process: launchers sit below the
+    # CLI (which imports them), so they run its entry as a program, never import it as a library.
+    sys.argv = ["ddiloco", *args]
+    runpy.run_module("ddiloco", run_name="__main__")
 
 
 class WarmProcess:

@@ -22,6 +22,7 @@ from ddiloco.platform.config import RunConfig
 from ddiloco.platform.ledger import reports as reports_q
 from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger import synchronizer as sync_q
+from ddiloco.platform.liveness import LivenessPolicy
 from ddiloco.platform.run_state import build_layout, register_run
 from ddiloco.platform.runtime import RunContext, to_timestamp
 from ddiloco.platform.summary import RunSummary, run_summary
@@ -112,6 +113,7 @@ def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext
     held: dict[str, float] = {}  # learners a chaos kill keeps down until this elapsed time
     t0: float | None = None  # time counts from the first trained token, not from process start-up
     lcfg = cfg.learners
+    liveness = LivenessPolicy.from_learners_config(lcfg)
     while True:
         elapsed = 0.0 if t0 is None else time.monotonic() - t0
         while t0 is not None and schedule and schedule[0].at_s <= elapsed:
@@ -147,7 +149,7 @@ def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext
                 exited.add(lid)
                 _record_exit(ctx, lid, "its process or flow run ended")
             views.append(LearnerView(lid, running, h.started_at, hb))
-        decisions = relaunch_decisions(now, views, dead_after_s=lcfg.dead_after_s, startup_grace_s=lcfg.startup_grace_s)
+        decisions = relaunch_decisions(now, views, liveness=liveness, startup_grace_s=lcfg.startup_grace_s)
         for lid, reason in decisions.items():
             if held.get(lid, 0.0) > elapsed:
                 continue

@@ -74,15 +74,21 @@ def silent_s(snap: LearnerSnapshot, now: datetime) -> float:
     return (now - (snap.last_heartbeat_at or snap.started_at)).total_seconds()
 
 
+def is_dead(silent: float, policy: LivenessPolicy) -> bool:
+    """The one rule of who is dead: not heard of for longer than ``learners.dead_after_s``. The synchronizer's
+    verdicts (so the ledger, the quorum and the dashboard) and the supervisor's relaunches judge by it."""
+    return silent > policy.dead_after_s
+
+
 def median_live_step_s(snaps: Iterable[LearnerSnapshot], now: datetime, policy: LivenessPolicy) -> float:
-    times = sorted(s.step_time_s for s in snaps if silent_s(s, now) <= policy.dead_after_s and s.step_time_s > 0)
+    times = sorted(s.step_time_s for s in snaps if not is_dead(silent_s(s, now), policy) and s.step_time_s > 0)
     return times[len(times) // 2] if times else 0.0
 
 
 def learner_verdict(snap: LearnerSnapshot, now: datetime, policy: LivenessPolicy, median_step_s: float) -> Verdict:
     """Dead beats straggling beats recovering beats alive."""
     silent = silent_s(snap, now)
-    if silent > policy.dead_after_s:
+    if is_dead(silent, policy):
         return Verdict(DEAD, f"no heartbeat for {format_duration(silent)} (limit {format_duration(policy.dead_after_s)})")
     if median_step_s > 0 and snap.step_time_s > policy.straggler_factor * median_step_s:
         ratio = snap.step_time_s / median_step_s

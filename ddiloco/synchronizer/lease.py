@@ -42,6 +42,16 @@ class ShardLease:
         self.held: tuple[int, int] | None = None
         """(shard, fencing token) of the lease this holder has, if any."""
 
+    @property
+    def token(self) -> int | None:
+        """The fencing token of the lease held (None on standby)."""
+        return self.held[1] if self.held else None
+
+    @property
+    def shard(self) -> int | None:
+        """The shard whose lease is held (None on standby)."""
+        return self.held[0] if self.held else None
+
     def acquire(self, now: float) -> tuple[int, int] | None:
         """Take or renew a shard's lease (the pinned one, else the one held, else the first free one): (shard,
         token), or None (``held`` is then None). A new token means someone else may have published that shard's

@@ -156,10 +156,6 @@ class RunInfo:
 
 
 def _info(run: Run) -> RunInfo:
-    try:
-        config = json.loads(run.config_json) if run.config_json else {}
-    except ValueError:
-        config = {}
     return RunInfo(
         id=run.id,
         status=run.status,
@@ -170,7 +166,7 @@ def _info(run: Run) -> RunInfo:
         code_version=run.code_version,
         git_commit=run.git_commit,
         flow_run_url=run.flow_run_url,
-        config=config if isinstance(config, dict) else {},
+        config=runs_q.recorded_config(run),
     )
 
 
@@ -193,12 +189,6 @@ def lease_snapshots(session: Session, run_id: str) -> list[h.LeaseSnapshot]:
             for lease in sync_q.leases(session, run_id)]
 
 
-def run_shards(info: RunInfo) -> int:
-    """The run's synchronizer shards, as its recorded config says (1 when it does not say)."""
-    shards = (info.config.get("synchronizer") or {}).get("shards", 1)
-    return shards if isinstance(shards, int) and not isinstance(shards, bool) and shards >= 1 else 1
-
-
 @dataclass(frozen=True)
 class RunHealthSnapshot:
     info: RunInfo
@@ -217,7 +207,7 @@ def health_snapshot(session: Session, run_id: str, now: datetime) -> RunHealthSn
     verdicts = liveness.learner_verdicts(runs_q.read_learner_snapshots(session, run_id), as_of, policy)
     sync = h.synchronizer_verdict(
         lease_snapshots(session, run_id), reports_q.last_version_at(session, run_id), as_of, run_running=info.running,
-        shards=run_shards(info),
+        shards=runs_q.recorded_shards(info.config),
     )
     return RunHealthSnapshot(info, as_of, verdicts, sync, h.run_health(info.status, verdicts, sync, policy))
 
@@ -564,7 +554,7 @@ def synchronizer_holders(session: Session, run_id: str, tokens: int = HOLDER_TOK
 def _fragment_shards(session: Session, run_id: str) -> dict[int, int]:
     """Each fragment's synchronizer shard, from the run's recorded config and fragment sizes ({} for one shard)."""
     info = run_info(session, run_id)
-    shards = run_shards(info) if info is not None else 1
+    shards = runs_q.recorded_shards(info.config) if info is not None else 1
     if shards == 1:
         return {}
     sizes = dict(session.execute(select(FragmentSpec.fragment, FragmentSpec.nbytes).where(FragmentSpec.run_id == run_id)).all())

@@ -3,7 +3,6 @@ of the dashboard, each learner's timeline, and the full scans ``ledger check`` h
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -27,7 +26,15 @@ from ddiloco.platform.ledger.models import (
     Run,
     Submission,
 )
-from ddiloco.platform.ledger.runs import LEARNER_EXITED, LEARNER_JOINED, LEARNER_LAUNCHED, LEARNER_RESTARTED, learners, require_run
+from ddiloco.platform.ledger.runs import (
+    LEARNER_EXITED,
+    LEARNER_JOINED,
+    LEARNER_LAUNCHED,
+    LEARNER_RESTARTED,
+    learners,
+    recorded_config,
+    require_run,
+)
 
 # --- accounting -----------------------------------------------------------------------------------
 
@@ -179,10 +186,6 @@ def rejected_totals(session: Session, run_id: str) -> list[RejectedTotal]:
 def run_aggregates(session: Session, run_id: str) -> RunAggregates:
     """Everything ``summarize`` needs, from running totals and index seeks (the same cost at any history length)."""
     run = require_run(session, run_id)
-    try:
-        config = json.loads(run.config_json) if run.config_json else {}
-    except ValueError:
-        config = {}
     rows = learners(session, run_id)
     known = {r.id for r in rows}
     reasons: dict[str, int] = {}
@@ -202,7 +205,7 @@ def run_aggregates(session: Session, run_id: str) -> RunAggregates:
         status=run.status,
         created_at=run.created_at,
         finished_at=run.finished_at,
-        config=config if isinstance(config, dict) else {},
+        config=recorded_config(run),
         tokens=account_tokens(rows, decided_tokens(session, run_id)),
         versions={h.fragment: h.version for h in heads},
         longest_merge_gap_s=max((h.longest_gap_s for h in merged_heads), default=0.0),

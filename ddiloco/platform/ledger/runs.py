@@ -5,7 +5,7 @@ owns the transaction. ``now`` is always passed in (UTC, timezone-aware)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -85,6 +85,22 @@ def set_run_status(session: Session, run_id: str, status: str, now: datetime) ->
         values["finished_at"] = now
     session.execute(update(Run).where(Run.id == run_id).values(**values))
     record_event(session, run_id, f"run_{status}", None, "", now)
+
+
+def recorded_config(run: Run) -> dict[str, Any]:
+    """The config the run recorded, as a dict (empty when it cannot be read): what reports and the
+    dashboard read of it. ``export.recorded_config`` validates it into a RunConfig instead."""
+    try:
+        config = json.loads(run.config_json) if run.config_json else {}
+    except ValueError:
+        config = {}
+    return config if isinstance(config, dict) else {}
+
+
+def recorded_shards(config: Mapping[str, Any]) -> int:
+    """The run's synchronizer shards, as its recorded config (:func:`recorded_config`) says (1 when it does not say)."""
+    shards = (config.get("synchronizer") or {}).get("shards", 1)
+    return shards if isinstance(shards, int) and not isinstance(shards, bool) and shards >= 1 else 1
 
 
 def set_fragment_specs(session: Session, run_id: str, specs: Sequence[tuple[int, list[Any], int, int]]) -> None:
