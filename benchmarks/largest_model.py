@@ -213,12 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = base_parser(__doc__)
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: the GPU when torch sees one")
     ap.add_argument("--parallelism", default="ddp,fsdp", help="comma separated, in order (ddp first: it is the baseline)")
-    ap.add_argument("--budget-s", type=float, default=60.0, help="seconds per parallelism")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds per parallelism (default 60; --quick: 600, so a busy machine does not cut its three sizes)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per size (after one untimed)")
     ap.add_argument("--max-params", type=float, default=None, help="skip sizes above this many parameters")
     args = ap.parse_args(argv)
     exit_on_sigterm()
     device = resolve_device(args.device)
+    if args.budget_s is None:
+        args.budget_s = 600.0 if args.quick else 60.0
     if args.quick:
         sizes, vocab, seq, batch = QUICK_SIZES, QUICK_VOCAB, QUICK_SEQ, QUICK_BATCH
         if args.json is None:

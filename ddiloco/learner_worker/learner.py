@@ -262,6 +262,8 @@ class Learner:
         """Made by :meth:`start`, once the resumed position is known."""
         net = self.ddp if self.ddp is not None else self.loss_module
         self.net = torch.compile(net) if cfg.learners.compile else net
+        self._background = False
+        """Whether states are written in the background (a process), or in line (a simulation: no threads)."""
         self._saved_event = threading.Event()
         """Set when no learner state is being written in the background (and the last one is recorded)."""
         self._saved_event.set()
@@ -335,7 +337,9 @@ class Learner:
                        "fixed (fragments.adaptive is off): every H steps with compression.codec", now)
 
     def start_background_io(self) -> None:
-        """Processes: rank 0 uploads, polls and heartbeats on background threads from now on."""
+        """Processes: rank 0 uploads, polls and heartbeats on background threads from now on, and every rank writes
+        its saved state in the background."""
+        self._background = True
         if self.link is not None:
             self.link.start_threads(self.heartbeat_stats)
 
@@ -561,9 +565,10 @@ class Learner:
 
     def save_state(self) -> None:
         """Every rank, together: AdamW's state (and the model's) through torch.distributed.checkpoint into the
-        learner's own prefix of its store, each rank writing its own shards. The state is copied to host memory
-        here and written in the background; once written, rank 0 points the learner's row at it. While a save
-        is still being written no other starts (the ranks agree). A failed save only costs a colder restart."""
+        learner's own prefix of its store, each rank writing its own shards. In a process (after
+        :meth:`start_background_io`) the state is copied to host memory here and written in the background; once
+        written, rank 0 points the learner's row at it. While a save is still being written no other starts (the
+        ranks agree). A simulation, which has no threads, saves in line. A failed save only costs a colder restart."""
         busy = torch.tensor([int(not self._saved_event.is_set())], dtype=torch.int64)
         if self.dist.all_reduce_sum(busy).item():
             log.info("learner %s: the previous state is still being written; no save at step %s", self.id, self.step_count)
@@ -574,12 +579,16 @@ class Learner:
             with span("learner.save_state", into=self.timings):
                 writing = save_state(
                     url, self.model, self.optimizer, {"step": self.step_count, "data_batches": self.batches_drawn},
-                    process_group=self.dist.checkpoint, storage_options=self.cfg.storage.fsspec_options(), background=True,
+                    process_group=self.dist.checkpoint, storage_options=self.cfg.storage.fsspec_options(),
+                    background=self._background,
                 )
         except Exception as err:  # noqa: BLE001 - a store that is down must not take the learner with it
             self._saved_event.set()
             log.warning("learner %s rank %s: saving its state failed (%s)", self.id, self.dist.rank, redact_url(str(err)))
             return
+        if writing is None:
+            writing = Future()
+            writing.set_result(None)
         writing.add_done_callback(lambda done: self._saved(url, done))
 
     def _saved(self, url: str, done: Future) -> None:
