@@ -5,8 +5,8 @@
   a 2-rank FSDP2 save loads into one plain rank and into 2 FSDP2 ranks, a 1-rank save into 2 FSDP2 ranks,
   and a DDP save into one plain rank, each with the same parameters and AdamW state (exp_avg,
   exp_avg_sq, step) as the model that was saved;
-- a save without its ``.metadata`` is incomplete, a missing one an error naming its URL, and a
-  ``.metadata`` that would run code when unpickled is refused without running it.
+- a save without its marker is incomplete, a missing one an error naming its URL; nothing is unpickled:
+  a data file that is a pickle is refused without running it, and so is a marker naming a file elsewhere.
 
 This file is also the rank program of the 2-rank job: ``python tests/test_learner_state.py rank DIR RANK WORLD``.
 """
@@ -28,7 +28,15 @@ from safetensors.torch import load_file, save_file
 from support import run_rank_pair, tiny_config
 from torch import nn
 
-from ddiloco.learner_worker.state import StateError, StateMissing, StateRefused, is_complete, load_state, save_state
+from ddiloco.learner_worker.state import (
+    MARKER,
+    StateError,
+    StateMissing,
+    StateRefused,
+    is_complete,
+    load_state,
+    save_state,
+)
 from ddiloco.platform.models import build_model
 
 pytestmark = pytest.mark.timeout(180)
@@ -136,8 +144,8 @@ def test_incomplete_and_missing_states(tmp_path):
     train(model, opt, steps=1, seed=0)
     url = f"file://{tmp_path}/s/i0-s1"
     save_state(url, model, opt, {"step": 1})
-    # A save that died before its coordinator wrote .metadata: the data files are there, the index is not.
-    (tmp_path / "s" / "i0-s1" / ".metadata").unlink()
+    # A save that died before its coordinator wrote the marker: the data files are there, the marker is not.
+    (tmp_path / "s" / "i0-s1" / MARKER).unlink()
     missing = f"file://{tmp_path}/s/never"
 
     assert not is_complete(url)
@@ -155,34 +163,31 @@ def test_incomplete_and_missing_states(tmp_path):
 
 
 class _RunsCode:
-    def __reduce__(self):  # what a hostile .metadata would carry
+    def __reduce__(self):  # what a hostile data file would carry if anything unpickled it
         return (os.system, ("touch pwned",))
 
 
-def test_hostile_metadata_is_refused_without_running_it(tmp_path, monkeypatch):
+def test_a_data_file_that_is_a_pickle_is_refused_without_running_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model, opt = fresh_plain(0)
     url = f"file://{tmp_path}/hostile"
     save_state(url, model, opt)
-    (tmp_path / "hostile" / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    (data,) = json.loads((tmp_path / "hostile" / MARKER).read_text())["files"]
+    (tmp_path / "hostile" / data).write_bytes(pickle.dumps(_RunsCode()))
 
     assert is_complete(url)
-    with pytest.raises(StateRefused, match=r"names (posix|nt)\.system"):
+    with pytest.raises(StateRefused, match="unreadable data file"):
         load_state(url, *fresh_plain(1))
     assert not (tmp_path / "pwned").exists()
 
 
 def test_a_data_file_outside_the_checkpoint_is_refused(tmp_path):
-    from ddiloco.learner_worker.state import _load_metadata
-
     model, opt = fresh_plain(0)
     save_state(f"file://{tmp_path}/ok", model, opt)
-    path = tmp_path / "ok" / ".metadata"
-    with open(path, "rb") as f:
-        metadata = _load_metadata(f, "ok")
-    for info in metadata.storage_data.values():
-        info.relative_path = "../elsewhere/__0_0.distcp"
-    path.write_bytes(pickle.dumps(metadata))
+    marker = tmp_path / "ok" / MARKER
+    content = json.loads(marker.read_text())
+    content["files"] = ["../elsewhere/__0_0.distcp"]
+    marker.write_text(json.dumps(content))
 
     with pytest.raises(StateRefused, match="outside the checkpoint directory"):
         load_state(f"file://{tmp_path}/ok", *fresh_plain(1))

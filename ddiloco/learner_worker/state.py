@@ -14,19 +14,22 @@ What is saved, all of it tensors:
   schedule own, and DCP would store them as pickles;
 - ``extra.int.<name>`` / ``extra.tensor.<name>``: the caller's extras (data position, step…).
 
-Nothing read back is unpickled by Python's unrestricted unpickler. DCP reads tensors with
-``torch.load(weights_only=True)``, but in torch 2.13 it reads ``.metadata`` with a plain ``pickle.load``
-(``FileSystemReader.read_metadata``) and non-tensor values with ``torch.load(weights_only=False)``
-(``DefaultLoadPlanner.load_bytes``). So this module's reader (:func:`_safe_reader_class`) reads ``.metadata`` with an unpickler
-that resolves only DCP's own metadata dataclasses, ``torch.Size``, dtypes and layouts, and refuses a
-checkpoint that declares any non-tensor value, so ``load_bytes`` is never reached.
+Nothing read back is unpickled. DCP's default files are ``torch.save`` archives indexed by a pickled
+``.metadata``; here every rank's data file is safetensors (DCP's ``SerializationFormat.SAFETENSORS``,
+each tensor's place in the whole written as JSON in the file's header), the coordinator's last write is
+a small JSON marker (:data:`MARKER`) in place of ``.metadata``, and a load rebuilds DCP's index from
+the safetensors headers (DCP's own ``HuggingFaceStorageReader``). safetensors can only be read from
+local files, so a load copies the checkpoint's files to a temporary directory first (once per
+incarnation).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import pickle
+import json
+import os
+import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
@@ -50,7 +53,9 @@ if TYPE_CHECKING:
 Extras = Mapping[str, int | torch.Tensor]
 """Small learner state saved beside the model: ints (a step, a data position) or tensors, by name."""
 
-METADATA = ".metadata"
+MARKER = "ddiloco-state.json"
+"""Written by the coordinator after every rank's data: a checkpoint is complete exactly when it exists."""
+STATE_FORMAT = "ddiloco-learner-state/1"
 """DCP's index of a checkpoint; written last (as ``.metadata.tmp``, then renamed), so it marks completion."""
 
 
@@ -97,7 +102,7 @@ def _fs(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
 def is_complete(url: str, storage_options: Mapping[str, Any] | None = None) -> bool:
     """Whether a whole learner state lies at ``url``: DCP writes ``.metadata`` after every rank's data."""
     fs, path = _fs(url, storage_options)
-    return bool(fs.exists(f"{path.rstrip('/')}/{METADATA}"))
+    return bool(fs.exists(f"{path.rstrip('/')}/{MARKER}"))
 
 
 def save_state(
@@ -125,7 +130,6 @@ def save_state(
     process group must then be a CPU (gloo) group that nothing else uses while the write runs, and a
     caller starts no other save before the future is done."""
     from torch.distributed.checkpoint import async_save, save
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     encoded = _encode_extras(extras or {})
     if is_complete(url, storage_options):
@@ -136,11 +140,7 @@ def save_state(
     state: dict[str, Any] = {"model": model_state, "extra": encoded}
     if optimizer is not None:
         state["optim"] = {"state": optim_state["state"]}
-    fs, _ = _fs(url, storage_options)
-    # sync_files fsyncs each file, which only a local file has: for any other filesystem DCP falls back
-    # to os.sync() of the whole machine, per file, while the object store's upload on close is what
-    # makes the data durable there. overwrite=False: DCP itself refuses a URL that holds a .metadata.
-    writer = FsspecWriter(url, sync_files=_is_local(fs), overwrite=False, **_options(storage_options))
+    writer = _writer(url, storage_options)
     with _dcp_errors("saving", url):
         if background:
             response = async_save(state, storage_writer=writer, process_group=process_group)
@@ -163,22 +163,25 @@ def load_state(
     any wrapping (plain, DDP, FSDP2) of the same model. The optimizer keeps its own hyperparameters
     (``param_groups``); ``exp_avg``, ``exp_avg_sq`` and ``step`` of every parameter come from the
     checkpoint. Raises :class:`StateMissing` when the state at ``url`` is absent or incomplete,
-    :class:`StateRefused` when its metadata is not a plain tensor index, and :class:`StateError` when it
+    :class:`StateRefused` when its files are not this format's, and :class:`StateError` when it
     does not fit the model (a tensor missing, another shape)."""
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     # Every rank looks before any collective, and all see the same store: they raise together.
     if not is_complete(url, storage_options):
-        raise StateMissing(f"no complete learner state at {redact_url(url)} (no {METADATA}: never saved, or the save did not finish)")
-    reader = _safe_reader_class()(url, **_options(storage_options))
-    extras = _extras_like(reader.read_metadata())
-    model_state, optim_state = _model_state(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "extra": extras}
-    if optimizer is not None:
-        state["optim"] = {"state": optim_state["state"]}
-    with _dcp_errors("loading", url):
-        load(state, storage_reader=reader, process_group=process_group)
+        raise StateMissing(f"no complete learner state at {redact_url(url)} (no {MARKER}: never saved, or the save did not finish)")
+    with _local_reader(url, storage_options) as reader:
+        try:
+            extras = _extras_like(reader.read_metadata())
+        except Exception as err:  # a file that is not safetensors, or a header that does not parse
+            raise StateRefused(f"{redact_url(url)}: unreadable data file ({type(err).__name__}: {err})") from None
+        model_state, optim_state = _model_state(model, optimizer)
+        state: dict[str, Any] = {"model": model_state, "extra": extras}
+        if optimizer is not None:
+            state["optim"] = {"state": optim_state["state"]}
+        with _dcp_errors("loading", url):
+            load(state, storage_reader=reader, process_group=process_group)
     # A tensor the model or optimizer has and the checkpoint lacks is an error (DCP's default planner),
     # not a silent skip; set_*_state_dict are strict by default as well.
     if optimizer is None:
@@ -243,78 +246,58 @@ def _is_local(fs: Any) -> bool:
     return bool({"file", "local"} & set((proto,) if isinstance(proto, str) else proto))
 
 
-# --- reading .metadata without unpickling anything else ------------------------------------------
+# --- safetensors files, a JSON marker, an index rebuilt from the headers ----------------------------
 
-_METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorProperties",
-        "TensorStorageMetadata",
-        "ChunkStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout")}
-"""Every global a DCP ``.metadata`` of tensors names (torch 2.13): dataclasses of strings, ints and sizes, an
-enum of memory formats, and torch's layout lookup by name. Calling or building any of them runs no other
-code. ``BytesStorageMetadata`` is left out on purpose: it declares a value that DCP would unpickle."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Python's documented way to restrict an unpickler: ``find_class`` resolves only allowed globals."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_CLASSES:
-            return super().find_class(module, name)
-        # vars(), not getattr(): torch's module __getattr__ would import a submodule of the file's choosing.
-        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
-            return vars(torch)[name]
-        raise StateRefused(f"learner state metadata names {module}.{name}, which is not part of a tensor checkpoint's index")
-
-
-def _load_metadata(stream: Any, where: str) -> Metadata:
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-
-    try:
-        metadata = _MetadataUnpickler(stream).load()
-    except StateRefused as err:
-        raise StateRefused(f"{where}: {err}") from None
-    except Exception as err:  # anything a damaged or hostile file makes the allowed constructors raise
-        raise StateRefused(f"{where}: unreadable {METADATA} ({type(err).__name__}: {err})") from None
-    if not isinstance(metadata, Metadata):
-        raise StateRefused(f"{where}: {METADATA} holds a {type(metadata).__name__}, not DCP metadata")
-    for fqn, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata):
-            raise StateRefused(f"{where}: {fqn!r} is a {type(md).__name__}; a learner state holds tensors only")
-    for info in (metadata.storage_data or {}).values():
-        # A data file is named by DCP (__{rank}_{n}.distcp) in the checkpoint's own directory; a path
-        # elsewhere would make the load read some other file of the store into the model.
-        rel = getattr(info, "relative_path", None)
-        if not isinstance(info, _StorageInfo) or not isinstance(rel, str) or not rel or rel.startswith(".") or "/" in rel or "\\" in rel:
-            raise StateRefused(f"{where}: a data file outside the checkpoint directory ({rel!r})")
-    return metadata
+DATA_SUFFIX = ".distcp"
+"""What DCP names each rank's data file (``__{rank}_{n}.distcp``); in this format each is a safetensors file."""
 
 
 @functools.cache
-def _safe_reader_class() -> type:
-    """DCP's ``FsspecReader`` with a safe ``read_metadata``; a class made on first use, as its base is imported then."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
+def _writer_class() -> type:
+    """DCP's fsspec writer in safetensors format, whose coordinator ends with :data:`MARKER` (JSON) instead of
+    a pickled ``.metadata``; a class made on first use, as its base is imported then."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    class SafeFsspecReader(FsspecReader):
-        """DCP's fsspec reader with :func:`_load_metadata` in place of its ``pickle.load`` of ``.metadata``."""
+    class SafetensorsWriter(FsspecWriter):
+        def finish(self, metadata: Metadata, results: list[list[Any]]) -> None:
+            files = sorted({r.storage_data.relative_path for rank in results for r in rank})
+            marker = {"format": STATE_FORMAT, "files": files, "tensors": len(metadata.state_dict_metadata)}
+            with self.fs.create_stream(self.fs.concat_path(self.path, MARKER), "wb") as f:
+                f.write(json.dumps(marker).encode())
 
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-            path = self._get_metadata_path(kwargs.get("rank"))
-            with self.fs.create_stream(path, "rb") as stream:
-                metadata = _load_metadata(stream, redact_url(str(self.path)))
-            # What FileSystemReader.read_metadata does after reading.
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
+    return SafetensorsWriter
 
-    return SafeFsspecReader
+
+def _writer(url: str, storage_options: Mapping[str, Any] | None) -> Any:
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    fs, _ = _fs(url, storage_options)
+    # sync_files fsyncs each file, which only a local file has: for any other filesystem DCP falls back
+    # to os.sync() of the whole machine, per file, while the object store's upload on close is what
+    # makes the data durable there.
+    return _writer_class()(url, sync_files=_is_local(fs), serialization_format=SerializationFormat.SAFETENSORS,
+                           **_options(storage_options))
+
+
+@contextlib.contextmanager
+def _local_reader(url: str, storage_options: Mapping[str, Any] | None) -> Iterator[Any]:
+    """DCP's safetensors reader over a local copy of the checkpoint's data files (safetensors opens local files
+    only): the files the marker lists, each a plain name in the checkpoint's directory."""
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+
+    fs, path = _fs(url, storage_options)
+    try:
+        marker = json.loads(fs.cat_file(f"{path.rstrip('/')}/{MARKER}"))
+        files = marker["files"] if marker.get("format") == STATE_FORMAT else None
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise StateRefused(f"{redact_url(url)}: unreadable {MARKER} ({type(err).__name__})") from None
+    if not isinstance(files, list) or not files:
+        raise StateRefused(f"{redact_url(url)}: {MARKER} is not a {STATE_FORMAT} marker")
+    for name in files:
+        # DCP names them; a path elsewhere would read some other file of the store into the model.
+        if not isinstance(name, str) or not name.endswith(DATA_SUFFIX) or "/" in name or "\\" in name or name.startswith("."):
+            raise StateRefused(f"{redact_url(url)}: a data file outside the checkpoint directory ({name!r})")
+    with tempfile.TemporaryDirectory(prefix="ddiloco-state-") as tmp:
+        for name in files:
+            fs.get_file(f"{path.rstrip('/')}/{name}", os.path.join(tmp, name.removesuffix(DATA_SUFFIX) + ".safetensors"))
+        yield HuggingFaceStorageReader(tmp)
