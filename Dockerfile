@@ -1,14 +1,18 @@
 # syntax=docker/dockerfile:1
-# The ddiloco image: learners, synchronizers, Prefect workers and their flow runs.
-#   docker build --target cpu  -t ddiloco:cpu  .                      # CPU (python:3.11-slim, CPU torch)
-#   docker build --target cuda -t ddiloco:cuda .                      # GPU (official PyTorch CUDA runtime image)
-#   docker build --target cpu --build-arg EXTRAS=ui,postgres -t ddiloco:ui .   # the dashboard
-# EXTRAS picks the role: a learner needs flows (its flow runs), s3/gcs and postgres, never ui.
+# The ddiloco image: learners, synchronizers, evaluators, Prefect workers and their flow runs.
+#   docker build --target cpu  -t ddiloco:cpu  .     # control plane and CPU regions (CPU torch)
+#   docker build --target cuda -t ddiloco:cuda .     # GPU learners (torch's CUDA build)
+# Both carry what any run of the shipped configs needs (EXTRAS): flows (Prefect), s3 and gcs stores, the postgres ledger
+# driver, hf (model.kind hf, data.source text/hf/tokens with a tokenizer) and tensorboard (the evaluator's series).
+# Other sets are a build argument away:
+#   docker build --target cuda --build-arg EXTRAS=flows,s3,gcs,postgres,hf,tensorboard,titan -t ddiloco:cuda-titan .
+#   docker build --target cpu  --build-arg EXTRAS=ui,postgres,s3 -t ddiloco:ui .      # the dashboard
+# torch is the version constraints.txt pins, so the image runs the code the tests ran.
 
-ARG CUDA_BASE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+ARG EXTRAS=flows,s3,gcs,postgres,hf,tensorboard
 
 FROM python:3.11-slim AS cpu
-ARG EXTRAS=flows,s3,gcs,postgres
+ARG EXTRAS
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 STREAMLIT_BROWSER_GATHER_USAGE_STATS=false \
@@ -25,17 +29,21 @@ USER ddiloco
 EXPOSE 9100
 CMD ["ddiloco", "--help"]
 
-FROM ${CUDA_BASE} AS cuda
-ARG EXTRAS=flows,s3,gcs,postgres
+FROM python:3.11-slim AS cuda
+ARG EXTRAS
+# PyPI's Linux torch is the CUDA build with CUDA's libraries as wheels (torch 2.13: CUDA 13, NVIDIA driver >= 580);
+# for an older driver pass an index of an older CUDA that has the pinned version, e.g.
+# --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128. The GPUs come from the node (nvidia.com/gpu).
+ARG TORCH_INDEX=https://pypi.org/simple
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1 PREFECT_LOGGING_EXTRA_LOGGERS=ddiloco
 WORKDIR /app
 COPY pyproject.toml constraints.txt README.md ./
 COPY ddiloco ./ddiloco
 COPY examples ./examples
-# Keep the base image's CUDA torch: the constraints minus their CPU torch pin.
-RUN grep -v '^torch==' constraints.txt > /tmp/constraints-cuda.txt \
- && pip install -c /tmp/constraints-cuda.txt ".[${EXTRAS}]" \
+RUN pip install --index-url "$TORCH_INDEX" --extra-index-url https://pypi.org/simple \
+        "torch==$(sed -n 's/^torch==//p' constraints.txt)" \
+ && pip install -c constraints.txt ".[${EXTRAS}]" \
  && python -c "import torch, ddiloco; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 RUN useradd --create-home ddiloco && chown -R ddiloco /app
 USER ddiloco

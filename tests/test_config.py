@@ -137,3 +137,29 @@ def test_toml_loads_like_yaml(tmp_path):
     bad.write_text('[compression]\ncodec = "zip"\n')
     with pytest.raises(ConfigError, match="compression.codec"):
         load_config(bad)
+
+
+@pytest.mark.parametrize("region_deploy, nproc, device, expected", [
+    ({"gpus": 1}, 8, "auto", "regions.us.deploy.gpus: 1 GPUs for learners.nproc_per_node = 8 ranks: each rank takes one GPU"),
+    ({"gpus": 2}, 1, "cpu", "regions.us.deploy.gpus: learners.device is cpu: the pod's 2 GPUs would stay idle"),
+    ({"gpus": 0}, 1, "cuda", "regions.us.deploy.gpus: learners.device is cuda: a learner pod needs GPUs"),
+    ({"node_selector": {"gpu type": "h100"}}, 1, "auto", "'gpu type'='h100' is not a Kubernetes node label"),
+    ({"shm_size": "lots"}, 1, "auto", "'lots' is not a Kubernetes quantity"),
+    ({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "value": "x"}]}, 1, "auto", "operator Exists takes no value"),
+    ({"work_pool": "pool/../x"}, 1, "auto", "is not a work pool or queue name"),
+    ({"image": "ddiloco:cuda; rm -rf /"}, 1, "auto", "is not an image reference"),
+])
+def test_a_regions_deploy_section_is_refused_with_a_line_naming_the_field(region_deploy, nproc, device, expected):
+    message = _error({"learners": {"nproc_per_node": nproc, "device": device, "regions": [{"name": "us", "deploy": region_deploy}]}})
+    [line] = [m for m in message.splitlines()[1:]]
+    assert line.strip().startswith("learners") and expected in line, message
+
+
+def test_pods_get_one_gpu_per_rank_unless_the_learners_run_on_the_cpu():
+    regions = [{"name": "a"}, {"name": "b", "deploy": {"gpus": 0}}]
+    for device, expected in (("auto", [4, 0]), ("cuda", None), ("cpu", [0, 0])):
+        if expected is None:
+            assert "a learner pod needs GPUs" in _error({"learners": {"nproc_per_node": 4, "device": device, "regions": regions}})
+            continue
+        learners = build_config({"learners": {"nproc_per_node": 4, "device": device, "regions": regions}}).learners
+        assert [learners.pod_gpus(r) for r in learners.regions] == expected, device

@@ -69,14 +69,16 @@ def test_auto_device_is_the_cpu_without_cuda_and_cuda_is_refused(monkeypatch):
     assert backend_for(torch.device("cpu")) == "gloo"
 
 
-def test_auto_device_picks_this_ranks_gpu_when_cuda_is_present(monkeypatch):
-    # Only the choice is exercised (no kernel runs): each local rank gets its own GPU, round robin.
+def test_auto_device_gives_each_local_rank_its_own_gpu_and_refuses_a_rank_without_one(monkeypatch):
+    # Only the choice is exercised (no kernel runs): a pod with 2 GPUs (what its nvidia.com/gpu gives, numbered
+    # from 0) and 2 ranks; a third rank would share a GPU, which is refused rather than left to NCCL or OOM.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert resolve_device("auto", local_rank=0) == torch.device("cuda", 0)
-    assert resolve_device("auto", local_rank=3) == torch.device("cuda", 1)
+    assert [resolve_device("auto", local_rank=r) for r in range(2)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
     assert resolve_device("cpu", local_rank=1) == torch.device("cpu")
     assert backend_for(resolve_device("cuda", local_rank=1)) == "nccl"
+    with pytest.raises(ConfigError, match="local rank 2 has no GPU of its own: torch sees 2"):
+        resolve_device("auto", local_rank=2)
 
 
 def test_cpu_autocast_keeps_full_precision():

@@ -1,11 +1,11 @@
-"""infra/ must stay usable: the compose stack parses, prefect.yaml's deployments point at real flows
-with a valid cron schedule, and the work-pool variable files parse; every command of the README's
-Orchestration section is run as typed by a named test, or says why it cannot run here."""
+"""infra/ must stay usable: the compose stack parses, the deployments ``ddiloco deploy`` makes render through the
+Kubernetes template into Jobs with the resources each role needs, the images carry the extras a run needs; every
+command of the README's Orchestration section is run as typed by a named test, or says why it cannot run here."""
 
 from __future__ import annotations
 
-import importlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from prefect.client.schemas.schedules import CronSchedule
 from sqlalchemy.engine import make_url
 
+from ddiloco.platform.config import load_config
 from ddiloco.testing.compose import INFRA, dotenv, render_compose
 from ddiloco.testing.readme import fenced_commands, inline_commands, readme_command
 
@@ -72,8 +72,6 @@ ORCHESTRATION_COMMANDS = {
     "docker compose -f infra/compose.yaml exec worker-us prefect deployment run":
         "test_prefect_integration.py::test_training_run_from_the_readmes_deployment_run_on_two_region_pools",
     "prefect work-pool create": "test_prefect_integration.py::test_the_readmes_kubernetes_commands_make_the_region_pools_from_the_template",
-    "ddiloco deploy -c examples/multi-region.yaml --pool-type kubernetes":
-        "test_prefect_integration.py::test_the_readmes_kubernetes_commands_make_the_region_pools_from_the_template",
     "ddiloco demo": "not run by the suite: the README's 3-minute demo ('Try it'); the flow it runs, a learner killed and relaunched, "
                     "is test_flows.py::test_training_run_supervises_relaunches_and_finishes",
     "ddiloco deploy": "test_prefect_integration.py::test_the_readmes_three_region_deploy_in_the_worker_environment",
@@ -87,10 +85,12 @@ ORCHESTRATION_COMMANDS = {
     "prefect deployment run": "test_prefect_integration.py::test_training_run_from_the_readmes_deployment_run_on_two_region_pools",
     "prefect worker start --pool region-":
         "test_prefect_integration.py::test_training_run_from_the_readmes_deployment_run_on_two_region_pools",
-    "docker build": NEEDS_DOCKER,
+    "DDILOCO_DEPLOY__GPU_IMAGE=":
+        "test_prefect_integration.py::test_the_readmes_kubernetes_commands_make_the_region_pools_from_the_template",
+    "docker build": NEEDS_DOCKER + " nor a registry to push to; the Jobs the images run in are "
+                                   "test_infra.py::test_gpu_cluster_deployments_render_to_jobs_with_what_each_role_needs",
     "docker compose": NEEDS_DOCKER,
-    "DDILOCO_IMAGE=": NEEDS_DOCKER + ", nor prefect-docker and a registry to push to",
-    "prefect deploy --all": NEEDS_DOCKER + ", nor prefect-docker and a registry to push to",
+    "docker push": NEEDS_DOCKER + " nor a registry to push to",
 }
 
 
@@ -110,46 +110,124 @@ def test_every_orchestration_command_of_the_readme_has_a_test_or_says_why_not():
         assert f"\ndef {name}(" in (ROOT / "tests" / path).read_text(), f"{key!r}: {where} does not exist"
 
 
-def test_prefect_yaml_deployments_resolve_to_flows_and_the_cron_is_valid():
-    spec = yaml.safe_load((INFRA / "prefect.yaml").read_text())
-    names = {d["name"] for d in spec["deployments"]}
-    assert {"learner-us", "learner-eu", "synchronizer", "training-run", "chaos", "evaluate"} <= names
-    for d in spec["deployments"]:
-        path, func = d["entrypoint"].split(":")
-        module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
-        flow = getattr(module, func)
-        assert hasattr(flow, "fn"), f"{d['entrypoint']} is not a Prefect flow"
-        assert d["work_pool"]["name"].startswith("region-")
-    nightly = next(d for d in spec["deployments"] if d["name"] == "training-run")
-    CronSchedule(cron=nightly["schedules"][0]["cron"], timezone="UTC")
-    from ddiloco.platform.config import build_config
-
-    build_config(nightly["parameters"]["config"])  # the scheduled run's parameters validate
-
-
-def test_work_pool_templates_name_their_credentials_and_learner_pods_request_gpus():
+def test_work_pool_templates_name_their_credentials_and_carry_no_ledger_url():
     templates = {p.stem: json.loads(p.read_text()) for p in sorted((INFRA / "work-pools").glob("*.json"))}
     assert set(templates) == {"kubernetes", "ecs", "cloud-run-v2"}
     k8s = templates["kubernetes"]
     container = k8s["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == "{{ gpus }}" and k8s["variables"]["properties"]["gpus"]["default"] >= 1
     assert container["envFrom"] == [{"secretRef": {"name": "{{ credentials_secret }}"}}]
+    # A pod asks for no GPU unless its deployment says how many (ddiloco deploy: one per learner rank).
+    assert k8s["variables"]["properties"]["gpus"]["default"] == 0
     for name, template in templates.items():
         defaults = {k: v.get("default") for k, v in template["variables"]["properties"].items()}
         assert defaults["env"] == {"PREFECT_LOGGING_EXTRA_LOGGERS": "ddiloco"}, name
         assert "DDILOCO_LEDGER__URL" not in json.dumps(defaults), f"{name} carries a ledger URL"
 
 
-def test_dockerfile_has_a_cpu_and_a_cuda_target_and_prefect_yaml_builds_and_pushes_both():
+GPU_CLUSTER = ROOT / "examples" / "gpu-cluster.yaml"
+CONTROL = {"ddiloco-synchronizer/synchronizer", "ddiloco-evaluate/evaluate", "ddiloco-chaos/chaos",
+           "ddiloco-training-run/training-run"}
+
+
+@pytest.fixture
+def gpu_cluster(monkeypatch):
+    """examples/gpu-cluster.yaml with the images named as the README's deploy command names them."""
+    for key in [k for k in os.environ if k.startswith("DDILOCO_")]:
+        monkeypatch.delenv(key)
+    env = readme_command("ddiloco", "deploy", "-c", "examples/gpu-cluster.yaml").env
+    assert set(env) == {"DDILOCO_DEPLOY__GPU_IMAGE", "DDILOCO_DEPLOY__CPU_IMAGE"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return load_config(GPU_CLUSTER)
+
+
+def test_gpu_cluster_deployments_render_to_jobs_with_what_each_role_needs(gpu_cluster, monkeypatch):
+    """Every deployment ``ddiloco deploy`` makes for three GPU regions, rendered through infra/work-pools/kubernetes.json
+    by Prefect's own templating (what a Kubernetes worker submits): learner Jobs request and limit one GPU per rank
+    on their region's nodes, with their tolerations and a sized /dev/shm; the control plane asks for no GPU; every
+    pod serves /metrics on the exposed port; and the GPUs a learner pod gets give each of its ranks a GPU of its own."""
+    import torch
+
+    from ddiloco.flows.deploy import plan_deployments, read_job_template, render_job
+    from ddiloco.learner_worker.device import resolve_device
+    from ddiloco.platform.config import build_config
+
+    cfg = gpu_cluster
+    regions = {r.name: r for r in cfg.learners.regions}
+    assert len(regions) == 3 and cfg.learners.nproc_per_node == 8 and cfg.model.kind == "hf"
+    template = read_job_template(INFRA / "work-pools" / "kubernetes.json")
+    deployments = {spec.full_name: spec.build() for spec in plan_deployments(cfg, cron="0 2 * * *")}
+    assert set(deployments) == {f"ddiloco-learner/learner-{r}" for r in regions} | CONTROL
+    port = cfg.deploy.metrics_port
+    for name, deployment in deployments.items():
+        job = render_job(template, deployment.job_variables)
+        pod = job["job_manifest"]["spec"]["template"]["spec"]
+        [container] = pod["containers"]
+        gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == gpus, name
+        assert job["env"]["DDILOCO_METRICS_PORT"] == str(port), name
+        assert container["ports"] == [{"name": "metrics", "containerPort": port, "protocol": "TCP"}], name
+        assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}], name
+        [shm] = [v["emptyDir"] for v in pod["volumes"] if v["name"] == "dshm"]
+        assert shm["medium"] == "Memory", name
+        if name in CONTROL:
+            assert gpus == 0 and container["image"] == "registry.example.com/ml/ddiloco:cpu", name
+            assert pod["nodeSelector"] == {"ddiloco.io/pool": "cpu"} and "tolerations" not in pod, name
+            assert (deployment.work_pool_name, deployment.work_queue_name) == ("region-us", "control"), name
+            continue
+        region = regions[name.removeprefix("ddiloco-learner/learner-")]
+        assert deployment.work_pool_name == f"region-{region.name}"
+        assert gpus == cfg.learners.nproc_per_node and container["image"] == "registry.example.com/ml/ddiloco:cuda", name
+        assert pod["nodeSelector"] == region.deploy.node_selector and len(pod["nodeSelector"]) == 1, name
+        assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}], name
+        assert shm["sizeLimit"] == region.deploy.shm_size == "64Gi", name
+        # The pod sees its GPUs as cuda:0..gpus-1; torchrun's LOCAL_RANK of each of the learner's ranks picks one.
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda n=gpus: n)
+        devices = [resolve_device(cfg.learners.device, local_rank=r) for r in range(cfg.learners.nproc_per_node)]
+        assert len(set(devices)) == cfg.learners.nproc_per_node and {d.type for d in devices} == {"cuda"}, name
+    nightly = deployments["ddiloco-training-run/training-run"]
+    assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
+    assert build_config(nightly.parameters["config"]).learners.regions == cfg.learners.regions
+
+
+def test_the_default_config_deploys_one_gpu_per_learner_rank_and_a_cpu_region_on_request(monkeypatch):
+    """Without deploy sections: learner pods get learners.nproc_per_node GPUs (none with device cpu), the control plane
+    none, in the first region's pool; a region with gpus 0 is a CPU region on the CPU image."""
+    from ddiloco.flows.deploy import plan_deployments
+    from ddiloco.platform.config import build_config
+
+    for key in [k for k in os.environ if k.startswith("DDILOCO_")]:
+        monkeypatch.delenv(key)
+    regions = [{"name": "a"}, {"name": "b"}, {"name": "c", "deploy": {"gpus": 0}}]
+    variables = {s.full_name: (s.work_pool, s.job_variables) for s in
+                 plan_deployments(build_config({"learners": {"nproc_per_node": 4, "regions": regions}}))}
+    assert {n: (pool, v["gpus"], v["image"]) for n, (pool, v) in variables.items() if "learner" in n} == {
+        "ddiloco-learner/learner-a": ("region-a", 4, "ddiloco:cuda"),
+        "ddiloco-learner/learner-b": ("region-b", 4, "ddiloco:cuda"),
+        "ddiloco-learner/learner-c": ("region-c", 0, "ddiloco:cpu"),
+    }
+    assert {(pool, v["gpus"], v["image"]) for n, (pool, v) in variables.items() if n in CONTROL} == {("region-a", 0, "ddiloco:cpu")}
+    cpu = plan_deployments(build_config({"learners": {"nproc_per_node": 4, "device": "cpu", "regions": regions}}))
+    assert {s.job_variables["gpus"] for s in cpu} == {0}
+
+
+def test_images_carry_the_extras_a_run_needs_and_torch_as_pinned():
+    """Both targets install the extras every shipped config needs (model.kind hf, the evaluator's TensorBoard series,
+    Prefect, both stores, the PostgreSQL driver) and the torch of constraints.txt, not an older base image's."""
     dockerfile = (ROOT / "Dockerfile").read_text()
     froms = [line.split() for line in dockerfile.splitlines() if line.startswith("FROM ")]
     assert [f[-1] for f in froms] == ["cpu", "cuda"]
-    assert "ARG CUDA_BASE=pytorch/pytorch:" in dockerfile and "-runtime" in dockerfile
-    spec = yaml.safe_load((INFRA / "prefect.yaml").read_text())
-    built = {step["prefect_docker.deployments.steps.build_docker_image"]["target"] for step in spec["build"]}
-    pushed = {step["prefect_docker.deployments.steps.push_docker_image"]["tag"] for step in spec["push"]}
-    assert built == {"cpu", "cuda"} and pushed == {"{{ build-cpu.tag }}", "{{ build-cuda.tag }}"}
-    assert "prefect.blocks" not in json.dumps(spec["deployments"]), "prefect deploy would resolve a block's value into the deployment"
+    [default] = [line.split("=", 1)[1] for line in dockerfile.splitlines() if line.startswith("ARG EXTRAS=")]
+    extras = set(default.split(","))
+    assert extras >= {"flows", "s3", "gcs", "postgres", "hf", "tensorboard"}
+    assert extras <= set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    assert dockerfile.count("ARG EXTRAS\n") == 2  # each stage takes the one default
+    assert dockerfile.count("\"torch==$(sed -n 's/^torch==//p' constraints.txt)\"") == 2
+    kinds = {load_config(p).model.kind for p in (ROOT / "examples").glob("*.yaml")}
+    assert "hf" in kinds  # a shipped config that needs the hf extra
+    compose = yaml.safe_load((INFRA / "compose.yaml").read_text())
+    assert "args" not in compose["x-ddiloco-image"]["build"], "the workers' image would lack extras the Dockerfile gives"
 
 
 def _other_interpreter(version: str) -> str | None:

@@ -170,29 +170,35 @@ def delete_region_pools() -> None:
 
 def test_the_readmes_kubernetes_commands_make_the_region_pools_from_the_template(stack, tmp_path, monkeypatch):
     """The README's cloud-pool commands as typed: ``prefect work-pool create region-us --type kubernetes
-    --base-job-template …`` through Prefect's CLI, then ``ddiloco deploy … --pool-type kubernetes --base-job-template …``,
-    which makes the other regions' pools from the same template (pools need no cluster; only their workers do)."""
+    --base-job-template …`` through Prefect's CLI, then ``DDILOCO_DEPLOY__GPU_IMAGE=… ddiloco deploy -c
+    examples/gpu-cluster.yaml --pool-type kubernetes …``, which makes the other regions' pools from the same template
+    (pools need no cluster; only their workers do) and deployments whose job variables the server accepts against it."""
     from prefect.client.orchestration import get_client
 
     from ddiloco.flows.deploy import read_job_template
 
     create = readme_command("prefect", "work-pool", "create")
-    deploy_k8s = readme_command("ddiloco", "deploy", "-c", "examples/multi-region.yaml", "--pool-type")
+    deploy_k8s = readme_command("ddiloco", "deploy", "-c", "examples/gpu-cluster.yaml", "--pool-type")
     template = read_job_template(INFRA / "work-pools" / "kubernetes.json")
     delete_region_pools()
     try:
         proc = stack.server.spawn([sys.executable, "-m", *create.argv], tmp_path / "work-pool-create.log", cwd=ROOT)
         assert proc.wait(timeout=120) == 0, (tmp_path / "work-pool-create.log").read_text()[-2000:]
         monkeypatch.chdir(ROOT)  # the README's paths are relative to a checkout
-        out = CliRunner().invoke(app, deploy_k8s.argv[1:])
+        out = CliRunner().invoke(app, deploy_k8s.argv[1:], env=deploy_k8s.env)
         assert out.exit_code == 0, out.output
         with get_client(sync_client=True) as client:
             pools = {p.name: p for p in client.read_work_pools()}
             asia = client.read_deployment_by_name("ddiloco-learner/learner-asia")
+            sync = client.read_deployment_by_name("ddiloco-synchronizer/synchronizer")
         for region in REGIONS:
             assert pools[f"region-{region}"].type == "kubernetes", region
             assert pools[f"region-{region}"].base_job_template == template, region
         assert asia.work_pool_name == "region-asia"
+        assert (asia.job_variables["gpus"], asia.job_variables["image"]) == (8, deploy_k8s.env["DDILOCO_DEPLOY__GPU_IMAGE"])
+        assert asia.job_variables["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        assert (sync.work_pool_name, sync.work_queue_name, sync.job_variables["gpus"]) == ("region-us", "control", 0)
+        assert sync.job_variables["image"] == deploy_k8s.env["DDILOCO_DEPLOY__CPU_IMAGE"]
     finally:
         delete_region_pools()  # the module's other tests deploy these regions on process pools
 

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from prefect.client.orchestration import get_client
+from prefect.client.orchestration import PrefectClient, get_client
 from prefect.client.schemas.actions import WorkPoolCreate
-from prefect.deployments.runner import EntrypointType
+from prefect.deployments.runner import EntrypointType, RunnerDeployment
 from prefect.exceptions import ObjectAlreadyExists
+from prefect.flows import Flow
+from prefect.settings import PREFECT_API_URL
+from prefect.workers.base import BaseJobConfiguration
+from pydantic import ConfigDict
 
 from ddiloco.flows.alerts import AlertPolicy, apply_automations
-from ddiloco.flows.training import evaluate_flow, learner_flow, synchronizer_flow, training_run
-from ddiloco.platform.config import RunConfig
+from ddiloco.flows.training import chaos_flow, evaluate_flow, learner_flow, synchronizer_flow, training_run
+from ddiloco.platform.config import PodConfig, RunConfig
 from ddiloco.platform.redact import redact_url
 
 POOL_PREFIX = "region-"
@@ -101,48 +107,107 @@ def ensure_pool(name: str, pool_type: str = "process", base_job_template: dict |
     return True
 
 
+@dataclass(frozen=True)
+class DeploymentSpec:
+    """One deployment as ``ddiloco deploy`` makes it: which flow, in which pool and queue, with which job variables."""
+
+    flow: Flow
+    name: str
+    work_pool: str
+    job_variables: dict[str, Any]
+    tags: list[str]
+    work_queue: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+    cron: str | None = None
+
+    @property
+    def full_name(self) -> str:
+        """``flow/deployment``, as ``prefect deployment run`` and ``run_deployment`` name it."""
+        return f"{self.flow.name}/{self.name}"
+
+    def build(self) -> RunnerDeployment:
+        """The deployment object that ``apply()`` registers (nothing is sent before that)."""
+        return self.flow.to_deployment(
+            name=self.name, work_pool_name=self.work_pool, work_queue_name=self.work_queue,
+            entrypoint_type=EntrypointType.MODULE_PATH, job_variables=self.job_variables, parameters=self.parameters,
+            cron=self.cron, tags=self.tags,
+        )
+
+
+def job_variables(cfg: RunConfig, pod: PodConfig, gpus: int, env: dict[str, str]) -> dict[str, Any]:
+    """The job variables of one role: infra/work-pools/kubernetes.json turns them into the pod's image, GPUs, node
+    selector, tolerations, ``/dev/shm`` and metrics port; a process pool reads ``env`` and ignores the rest."""
+    out: dict[str, Any] = {
+        "env": env,
+        "image": pod.image or (cfg.deploy.gpu_image if gpus else cfg.deploy.cpu_image),
+        "gpus": gpus,
+        "metrics_port": cfg.deploy.metrics_port,
+    }
+    if pod.node_selector:
+        out["node_selector"] = dict(pod.node_selector)
+    if pod.tolerations:
+        out["tolerations"] = [t.model_dump(exclude_none=True) for t in pod.tolerations]
+    if pod.shm_size:
+        out["shm_size"] = pod.shm_size
+    return out
+
+
+def plan_deployments(cfg: RunConfig, *, cron: str | None = None, secret_blocks: dict[str, str] | None = None) -> list[DeploymentSpec]:
+    """Every deployment of a run: a learner deployment per region (its pool, one GPU per rank), and the synchronizer,
+    evaluator, training-run supervisor and chaos on the control plane (``deploy.control``: no GPU by default)."""
+    specs = []
+    for region in cfg.learners.regions:
+        specs.append(DeploymentSpec(
+            learner_flow, f"learner-{region.name}", region.deploy.work_pool or pool_name(region.name),
+            job_variables(cfg, region.deploy, cfg.learners.pod_gpus(region), region_env(cfg, region.name, secret_blocks)),
+            tags=["ddiloco", f"region:{region.name}"], work_queue=region.deploy.work_queue,
+        ))
+    control = cfg.deploy.control
+    home = cfg.learners.regions[0].name
+    where = {"work_pool": control.work_pool or pool_name(home), "work_queue": control.work_queue,
+             "job_variables": job_variables(cfg, control, control.gpus or 0, region_env(cfg, home, secret_blocks))}
+    specs += [
+        DeploymentSpec(synchronizer_flow, "synchronizer", tags=["ddiloco"], **where),
+        DeploymentSpec(evaluate_flow, "evaluate", tags=["ddiloco"], **where),
+        DeploymentSpec(chaos_flow, "chaos", tags=["ddiloco", "chaos"], **where),
+        DeploymentSpec(
+            training_run, "training-run", tags=["ddiloco"], cron=cron,
+            parameters={"config": cfg.model_dump(mode="json", exclude={"ledger", "storage"}), "launcher": "work-pools"}, **where,
+        ),
+    ]
+    return specs
+
+
 def deploy(
     cfg: RunConfig, *, cron: str | None = None, pool_type: str = "process", secret_blocks: dict[str, str] | None = None,
     base_job_template: dict | None = None, notify_block: str | None = None, alert_policy: AlertPolicy | None = None,
 ) -> DeploymentPlan:
-    """One pool per region; a learner deployment per region; synchronizer, evaluator and training-run in the first region;
-    the alerts' automations when a notification block (``TYPE/NAME``) is named."""
+    """Create the pools (``region-<name>`` per region unless a region names its own, and the control plane's) and
+    apply :func:`plan_deployments`; the alerts' automations when a notification block (``TYPE/NAME``) is named."""
+    specs = plan_deployments(cfg, cron=cron, secret_blocks=secret_blocks)
     automation_names = apply_automations(notify_block, alert_policy) if notify_block else []
-    regions = [r.name for r in cfg.learners.regions]
-    pools = [pool_name(r) for r in regions]
+    pools = list(dict.fromkeys(s.work_pool for s in specs))
     for p in pools:
         ensure_pool(p, pool_type, base_job_template)
-    names = []
-    for region in regions:
-        dep = learner_flow.to_deployment(
-            name=f"learner-{region}",
-            work_pool_name=pool_name(region),
-            entrypoint_type=EntrypointType.MODULE_PATH,
-            job_variables={"env": region_env(cfg, region, secret_blocks)},
-            tags=["ddiloco", f"region:{region}"],
-        )
-        dep.apply()
-        names.append(f"ddiloco-learner/learner-{region}")
-    home = regions[0]
-    # The synchronizer and the evaluator run in the first region's pool.
-    for flow_, name, full in ((synchronizer_flow, "synchronizer", "ddiloco-synchronizer/synchronizer"),
-                              (evaluate_flow, "evaluate", "ddiloco-evaluate/evaluate")):
-        flow_.to_deployment(
-            name=name,
-            work_pool_name=pool_name(home),
-            entrypoint_type=EntrypointType.MODULE_PATH,
-            job_variables={"env": region_env(cfg, home, secret_blocks)},
-            tags=["ddiloco"],
-        ).apply()
-        names.append(full)
-    training_run.to_deployment(
-        name="training-run",
-        work_pool_name=pool_name(home),
-        entrypoint_type=EntrypointType.MODULE_PATH,
-        job_variables={"env": region_env(cfg, home, secret_blocks)},
-        parameters={"config": cfg.model_dump(mode="json", exclude={"ledger", "storage"}), "launcher": "work-pools"},
-        cron=cron,
-        tags=["ddiloco"],
-    ).apply()
-    names.append("ddiloco-training-run/training-run")
-    return DeploymentPlan(pools=pools, deployments=names, automations=automation_names)
+    for spec in specs:
+        spec.build().apply()
+    return DeploymentPlan(pools=pools, deployments=[s.full_name for s in specs], automations=automation_names)
+
+
+class _JobConfiguration(BaseJobConfiguration):
+    # Every field a template's job_configuration holds (job_manifest, namespace, ...), as the worker's own class would.
+    model_config = ConfigDict(extra="allow")
+
+
+NO_API = "http://127.0.0.1:9/api"
+"""Where :func:`render_job` sends API calls when no Prefect API is configured: nowhere (only block and variable
+placeholders need one, and they should fail there)."""
+
+
+def render_job(base_job_template: dict, variables: dict[str, Any]) -> dict[str, Any]:
+    """The job configuration a worker of a pool with ``base_job_template`` builds for a deployment with these job
+    variables, by Prefect's own merge and templating (``BaseJobConfiguration.from_template_and_values``): for a
+    Kubernetes pool, ``job_manifest`` is the Job it submits and ``env`` the pod's environment."""
+    client = PrefectClient(api=PREFECT_API_URL.value() or NO_API)
+    config = asyncio.run(_JobConfiguration.from_template_and_values(base_job_template, variables, client=client))
+    return config.model_dump()

@@ -20,16 +20,23 @@ def cuda_available() -> bool:
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """``auto``: this rank's GPU (``cuda:<local_rank mod GPUs>``) when CUDA is present, else the CPU.
+    """``auto``: this rank's own GPU (``cuda:<local_rank>``) when CUDA is present, else the CPU.
 
-    ``cuda`` insists on a GPU (a ConfigError when there is none); ``cpu`` always means the CPU."""
+    ``cuda`` insists on a GPU (a ConfigError when there is none); ``cpu`` always means the CPU. A rank whose
+    ``LOCAL_RANK`` has no GPU of its own is refused: ranks sharing a GPU would run out of memory or stop NCCL."""
     if name not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"learners.device must be auto, cpu or cuda, got {name!r}")
     if name == "cpu" or (name == "auto" and not cuda_available()):
         return torch.device("cpu")
     if not cuda_available():
         raise ConfigError("learners.device is 'cuda' but torch sees no CUDA device on this machine (use auto or cpu)")
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ConfigError(
+            f"local rank {local_rank} has no GPU of its own: torch sees {count} on this machine; give the learner "
+            "one GPU per rank (learners.nproc_per_node; a pod's nvidia.com/gpu) or set learners.device: cpu"
+        )
+    return torch.device("cuda", local_rank)
 
 
 def backend_for(device: torch.device) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import tomllib
 import typing
 from pathlib import Path
@@ -176,6 +177,84 @@ class DataConfig(_Section):
         return self
 
 
+_K8S_LABEL_KEY = re.compile(r"^([a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
+_K8S_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?$")
+_K8S_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+_POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+_IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,254}$")
+
+
+class Toleration(_Section):
+    """A Kubernetes toleration of a job's pod (the fields of core/v1 ``Toleration``)."""
+
+    key: str | None = None
+    operator: Literal["Equal", "Exists"] = "Equal"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Toleration:
+        if self.key is not None and not _K8S_LABEL_KEY.match(self.key):
+            raise ValueError(f"toleration key {self.key!r} is not a Kubernetes label key")
+        if self.value is not None and not _K8S_LABEL_VALUE.match(self.value):
+            raise ValueError(f"toleration value {self.value!r} is not a Kubernetes label value")
+        if self.operator == "Exists" and self.value is not None:
+            raise ValueError("a toleration with operator Exists takes no value")
+        return self
+
+
+class PodConfig(_Section):
+    """Where the flow runs of one role run and what each gets: its deployment's Prefect job variables
+    (``ddiloco deploy``; the variables of infra/work-pools/kubernetes.json)."""
+
+    work_pool: str | None = None
+    """Prefect work pool: by default ``region-<name>`` for a region's learners, the first region's pool for the
+    control plane (synchronizer, evaluator, training-run supervisor, chaos)."""
+    work_queue: str | None = None
+    """A queue of that pool (a worker can serve one queue); the pool's default queue when unset."""
+    image: str | None = None
+    """Container image of the jobs: by default ``deploy.gpu_image`` for jobs with GPUs, else ``deploy.cpu_image``."""
+    gpus: int | None = Field(None, ge=0, le=1 << 10)
+    """``nvidia.com/gpu`` of each job's pod. Learners: by default one per rank (``learners.nproc_per_node``), 0 with
+    ``learners.device: cpu``; 0 makes a CPU region. Control plane: 0 by default."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Kubernetes node labels the pod must land on, e.g. ``{"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}``."""
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Taints the pod tolerates, e.g. ``[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]``."""
+    shm_size: str | None = None
+    """Size limit of the pod's in-memory ``/dev/shm`` (a Kubernetes quantity, e.g. ``16Gi``; it counts against the
+    pod's memory). Unset: no limit of its own. NCCL and data-loader workers need more than a container's 64 MiB."""
+
+    @field_validator("work_pool", "work_queue")
+    @classmethod
+    def _pool(cls, v: str | None) -> str | None:
+        if v is not None and not _POOL_NAME.match(v):
+            raise ValueError(f"{v!r} is not a work pool or queue name: use letters, digits, '_', '.' or '-'")
+        return v
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str | None) -> str | None:
+        if v is not None and not _IMAGE.match(v):
+            raise ValueError(f"{v!r} is not an image reference (registry/repository:tag)")
+        return v
+
+    @field_validator("node_selector")
+    @classmethod
+    def _selector(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, value in v.items():
+            if not _K8S_LABEL_KEY.match(key) or not _K8S_LABEL_VALUE.match(value):
+                raise ValueError(f"{key!r}={value!r} is not a Kubernetes node label")
+        return v
+
+    @field_validator("shm_size")
+    @classmethod
+    def _shm(cls, v: str | None) -> str | None:
+        if v is not None and not _K8S_QUANTITY.match(v):
+            raise ValueError(f"{v!r} is not a Kubernetes quantity such as 16Gi")
+        return v
+
+
 class RegionConfig(_Section):
     name: str
     learners: int = Field(1, ge=0, le=1 << 16)
@@ -184,6 +263,8 @@ class RegionConfig(_Section):
     entries are 1.0. Used to emulate mixed hardware."""
     storage_url: str | None = None
     """This region's bucket; the run-wide ``storage.url`` when unset."""
+    deploy: PodConfig = Field(default_factory=PodConfig)
+    """Where this region's learners run and what each learner's pod gets (``ddiloco deploy``)."""
 
     @field_validator("name")
     @classmethod
@@ -259,7 +340,16 @@ class LearnersConfig(_Section):
         for r in self.regions:
             if len(r.speeds) > r.learners:
                 raise ValueError(f"region {r.name!r} lists {len(r.speeds)} speeds for {r.learners} learners")
+            why = pod_gpus_problem(r.deploy.gpus, self.nproc_per_node, self.device)
+            if why:
+                raise ValueError(f"regions.{r.name}.deploy.gpus: {why}")
         return self
+
+    def pod_gpus(self, region: RegionConfig) -> int:
+        """GPUs of each learner pod of ``region``: its ``deploy.gpus``, else one per rank (none with device cpu)."""
+        if region.deploy.gpus is not None:
+            return region.deploy.gpus
+        return 0 if self.device == "cpu" else self.nproc_per_node
 
     def learner_ids(self) -> list[tuple[str, str, float]]:
         """(learner id, region, relative speed) for every learner, in a stable order."""
@@ -282,6 +372,18 @@ class LearnersConfig(_Section):
     @property
     def count(self) -> int:
         return sum(r.learners for r in self.regions)
+
+
+def pod_gpus_problem(gpus: int | None, nproc_per_node: int, device: str) -> str | None:
+    """Why a learner pod with ``gpus`` GPUs cannot hold its ranks (each rank takes GPU ``LOCAL_RANK``), or None."""
+    if gpus is None or gpus == nproc_per_node:
+        return None
+    if gpus == 0:
+        return "learners.device is cuda: a learner pod needs GPUs" if device == "cuda" else None
+    if device == "cpu":
+        return f"learners.device is cpu: the pod's {gpus} GPUs would stay idle (set 0)"
+    return (f"{gpus} GPUs for learners.nproc_per_node = {nproc_per_node} ranks: each rank takes one GPU of its own, "
+            f"so a learner pod needs {nproc_per_node} (or 0 for a CPU region)")
 
 
 class InnerOptimizerConfig(_Section):
@@ -517,6 +619,26 @@ class ChaosConfig(_Section):
     """When no events are listed, draw this many kill / pause / slow events from ``seed``."""
 
 
+class DeployConfig(_Section):
+    """What ``ddiloco deploy`` gives each deployment beyond the regions' own ``deploy`` sections."""
+
+    gpu_image: str = "ddiloco:cuda"
+    """Image of jobs with GPUs (the Dockerfile's ``cuda`` target, pushed to your registry)."""
+    cpu_image: str = "ddiloco:cpu"
+    """Image of jobs without GPUs (the Dockerfile's ``cpu`` target): the control plane and CPU regions."""
+    metrics_port: int = Field(9100, ge=1, le=65535)
+    """Port of each job's Prometheus ``/metrics`` (``DDILOCO_METRICS_PORT`` in the pod, exposed as port ``metrics``)."""
+    control: PodConfig = Field(default_factory=PodConfig)
+    """The synchronizer, the evaluator, the training-run supervisor and chaos: a CPU pool or queue by default."""
+
+    @field_validator("gpu_image", "cpu_image")
+    @classmethod
+    def _image(cls, v: str) -> str:
+        if not _IMAGE.match(v):
+            raise ValueError(f"{v!r} is not an image reference (registry/repository:tag)")
+        return v
+
+
 class RunConfig(BaseSettings):
     """Everything that defines a run. Saved in the ledger with every run."""
 
@@ -542,6 +664,7 @@ class RunConfig(BaseSettings):
     ledger: LedgerConfig = Field(default_factory=LedgerConfig)
     synchronizer: SynchronizerConfig = Field(default_factory=SynchronizerConfig)
     chaos: ChaosConfig = Field(default_factory=ChaosConfig)
+    deploy: DeployConfig = Field(default_factory=DeployConfig)
 
     @field_validator("name")
     @classmethod

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -14,7 +14,9 @@ EXEC = ["docker", "compose", "-f", "infra/compose.yaml", "exec"]
 """How the README runs a command inside a compose service: ``docker compose -f infra/compose.yaml exec SERVICE …``."""
 
 COMMAND_SPAN = re.compile(r"^(?:[A-Z][A-Z0-9_]*=\S+ )*(?:ddiloco|prefect|docker|cp) \S")
-"""An inline code span that is a command line (``ddiloco demo``, ``DDILOCO_IMAGE=… prefect deploy …``), not a name."""
+"""An inline code span that is a command line (``ddiloco demo``, ``DDILOCO_X=… ddiloco deploy …``), not a name."""
+
+ASSIGNMENT = re.compile(r"^[A-Z][A-Z0-9_]*=")
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,9 @@ class Command:
     service: str | None
     """The compose service it runs in (``docker compose … exec SERVICE``); None: on the user's own machine."""
     argv: list[str]
-    """What runs, without the ``docker compose … exec SERVICE`` prefix."""
+    """What runs, without the ``docker compose … exec SERVICE`` prefix and the leading ``NAME=value`` assignments."""
+    env: dict[str, str] = field(default_factory=dict)
+    """The ``NAME=value`` assignments the line starts with: the command's environment beyond the caller's."""
 
 
 def section(title: str = ORCHESTRATION, text: str | None = None) -> str:
@@ -40,7 +44,11 @@ def parse(line: str) -> Command:
     argv = shlex.split(line, comments=True)
     if argv[: len(EXEC)] == EXEC:
         return Command(line, argv[len(EXEC)], argv[len(EXEC) + 1:])
-    return Command(line, None, argv)
+    env = {}
+    while argv and ASSIGNMENT.match(argv[0]):
+        name, _, value = argv.pop(0).partition("=")
+        env[name] = value
+    return Command(line, None, argv, env)
 
 
 def fenced_commands(title: str = ORCHESTRATION, text: str | None = None) -> list[Command]:
