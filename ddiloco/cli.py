@@ -423,6 +423,7 @@ def data_prepare(
     hf_dataset: str | None = typer.Option(None, "--hf-dataset", help="A Hugging Face dataset (save_to_disk folder or load_dataset path)."),
     tokenizer: str | None = typer.Option(None, "--tokenizer", help="A tokenizer.json or a tokenizer directory."),
     train_tokenizer: int | None = typer.Option(None, "--train-tokenizer", min=260, help="Train a byte-level BPE of this vocabulary."),
+    eos: str | None = typer.Option(None, "--eos", help="The token that ends every document (default: the tokenizer's own)."),
     shard_tokens: int = typer.Option(50_000_000, "--shard-tokens", min=1, help="Tokens per training shard."),
     val_fraction: float = typer.Option(0.01, "--val-fraction", help="Share of documents in the validation shard."),
     text_column: str = typer.Option("text", "--text-column", help="The text field of jsonl / parquet / datasets."),
@@ -443,7 +444,7 @@ def data_prepare(
                       TimeElapsedColumn(), console=err_console) as bar:
             task = bar.add_task("tokenizing", total=corpus.count, tokens=0)
             manifest = prepare(
-                corpus, out, tokenizer=tokenizer, train_tokenizer=train_tokenizer, shard_tokens=shard_tokens,
+                corpus, out, tokenizer=tokenizer, train_tokenizer=train_tokenizer, eos=eos, shard_tokens=shard_tokens,
                 val_fraction=val_fraction, fmt=fmt, progress=lambda docs, toks: bar.update(task, completed=docs, tokens=toks),
             )
     except ConfigError as err:

@@ -68,8 +68,8 @@ class ModelConfig(_Section):
     """kind hf: keyword arguments of ``transformers.AutoConfig.for_model`` (``model_type`` included);
     ``vocab_size`` defaults to model.vocab_size."""
     hf_path: str | None = None
-    """kind hf: a local ``save_pretrained`` directory whose config.json gives the architecture (its
-    weights are used only through ``init_from``)."""
+    """kind hf: a ``save_pretrained`` directory (local or any fsspec URL) whose config.json gives the
+    architecture (its weights are used only through ``init_from``)."""
     titan_args: dict[str, Any] = Field(default_factory=dict)
     """kind torchtitan: fields of torchtitan's Llama 3 model config (dim, n_layers, n_heads, …)."""
     init_from: str | None = None
@@ -147,7 +147,10 @@ class DataConfig(_Section):
     dtype: Literal["uint16", "uint32"] = "uint16"
     """tokens without a manifest: the element type of .bin shards."""
     tokenizer: str | None = None
-    """A tokenizer.json, or a directory holding one or a save_pretrained tokenizer (local or fsspec)."""
+    """A tokenizer.json, or a directory holding one or a save_pretrained tokenizer (local or any fsspec URL)."""
+    eos: str | None = None
+    """text and hf: the token that ends every document; by default the tokenizer's own end-of-text token
+    (a save_pretrained directory's ``eos_token``, ``<|endoftext|>`` in a bare tokenizer.json)."""
     hf_dataset: str | None = None
     """hf: a ``save_to_disk`` directory, or a path ``datasets.load_dataset`` reads (local or fsspec)."""
     hf_split: str = "train"
