@@ -111,6 +111,13 @@ class ModelConfig(_Section):
                 raise ValueError(why)
         return self
 
+    def in_use(self) -> dict[str, Any]:
+        """The fields this model kind reads (what ``ddiloco config`` shows); the others are ignored by it."""
+        keep = {"kind", "init_from", *_KIND_FIELDS[self.kind]}
+        if self.kind == "hf":
+            keep.discard("hf_config" if self.hf_config is None else "hf_path")
+        return {k: v for k, v in self.model_dump(mode="json").items() if k in keep}
+
     def hf_mismatch(self, hf: dict[str, Any]) -> str | None:
         """Why a Hugging Face config's vocabulary or context disagrees with this one, or None."""
         vocab = hf.get("vocab_size")
@@ -120,6 +127,18 @@ class ModelConfig(_Section):
         if context is not None and context < self.seq_len:
             return f"model.seq_len ({self.seq_len}) exceeds the Hugging Face config's max_position_embeddings ({context})"
         return None
+
+
+_GPT_FIELDS = ("n_layer", "d_model", "n_head", "seq_len", "vocab_size", "dropout")
+_KIND_FIELDS: dict[str, tuple[str, ...]] = {
+    "gpt": _GPT_FIELDS,
+    "moe_gpt": (*_GPT_FIELDS, "n_experts", "top_k", "aux_loss_coef"),
+    "vision": ("image_size", "n_classes", "dropout"),
+    "import": ("import_path", "kwargs", "seq_len", "vocab_size"),
+    "hf": ("hf_config", "hf_path", "seq_len", "vocab_size"),
+    "torchtitan": ("titan_args", "seq_len", "vocab_size"),
+}
+"""The ModelConfig fields each kind reads besides kind and init_from (seq_len and vocab_size: the data's too)."""
 
 
 class DataConfig(_Section):
