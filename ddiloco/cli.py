@@ -21,7 +21,7 @@ from rich.table import Table
 
 from ddiloco.bench.command import bench_app
 from ddiloco.platform.config import ConfigError, RunConfig, load_config, world_size_problem
-from ddiloco.platform.redact import RedactingFilter, mask_tree, redact_url
+from ddiloco.platform.redact import RedactingFilter, redact_url
 from ddiloco.simulator.command import simulate_command
 from ddiloco.ui.command import ui_command
 
@@ -423,6 +423,7 @@ def data_prepare(
     hf_dataset: str | None = typer.Option(None, "--hf-dataset", help="A Hugging Face dataset (save_to_disk folder or load_dataset path)."),
     tokenizer: str | None = typer.Option(None, "--tokenizer", help="A tokenizer.json or a tokenizer directory."),
     train_tokenizer: int | None = typer.Option(None, "--train-tokenizer", min=260, help="Train a byte-level BPE of this vocabulary."),
+    eos: str | None = typer.Option(None, "--eos", help="The token that ends every document (default: the tokenizer's own)."),
     shard_tokens: int = typer.Option(50_000_000, "--shard-tokens", min=1, help="Tokens per training shard."),
     val_fraction: float = typer.Option(0.01, "--val-fraction", help="Share of documents in the validation shard."),
     text_column: str = typer.Option("text", "--text-column", help="The text field of jsonl / parquet / datasets."),
@@ -443,7 +444,7 @@ def data_prepare(
                       TimeElapsedColumn(), console=err_console) as bar:
             task = bar.add_task("tokenizing", total=corpus.count, tokens=0)
             manifest = prepare(
-                corpus, out, tokenizer=tokenizer, train_tokenizer=train_tokenizer, shard_tokens=shard_tokens,
+                corpus, out, tokenizer=tokenizer, train_tokenizer=train_tokenizer, eos=eos, shard_tokens=shard_tokens,
                 val_fraction=val_fraction, fmt=fmt, progress=lambda docs, toks: bar.update(task, completed=docs, tokens=toks),
             )
     except ConfigError as err:
@@ -621,17 +622,20 @@ def export_command(
 
 
 @app.command("config")
-def show_config(config: Path | None = ConfigOpt) -> None:
-    """Validate a config and print the effective values (file + env overrides)."""
-    from ddiloco.platform.tokenize import check_vocab
+def show_config(
+    config: Path | None = ConfigOpt,
+    offline: bool = typer.Option(False, "--offline", help="Validate the config alone: read no data, model file, store or ledger."),
+) -> None:
+    """Validate a config, print the effective values (file + env overrides) and check what a run will touch."""
+    from ddiloco.platform.preflight import preflight, shown_config
 
     cfg = _config(config)
-    try:
-        check_vocab(cfg.model, cfg.data)
-    except ConfigError as err:
-        err_console.print(f"[red]error:[/red] {escape(str(err))}")
-        raise typer.Exit(2) from None
-    console.print_json(json.dumps(mask_tree(cfg.model_dump(mode="json"))))
+    console.print_json(json.dumps(shown_config(cfg)))
+    lines, ok = preflight(cfg, offline=offline)
+    for line in lines:
+        err_console.print(escape(line), highlight=False)
+    if not ok:
+        raise typer.Exit(2)
 
 
 ENV_STORAGE = ("DDILOCO_LEDGER__URL", "DDILOCO_STORAGE__URL")

@@ -18,6 +18,7 @@ from typing import Any
 import fsspec
 import numpy as np
 from fsspec.core import url_to_fs
+from fsspec.utils import infer_compression
 
 from ddiloco.platform.config import ConfigError
 from ddiloco.platform.manifest import Manifest, ShardEntry, write_manifest
@@ -45,27 +46,35 @@ class Corpus:
     """What the corpus is (its package list and digest), kept in the manifest's ``extra``."""
 
 
+def _kind(url: str) -> str:
+    """jsonl, parquet or text, from the file's name less a compression suffix fsspec knows (``a.jsonl.gz`` is jsonl)."""
+    name = url.lower()
+    if infer_compression(name):
+        name = name.rsplit(".", 1)[0]
+    return "jsonl" if name.endswith((".jsonl", ".ndjson")) else "parquet" if name.endswith((".parquet", ".pq")) else "text"
+
+
 def _file_texts(url: str, column: str) -> Iterator[str]:
-    lower = url.lower()
-    if lower.endswith((".jsonl", ".ndjson")):
-        with fsspec.open(url, "rt", encoding="utf-8") as f:
+    kind = _kind(url)
+    if kind == "jsonl":
+        with fsspec.open(url, "rt", encoding="utf-8", compression="infer") as f:
             for n, line in enumerate(f, 1):
                 if line.strip():
                     try:
                         yield str(json.loads(line)[column])
                     except (ValueError, KeyError, TypeError) as err:
                         raise ConfigError(f"{url!r} line {n}: no text field {column!r} in a JSON object ({err!r})") from None
-    elif lower.endswith((".parquet", ".pq")):
+    elif kind == "parquet":
         import pyarrow.parquet as pq
 
-        with fsspec.open(url, "rb") as f:
+        with fsspec.open(url, "rb", compression="infer") as f:
             pf = pq.ParquetFile(f)
             if column not in pf.schema_arrow.names:
                 raise ConfigError(f"{url!r} has no column {column!r} (columns: {', '.join(pf.schema_arrow.names)})")
             for g in range(pf.num_row_groups):
                 yield from (str(t or "") for t in pf.read_row_group(g, columns=[column]).column(0).to_pylist())
     else:
-        with fsspec.open(url, "rb") as f:
+        with fsspec.open(url, "rb", compression="infer") as f:
             yield f.read().decode("utf-8", "replace")
 
 
@@ -101,7 +110,7 @@ def file_corpus(pattern: str, column: str = "text", max_bytes: int | None = None
         for u in urls:
             yield from _file_texts(u, column)
 
-    return Corpus(count=None if any(u.lower().endswith((".jsonl", ".ndjson", ".parquet", ".pq")) for u in urls) else len(urls),
+    return Corpus(count=None if any(_kind(u) != "text" for u in urls) else len(urls),
                   texts=texts, where=f"--input {pattern}")
 
 
@@ -342,6 +351,7 @@ def prepare(
     *,
     tokenizer: str | None = None,
     train_tokenizer: int | None = None,
+    eos: str | None = None,
     shard_tokens: int = 50_000_000,
     val_fraction: float = 0.01,
     fmt: str = "bin",
@@ -349,6 +359,8 @@ def prepare(
 ) -> Manifest:
     """Tokenize ``corpus`` into shards under ``out`` and write ``out/manifest.json``; the manifest.
 
+    Every document ends with ``eos`` when given, else with the tokenizer's own end-of-text token (a trained BPE's is
+    ``<|endoftext|>``); a tokenizer that names none is refused, as its documents would run together.
     ``progress(documents, tokens)`` is called after every batch of documents."""
     if (tokenizer is None) == (train_tokenizer is None):
         raise ConfigError("give exactly one of --tokenizer and --train-tokenizer")
@@ -360,16 +372,20 @@ def prepare(
     if train_tokenizer is not None:
         text = train_bpe((corpus.tokenizer_texts or corpus.texts)(), train_tokenizer)
         write_text(tokenizer_json_url(out), text)
-        tok: TextTokenizer = load_tokenizer(tokenizer_json_url(out))
+        tok: TextTokenizer = load_tokenizer(tokenizer_json_url(out), eos)
     else:
         assert tokenizer is not None
-        tok = load_tokenizer(tokenizer)
+        tok = load_tokenizer(tokenizer, eos)
+        if tok.eot_id is None:
+            raise ConfigError(f"--tokenizer {tokenizer!r} names no end-of-text token, so documents would run together: "
+                              "pass --eos TOKEN (the token that ends a document)")
         if tok.json is not None:
             write_text(tokenizer_json_url(out), tok.json)
+    assert tok.eot_id is not None  # train_bpe's vocabulary holds EOT
     dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
     train = _ShardWriter(out, "train", dtype, shard_tokens, fmt)
     val = _ShardWriter(out, "val", dtype, None, fmt)
-    eot = [] if tok.eot_id is None else [tok.eot_id]
+    eot = [tok.eot_id]
     docs = tokens = 0
     last: list[int] | None = None
     pending: list[str] = []

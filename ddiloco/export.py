@@ -28,6 +28,7 @@ from ddiloco.platform.models.hf import is_hf
 from ddiloco.platform.models.weights import WEIGHTS_FILE
 from ddiloco.platform.run_state import read_version
 from ddiloco.platform.runtime import RunContext
+from ddiloco.platform.tokenize import TOKENIZER_FILES
 from ddiloco.synchronizer.evaluation import load_params, newest_params
 
 Format = Literal["hf", "safetensors"]
@@ -81,14 +82,6 @@ def global_params(ctx: RunContext, version: int | None = None) -> tuple[dict[str
             )
         pieces.update(read_version(store, row))
     return assemble(pieces), {f: row.version for f, row in rows.items()}
-
-
-TOKENIZER_FILES = frozenset({
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja",
-})
-"""What ``save_pretrained`` writes for a tokenizer: the files an export copies from a tokenizer directory
-(which may hold much else, e.g. the token shards ``data prepare`` wrote beside its tokenizer.json)."""
 
 
 def _tokenizer_files(cfg: RunConfig) -> list[tuple[str, str]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,8 @@ from ddiloco.testing.net import wait_for
 from ddiloco.testing.processes import ProcessRun
 
 # ProcessRun and wait_for live in ddiloco.testing; re-exported for the tests that import them from here.
-__all__ = ["TINY_LLAMA", "ProcessRun", "drive", "setup_run", "shapes_of", "sim_run", "submit_raw", "tiny_config", "wait_for"]
+__all__ = ["TINY_LLAMA", "ProcessRun", "drive", "eos_bpe", "setup_run", "shapes_of", "sim_run", "slow_tokenizer_dir", "submit_raw",
+           "tiny_config", "upload", "wait_for"]
 
 TINY_LLAMA = {
     "model_type": "llama",
@@ -26,6 +28,35 @@ TINY_LLAMA = {
     "tie_word_embeddings": True,
 }
 """A two-layer Llama's Hugging Face config, small enough to train in milliseconds (model.kind: hf)."""
+
+
+def eos_bpe(texts: list[str], vocab_size: int = 300, eos: str = "</s>") -> str:
+    """A trained byte-level BPE's tokenizer.json whose end-of-text token is ``eos`` (id 0), not ``<|endoftext|>``."""
+    from ddiloco.platform.tokenize import EOT, train_bpe
+
+    return train_bpe(texts, vocab_size).replace(json.dumps(EOT), json.dumps(eos))
+
+
+def slow_tokenizer_dir(tokenizer_json: str, out: Path, eos: str = "</s>") -> Path:
+    """A GPT-2 tokenizer folder without a tokenizer.json (vocab.json, merges.txt, tokenizer_config.json naming ``eos``)."""
+    model = json.loads(tokenizer_json)["model"]
+    out.mkdir(parents=True)
+    (out / "vocab.json").write_text(json.dumps(model["vocab"]))
+    (out / "merges.txt").write_text("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in model["merges"]))
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", "eos_token": eos, "unk_token": eos, "bos_token": eos, "add_prefix_space": False}))
+    return out
+
+
+def upload(local: Path, url: str) -> str:
+    """Copy a local folder's files to ``url`` (any fsspec URL); the URL."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    fs.makedirs(root, exist_ok=True)
+    for path in sorted(local.iterdir()):
+        fs.put_file(str(path), f"{root}/{path.name}")
+    return url
 
 
 def tiny_config(**sections: Any) -> RunConfig:

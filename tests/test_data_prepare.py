@@ -8,6 +8,7 @@ import json
 import fsspec
 import numpy as np
 import pytest
+from support import eos_bpe, upload
 from typer.testing import CliRunner
 
 from ddiloco.cli import app
@@ -133,6 +134,40 @@ def test_prepare_from_a_saved_hf_dataset(tmp_path):
     assert manifest.tokenizer_sha256 == tokenizer.tokenizer_sha256
     tok = load_tokenizer(str(tmp_path / "tok" / "tokenizer.json"))
     assert manifest.train_tokens + manifest.val.tokens == sum(len(ids) + 1 for ids in tok.encode_batch(DOCS))
+
+
+def test_compressed_input_and_the_tokenizers_own_end_of_text(store_url, tmp_path):
+    """.jsonl.gz and .txt.gz are read as what they hold; documents end with the tokenizer's eos_token (here </s>, id 0)."""
+    from transformers import PreTrainedTokenizerFast
+
+    with fsspec.open(f"{store_url}/in/a.jsonl.gz", "wt", compression="gzip") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in DOCS[:30])
+    with fsspec.open(f"{store_url}/in/b.txt.gz", "wt", compression="gzip") as f:
+        f.write(DOCS[30])
+    (tmp_path / "bare.json").write_text(eos_bpe(DOCS))
+    PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "bare.json"), eos_token="</s>").save_pretrained(tmp_path / "tok")
+    tokenizer = upload(tmp_path / "tok", f"{store_url}/tok")
+
+    corpus = file_corpus(f"{store_url}/in/*")
+    manifest = prepare(corpus, f"{store_url}/out", tokenizer=tokenizer, val_fraction=0.1)
+    tok = load_tokenizer(tokenizer)
+    assert manifest.eot_id == tok.eot_id == 0 and manifest.extra["documents"] == 31
+    encoded = [ids + [0] for ids in tok.encode_batch(DOCS[:31])]
+    ds = build_dataset(DataConfig(source="tokens", manifest=f"{store_url}/out/manifest.json", block_tokens=1024),
+                       ModelConfig(seq_len=16, vocab_size=300))
+    val = {i for i in range(31) if is_val(i, 0.1)} or {30}  # the last document validates when no other does
+    assert ds.train.read(0, ds.train.tokens).tolist() == [t for i, ids in enumerate(encoded) if i not in val for t in ids]
+    assert ds.val.read(0, ds.val.tokens).tolist() == [t for i, ids in enumerate(encoded) if i in val for t in ids]
+
+    # A bare tokenizer.json names no end of text (it lacks <|endoftext|>): refused, unless --eos says which token it is.
+    with pytest.raises(ConfigError, match="names no end-of-text token, so documents would run together: pass --eos"):
+        prepare(corpus, f"{store_url}/refused", tokenizer=str(tmp_path / "bare.json"))
+    args = ["data", "prepare", "--input", f"{store_url}/in/*", "--tokenizer", str(tmp_path / "bare.json"), "--val-fraction", "0.1"]
+    result = CliRunner().invoke(app, [*args, "--eos", "</s>", "--out", f"{store_url}/eos"])
+    assert result.exit_code == 0, result.output
+    assert read_manifest(f"{store_url}/eos/manifest.json").train == manifest.train  # the same shards, byte for byte
+    result = CliRunner().invoke(app, [*args, "--eos", "<eos>", "--out", f"{store_url}/unknown"])
+    assert result.exit_code == 2 and "end-of-text token '<eos>' is not in the vocabulary" in result.output
 
 
 def test_site_packages_corpus_splits_whole_packages():

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from support import eos_bpe, slow_tokenizer_dir, upload
 from typer.testing import CliRunner
 
 from ddiloco.platform.config import ConfigError, DataConfig, ModelConfig
@@ -146,3 +147,39 @@ def test_text_errors(tmp_path, tokenizer_file):
         build_dataset(DataConfig(source="text", shards=[str(tmp_path / "a.jsonl")], tokenizer=tokenizer_file), model)
     with pytest.raises(ValueError, match="needs data.tokenizer"):
         DataConfig(source="text", shards=["a.jsonl"])
+
+
+def test_a_tokenizer_folder_at_any_url_ends_documents_with_its_own_eos(store_url, tmp_path):
+    """A save_pretrained folder without tokenizer.json, local or remote (copied once into a local folder for transformers)."""
+    text = eos_bpe([doc(i) for i in range(400)])
+    (tmp_path / "bare.json").write_text(text)
+    local = slow_tokenizer_dir(text, tmp_path / "slow")
+    remote = upload(local, f"{store_url}/slow")
+    with fsspec.open(f"{remote}/train-00000.bin", "wb") as f:  # what else a folder holds is not a tokenizer file
+        f.write(b"\0" * 64)
+    here, there, bare = load_tokenizer(str(local)), load_tokenizer(remote), load_tokenizer(str(tmp_path / "bare.json"))
+    assert here.eot == there.eot == "</s>" and here.eot_id == there.eot_id == 0 and there.json is None
+    assert here.vocab_size == there.vocab_size == bare.vocab_size == 300 and here.sha256 == there.sha256
+    assert there.encode_batch([doc(1), doc(2)]) == bare.encode_batch([doc(1), doc(2)])
+    # A bare tokenizer.json names no end-of-text token unless it holds <|endoftext|>: say which, or be refused.
+    assert bare.eot_id is None and load_tokenizer(str(tmp_path / "bare.json"), "</s>").eot_id == 0
+    with pytest.raises(ConfigError, match="end-of-text token '<eos>' is not in the vocabulary"):
+        load_tokenizer(remote, "<eos>")
+
+    with fsspec.open(f"{store_url}/docs.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": doc(i)}) + "\n" for i in range(40))
+    model = ModelConfig(seq_len=T, vocab_size=300)
+    ds = build_dataset(DataConfig(source="text", shards=[f"{store_url}/docs.jsonl"], tokenizer=remote), model)
+    assert ds.tokenizer.eot_id == 0
+    bare_data = DataConfig(source="text", shards=[f"{store_url}/docs.jsonl"], tokenizer=str(tmp_path / "bare.json"))
+    with pytest.raises(ConfigError, match="names no end-of-text token, so documents would run together: set data.eos"):
+        TextDataset(bare_data, T)
+    assert TextDataset(bare_data.model_copy(update={"eos": "</s>"}), T).tokenizer.eot_id == 0
+
+
+def test_compressed_text_files_are_refused_with_what_to_do(tmp_path, tokenizer_file):
+    with fsspec.open(str(tmp_path / "a.jsonl.gz"), "wt", compression="gzip") as f:
+        f.writelines(json.dumps({"text": doc(i)}) + "\n" for i in range(40))
+    data = DataConfig(source="text", shards=[str(tmp_path / "*.jsonl.gz")], tokenizer=tokenizer_file)
+    with pytest.raises(ConfigError, match=r"is gzip-compressed: .* tokenize it with 'ddiloco data prepare' instead"):
+        build_dataset(data, ModelConfig(seq_len=T, vocab_size=512))

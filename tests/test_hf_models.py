@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import TINY_LLAMA
+from support import TINY_LLAMA, upload
 
 from ddiloco.platform.config import ConfigError, ModelConfig, build_config
 from ddiloco.platform.data import Batch
 from ddiloco.platform.fragments import partition_module
 from ddiloco.platform.models import build_model, compute_loss, evaluate
+from ddiloco.platform.models.weights import INDEX_FILE, WEIGHTS_FILE, load_weights, read_weights
 from ddiloco.synchronizer.evaluation import load_params
 
 pytest.importorskip("transformers")
@@ -74,6 +75,21 @@ def test_hf_path_builds_the_saved_architecture_and_checks_it(tmp_path):
         build_model(ModelConfig(kind="hf", hf_path=str(tmp_path / "llama"), vocab_size=512, seq_len=32))
     with pytest.raises(ConfigError, match="no config.json there"):
         build_model(ModelConfig(kind="hf", hf_path=str(tmp_path / "nowhere"), seq_len=32))
+
+
+def test_hf_path_and_init_from_read_a_save_pretrained_folder_at_any_url(store_url, tmp_path):
+    saved = build_model(tiny(), seed=0)
+    saved.save_pretrained(tmp_path / "llama", max_shard_size="20KB")  # sharded: model.safetensors.index.json and its shards
+    assert (tmp_path / "llama" / INDEX_FILE).is_file() and not (tmp_path / "llama" / WEIGHTS_FILE).exists()
+    url = upload(tmp_path / "llama", f"{store_url}/llama")
+    cfg = ModelConfig(kind="hf", hf_path=url, init_from=url, vocab_size=256, seq_len=32)
+    rebuilt = load_weights(build_model(cfg, seed=1), read_weights(cfg.init_from or ""), "model.init_from")
+    assert [(n, p.shape) for n, p in rebuilt.named_parameters()] == [(n, p.shape) for n, p in saved.named_parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(rebuilt.parameters(), saved.parameters(), strict=True))
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(512\) differs"):
+        build_model(ModelConfig(kind="hf", hf_path=url, vocab_size=512, seq_len=32))
+    with pytest.raises(ConfigError, match="no config.json there"):
+        build_model(ModelConfig(kind="hf", hf_path=f"{store_url}/nowhere", seq_len=32))
 
 
 def _titan_or_skip() -> None:

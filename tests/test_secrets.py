@@ -38,9 +38,10 @@ def test_config_command_masks_the_ledger_password_and_store_secrets(tmp_path):
     env = {"DDILOCO_LEDGER__URL": f"postgresql+psycopg://ddiloco:{PASSWORD}@db.internal:5432/ddiloco",
            "DDILOCO_STORAGE__SECRETS__KEY": STORE_KEY, "DDILOCO_STORAGE__SECRETS__SECRET": STORE_SECRET}
     out = subprocess.run([sys.executable, "-m", "ddiloco", "config"], env={**os.environ, **env}, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 2, out.stderr  # db.internal cannot be reached from here, and the check says so
     shown = json.loads(out.stdout)
     assert not leaks(out.stdout + out.stderr)
+    assert "error: ledger postgresql+psycopg://ddiloco:***@db.internal:5432/ddiloco" in out.stderr, out.stderr
     assert shown["ledger"]["url"] == "postgresql+psycopg://ddiloco:***@db.internal:5432/ddiloco"
     assert set(shown["storage"]["secrets"]) == {"key", "secret"}
 

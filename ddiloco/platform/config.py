@@ -69,8 +69,8 @@ class ModelConfig(_Section):
     """kind hf: keyword arguments of ``transformers.AutoConfig.for_model`` (``model_type`` included);
     ``vocab_size`` defaults to model.vocab_size."""
     hf_path: str | None = None
-    """kind hf: a local ``save_pretrained`` directory whose config.json gives the architecture (its
-    weights are used only through ``init_from``)."""
+    """kind hf: a ``save_pretrained`` directory (local or any fsspec URL) whose config.json gives the
+    architecture (its weights are used only through ``init_from``)."""
     titan_args: dict[str, Any] = Field(default_factory=dict)
     """kind torchtitan: fields of torchtitan's Llama 3 model config (dim, n_layers, n_heads, …)."""
     init_from: str | None = None
@@ -112,6 +112,13 @@ class ModelConfig(_Section):
                 raise ValueError(why)
         return self
 
+    def in_use(self) -> dict[str, Any]:
+        """The fields this model kind reads (what ``ddiloco config`` shows); the others are ignored by it."""
+        keep = {"kind", "init_from", *_KIND_FIELDS[self.kind]}
+        if self.kind == "hf":
+            keep.discard("hf_config" if self.hf_config is None else "hf_path")
+        return {k: v for k, v in self.model_dump(mode="json").items() if k in keep}
+
     def hf_mismatch(self, hf: dict[str, Any]) -> str | None:
         """Why a Hugging Face config's vocabulary or context disagrees with this one, or None."""
         vocab = hf.get("vocab_size")
@@ -121,6 +128,18 @@ class ModelConfig(_Section):
         if context is not None and context < self.seq_len:
             return f"model.seq_len ({self.seq_len}) exceeds the Hugging Face config's max_position_embeddings ({context})"
         return None
+
+
+_GPT_FIELDS = ("n_layer", "d_model", "n_head", "seq_len", "vocab_size", "dropout")
+_KIND_FIELDS: dict[str, tuple[str, ...]] = {
+    "gpt": _GPT_FIELDS,
+    "moe_gpt": (*_GPT_FIELDS, "n_experts", "top_k", "aux_loss_coef"),
+    "vision": ("image_size", "n_classes", "dropout"),
+    "import": ("import_path", "kwargs", "seq_len", "vocab_size"),
+    "hf": ("hf_config", "hf_path", "seq_len", "vocab_size"),
+    "torchtitan": ("titan_args", "seq_len", "vocab_size"),
+}
+"""The ModelConfig fields each kind reads besides kind and init_from (seq_len and vocab_size: the data's too)."""
 
 
 class DataConfig(_Section):
@@ -148,7 +167,10 @@ class DataConfig(_Section):
     dtype: Literal["uint16", "uint32"] = "uint16"
     """tokens without a manifest: the element type of .bin shards."""
     tokenizer: str | None = None
-    """A tokenizer.json, or a directory holding one or a save_pretrained tokenizer (local or fsspec)."""
+    """A tokenizer.json, or a directory holding one or a save_pretrained tokenizer (local or any fsspec URL)."""
+    eos: str | None = None
+    """text and hf: the token that ends every document; by default the tokenizer's own end-of-text token
+    (a save_pretrained directory's ``eos_token``, ``<|endoftext|>`` in a bare tokenizer.json)."""
     hf_dataset: str | None = None
     """hf: a ``save_to_disk`` directory, or a path ``datasets.load_dataset`` reads (local or fsspec)."""
     hf_split: str = "train"

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 from fsspec.core import url_to_fs
+from fsspec.utils import infer_compression
 
 from ddiloco.platform.config import ConfigError, DataConfig
 from ddiloco.platform.data.core import Batch, check_stream_args, epoch_order, rows_batch, stable_hash
@@ -161,6 +162,14 @@ class HFUnits:
         return [str(t or "") for t in self.ds[idx][self.column]]
 
 
+def refuse_compressed(url: str) -> None:
+    """A text source's file must allow ranged reads: a compressed one (by its suffix, as fsspec infers it) is refused."""
+    compression = infer_compression(url)
+    if compression:
+        raise ConfigError(f"text file {url!r} is {compression}-compressed: data.source 'text' reads documents with ranged "
+                          "reads, which compressed files do not allow; tokenize it with 'ddiloco data prepare' instead")
+
+
 def text_units(data: DataConfig, seq_len: int) -> Units:
     if data.source == "hf":
         assert data.hf_dataset is not None  # the config validator guarantees it
@@ -170,6 +179,7 @@ def text_units(data: DataConfig, seq_len: int) -> Units:
         raise ConfigError(f"data.shards {data.shards} matched no files")
     files: list[Any] = []
     for url in urls:
+        refuse_compressed(url)
         try:
             if url.lower().endswith(JSONL_SUFFIXES):
                 files.append(_JsonlFile(url, data.text_column))
@@ -190,7 +200,10 @@ class TextDataset:
         self.seq_len = seq_len
         self.n_val_batches = data.val_batches
         assert data.tokenizer is not None  # the config validator guarantees it
-        self.tokenizer = tokenizer or load_tokenizer(data.tokenizer)
+        self.tokenizer = tokenizer or load_tokenizer(data.tokenizer, data.eos)
+        if self.tokenizer.eot_id is None:
+            raise ConfigError(f"data.tokenizer {data.tokenizer!r} names no end-of-text token, so documents would run together: "
+                              "set data.eos to the token that ends a document")
         self.vocab_size = self.tokenizer.vocab_size
         self.units = text_units(data, seq_len)
         n = len(self.units)

@@ -1,4 +1,5 @@
-"""``model.kind: hf``: a Hugging Face ``transformers`` causal LM, from a config dict or a save_pretrained directory.
+"""``model.kind: hf``: a Hugging Face ``transformers`` causal LM, from a config dict or a save_pretrained directory
+(local or any fsspec URL: only its config.json is read).
 
 The model is used as transformers builds it (no wrapper), so its parameter names are the ones
 ``save_pretrained`` writes and ``from_pretrained`` reads; tied input and output embeddings are one
@@ -7,10 +8,11 @@ parameter, so ``named_parameters()`` lists it once and a fragment holds it once.
 from __future__ import annotations
 
 import json
-from pathlib import Path
+import posixpath
 from typing import Any
 
 import torch
+from fsspec.core import url_to_fs
 from torch import nn
 
 from ddiloco.platform.config import ConfigError, ModelConfig
@@ -18,16 +20,21 @@ from ddiloco.platform.config import ConfigError, ModelConfig
 
 def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
     """The Hugging Face config as a plain dict: ``model.hf_config`` (vocab_size defaulting to
-    model.vocab_size) or the config.json of ``model.hf_path``."""
+    model.vocab_size) or the config.json of ``model.hf_path`` (a local folder or any fsspec URL)."""
     if cfg.hf_config is not None:
         return {"vocab_size": cfg.vocab_size, **cfg.hf_config}
     assert cfg.hf_path is not None  # the config validator guarantees one of the two
-    path = Path(cfg.hf_path) / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"model.hf_path {cfg.hf_path!r}: no config.json there (expected a save_pretrained directory)")
+    fs, root = url_to_fs(cfg.hf_path)
+    path = posixpath.join(root.rstrip("/"), "config.json")
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
+        raw = fs.cat_file(path)
+    except FileNotFoundError:
+        raise ConfigError(f"model.hf_path {cfg.hf_path!r}: no config.json there (expected a save_pretrained directory)") from None
+    except OSError as err:
+        raise ConfigError(f"model.hf_path {cfg.hf_path!r}: config.json cannot be read: {' '.join(str(err).split())}") from None
+    try:
+        data = json.loads(raw)
+    except ValueError as err:
         raise ConfigError(f"model.hf_path {cfg.hf_path!r}: config.json does not parse: {err}") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise ConfigError(f"model.hf_path {cfg.hf_path!r}: config.json has no model_type")

@@ -36,8 +36,9 @@ def _read_file(fs: fsspec.AbstractFileSystem, path: str, source: str) -> dict[st
         raise WeightsError(f"{source}: {path} is not a readable safetensors file: {err}") from None
 
 
-def read_weights(url: str, source: str | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors file or directory at ``url`` (a path or any fsspec URL); errors start with ``source``."""
+def weight_files(url: str, source: str | None = None) -> tuple[fsspec.AbstractFileSystem, list[str]]:
+    """The safetensors files that hold the weights at ``url`` (a file, or a directory with ``model.safetensors`` or a sharded
+    index), without reading them; errors start with ``source``."""
     label = source or url
     fs, path = fsspec.core.url_to_fs(url)
     if not fs.exists(path):
@@ -45,23 +46,30 @@ def read_weights(url: str, source: str | None = None) -> dict[str, torch.Tensor]
     if not fs.isdir(path):
         if not path.endswith(".safetensors"):
             raise WeightsError(f"{label}: not a .safetensors file (only safetensors is read, never a pickled checkpoint)")
-        return _read_file(fs, path, label)
+        return fs, [path]
     single, index = posixpath.join(path, WEIGHTS_FILE), posixpath.join(path, INDEX_FILE)
     if fs.exists(single):
-        return _read_file(fs, single, label)
+        return fs, [single]
     if fs.exists(index):
         try:
             weight_map = json.loads(fs.cat_file(index))["weight_map"]
             shards = sorted(set(weight_map.values()))
-        except (ValueError, KeyError, TypeError) as err:
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise WeightsError(f"{label}: {INDEX_FILE} does not parse: {err}") from None
-        out: dict[str, torch.Tensor] = {}
         for shard in shards:
-            if posixpath.basename(shard) != shard:
+            if not isinstance(shard, str) or posixpath.basename(shard) != shard:
                 raise WeightsError(f"{label}: {INDEX_FILE} names a shard outside the directory: {shard!r}")
-            out.update(_read_file(fs, posixpath.join(path, shard), label))
-        return out
+        return fs, [posixpath.join(path, shard) for shard in shards]
     raise WeightsError(f"{label}: no {WEIGHTS_FILE} or {INDEX_FILE} there (only safetensors is read, never a pickled checkpoint)")
+
+
+def read_weights(url: str, source: str | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file or directory at ``url`` (a path or any fsspec URL); errors start with ``source``."""
+    fs, files = weight_files(url, source)
+    out: dict[str, torch.Tensor] = {}
+    for path in files:
+        out.update(_read_file(fs, path, source or url))
+    return out
 
 
 def load_weights(model: nn.Module, weights: Mapping[str, torch.Tensor], source: str) -> nn.Module:
