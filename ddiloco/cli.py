@@ -739,7 +739,7 @@ def chaos_suite_command(
     env_storage: bool = EnvStorageOpt,
 ) -> None:
     """Inject faults into a live run on PostgreSQL + S3 (moto) + OS processes and check the invariants after each."""
-    from ddiloco.chaos_suite import report_json, run_suite
+    from ddiloco.testing.chaos_suite import report_json, run_suite
 
     if json_path is not None:
         _check_writable(json_path, "--json")

@@ -2,7 +2,8 @@
 
 PostgreSQL ledger (a scratch database), an S3 store (moto's S3 server on loopback, through s3fs),
 learners and synchronizers as OS processes started the way the flows start them, every fault point
-of their kind armed by file (scaffolding: :mod:`ddiloco.testing`). Each fault is injected into one
+of their kind armed by file. The suite is scaffolding itself (it lives in :mod:`ddiloco.testing`, which the
+runtime never imports: only the CLI's ``chaos-suite`` command reaches it). Each fault is injected into one
 live run, the run must recover, and after every fault the ledger invariants
 (:mod:`ddiloco.platform.invariants`) must hold; throughout, new versions must keep appearing while at
 least K learners are alive."""
