@@ -31,6 +31,7 @@ import yaml
 from sqlalchemy import func, select, text
 from sqlalchemy.engine import make_url
 
+from ddiloco.entry import ProcessSpec
 from ddiloco.platform.compression import encode_delta
 from ddiloco.platform.config import RunConfig, build_config, tokens_per_step
 from ddiloco.platform.fragments import shard_fragments
@@ -553,9 +554,9 @@ class Suite:
             path = bad / f"{field_name}.yaml"
             path.write_text(yaml.safe_dump(base))
             cluster = ProcessCluster(path, self.run_id, bad)
-            launched[field_name] = cluster, cluster.start(field_name, ["learner", "--learner", "us-0"])
+            launched[field_name] = cluster, cluster.start(field_name, ProcessSpec.learner("us-0"))
         cluster = ProcessCluster(self.config_path, self.run_id, bad)
-        launched["../x"] = cluster, cluster.start("bad-id", ["learner", "--learner", "../x"])
+        launched["../x"] = cluster, cluster.start("bad-id", ProcessSpec.learner("../x"))
         survived = 0
         details = []
         for name, (cluster, proc) in launched.items():
