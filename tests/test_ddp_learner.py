@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from sqlalchemy import select
 from support import ProcessRun, run_ranks, tiny_config, wait_for
 
+from ddiloco.entry import ProcessSpec
 from ddiloco.inprocess import SimClock, sim_learner
 from ddiloco.learner_worker.device import (
     Increment,
@@ -404,7 +405,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
     sync = threading.Thread(target=Synchronizer(run.ctx, holder="sync-t").run, args=(stop_sync,), daemon=True)
     try:
         sync.start()
-        job = run.start("us-0", ["learner", "--learner", "us-0", "--nproc-per-node", "2"])
+        job = run.start("us-0", ProcessSpec.learner("us-0", nproc_per_node=2))
         jobs.append(job)
         wait_for(lambda: len(_submissions(run, "i0-")) >= 3, 120, "the 2-rank learner's first submissions")
         wait_for(lambda: _state_key(run) is not None, 60, "the 2-rank learner's first saved state")
@@ -429,9 +430,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
 
         # The supervisor's move: relaunch the job (it rejoins from the newest global state and, with
         # --max-steps, ends cleanly). While it starts, check what the failed job left in the ledger.
-        relaunch = run.start(
-            "us-0-relaunch", ["learner", "--learner", "us-0", "--nproc-per-node", "2", "--max-steps", "12"]
-        )
+        relaunch = run.start("us-0-relaunch", ProcessSpec.learner("us-0", nproc_per_node=2, max_steps=12))
         jobs.append(relaunch)
         store = FragmentStore(run.cfg.storage.url)
         tokens_per_step = 2 * B * cfg.model.seq_len  # two ranks
@@ -462,7 +461,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
         assert state is not None and state.endswith("/i1-s12"), state
 
         # A job of another world size (one rank) loads that state resharded and goes on.
-        single = run.start("us-0-single", ["learner", "--learner", "us-0", "--nproc-per-node", "1", "--max-steps", "4"])
+        single = run.start("us-0-single", ProcessSpec.learner("us-0", nproc_per_node=1, max_steps=4))
         jobs.append(single)
         code = single.wait(timeout=120)
         assert code == 0, run.log("us-0-single")[-3000:]

@@ -137,3 +137,32 @@ def test_evaluate_flow_fn_records_an_evaluation(tmp_path):
     assert 5.0 < result["val_loss"] < 6.0  # an untrained byte model: about ln(256)
     with session_factory(open_ledger(cfg.ledger.url)).begin() as s:
         assert [e.val_loss for e in runs_q.evaluations(s, "evalfn")] == [result["val_loss"]]
+
+
+@pytest.mark.timeout(300)
+def test_every_path_to_a_learner_refuses_a_bad_id_with_the_same_line_and_writes_nothing(prefect_harness, tmp_path):
+    """The CLI, the Prefect learner flow and the launchers (warm and cold) all run ``entry.learner_main``."""
+    from typer.testing import CliRunner
+
+    from ddiloco.cli import app
+    from ddiloco.entry import EntryError, ProcessSpec
+    from ddiloco.flows.launchers import SubprocessLauncher
+    from ddiloco.flows.training import learner_flow
+    from ddiloco.testing.processes import write_config
+
+    ledger = tmp_path / "ledger.db"
+    cfg = tiny_config(name="r", ledger={"url": f"sqlite:///{ledger}"})
+    path = write_config(cfg, tmp_path / "config.yaml")
+    launcher = SubprocessLauncher(path, "r", tmp_path / "logs")
+    for k, bad in enumerate(("../x", "us-9")):  # an unsafe id; a safe one the config does not list
+        out = CliRunner().invoke(app, ["learner", "--config", str(path), "--learner", bad])
+        line = out.output.strip()
+        assert out.exit_code == 2 and line.startswith("error: ") and repr(bad) in line and "\n" not in line, out.output
+        with pytest.raises(EntryError) as refused:
+            learner_flow(config=cfg, learner_id=bad, run_id="r")
+        assert f"error: {refused.value}" == line
+        for warm in (True, False):
+            handle = launcher.spawn(f"bad-{k}-{warm}", ProcessSpec.learner(bad), warm=warm)
+            assert handle.process.wait(timeout=240) == 2
+            assert line in (tmp_path / "logs" / f"bad-{k}-{warm}.log").read_text().splitlines()
+    assert not ledger.exists()

@@ -1,8 +1,10 @@
 """No import cycles in ``ddiloco``: every module's imports, including those inside functions (a lazy import is
 still a dependency), form a graph without cycles. Imports under ``if TYPE_CHECKING:`` are left out: they never run.
 
-A cycle means two modules that cannot be understood (or imported, or tested) one without the other; most of all,
-nothing below the CLI may import the CLI (STYLE.md, one entry per process)."""
+A cycle means two modules that cannot be understood (or imported, or tested) one without the other. The same graph
+holds the layering (STYLE.md, one entry per process): nothing below the CLI imports the CLI, the runtime never imports
+the test scaffolding (``ddiloco.testing``), and a process body (learner, synchronizer, evaluator) is reached only
+through ``ddiloco.entry``, so every path that starts one runs the same checks."""
 
 from __future__ import annotations
 
@@ -60,10 +62,40 @@ def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     return found
 
 
-def import_cycles() -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan), each sorted."""
+def import_graph() -> dict[str, set[str]]:
     known = modules()
-    graph = {name: imports_of(name, path, known) for name, path in known.items()}
+    return {name: imports_of(name, path, known) for name, path in known.items()}
+
+
+PROGRAM = {"ddiloco.cli", "ddiloco.__main__"}
+"""The top of the graph: the command line may reach anything (its ``chaos-suite`` command runs test scaffolding)."""
+SCAFFOLDING = "ddiloco.testing"
+PROCESS_BODIES = {"ddiloco.learner_worker.launch", "ddiloco.synchronizer.process", "ddiloco.synchronizer.evaluator"}
+ENTRY = {"ddiloco.entry", "ddiloco.flows._forkserver_preload"}
+"""Where process bodies are imported: the entry, and the warm fork server, which imports them once for its children."""
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def layering_problems(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that breaks the layering, one line each."""
+    problems = []
+    for name, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if target == "ddiloco.cli" and name != "ddiloco.__main__":
+                problems.append(f"{name} imports the CLI, which sits above it")
+            if _within(target, SCAFFOLDING) and not _within(name, SCAFFOLDING) and name not in PROGRAM:
+                problems.append(f"{name} imports the test scaffolding {target}")
+            if target in PROCESS_BODIES and name not in ENTRY and name not in PROCESS_BODIES:
+                problems.append(f"{name} starts a process body ({target}) without ddiloco.entry's checks")
+    return problems
+
+
+def import_cycles(graph: dict[str, set[str]] | None = None) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    graph = import_graph() if graph is None else graph
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -107,3 +139,26 @@ def test_the_walker_sees_lazy_imports_and_skips_type_checking_ones(tmp_path: Pat
 @pytest.mark.timeout(60)
 def test_ddiloco_has_no_import_cycles() -> None:
     assert import_cycles() == []
+
+
+def test_the_layering_rules_catch_each_kind_of_breach() -> None:
+    graph = {
+        "ddiloco.__main__": {"ddiloco.cli"},
+        "ddiloco.cli": {"ddiloco.entry", "ddiloco.testing.chaos_suite"},
+        "ddiloco.entry": {"ddiloco.learner_worker.launch"},
+        "ddiloco.testing.chaos_suite": {"ddiloco.testing.net", "ddiloco.entry"},
+        "ddiloco.demo": {"ddiloco.testing.net", "ddiloco.cli"},
+        "ddiloco.flows.training": {"ddiloco.synchronizer.process"},
+    }
+    assert layering_problems(graph) == [
+        "ddiloco.demo imports the CLI, which sits above it",
+        "ddiloco.demo imports the test scaffolding ddiloco.testing.net",
+        "ddiloco.flows.training starts a process body (ddiloco.synchronizer.process) without ddiloco.entry's checks",
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_nothing_below_the_cli_imports_it_and_the_runtime_never_imports_the_scaffolding() -> None:
+    graph = import_graph()
+    assert {"ddiloco.entry", "ddiloco.testing.chaos_suite"} <= graph.keys()  # the walk sees the modules the rules name
+    assert layering_problems(graph) == []

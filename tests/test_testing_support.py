@@ -22,7 +22,7 @@ def test_the_runtime_imports_neither_the_scaffolding_nor_moto():
         """
         import importlib, pkgutil, sys
         import ddiloco
-        runtime = ["ddiloco.cli", "ddiloco.inprocess", "ddiloco.demo"]
+        runtime = ["ddiloco.cli", "ddiloco.entry", "ddiloco.admin", "ddiloco.inprocess", "ddiloco.demo"]
         for pkg in ("platform", "learner_worker", "synchronizer", "flows"):
             mod = importlib.import_module(f"ddiloco.{pkg}")
             runtime += [m.name for m in pkgutil.walk_packages(mod.__path__, f"ddiloco.{pkg}.")]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import textwrap
@@ -23,7 +22,7 @@ T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 
 
 @pytest.mark.timeout(300)
-def test_a_warm_launch_runs_the_command_with_the_launchers_environment_into_its_log(tmp_path):
+def test_a_warm_launch_runs_the_process_main_with_the_launchers_environment_into_its_log(tmp_path):
     # The run is in a ledger only the launcher's environment names: the config file points elsewhere.
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     engine = open_ledger(url)
@@ -34,15 +33,16 @@ def test_a_warm_launch_runs_the_command_with_the_launchers_environment_into_its_
     engine.dispose()
     config = write_config(tiny_config(name="r", ledger={"url": f"sqlite:///{tmp_path / 'elsewhere.db'}"}), tmp_path / "config.yaml")
     launcher = SubprocessLauncher(config, "r", tmp_path / "logs", secrets={"DDILOCO_LEDGER__URL": url})
-    handle = launcher.spawn("probe", ["summary", "--json"], warm=True)
+    # An evaluator ends when its run has ended and nothing is left to evaluate; on the config's ledger it would
+    # wait for the run to be registered.
+    handle = launcher.start_evaluator()
     try:
         assert isinstance(handle.process, WarmProcess)
         assert handle.process.wait(timeout=240) == 0
     finally:
         launcher.close(10.0)
-    log = (tmp_path / "logs" / "probe.log").read_text()
-    summary = json.loads(log[log.index("{"):])
-    assert (summary["run"], summary["learners"], summary["learner_s"]) == ("r", 1, 60.0)
+    log = (tmp_path / "logs" / "evaluator.log").read_text()
+    assert "evaluator started for run r" in log and "not in the ledger" not in log, log
 
 
 @pytest.mark.timeout(300)
@@ -53,16 +53,17 @@ def test_a_script_without_a_main_guard_that_launches_warm_runs_once(tmp_path):
     script = tmp_path / "unguarded.py"
     script.write_text(textwrap.dedent(f"""
         from pathlib import Path
+        from ddiloco.entry import ProcessSpec
         from ddiloco.flows.launchers import SubprocessLauncher
         with open({str(marker)!r}, "a") as f:
             f.write("ran\\n")
         launcher = SubprocessLauncher(Path({str(config)!r}), "r", Path({str(tmp_path / "logs")!r}))
-        print("exit", launcher.spawn("probe", ["summary"], warm=True).process.wait(timeout=240))
+        print("exit", launcher.spawn("bad-id", ProcessSpec.learner("../x"), warm=True).process.wait(timeout=240))
         launcher.close(10.0)
     """))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=280, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert marker.read_text() == "ran\n"
-    # The child ran the command (no such ledger: a one-line error) into its log; the script printed only its exit code.
+    # The child ran the learner's main (a bad id: a one-line error) into its log; the script printed only its exit code.
     assert done.stdout.split() == ["exit", "2"]
-    assert "ledger" in (tmp_path / "logs" / "probe.log").read_text()
+    assert "learner '../x' is not a valid id" in (tmp_path / "logs" / "bad-id.log").read_text()

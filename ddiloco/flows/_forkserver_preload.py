@@ -17,7 +17,7 @@ if getattr(sys.modules["__main__"], "main", None) is multiprocessing.forkserver.
     for _fd in (0, 1, 2):
         os.dup2(_null, _fd)
     os.close(_null)
-    # A child of this server runs a ddiloco command (launchers._run_command), never code of the launching program's
+    # A child of this server runs a process main (launchers._run_process), never code of the launching program's
     # __main__: it must not run that program's main module again first, as multiprocessing would (an unguarded
     # script that launches a run would start the run again in every child).
     multiprocessing.spawn._fixup_main_from_name = multiprocessing.spawn._fixup_main_from_path = lambda _main: None
@@ -29,7 +29,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 import torch  # noqa: E402
 import torch._dynamo  # noqa: E402, F401 - imported by the first torch optimizer a process builds
 
-import ddiloco.cli  # noqa: E402, F401
+import ddiloco.entry  # noqa: E402, F401
 import ddiloco.flows.launchers  # noqa: E402, F401
 import ddiloco.learner_worker.launch  # noqa: E402, F401
 import ddiloco.synchronizer.evaluator  # noqa: E402, F401

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import runpy
 import signal
 import subprocess
 import sys
@@ -16,7 +15,9 @@ from multiprocessing import forkserver
 from pathlib import Path
 from typing import Protocol
 
+from ddiloco.entry import ProcessSpec, main
 from ddiloco.platform.config import RunConfig
+from ddiloco.platform.ids import validate_id
 
 LEARNER_DEPLOYMENT = "ddiloco-learner/learner-{region}"
 SYNCHRONIZER_DEPLOYMENT = "ddiloco-synchronizer/synchronizer"
@@ -46,30 +47,27 @@ def warm_up() -> bool:
     return True
 
 
-def _run_command(args: list[str], log_path: str, env: dict[str, str]) -> None:
-    """In a forked child: what ``python -m ddiloco <args>`` does, its output appended to ``log_path``."""
+def _run_process(spec: ProcessSpec, config_path: str, run_id: str, log_path: str, env: dict[str, str]) -> None:
+    """In a forked child: the process's main, as its ``ddiloco`` command runs it cold, its output appended to ``log_path``."""
     out = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
     os.environ.clear()
     os.environ.update(env)
-    # The program a cold launch execs (``python -m ddiloco``), run in this warm process: launchers sit below the
-    # CLI (which imports them), so they run its entry as a program, never import it as a library.
-    sys.argv = ["ddiloco", *args]
-    runpy.run_module("ddiloco", run_name="__main__")
+    sys.exit(main(spec, Path(config_path), run_id))
 
 
 class WarmProcess:
-    """A ``ddiloco`` command forked from the warm fork server, with the part of ``subprocess.Popen`` launchers use."""
+    """A run's process forked from the warm fork server, with the part of ``subprocess.Popen`` launchers use."""
 
-    def __init__(self, args: list[str], log_path: Path, env: Mapping[str, str]) -> None:
+    def __init__(self, spec: ProcessSpec, config_path: Path, run_id: str, log_path: Path, env: Mapping[str, str]) -> None:
         self._process = multiprocessing.get_context("forkserver").Process(
-            target=_run_command, args=(list(args), str(log_path), dict(env)), name=log_path.stem
+            target=_run_process, args=(spec, str(config_path), run_id, str(log_path), dict(env)), name=log_path.stem
         )
         self._process.start()
         self.pid = self._process.pid
-        self.args = args
+        self.args = spec.argv(config_path, run_id)
 
     @property
     def returncode(self) -> int | None:
@@ -129,32 +127,33 @@ class SubprocessLauncher:
         self.env = {**os.environ, **secrets} if secrets else None
 
     def spawn(
-        self, name: str, args: list[str], *, env: Mapping[str, str] | None = None, wrap: Sequence[str] = (), warm: bool = False
+        self, name: str, spec: ProcessSpec, *, env: Mapping[str, str] | None = None, wrap: Sequence[str] = (), warm: bool = False
     ) -> Handle:
-        """``ddiloco <args>`` for this run, logging to ``<logdir>/<name>.log``; ``wrap`` prefixes the
-        command line (``ip netns exec <ns>``), ``env`` replaces the inherited environment; ``warm`` forks it
-        from the warm fork server (when there is one and nothing wraps it)."""
-        args = [*args, "--config", str(self.config_path), "--run", self.run_id]
+        """``spec``'s process for this run, logging to ``<logdir>/<name>.log``: forked from the warm fork server with
+        ``warm`` (when there is one and nothing wraps it), else its ``ddiloco`` command; both run the same main.
+        ``wrap`` prefixes the command line (``ip netns exec <ns>``), ``env`` replaces the inherited environment."""
+        validate_id(name, "process name")  # it names the log file: never a path out of logdir
         env = env if env is not None else self.env
         if warm and not wrap and warm_up():
-            proc: subprocess.Popen | WarmProcess = WarmProcess(args, self.logdir / f"{name}.log", os.environ if env is None else env)
+            log_path = self.logdir / f"{name}.log"
+            proc: subprocess.Popen | WarmProcess = WarmProcess(spec, self.config_path, self.run_id, log_path,
+                                                                os.environ if env is None else env)
         else:
             log = open(self.logdir / f"{name}.log", "ab")
-            proc = subprocess.Popen(
-                [*wrap, sys.executable, "-m", "ddiloco", *args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
-            )
+            proc = subprocess.Popen([*wrap, sys.executable, "-m", "ddiloco", *spec.argv(self.config_path, self.run_id)],
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         handle = Handle(name=name, started_at=time.time(), process=proc)
         self.handles.append(handle)
         return handle
 
     def start_learner(self, learner_id: str, region: str) -> Handle:
-        return self.spawn(learner_id, ["learner", "--learner", learner_id], warm=True)
+        return self.spawn(learner_id, ProcessSpec.learner(learner_id), warm=True)
 
     def start_synchronizer(self, label: str) -> Handle:
-        return self.spawn(label, ["synchronizer", "--label", label], warm=True)
+        return self.spawn(label, ProcessSpec.synchronizer(label), warm=True)
 
     def start_evaluator(self) -> Handle:
-        return self.spawn("evaluator", ["evaluate"], warm=True)
+        return self.spawn("evaluator", ProcessSpec.evaluator(), warm=True)
 
     def is_running(self, handle: Handle) -> bool:
         return handle.process is not None and handle.process.poll() is None

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-import logging
 import time
 from typing import Literal
 
@@ -16,6 +15,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.runtime import flow_run as current_flow_run
 
+from ddiloco.entry import checked_id, evaluator_main, learner_main, setup_logging, synchronizer_main
 from ddiloco.flows.chaos import apply_event, seeded_schedule
 from ddiloco.flows.launchers import DeploymentLauncher, Launcher
 from ddiloco.flows.runner import local_launcher, register, supervise
@@ -24,14 +24,6 @@ from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.summary import RunSummary
 from ddiloco.synchronizer.evaluation import evaluate_and_record
-
-
-def _ddiloco_logs_at_info() -> None:
-    """``ddiloco.*`` INFO lines reach the flow run's logs in the Prefect UI: the deployments'
-    PREFECT_LOGGING_EXTRA_LOGGERS=ddiloco gives the logger Prefect's API handler, the level is ours."""
-    logger = logging.getLogger("ddiloco")
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
 
 
 def _flow_run_url() -> str | None:
@@ -83,8 +75,8 @@ def training_run(
     workdir: str = "ddiloco-runs",
 ) -> dict:
     """Register the run, launch synchronizer + standby + learners, supervise until the budget or time is up."""
-    _ddiloco_logs_at_info()
-    run_id = run_id or config.name
+    setup_logging()
+    run_id = checked_id(run_id or config.name, "run")
     register_run_task(config, run_id, _flow_run_url())
     chosen: Launcher = local_launcher(config, run_id, workdir) if launcher == "local" else DeploymentLauncher(config, run_id)
     summary = supervise(config, run_id, chosen, seconds=seconds)
@@ -95,13 +87,8 @@ def training_run(
 
 @flow(name="ddiloco-learner")
 def learner_flow(config: RunConfig, learner_id: str, run_id: str | None = None) -> int:
-    """One learner until the run ends; returns the inner steps it ran."""
-    _ddiloco_logs_at_info()
-    from ddiloco.learner_worker.launch import run_learner
-
-    summary = run_learner(
-        config, run_id or config.name, learner_id, flow_run_url=_flow_run_url(), nproc_per_node=config.learners.nproc_per_node
-    )
+    """One learner until the run ends (the process main ``ddiloco learner`` runs); returns the inner steps it ran."""
+    summary = learner_main(config, learner_id, run_id, flow_run_url=_flow_run_url())
     # None when stopped by a signal before rank 0 could report.
     return summary.step_count if summary is not None else 0
 
@@ -109,17 +96,14 @@ def learner_flow(config: RunConfig, learner_id: str, run_id: str | None = None) 
 @flow(name="ddiloco-synchronizer")
 def synchronizer_flow(config: RunConfig, run_id: str | None = None, label: str = "sync", shard: int | None = None) -> None:
     """A synchronizer (active for a shard, or standby) until the run ends; ``shard`` pins it to one shard."""
-    _ddiloco_logs_at_info()
-    from ddiloco.synchronizer.process import run_synchronizer
-
-    run_synchronizer(config, run_id or config.name, label, shard=shard)
+    synchronizer_main(config, run_id, label, shard=shard)
 
 
 @flow(name="ddiloco-chaos")
 def chaos_flow(config: RunConfig, run_id: str | None = None, seconds: float = 60.0) -> list[str]:
     """Rehearse failures on a running run: the config's chaos events, or a seeded random schedule."""
-    _ddiloco_logs_at_info()
-    ctx = RunContext.open(config, run_id or config.name)
+    setup_logging()
+    ctx = RunContext.open(config, checked_id(run_id or config.name, "run"))
     done = []
     t0 = time.monotonic()
     for event in seeded_schedule(config, seconds):
@@ -133,11 +117,9 @@ def chaos_flow(config: RunConfig, run_id: str | None = None, seconds: float = 60
 def evaluate_flow(config: RunConfig, run_id: str | None = None, follow: bool = False) -> dict:
     """Evaluate the newest global model on the fixed validation set and record it in the ledger;
     ``follow``: be the run's evaluator (evaluate new versions on its cadence until the run ends)."""
-    _ddiloco_logs_at_info()
-    ctx = RunContext.open(config, run_id or config.name)
     if follow:
-        from ddiloco.synchronizer.evaluator import run_evaluator
-
-        return {"evaluations": run_evaluator(ctx)}
+        return {"evaluations": evaluator_main(config, run_id)}
+    setup_logging()
+    ctx = RunContext.open(config, checked_id(run_id or config.name, "run"))
     loss, acc = evaluate_and_record(ctx, ctx.now())
     return {"val_loss": loss, "val_accuracy": acc}

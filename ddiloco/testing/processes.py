@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from ddiloco.entry import ProcessSpec
 from ddiloco.flows.launchers import SubprocessLauncher, WarmProcess
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.faults import ARMED_BY_FILE, arm_file
@@ -58,26 +59,26 @@ class ProcessCluster:
         self.procs: dict[str, subprocess.Popen | WarmProcess] = {}
 
     def start(
-        self, name: str, args: list[str], *, faults: str | Sequence[str] = (), env: Mapping[str, str] | None = None,
+        self, name: str, process: ProcessSpec, *, faults: str | Sequence[str] = (), env: Mapping[str, str] | None = None,
         wrap: Sequence[str] = (), warm: bool = False,
     ) -> subprocess.Popen | WarmProcess:
-        """Start ``ddiloco <args>`` as ``name``. ``faults`` is a ``DDILOCO_FAULTS`` spec (``"learner.after_blob:3"``)
+        """Start ``process`` as ``name``. ``faults`` is a ``DDILOCO_FAULTS`` spec (``"learner.after_blob:3"``)
         or the points to arm later, one by one, with :meth:`arm`; ``env`` adds to the cluster's environment;
         ``warm`` forks it from the warm fork server (not with ``wrap``)."""
         env = {**self.env, **(env or {})}
         spec = faults if isinstance(faults, str) else ",".join(f"{p}:{ARMED_BY_FILE}" for p in faults)
         if spec:
             env.update(DDILOCO_FAULTS=spec, DDILOCO_FAULT_DIR=str(self.fault_dir(name)))
-        self.procs[name] = self.launcher.spawn(name, args, env=env, wrap=wrap, warm=warm).process
+        self.procs[name] = self.launcher.spawn(name, process, env=env, wrap=wrap, warm=warm).process
         return self.procs[name]
 
-    def learner(self, lid: str, *args: str, faults: str | Sequence[str] = (), env: Mapping[str, str] | None = None,
+    def learner(self, lid: str, *, faults: str | Sequence[str] = (), env: Mapping[str, str] | None = None,
                 wrap: Sequence[str] = ()) -> subprocess.Popen | WarmProcess:
-        return self.start(lid, ["learner", "--learner", lid, *args], faults=faults, env=env, wrap=wrap, warm=self.warm)
+        return self.start(lid, ProcessSpec.learner(lid), faults=faults, env=env, wrap=wrap, warm=self.warm)
 
     def synchronizer(self, label: str, *, faults: str | Sequence[str] = (), env: Mapping[str, str] | None = None,
                      wrap: Sequence[str] = ()) -> subprocess.Popen | WarmProcess:
-        return self.start(label, ["synchronizer", "--label", label], faults=faults, env=env, wrap=wrap, warm=self.warm)
+        return self.start(label, ProcessSpec.synchronizer(label), faults=faults, env=env, wrap=wrap, warm=self.warm)
 
     # --- fault points ------------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 PostgreSQL ledger (a scratch database), an S3 store (moto's S3 server on loopback, through s3fs),
 learners and synchronizers as OS processes started the way the flows start them, every fault point
-of their kind armed by file (scaffolding: :mod:`ddiloco.testing`). Each fault is injected into one
+of their kind armed by file. The suite is scaffolding itself (it lives in :mod:`ddiloco.testing`, which the
+runtime never imports: only the CLI's ``chaos-suite`` command reaches it). Each fault is injected into one
 live run, the run must recover, and after every fault the ledger invariants
 (:mod:`ddiloco.platform.invariants`) must hold; throughout, new versions must keep appearing while at
 least K learners are alive."""
@@ -30,6 +31,7 @@ import yaml
 from sqlalchemy import func, select, text
 from sqlalchemy.engine import make_url
 
+from ddiloco.entry import ProcessSpec
 from ddiloco.platform.compression import encode_delta
 from ddiloco.platform.config import RunConfig, build_config, tokens_per_step
 from ddiloco.platform.fragments import shard_fragments
@@ -552,9 +554,9 @@ class Suite:
             path = bad / f"{field_name}.yaml"
             path.write_text(yaml.safe_dump(base))
             cluster = ProcessCluster(path, self.run_id, bad)
-            launched[field_name] = cluster, cluster.start(field_name, ["learner", "--learner", "us-0"])
+            launched[field_name] = cluster, cluster.start(field_name, ProcessSpec.learner("us-0"))
         cluster = ProcessCluster(self.config_path, self.run_id, bad)
-        launched["../x"] = cluster, cluster.start("bad-id", ["learner", "--learner", "../x"])
+        launched["../x"] = cluster, cluster.start("bad-id", ProcessSpec.learner("../x"))
         survived = 0
         details = []
         for name, (cluster, proc) in launched.items():
