@@ -119,7 +119,7 @@ def setup_run():  # noqa: ANN201 - (cfg, clock, ctx, synchronizer, honest learne
 
 
 def submit_raw(ctx, clock, fragment: int, tensors: dict, *, learner: str = "us-1", base: int = 0, corrupt_after: bool = False,  # noqa: ANN001
-               c_steps: int = 3, c_tokens: int = 300, tokens_new: int = 300) -> int:
+               c_steps: int = 3, c_tokens: int = 300, tokens_new: int = 300, incarnation: int = 0) -> int:
     """Register a submission with whatever counts it likes (a well-formed blob unless ``corrupt_after``)."""
     import uuid
 
@@ -136,7 +136,7 @@ def submit_raw(ctx, clock, fragment: int, tensors: dict, *, learner: str = "us-1
         store.fs.pipe_file(store.path(blob.key), b"\x00garbage" * 10)
     sub = learner_q.SubmissionIn(uid, fragment, base, c_steps, c_tokens, tokens_new, 300, blob.key, blob.sha256, blob.nbytes, "none")
     with ctx.transaction() as s:
-        return learner_q.register_submission(s, ctx.run_id, learner, 0, sub, to_datetime(clock.t))[0]
+        return learner_q.register_submission(s, ctx.run_id, learner, incarnation, sub, to_datetime(clock.t))[0]
 
 
 def shapes_of(sync, fragment: int) -> dict:  # noqa: ANN001

@@ -91,7 +91,8 @@ def test_a_lying_learner_is_rejected_with_reasons_and_the_honest_run_is_unchange
     lies = {
         attack(ctx, clock, 0, filled(0, 1e-3), c_steps=3, c_tokens=2**62): "implausible claim",  # weight 1e36
         attack(ctx, clock, 1, filled(1, -1e-3), c_steps=1, c_tokens=2**40): "implausible claim",  # the step turned around
-        attack(ctx, clock, 2, filled(2, 30.0), c_steps=10**9, c_tokens=10**9 * TPS): "norm outlier",  # huge delta, tiny per step claimed
+        attack(ctx, clock, 2, filled(2, 30.0), c_steps=10**9, c_tokens=10**9 * TPS): "implausible claim",  # years of steps in seconds
+        attack(ctx, clock, 2, filled(2, 30.0), c_steps=50_000, c_tokens=50_000 * TPS): "norm outlier",  # huge delta, tiny per step claimed
         attack(ctx, clock, 3, filled(3, 1.0), c_steps=3, c_tokens=3 * TPS): "norm outlier",  # a huge finite delta, plausible counts
     }
     # 100 updates, each of plausible counts, whose sum is outsized: judged as one.
@@ -201,3 +202,55 @@ def test_a_learner_with_more_ranks_than_the_run_allows_is_refused_before_it_trai
     monkeypatch.setenv("RANK", "3"), monkeypatch.setenv("WORLD_SIZE", "16"), monkeypatch.setenv("LOCAL_RANK", "3")
     with pytest.raises(ConfigError, match="world size 16 is above learners.max_world_size 8"):
         run_learner(cfg, "t", "us-0")
+
+
+def test_one_judgement_of_claims_holds_steps_to_time_and_codecs_to_the_platforms():
+    b = TPS
+    assert pol.check_claims(H, H * TPS, TPS, 0, b, trained_s=10.0, codec="int8") is None  # an honest send
+    assert pol.check_claims(50_000, 50_000 * TPS, TPS, 0, b, trained_s=10.0, codec="none") is None  # a fast learner's fold
+    assert "steps in the 10s its learner can have trained" in pol.check_claims(10**9, 10**9 * TPS, TPS, 0, b, trained_s=10.0)
+    assert "steps in the 0s" in pol.check_claims(1, TPS, TPS, 0, b, trained_s=-5.0)  # a start claimed in the future
+    for codec in ("zstd", "", "INT8", "none\x00", "x" * 10_000):
+        assert "implausible claim: codec" in pol.check_claims(H, H * TPS, TPS, 0, b, trained_s=10.0, codec=codec)
+    assert all(pol.check_claims(H, H * TPS, TPS, 0, b, codec=c) is None for c in ("none", "bf16", "int8", "int4"))
+
+
+def test_claims_in_range_of_the_checks_but_not_of_time_dead_learners_and_unknown_codecs_never_reach_the_merge():
+    cfg, clock, ctx, sync, honest = attacked_run()
+    small = {f: {n: torch.full(shape, 1e-6) for n, shape in sync.layout.shapes(f).items()} for f in range(H)}
+
+    def send(fragment: int, c_steps: int, **kw) -> int:  # noqa: ANN003
+        return submit_raw(ctx, clock, fragment, small[fragment], c_steps=c_steps, c_tokens=c_steps * TPS, tokens_new=c_steps * TPS, **kw)
+
+    # Every count within the checks that came before: tokens per step, new tokens, base; a billion steps 1 s in.
+    clock.t += 1.0
+    inflating = send(0, 10**9)
+    codec = send(1, H)
+    with ctx.transaction() as s:
+        s.get(Submission, codec).codec = "zstd"  # a row written around the learner's functions
+    drive(clock, sync, honest, H)
+    with ctx.reading() as s:
+        assert "implausible claim: 1000000000 steps in the" in s.get(Submission, inflating).reject_reason
+        assert "implausible claim: codec 'zstd'" in s.get(Submission, codec).reject_reason
+        merged = reports_q.token_accounting(s, ctx.run_id).merged
+    assert merged < cfg.token_budget  # a billion steps' tokens would have ended the run (flows stop at the budget)
+
+    # us-1 says nothing for longer than learners.dead_after_s: the ledger counts it dead.
+    drive(clock, sync, honest, int(cfg.learners.dead_after_s) + 2)
+    dead = send(2, H)
+    drive(clock, sync, honest, 1)
+    with ctx.reading() as s:
+        row = s.get(Submission, dead)
+        assert row.status == "rejected" and row.reject_reason.startswith("dead learner 'us-1': no heartbeat for"), row.reject_reason
+        assert ("us-1", "dead learner") in {(t.learner_id, t.reason) for t in reports_q.rejected_totals(s, ctx.run_id)}
+    # Once it re-registers its work merges again.
+    with ctx.transaction() as s:
+        incarnation = learner_q.register_learner(s, ctx.run_id, "us-1", "us", to_datetime(clock.t))
+    with ctx.reading() as s:
+        base = runs_q.latest_version_numbers(s, ctx.run_id)[2]
+    back = send(2, H, incarnation=incarnation, base=base)
+    drive(clock, sync, honest, 1)
+    with ctx.reading() as s:
+        assert s.get(Submission, back).status == "merged", s.get(Submission, back).reject_reason
+        honest_rows = s.query(Submission).filter(Submission.learner_id == "us-0", Submission.status != "pending").all()
+    assert honest_rows and all(r.status == "merged" for r in honest_rows)

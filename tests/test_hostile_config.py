@@ -9,6 +9,7 @@ import pytest
 
 from ddiloco.platform.config import (
     MAX_CONFIG_DEPTH,
+    MAX_CONFIG_NODES,
     ConfigError,
     build_config,
     ledger_url_problem,
@@ -151,3 +152,66 @@ def test_a_broken_json_env_override_is_one_line(monkeypatch):
     monkeypatch.setenv("DDILOCO_LEARNERS__REGIONS", "[{bad")
     message = refused({})
     assert "learners" in message and "\n" not in message, message
+
+
+TOML_HEAD = "[model]\nkind = 'import'\nimport_path = 'm:f'\n[model.kwargs]\n"
+
+
+@pytest.mark.parametrize(
+    "name, content, needle",
+    [
+        # TOML and JSON nest and grow without the brackets and aliases the YAML pre-check counts.
+        ("dotted.toml", TOML_HEAD + ".".join(["a"] * 5000) + " = 1\n", f"nested deeper than {MAX_CONFIG_DEPTH} levels"),
+        ("wide.toml", TOML_HEAD + "a = [" + ",".join(["1"] * 70_000) + "]\n", "larger than"),
+        ("wide.json", '{"model": {"kwargs": {"a": [' + ",".join(["1"] * 70_000) + "]}}}", "larger than"),
+        # Under the old 1 MB limit, seconds of PyYAML's time a load.
+        ("slow.yaml", "model:\n  kwargs:\n    a: [" + ", ".join(["1"] * 50_000) + "]\n", "larger than"),
+    ],
+)
+def test_configs_too_big_or_deep_in_any_format_are_one_line(tmp_path, name, content, needle):
+    path = write(tmp_path, name, content)
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert needle in message and str(path) in message and "\n" not in message, message
+    assert time.perf_counter() - start < 5.0
+
+
+def test_a_config_built_in_code_is_bounded_too():
+    deep: dict = {}
+    for _ in range(2000):
+        deep = {"a": deep}
+    assert f"nested deeper than {MAX_CONFIG_DEPTH}" in refused({"model": {"kind": "import", "import_path": "m:f", "kwargs": deep}})
+    wide = {"model": {"kind": "import", "import_path": "m:f", "kwargs": {"a": [1] * (MAX_CONFIG_NODES + 1)}}}
+    assert f"more than {MAX_CONFIG_NODES} values" in refused(wide)
+
+
+@pytest.mark.parametrize("content", [b"hello, not a database\n", b"\x00" * 4096, b"PK\x03\x04 a zip file"])
+def test_a_ledger_url_naming_a_file_that_is_not_a_database_is_one_line_at_load_and_at_the_engine(tmp_path, content):
+    from ddiloco.platform.ledger import open_ledger
+
+    path = tmp_path / "notes.db"
+    path.write_bytes(content)
+    url = f"sqlite:///{path}"
+    assert f"ledger.url: the SQLite path {path} is not a SQLite database" in refused({"ledger": {"url": url}})
+    with pytest.raises(ConfigError, match="is not a SQLite database"):
+        open_ledger(url)  # a --ledger option, the dashboard, a flow: no config was loaded
+    assert path.read_bytes() == content  # untouched: not turned into a database, not switched to WAL
+
+
+def test_empty_and_real_sqlite_files_are_ledgers(tmp_path):
+    from ddiloco.platform.ledger import open_ledger
+
+    (tmp_path / "empty.db").touch()
+    for url in (f"sqlite:///{tmp_path}/empty.db", f"sqlite:///{tmp_path}/new.db"):
+        assert ledger_url_problem(url) is None
+        open_ledger(url).dispose()
+    assert ledger_url_problem(f"sqlite:///{tmp_path}/new.db") is None  # now a database, still usable
+
+
+def test_more_fragments_than_the_model_has_pieces_is_a_config_error():
+    from ddiloco.platform.fragments import partition
+
+    with pytest.raises(ConfigError, match=r"fragments.count \(5\) exceeds the number of parameter tensors \(4"):
+        partition([("a", (2, 3), 4), ("b", (3,), 4), ("c", (1,), 4)], 5)

@@ -614,3 +614,65 @@ def test_an_upgraded_long_run_leaves_gc_nothing_to_walk_on_postgresql(fresh_post
                 (0, 9997), (0, 9998), (1, 9997), (1, 9998)]
     finally:
         engine.dispose()
+
+
+BAD_ARGUMENTS = {
+    "events limit -1": (lambda s: runs_q.events(s, RUN, limit=-1), "limit must be an integer from 0"),
+    "norms limit -1": (lambda s: sync_q.recent_merged_norm_steps(s, RUN, 0, limit=-1), "limit must be"),
+    "gc limit -1": (lambda s: sync_q.submissions_for_gc(s, RUN, limit=-1), "limit must be"),
+    "gc keep_last 0": (lambda s: sync_q.versions_for_gc(s, RUN, 0, 50), "keep_last must be an integer from 1"),
+    "gc checkpoint_every 0": (lambda s: sync_q.versions_for_gc(s, RUN, 3, 0), "checkpoint_every must be an integer from 1"),
+    "lease ttl -1": (lambda s: sync_q.acquire_lease(s, RUN, "other", -1.0, T0), "lease ttl_s must be a finite number"),
+    "lease ttl 2**40": (lambda s: sync_q.acquire_lease(s, RUN, "other", 2.0**40, T0), "lease ttl_s must be"),
+    "lease ttl nan": (lambda s: sync_q.renew_lease(s, RUN, "sync", 1, float("nan"), T0), "lease ttl_s must be"),
+    "lease shard -1": (lambda s: sync_q.acquire_lease(s, RUN, "other", 5.0, T0, shard=-1), "shard must be"),
+    "lease shard 2**40": (lambda s: sync_q.acquire_lease(s, RUN, "other", 5.0, T0, shard=2**40), "shard must be"),
+    "run of 0 fragments": (lambda s: runs_q.create_run(s, "r2", config_json="{}", code_version="t", git_commit=None, num_fragments=0,
+                                                       token_budget=1, now=T0), "num_fragments must be an integer from 1"),
+    "run budget -1": (lambda s: runs_q.create_run(s, "r2", config_json="{}", code_version="t", git_commit=None, num_fragments=1,
+                                                  token_budget=-1, now=T0), "token_budget must be"),
+    "version 2**40": (lambda s: runs_q.get_version(s, RUN, 0, 2**40), "version must be"),
+    "pending of fragment 2**40": (lambda s: sync_q.pending_submissions(s, RUN, 2**40), "fragment must be"),
+    "world 2**40": (lambda s: learner_q.register_learner(s, RUN, "x", "us", T0, world_size=2**40), "world_size must be"),
+    "pid -1": (lambda s: learner_q.register_learner(s, RUN, "x", "us", T0, pid=-1), "pid must be"),
+    "heartbeat step -1": (lambda s: learner_q.record_heartbeat(s, RUN, "us-0", 0, now=T0, step=-1, tokens=0, loss=None, tokens_per_s=0.0,
+                                                               step_time_s=0.1), "step must be"),
+    "heartbeat step_time_s -1": (lambda s: learner_q.record_heartbeat(s, RUN, "us-0", 0, now=T0, step=1, tokens=0, loss=None,
+                                                                      tokens_per_s=0.0, step_time_s=-1.0), "step_time_s must be"),
+    "beat tokens 2**70": (lambda s: learner_q.Beat(step=1, tokens=2**70, loss=None, tokens_per_s=1.0, step_time_s=0.1), "tokens must be"),
+    "beat tokens_per_s inf": (lambda s: learner_q.Beat(step=1, tokens=1, loss=None, tokens_per_s=float("inf"), step_time_s=0.1),
+                              "tokens_per_s must be"),
+}
+
+
+def test_counts_no_caller_passes_are_one_named_ledger_error_and_write_nothing(run):
+    # One ledger per backend for every case: each call in its own transaction, as a caller's would be.
+    for case, (call, needle) in BAD_ARGUMENTS.items():
+        with pytest.raises(errors_q.InvalidArgumentError, match=needle) as err, run.begin() as s:
+            call(s)
+        assert "\n" not in str(err.value), case
+    with run() as s:
+        assert runs_q.learners(s, RUN) == [] and [r.id for r in runs_q.list_runs(s)] == [RUN]
+        assert runs_q.events(s, RUN, limit=0) == []  # zero is a count a caller may pass
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"c_steps": 2**31}, "c_steps=2147483648 does not fit the ledger's 32-bit column"),
+        ({"fragment": 2**31}, "fragment=2147483648 does not fit"),
+        ({"base_version": 2**40}, "base_version=1099511627776 does not fit"),
+        ({"c_tokens": 2**63, "tokens_new": 1}, "c_tokens=9223372036854775808 does not fit the ledger's 64-bit column"),
+        ({"nbytes": 2**64}, "nbytes=18446744073709551616 does not fit"),
+        ({"tokens_total": 2**70}, "does not fit"),
+        ({"tokens_total": -1}, "a count from 0"),
+        ({"data_batches": -3}, "a count from 0"),
+        ({"codec": "zstd"}, "codec 'zstd' is none of none, bf16, int8, int4"),
+        ({"codec": "int8\x00"}, "is none of"),
+    ],
+)
+def test_submissions_with_values_the_columns_or_the_platform_cannot_hold_are_refused_by_name(change, needle):
+    fields = {**sub("u").__dict__, **change}
+    with pytest.raises(ValueError, match="submission 'u': ") as err:
+        learner_q.SubmissionIn(**fields)
+    assert needle in str(err.value), str(err.value)

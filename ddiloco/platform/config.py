@@ -816,6 +816,7 @@ def build_config(data: dict[str, Any] | None = None, **overrides: Any) -> RunCon
     """Validate a dict (plus env overrides) into a RunConfig, or raise ConfigError naming the fields."""
     merged = dict(data or {})
     merged.update(overrides)
+    _bounded(merged, "the configuration")
     problems = unknown_env()
     if problems:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems))
@@ -829,11 +830,28 @@ def build_config(data: dict[str, Any] | None = None, **overrides: Any) -> RunCon
         raise ConfigError(f"invalid configuration: {err}{cause}".splitlines()[0]) from None
 
 
-MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_BYTES = 128 << 10
 MAX_CONFIG_DEPTH = 32
 MAX_CONFIG_NODES = 100_000
-"""A config file is at most this big, nested this deep, and this many values once its aliases are expanded
-(a 535-byte YAML alias bomb expands to billions)."""
+"""A config is at most this big (a file), nested this deep, and this many values once its aliases are expanded
+(a 535-byte YAML alias bomb expands to billions), whatever its format. Honest configs are a few KB; PyYAML parses
+about 100 KB a second on a loaded 2-core machine, so a megabyte was ten seconds of a process's start."""
+
+
+def _bounded(data: Any, where: str) -> None:
+    """Refuse data nested deeper than MAX_CONFIG_DEPTH or holding more than MAX_CONFIG_NODES values, without recursion
+    (TOML's dotted keys and JSON nest without a bracket the YAML pre-check counts; pydantic and json.dumps recurse)."""
+    stack, nodes = [(data, 1)], 0
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        if nodes > MAX_CONFIG_NODES:
+            raise ConfigError(f"{where} holds more than {MAX_CONFIG_NODES} values")
+        if not isinstance(value, dict | list):
+            continue
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(f"{where} is nested deeper than {MAX_CONFIG_DEPTH} levels")
+        stack.extend((child, depth + 1) for child in (value.values() if isinstance(value, dict) else value))
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -902,10 +920,13 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file not found: {p}")
     if p.suffix not in (".toml", ".yaml", ".yml", ".json"):
         raise ConfigError(f"config file {p} must end in .yaml, .yml, .toml or .json")
-    if p.stat().st_size > MAX_CONFIG_BYTES:
+    with p.open("rb") as f:
+        # Read, not stat: a /proc file or one still growing reports a size it does not keep to.
+        raw = f.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"config file {p} is larger than {MAX_CONFIG_BYTES} bytes")
     try:
-        text = p.read_bytes().decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise ConfigError(f"config file {p} is not UTF-8 text (byte {err.start})") from None
     try:
@@ -919,6 +940,7 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {p} is nested too deep") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a mapping at the top level")
+    _bounded(data, f"config file {p}")
     return data
 
 
@@ -941,8 +963,31 @@ def ledger_url_problem(url: str) -> str | None:
         return f"the {backend} driver {module!r} is not installed (try postgresql+psycopg://)"
     if backend == "sqlite":
         path = rest[1:].split("?", 1)[0] if rest.startswith("/") else ""
-        if path and Path(path).is_dir():
+        if path and not path.startswith("file:") and path != ":memory:":
+            return sqlite_file_problem(Path(path))
+    return None
+
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def sqlite_file_problem(path: Path) -> str | None:
+    """Why ``path`` cannot hold a SQLite ledger (a directory, a device, a file of something else), or None when
+    it is a SQLite database, empty, or not there yet (the ledger creates it)."""
+    try:
+        if path.is_dir():
             return f"the SQLite path {path} is a directory"
+        if not path.exists():
+            return None
+        if not path.is_file():
+            return f"the SQLite path {path} is not a regular file"
+        with path.open("rb") as f:
+            head = f.read(len(SQLITE_MAGIC))
+    except OSError as err:
+        return f"the SQLite path {path} cannot be read: {err.strerror or type(err).__name__}"
+    # SQLite makes a database of an empty file; any other content would fail on the first statement.
+    if head and head != SQLITE_MAGIC:
+        return f"the SQLite path {path} is not a SQLite database"
     return None
 
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ddiloco.platform.config import ConfigError
+
 ROWS = "@rows:"
 """What separates a parameter name from a piece's row range in its key."""
 
@@ -136,7 +138,8 @@ def partition(
     target = total / count
     pieces = [pc for n, shape, bpe in named_shapes for pc in _pieces_of(n, tuple(shape), bpe, target, split_above)]
     if count > len(pieces):
-        raise ValueError(
+        # A ConfigError: every process entry that loads a config reports it as the one line it is.
+        raise ConfigError(
             f"fragments.count ({count}) exceeds the number of parameter tensors ({len(pieces)} after splitting "
             "large ones into row pieces), so some fragment would be empty: lower fragments.count"
         )

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from ddiloco.platform.ids import key_problem
 from ddiloco.platform.ledger import rejections as rejections_q
 from ddiloco.platform.ledger import reports as reports_q
 from ddiloco.platform.ledger import runs as runs_q
@@ -335,7 +336,9 @@ def probe_store(
         # blob is written before its row, so a blob that exists is listed.
         if store.url not in listings:
             listings[store.url] = listed_sizes(store, f"{run_id}/submissions")
-        sizes.update({s.id: listings[store.url].get(_bare(store.path(s.blob_key))) for s in rows})
+        # A key no blob may have (a row written around the learner's functions) names nothing: missing.
+        sizes.update({s.id: None if key_problem(s.blob_key) else listings[store.url].get(_bare(store.path(s.blob_key)))
+                      for s in rows})
     return intact, sizes
 
 

@@ -22,7 +22,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
-from ddiloco.platform.ids import InvalidIdError
+from ddiloco.platform.ids import TMP_PREFIX, InvalidIdError, validate_key
 from ddiloco.platform.redact import redact_url
 
 # Transient failures (network, a restarting server) are retried; integrity failures are not.
@@ -72,13 +72,6 @@ _retry = retry(
     wait=wait_exponential(multiplier=0.2, max=8.0),
     reraise=True,
 )
-
-
-def _check_key(key: str) -> str:
-    parts = key.split("/")
-    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
-        raise InvalidIdError(f"unsafe store key {key!r}")
-    return key
 
 
 def encode_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
@@ -159,7 +152,7 @@ class FragmentStore:
         return f"FragmentStore({redact_url(self.url)!r})"
 
     def path(self, key: str) -> str:
-        return f"{self.root}/{_check_key(key)}"
+        return f"{self.root}/{validate_key(key)}"
 
     # --- writing -------------------------------------------------------------------------------
 
@@ -206,7 +199,7 @@ class FragmentStore:
     def _put_local(path: str, data: bytes) -> None:
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
+        tmp = os.path.join(directory, f"{TMP_PREFIX}{uuid.uuid4().hex}")
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -261,7 +254,7 @@ class FragmentStore:
     def verify(self, key: str, sha256: str) -> bool:
         try:
             self.get_with_metadata(key, sha256)
-        except StoreError:
+        except (StoreError, InvalidIdError):
             return False
         return True
 
@@ -294,7 +287,7 @@ class FragmentStore:
         for p in found:
             p = p if p.startswith("/") or not self.root.startswith("/") else p
             rel = p[len(self.root) :].lstrip("/") if p.startswith(self.root) else p.split(self.root.lstrip("/"), 1)[-1].lstrip("/")
-            if not rel.rsplit("/", 1)[-1].startswith(".tmp-"):
+            if not rel.rsplit("/", 1)[-1].startswith(TMP_PREFIX):
                 out.append(rel)
         return sorted(out)
 

@@ -17,7 +17,16 @@ from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.store import StoreError
 from ddiloco.synchronizer import policy as pol
 from ddiloco.synchronizer.merge import FlatDelta, FlatLayout, GlobalFragment, Member, MergeWorkspace
-from ddiloco.synchronizer.validate import Norms, ValidationPolicy, admit, clip, judge_groups, judge_norm, recent_norms
+from ddiloco.synchronizer.validate import (
+    LearnerFacts,
+    Norms,
+    ValidationPolicy,
+    admit,
+    clip,
+    judge_groups,
+    judge_norm,
+    recent_norms,
+)
 
 log = logging.getLogger("ddiloco.synchronizer")
 
@@ -42,11 +51,11 @@ class Fetcher:
         self._pool = ThreadPoolExecutor(max_workers=FETCH_WORKERS, thread_name_prefix="fetch")
 
     def fetch(
-        self, fragment: int, subs: list[Submission], version: int, regions: dict[str, str], most_tokens: dict[str, int]
+        self, fragment: int, subs: list[Submission], version: int, regions: dict[str, str], learners: dict[str, LearnerFacts]
     ) -> tuple[list[Member], list[tuple[int, str]]]:
         """Read, decode and check the submissions: the members to merge, and (id, reason) for the rest. ``regions``:
-        the region of every registered learner (whose store its blob is in); ``most_tokens``: the most tokens one
-        inner step of each trains."""
+        the region of every registered learner (whose store its blob is in); ``learners``: what the ledger says of
+        each, to judge its claims by."""
         layout = FlatLayout.of(self.layout.shapes(fragment))
         rows = self.workspace.rows(layout, len(subs))
         with self.ctx.reading() as s:
@@ -56,7 +65,7 @@ class Fetcher:
         plausible = self._plausible_step_norm(fragment, layout.numel) if len(history) < pol.MIN_NORM_HISTORY else None
         # Blob reads dominate on object stores: fetch and decode them concurrently (order is kept),
         # each straight into its own row of the workspace.
-        checked = self._pool.map(lambda sb, row: self._validate(sb, version, layout, row, recent, regions, most_tokens, plausible),
+        checked = self._pool.map(lambda sb, row: self._validate(sb, version, layout, row, recent, regions, learners, plausible),
                                  subs, rows)
         members, rejected = [], []
         for sb, got in zip(subs, checked, strict=True):
@@ -79,10 +88,10 @@ class Fetcher:
 
     def _validate(
         self, sb: Submission, version: int, layout: FlatLayout, row: torch.Tensor, recent: Norms, regions: dict[str, str],
-        most_tokens: dict[str, int], plausible: float | None = None,
+        learners: dict[str, LearnerFacts], plausible: float | None = None,
     ) -> str | Member:
         """A reason to reject the submission, or the decoded member."""
-        why, key = admit(sb, self.ctx.run_id, version, most_tokens.get(sb.learner_id), layout.numel, self.validation)
+        why, key = admit(sb, self.ctx.run_id, version, learners.get(sb.learner_id), layout.numel, self.validation)
         if why:
             return why
         try:

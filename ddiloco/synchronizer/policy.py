@@ -9,6 +9,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ddiloco.platform.config import CODECS
+
 
 @dataclass(frozen=True)
 class QuorumPolicy:
@@ -170,14 +172,23 @@ def judged_ranks(recorded: int | None, limit: int) -> int:
     return limit if recorded is None else max(1, min(recorded, limit))
 
 
-def check_claims(c_steps: int, c_tokens: int, tokens_new: int, base_version: int, tokens_per_step: int) -> str | None:
-    """A reason to reject what a submission says about itself, or None when it is plausible.
+FASTEST_STEP_S = 1e-4
+"""No inner step of any learner takes less: a forward, a backward and an AdamW step are dozens of kernels, each
+microseconds to launch. A claim of more steps than the time its learner had allows at this pace is implausible."""
+
+
+def check_claims(c_steps: int, c_tokens: int, tokens_new: int, base_version: int, tokens_per_step: int,
+                 trained_s: float | None = None, codec: str | None = None) -> str | None:
+    """A reason to reject what a submission says about itself, or None when it is plausible: the one judgement of
+    its counts against each other, against its learner's registered ranks and batch, and against time.
 
     Counts are the merge's weights and the run's token accounting: a learner cannot have trained
     more tokens per step than its batch holds (``tokens_per_step``: batch x sequence x ranks x
-    accumulation) or more new tokens than the update carries, and no honest learner sends from
-    before version 0. Its steps are not judged here: they weigh at most ``merge.max_periods``
-    periods in the merge (:func:`capped_counts`)."""
+    accumulation), more new tokens than the update carries, or more steps than ``trained_s`` (the longest it
+    can have trained, by the synchronizer's reading of the ledger) holds at :data:`FASTEST_STEP_S` a step; no
+    honest learner sends from before version 0 or in a codec the platform does not have. Steps within that
+    bound are not judged here: they weigh at most ``merge.max_periods`` periods in the merge
+    (:func:`capped_counts`)."""
     why = check_counts(c_steps, c_tokens)
     if why:
         return why
@@ -188,6 +199,11 @@ def check_claims(c_steps: int, c_tokens: int, tokens_new: int, base_version: int
     if c_tokens > c_steps * tokens_per_step:
         return (f"implausible claim: {c_tokens} tokens in {c_steps} steps, more than the "
                 f"{tokens_per_step} one step of this learner's ranks trains")
+    if trained_s is not None and c_steps > max(0.0, trained_s) / FASTEST_STEP_S:
+        return (f"implausible claim: {c_steps} steps in the {max(0.0, trained_s):.4g}s its learner can have trained, "
+                f"more than one every {FASTEST_STEP_S:g}s")
+    if codec is not None and codec not in CODECS:
+        return f"implausible claim: codec {codec[:24]!r}, none of {', '.join(CODECS)}"
     return None
 
 

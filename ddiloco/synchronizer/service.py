@@ -238,7 +238,7 @@ class Synchronizer:
         t0 = time.perf_counter()
         current = self.publisher.current(fragment, snap.latest)
         with span("sync.fetch"):
-            members, rejected = self.fetcher.fetch(fragment, subs, current.version, snap.regions, snap.most_tokens)
+            members, rejected = self.fetcher.fetch(fragment, subs, current.version, snap.regions, snap.learners)
         if not members:
             self.publisher.reject(rejected, now)
             return False, len(rejected)

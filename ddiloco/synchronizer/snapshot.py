@@ -14,6 +14,7 @@ from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import FragmentVersion, Submission
 from ddiloco.platform.runtime import RunContext, to_datetime
 from ddiloco.synchronizer import policy as pol
+from ddiloco.synchronizer.validate import LearnerFacts
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,8 @@ class Snapshot:
 
     regions: dict[str, str]
     """Region of every registered learner."""
-    most_tokens: dict[str, int]
-    """The most tokens one inner step of every registered learner trains: its recorded ranks' batches."""
+    learners: dict[str, LearnerFacts]
+    """What the ledger says of every registered learner, to judge its submissions' claims by."""
     live: frozenset[str]
     pending: dict[int, list[Submission]]
     """Pending submissions by fragment, fragments in order."""
@@ -60,11 +61,13 @@ def read_snapshot(
     with the live median step time folded in (the grace window is computed from those)."""
     cfg, run_id, now_dt = ctx.cfg, ctx.run_id, to_datetime(now)
     with ctx.reading() as s:
+        run = runs_q.get_run(s, run_id)
         rows = runs_q.learners(s, run_id)
         pending = sync_q.pending_submissions(s, run_id, fragments=fragments)
         latest = runs_q.latest_versions(s, run_id)
     snaps = runs_q.learner_snapshots(rows)
-    live = frozenset(liveness.live_ids(liveness.learner_verdicts(snaps, now_dt, policies.liveness)))
+    verdicts = liveness.learner_verdicts(snaps, now_dt, policies.liveness)
+    live = frozenset(liveness.live_ids(verdicts))
     step_s = liveness.median_live_step_s(snaps, now_dt, policies.liveness)
     if step_s:
         stats = replace(stats, step_s=step_s)
@@ -74,8 +77,17 @@ def read_snapshot(
     lc, batch = cfg.learners, cfg.learners.batch_size * cfg.inner.grad_accum_steps
     snap = Snapshot(
         regions={r.id: r.region for r in rows},
-        # Per learner the ranks differ (the job's world size, recorded as it registered), within the run's limit.
-        most_tokens={r.id: tokens_per_step(cfg.model, batch, pol.judged_ranks(r.world_size, lc.max_world_size)) for r in rows},
+        learners={
+            r.id: LearnerFacts(
+                # Per learner the ranks differ (the job's world size, recorded as it registered), within the run's limit.
+                tokens_per_step(cfg.model, batch, pol.judged_ranks(r.world_size, lc.max_world_size)),
+                # A learner's start is its own clock's claim: never earlier than the run's, and the liveness rule's
+                # tolerance covers clocks that disagree.
+                now - max(r.started_at.timestamp(), run.created_at.timestamp() if run else now) + policies.liveness.dead_after_s,
+                None if verdicts[r.id].status != liveness.DEAD else verdicts[r.id].reason,
+            )
+            for r in rows
+        },
         live=live,
         pending=dict(sorted(by_fragment.items())),
         latest=latest,

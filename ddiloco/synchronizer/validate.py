@@ -54,6 +54,18 @@ def recent_norms(history: Sequence[tuple[float, int]], period: int) -> Norms:
     return Norms([n / pol.norm_steps(c, period) for n, c in history], [n for n, _ in history])
 
 
+class LearnerFacts(NamedTuple):
+    """What a pass read of a submission's learner in the ledger, to judge its claims by."""
+
+    most_tokens: int
+    """The most tokens one inner step of its ranks trains (its registered world, the run's batch)."""
+    trained_s: float
+    """The longest it can have trained: since its incarnation started, never before the run, with the clocks'
+    tolerance (``learners.dead_after_s``) added."""
+    dead: str | None = None
+    """Why it counts as dead (``platform.liveness``), None while it is live."""
+
+
 class Admission(NamedTuple):
     reason: str | None
     """Why the submission is rejected before its blob is read (None: read it)."""
@@ -61,12 +73,22 @@ class Admission(NamedTuple):
     """Where its blob is read from: derived from its ids, never taken from the row."""
 
 
-def admit(sb: Submission, run_id: str, version: int, most_tokens: int | None, numel: int, policy: ValidationPolicy) -> Admission:
-    """Judge what a submission claims before its blob is read. ``most_tokens``: the most tokens one inner step of
-    its learner trains (None: no such learner registered); ``numel``: the fragment's elements."""
-    if most_tokens is None:
+DEAD_LEARNER = "dead learner"
+"""How the reason begins for work of a learner the ledger counts as dead."""
+
+
+def admit(sb: Submission, run_id: str, version: int, learner: LearnerFacts | None, numel: int,
+          policy: ValidationPolicy) -> Admission:
+    """Judge what a submission claims before its blob is read. ``learner``: what the ledger says of its learner
+    (None: no such learner registered); ``numel``: the fragment's elements."""
+    if learner is None:
         return Admission(f"{UNKNOWN_LEARNER} {sb.learner_id!r}")
-    why = (pol.check_claims(sb.c_steps, sb.c_tokens, sb.tokens_new, sb.base_version, most_tokens)
+    if learner.dead is not None:
+        # A learner silent past the liveness rule is out of the quorum and the participation scale; its work merges
+        # again once it is heard of (a heartbeat, or a new incarnation's registration).
+        return Admission(f"{DEAD_LEARNER} {sb.learner_id!r}: {learner.dead}; heartbeat or re-register to be merged again")
+    why = (pol.check_claims(sb.c_steps, sb.c_tokens, sb.tokens_new, sb.base_version, learner.most_tokens, learner.trained_s,
+                            sb.codec)
            or pol.check_staleness(version, sb.base_version, policy.max_staleness))
     if why:
         return Admission(why)

@@ -27,6 +27,7 @@ from sqlalchemy.exc import NoSuchModuleError
 from sqlalchemy.orm import Session
 
 from ddiloco.platform import liveness
+from ddiloco.platform.config import ConfigError
 from ddiloco.platform.fragments import shard_fragments
 from ddiloco.platform.ledger import reports as reports_q
 from ddiloco.platform.ledger import runs as runs_q
@@ -105,8 +106,8 @@ def read_only_engine(url: str) -> Engine:
     try:
         # One snapshot per page load, so the figures of one run agree with each other.
         return make_engine(url, read_only=True)
-    except (NoSuchModuleError, ImportError) as err:
-        raise LedgerUnavailable(f"cannot open {redact_url(url)}: {err}") from None
+    except (NoSuchModuleError, ImportError, ConfigError) as err:
+        raise LedgerUnavailable(redact_url(f"cannot open {url}: {err}")) from None
 
 
 def check_schema(engine: Engine) -> None:

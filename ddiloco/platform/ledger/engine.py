@@ -11,13 +11,17 @@ from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from ddiloco.platform.config import ConfigError, ledger_url_problem
+from ddiloco.platform.redact import redact_url
+
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 MIGRATION_LOCK_ID = 0x0DD1_10C0
 
 
 def make_engine(url: str | SecretStr, *, read_only: bool = False, idle_in_transaction_timeout_s: float | None = None) -> Engine:
-    """An engine for ``url``; SQLite gets WAL, a busy timeout, foreign keys and write-locking transactions.
+    """An engine for ``url`` (one that cannot be a ledger is a :class:`ConfigError` line); SQLite gets WAL, a busy
+    timeout, foreign keys and write-locking transactions.
 
     ``read_only`` engines cannot write (SQLite ``query_only``, PostgreSQL read-only transactions) and
     read one snapshot per transaction, so figures read by several statements agree with each other.
@@ -26,6 +30,10 @@ def make_engine(url: str | SecretStr, *, read_only: bool = False, idle_in_transa
     releases its row locks instead of stalling every writer behind it."""
     if isinstance(url, SecretStr):  # the config's ledger URL
         url = url.get_secret_value()
+    why = ledger_url_problem(url)
+    if why:
+        # Checked here too, not only when a config is loaded: --ledger options, the dashboard and flows pass URLs.
+        raise ConfigError(f"ledger {redact_url(url)}: {why}")
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         database = parsed.database

@@ -29,3 +29,8 @@ class SubmissionConflictError(LedgerError):
 
 class WorldSizeError(LedgerError):
     """A learner registering with more ranks than the run allows (``learners.max_world_size``)."""
+
+
+class InvalidArgumentError(LedgerError, ValueError):
+    """A count, limit or duration no caller of the ledger passes (negative, zero where one is needed, beyond its
+    column, not finite): refused with its name before any statement runs."""

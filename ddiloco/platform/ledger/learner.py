@@ -13,9 +13,9 @@ from sqlalchemy import Integer, String, Text, bindparam, case, cast, func, inser
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
-from ddiloco.platform.config import world_size_problem
+from ddiloco.platform.config import CODECS, world_size_problem
 from ddiloco.platform.ids import validate_id
-from ddiloco.platform.ledger._common import _greatest, _insert
+from ddiloco.platform.ledger._common import INT64_MAX, _greatest, _insert, check_count, check_seconds, column_problem
 from ddiloco.platform.ledger.errors import SubmissionConflictError, WorldSizeError
 from ddiloco.platform.ledger.models import (
     PENDING,
@@ -54,6 +54,9 @@ def register_learner(
     why = world_size_problem(world_size, world_size if max_world_size is None else max_world_size)
     if why:
         raise WorldSizeError(f"learner {learner_id!r} of run {run_id!r}: {why}")
+    check_count(world_size, "world_size", least=1)
+    if pid is not None:
+        check_count(pid, "pid")
     learner = session.get(Learner, (run_id, learner_id), with_for_update=True)
     if learner is not None:
         learner.host, learner.pid, learner.world_size = host, pid, world_size
@@ -120,6 +123,7 @@ def record_heartbeat(
     busy_s: float = 0.0,
 ) -> bool:
     """Record a heartbeat; ``tokens`` is the incarnation's running total. False if the incarnation was superseded."""
+    check_beat(step, tokens, tokens_per_s, step_time_s, busy_s)
     session.add(
         Heartbeat(
             run_id=run_id,
@@ -163,6 +167,14 @@ def set_optimizer_state(session: Session, run_id: str, learner_id: str, key: str
     return old
 
 
+def check_beat(step: int, tokens: int, tokens_per_s: float, step_time_s: float, busy_s: float) -> None:
+    """A heartbeat's figures as a learner writes them (counts from 0, finite rates and times from 0), else an
+    InvalidArgumentError: the dashboard, the straggler rule and the grace window read them back."""
+    check_count(step, "step", most=INT64_MAX), check_count(tokens, "tokens", most=INT64_MAX)
+    check_seconds(tokens_per_s, "tokens_per_s", positive=False, most=1e18)
+    check_seconds(step_time_s, "step_time_s", positive=False), check_seconds(busy_s, "busy_s", positive=False)
+
+
 # --- submissions ----------------------------------------------------------------------------------
 
 
@@ -191,6 +203,14 @@ class SubmissionIn:
                              f"tokens_new={self.tokens_new}, base_version={self.base_version})")
         if self.nbytes < 0 or self.fragment < 0:
             raise ValueError(f"submission {self.uid!r}: negative fragment or size")
+        why = column_problem(Submission, self.__dict__) or column_problem(
+            Learner, {"inc_tokens_trained": self.tokens_total, "data_batches": self.data_batches})
+        if self.tokens_total < 0 or (self.data_batches or 0) < 0:
+            why = why or f"tokens_total={self.tokens_total}, data_batches={self.data_batches}: a count from 0"
+        if why:
+            raise ValueError(f"submission {self.uid!r}: implausible counts ({why})")
+        if self.codec not in CODECS:
+            raise ValueError(f"submission {self.uid!r}: codec {self.codec[:24]!r} is none of {', '.join(CODECS)}")
 
 
 def register_submission(
@@ -365,6 +385,9 @@ class Beat:
     """How long the oldest of them has waited."""
     link_json: str | None = None
     """The link's measured rates and the send period and codec in force, with the reason (JSON)."""
+
+    def __post_init__(self) -> None:
+        check_beat(self.step, self.tokens, self.tokens_per_s, self.step_time_s, self.busy_s)
 
     def link_values(self) -> dict[str, Any]:
         """The upload link's columns, as the learner row and a heartbeat row hold them."""

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from ddiloco.platform import liveness
 from ddiloco.platform.ids import validate_id
-from ddiloco.platform.ledger._common import _insert, _inserted
+from ddiloco.platform.ledger._common import INT64_MAX, _insert, _inserted, check_count
 from ddiloco.platform.ledger.errors import UnknownRunError
 from ddiloco.platform.ledger.models import (
     Evaluation,
@@ -43,6 +43,7 @@ def create_run(
 ) -> bool:
     """Register a run; a second call with the same id is a no-op. Returns True if it was created."""
     validate_id(run_id, "run")  # ids are shown and become store keys: no markup, no path tricks
+    check_count(num_fragments, "num_fragments", least=1), check_count(token_budget, "token_budget", least=1, most=INT64_MAX)
     stmt = (
         _insert(session, Run)
         .values(
@@ -158,6 +159,7 @@ def latest_version_numbers(session: Session, run_id: str) -> dict[int, int]:
 
 
 def get_version(session: Session, run_id: str, fragment: int, version: int) -> FragmentVersion | None:
+    check_count(fragment, "fragment"), check_count(version, "version")
     return session.get(FragmentVersion, (run_id, fragment, version))
 
 
@@ -183,6 +185,7 @@ def record_event(session: Session, run_id: str, kind: str, actor: str | None, de
 
 
 def events(session: Session, run_id: str, limit: int = 500) -> list[Event]:
+    check_count(limit, "limit")
     return list(session.scalars(select(Event).where(Event.run_id == run_id).order_by(Event.at.desc(), Event.id.desc()).limit(limit)))
 
 

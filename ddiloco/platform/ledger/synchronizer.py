@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from ddiloco.platform import compact, liveness
 from ddiloco.platform.ids import validate_holder
-from ddiloco.platform.ledger._common import _insert, _inserted
+from ddiloco.platform.ledger._common import _insert, _inserted, check_count, check_seconds
 from ddiloco.platform.ledger.errors import AlreadyDecidedError, LeaseLostError, LedgerError, VersionConflictError
 from ddiloco.platform.ledger.models import (
     GC_SUBMISSIONS,
@@ -77,7 +77,7 @@ def pending_submissions(
 ) -> list[Submission]:
     stmt = select(Submission).where(Submission.run_id == run_id, Submission.status == PENDING)
     if fragment is not None:
-        stmt = stmt.where(Submission.fragment == fragment)
+        stmt = stmt.where(Submission.fragment == check_count(fragment, "fragment"))
     if fragments is not None:
         wanted = Submission.fragment.in_(fragments.fragments)
         if fragments.outside_of is not None:
@@ -93,6 +93,7 @@ def recent_merged_norms(session: Session, run_id: str, fragment: int, limit: int
 
 def recent_merged_norm_steps(session: Session, run_id: str, fragment: int, limit: int = 32) -> list[tuple[float, int]]:
     """(norm, c_steps) of the fragment's latest merged submissions, newest first."""
+    check_count(limit, "limit")
     rows = session.execute(
         select(Submission.norm, Submission.c_steps)
         .where(
@@ -116,6 +117,7 @@ def acquire_lease(session: Session, run_id: str, holder: str, ttl_s: float, now:
     A holder whose lease lapsed while nobody took it over gets it back with the same token: no one else can
     have published meanwhile (a takeover always bumps the token), so what it holds in memory is still current."""
     validate_holder(holder)
+    check_seconds(ttl_s, "lease ttl_s"), check_count(shard, "shard")
     lease = session.get(SynchronizerLease, (run_id, shard), with_for_update=True)
     expires = now + timedelta(seconds=ttl_s)
     if lease is None:
@@ -147,6 +149,7 @@ def renew_lease(session: Session, run_id: str, holder: str, token: int, ttl_s: f
     """Extend the lease while ``holder`` still holds ``token`` — also once it has lapsed, as long as nobody took
     it over: a renewer thread starved past the TTL (a long first pass after a takeover on a loaded machine)
     must not lose a lease no one else wants, and waste its pass's merges to the fence."""
+    check_seconds(ttl_s, "lease ttl_s"), check_count(shard, "shard")
     result = session.execute(
         update(SynchronizerLease)
         .where(
@@ -383,6 +386,8 @@ def versions_for_gc(
 
     Reads only versions GC has not settled yet (a partial index holds just those); the ones kept for good
     (every ``checkpoint_every``-th) are marked settled here, so no later pass reads them again."""
+    check_count(keep_last, "keep_last", least=1), check_count(checkpoint_every, "checkpoint_every", least=1)
+    check_count(limit, "limit")
     heads = session.execute(
         select(FragmentHead.fragment, FragmentHead.version, FragmentHead.compact_json).where(FragmentHead.run_id == run_id)
     ).all()
@@ -414,6 +419,7 @@ def versions_for_gc(
 
 def submissions_for_gc(session: Session, run_id: str, limit: int = 500) -> list[Submission]:
     """Decided submissions whose blobs are not deleted yet, oldest first (seeks the partial index ``ix_submissions_gc``)."""
+    check_count(limit, "limit")
     return list(
         session.scalars(
             select(Submission).where(Submission.run_id == run_id, GC_SUBMISSIONS).order_by(Submission.id).limit(limit)
