@@ -528,8 +528,10 @@ def run_point(args, learners: int, shards: int, stack_env: dict[str, str]) -> di
         stack.callback(cluster.stop_all, 30.0)
         profiles = [workdir / f"profile-{k}.json" for k in range(shards)]
         t_launch = time.time()
+        from ddiloco.entry import ProcessSpec
+
         for k in range(shards):
-            cluster.start(f"sync-{k}", ["synchronizer", "--label", f"sync-{k}", "--shard", str(k)],
+            cluster.start(f"sync-{k}", ProcessSpec.synchronizer(f"sync-{k}", shard=k),
                           wrap=[sys.executable, str(HERE), "--synchronizer-child", str(profiles[k])])
         ctx = RunContext.open(cfg, run_id)
         stack.callback(ctx.engine.dispose)

@@ -133,6 +133,7 @@ def test_relay_adds_the_one_way_delay_each_way():
 def test_learner_in_a_region_namespace_submits_through_the_shaped_link(postgres_url):
     from sqlalchemy import select
 
+    from ddiloco.entry import ProcessSpec
     from ddiloco.platform.config import build_config
     from ddiloco.platform.ledger import runs as runs_q
     from ddiloco.platform.ledger.models import Submission
@@ -154,7 +155,7 @@ def test_learner_in_a_region_namespace_submits_through_the_shaped_link(postgres_
             cfg_path, run_id, Path(tmp), env={k: v for k, v in os.environ.items() if not k.startswith(("DDILOCO_", "AWS_"))}
         )
         cluster.synchronizer("sync", env={**lab.aws_env, "AWS_ENDPOINT_URL": lab.s3_url})
-        learner = cluster.learner("us-0", "--max-steps", "40", env=lab.region_env(region), wrap=mr.region_wrap(region))
+        learner = cluster.start("us-0", ProcessSpec.learner("us-0", max_steps=40), env=lab.region_env(region), wrap=mr.region_wrap(region))
         try:
             learner.wait(timeout=150)
             with ctx.reading() as s:
