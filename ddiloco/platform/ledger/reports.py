@@ -1,5 +1,6 @@
-"""What reports read: the token accounting, a run's aggregates for its summary, the submission and rejection tables
-of the dashboard, each learner's timeline, and the full scans ``ledger check`` holds the running totals to."""
+"""What reports read: the token accounting, a run's aggregates for its summary, each learner's timeline, and the full
+scan ``ledger check`` holds the running totals to. The dashboard's other reads (tables, timelines, curves) are in
+``ledger.dashboard``."""
 
 from __future__ import annotations
 
@@ -134,36 +135,6 @@ class RunAggregates:
     """Learner time spent training, summed over learners."""
     timelines: dict[str, list[Moment]] = field(default_factory=dict)
     """Each learner's launches, registrations, first heartbeats and exits (``learner_timelines``)."""
-
-
-class SubmissionGroup(NamedTuple):
-    learner: str
-    status: str
-    staleness: int | None
-    submissions: int
-    tokens: int
-    bytes: int
-    last_at: datetime | None
-
-
-def submission_groups(session: Session, run_id: str) -> list[SubmissionGroup]:
-    """The run's submissions counted by (learner, fate, staleness), with their tokens, bytes and newest time.
-
-    One pass over the submissions, enough for the summary's totals and the dashboard's per-learner tables."""
-    rows = session.execute(
-        select(
-            Submission.learner_id,
-            Submission.status,
-            Submission.staleness,
-            func.count(),
-            func.coalesce(func.sum(Submission.tokens_new), 0),
-            func.coalesce(func.sum(Submission.nbytes), 0),
-            func.max(Submission.created_at),
-        )
-        .where(Submission.run_id == run_id)
-        .group_by(Submission.learner_id, Submission.status, Submission.staleness)
-    )
-    return [SubmissionGroup(lid, st, stale, int(n), int(t), int(b), last) for lid, st, stale, n, t, b, last in rows]
 
 
 class RejectedTotal(NamedTuple):
