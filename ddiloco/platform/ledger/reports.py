@@ -218,12 +218,11 @@ def learner_timelines(session: Session, run_id: str, rows: Sequence[Learner]) ->
     """Each learner's moments in time order: the run's launch, registration and exit events, then per incarnation its
     first heartbeat and (before a later one) its last: index seeks, never a pass over the heartbeat history."""
     out: dict[str, list[Moment]] = {r.id: [] for r in rows}
-    found = session.execute(
-        select(Event.actor, Event.kind, Event.at)
-        .where(Event.run_id == run_id, Event.kind.in_(list(_TIMELINE_KINDS)))
-        .order_by(Event.at, Event.id)
-    )
-    for actor, kind, at in found:
+    # Sorted here: an ORDER BY at would let the (run, at) index compete with (run, kind, at), walking every event.
+    found = session.connection().execute(
+        select(Event.at, Event.id, Event.actor, Event.kind).where(Event.run_id == run_id, Event.kind.in_(list(_TIMELINE_KINDS)))
+    ).all()
+    for at, _id, actor, kind in sorted(found, key=lambda e: (e[0], e[1])):
         if actor in out:
             out[actor].append(Moment(at, _TIMELINE_KINDS[kind]))
     hb = Heartbeat
