@@ -42,6 +42,8 @@ REQUIRED_TABLES = (
     "evaluations",
     "synchronizer_leases",
 )
+
+
 class LedgerUnavailable(RuntimeError):
     """The ledger cannot be read: no file, no server, no schema. The message says what to do."""
 
@@ -133,7 +135,7 @@ def _info(run: Run) -> RunInfo:
 
 
 def run_info(session: Session, run_id: str) -> RunInfo | None:
-    run = session.get(Run, run_id)
+    run = runs_q.get_run(session, run_id)
     return _info(run) if run is not None else None
 
 
