@@ -376,7 +376,6 @@ def time_queries(url: str) -> dict[str, float]:
         "health_snapshot": lambda s: uq.health_snapshot(s, RUN, now),
         "run_aggregates": lambda s: reports_q.run_aggregates(s, RUN),
         "run_summary": lambda s: run_summary(s, RUN, now),
-        "submission_stats": lambda s: uq.submission_stats(s, RUN),
         "learners_frame": lambda s: uq.learners_frame(s, RUN, now),
         "synchronizer_holders": lambda s: uq.synchronizer_holders(s, RUN),
         "versions_frame": lambda s: uq.versions_frame(s, RUN),

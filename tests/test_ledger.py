@@ -335,7 +335,7 @@ def test_rejected_work_is_read_from_running_totals_not_the_rejected_rows(run):
     from sqlalchemy import event
 
     from ddiloco.platform.invariants import read_snapshot, totals_problems
-    from ddiloco.ui.queries import learner_fates
+    from ddiloco.platform.ledger.dashboard import learner_fates
 
     S = run
     with S.begin() as s:

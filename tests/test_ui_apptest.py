@@ -22,11 +22,10 @@ from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.ledger import open_ledger, session_factory
 from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger import synchronizer as sync_q
-from ddiloco.platform.ledger.models import Learner, Run, Submission
+from ddiloco.platform.ledger.models import Learner, Merge, Run, Submission
 from ddiloco.platform.summary import run_summary
 from ddiloco.ui import APP_PATH, LEDGER_URL_ENV, loaders, widgets
 from ddiloco.ui import health as h
-from ddiloco.ui import queries as uq
 
 pytestmark = pytest.mark.timeout(120)
 RUN_HEALTH = "views/run_health.py"
@@ -124,7 +123,7 @@ def test_run_health_page_shows_the_ledgers_numbers(monkeypatch, run_ledger):
                 select(Submission.learner_id, Submission.status, func.count()).group_by(Submission.learner_id, Submission.status)
             )
         }
-        merges = s.scalar(select(func.count()).select_from(uq.Merge))
+        merges = s.scalar(select(func.count()).select_from(Merge))
     engine.dispose()
 
     m = metrics(at)

@@ -10,8 +10,8 @@ import altair as alt
 import pandas as pd
 
 from ddiloco.platform import liveness
+from ddiloco.platform.ledger.dashboard import STALENESS_VERSIONS
 from ddiloco.ui import health as h
-from ddiloco.ui.queries import STALENESS_VERSIONS
 
 LEARNER_STATUS_SCALE = alt.Scale(domain=list(liveness.LEARNER_STATUSES), range=[h.hex_of(s) for s in liveness.LEARNER_STATUSES])
 CATEGORY_ORDER = ["failure", "restart", "chaos", "rejection", "synchronizer", "learner", "run", "other"]

@@ -1,6 +1,6 @@
 """Streamlit's side of the data: which ledger, the cached read-only engine, cached query results, the clock.
 
-The queries themselves live in :mod:`ddiloco.ui.queries` (plain functions of a Session); this module
+The reads live in :mod:`ddiloco.ui.queries` (frames) and the ledger's report modules (plain functions of a Session); this module
 only decides how long their results may be reused (``CACHE_TTL_S``) and opens the sessions. A session
 here is never committed: it reads one snapshot and is rolled back when it closes."""
 
@@ -16,6 +16,7 @@ import streamlit as st
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
+from ddiloco.platform.ledger import dashboard as dash_q
 from ddiloco.ui import LEDGER_URL_ENV
 from ddiloco.ui import queries as uq
 
@@ -64,7 +65,7 @@ def ledger_problem(url: str) -> str | None:
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def run_ids(url: str) -> list[str]:
-    return _read(url, uq.run_ids)
+    return _read(url, dash_q.run_ids)
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)  # no spinner flicker at every auto-refresh

@@ -306,7 +306,7 @@ class Merge(Base):
 
 class Event(Base):
     __tablename__ = "events"
-    __table_args__ = (Index("ix_events_run_at", "run_id", "at"),)
+    __table_args__ = (Index("ix_events_run_at", "run_id", "at"), Index("ix_events_run_kind_at", "run_id", "kind", "at"))
 
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
     run_id: Mapped[str] = mapped_column(String(64))

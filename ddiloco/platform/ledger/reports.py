@@ -1,5 +1,6 @@
-"""What reports read: the token accounting, a run's aggregates for its summary, the submission and rejection tables
-of the dashboard, each learner's timeline, and the full scans ``ledger check`` holds the running totals to."""
+"""What reports read: the token accounting, a run's aggregates for its summary, each learner's timeline, and the full
+scan ``ledger check`` holds the running totals to. The dashboard's other reads (tables, timelines, curves) are in
+``ledger.dashboard``."""
 
 from __future__ import annotations
 
@@ -136,36 +137,6 @@ class RunAggregates:
     """Each learner's launches, registrations, first heartbeats and exits (``learner_timelines``)."""
 
 
-class SubmissionGroup(NamedTuple):
-    learner: str
-    status: str
-    staleness: int | None
-    submissions: int
-    tokens: int
-    bytes: int
-    last_at: datetime | None
-
-
-def submission_groups(session: Session, run_id: str) -> list[SubmissionGroup]:
-    """The run's submissions counted by (learner, fate, staleness), with their tokens, bytes and newest time.
-
-    One pass over the submissions, enough for the summary's totals and the dashboard's per-learner tables."""
-    rows = session.execute(
-        select(
-            Submission.learner_id,
-            Submission.status,
-            Submission.staleness,
-            func.count(),
-            func.coalesce(func.sum(Submission.tokens_new), 0),
-            func.coalesce(func.sum(Submission.nbytes), 0),
-            func.max(Submission.created_at),
-        )
-        .where(Submission.run_id == run_id)
-        .group_by(Submission.learner_id, Submission.status, Submission.staleness)
-    )
-    return [SubmissionGroup(lid, st, stale, int(n), int(t), int(b), last) for lid, st, stale, n, t, b, last in rows]
-
-
 class RejectedTotal(NamedTuple):
     learner_id: str
     reason: str
@@ -247,12 +218,11 @@ def learner_timelines(session: Session, run_id: str, rows: Sequence[Learner]) ->
     """Each learner's moments in time order: the run's launch, registration and exit events, then per incarnation its
     first heartbeat and (before a later one) its last: index seeks, never a pass over the heartbeat history."""
     out: dict[str, list[Moment]] = {r.id: [] for r in rows}
-    found = session.execute(
-        select(Event.actor, Event.kind, Event.at)
-        .where(Event.run_id == run_id, Event.kind.in_(list(_TIMELINE_KINDS)))
-        .order_by(Event.at, Event.id)
-    )
-    for actor, kind, at in found:
+    # Sorted here: an ORDER BY at would let the (run, at) index compete with (run, kind, at), walking every event.
+    found = session.connection().execute(
+        select(Event.at, Event.id, Event.actor, Event.kind).where(Event.run_id == run_id, Event.kind.in_(list(_TIMELINE_KINDS)))
+    ).all()
+    for at, _id, actor, kind in sorted(found, key=lambda e: (e[0], e[1])):
         if actor in out:
             out[actor].append(Moment(at, _TIMELINE_KINDS[kind]))
     hb = Heartbeat
