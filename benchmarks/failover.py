@@ -1,30 +1,30 @@
 """Synchronizer failover: SIGKILL the active synchronizer, time until the standby publishes a version.
 
-Real OS processes, started as the flows start them (``python -m ddiloco learner|synchronizer``,
-through ddiloco.testing's ProcessRun) on a SQLite ledger and a file:// store in a temp dir:
-2 learners, an active and a standby synchronizer, lease_ttl_s from the config's default (3.0 s).
-Each round: wait for a quiet window, look the lease holder up in the ledger, SIGKILL that process
-by its PID, and watch the ledger (every 50 ms) until a version published by another holder
-appears; then start a fresh standby (a new --holder name) for the next round.
+Real OS processes, started as the flows start them (``python -m ddiloco learner|synchronizer`` forked from the warm
+fork server, through ddiloco.testing's ProcessRun) on a SQLite ledger or a scratch database on the local PostgreSQL
+server, and a file:// store in a temp dir: 2 learners, an active and a standby synchronizer, the config's default
+lease_ttl_s (3.0 s) and poll_s (0.2 s). The standby learns of the holder's death from its presence lock (a
+PostgreSQL advisory lock on the holder's own session; a file lock beside a SQLite ledger), not from the lease's
+expiry. First a no-kill baseline (--baseline-s, learners' tokens/s with nothing killed). Then each round: wait for a
+quiet window plus a seeded random delay (--seed; up to one lease renewal period, so the kills land at every phase of
+the holder's renewals and merges), look the lease holder up in the ledger, SIGKILL that process by its PID, and
+watch the ledger (every 50 ms) until a version published by another holder appears; then start a fresh standby (a
+new --holder name) for the next round.
 
 Per kill it reports
   * failover_s: kill -> first new version seen committed in the ledger (the goal's figure)
-  * lease_left_s: how long the killed holder's lease still had to run at the kill (the floor)
-  * takeover_s: kill -> the standby's lease acquisition (lease row acquired_at)
+  * lease_left_s: how long the killed holder's lease still had to run at the kill (what the TTL path would wait)
+  * takeover_s: kill -> the standby's lease acquisition (lease row acquired_at); takeover_by: presence (the event
+    says "its session ended") or expiry
   * ledger_created_s: kill -> the new version's created_at (stamped with the start of the
     publishing poll, so it can read earlier than the commit)
   * learners' tokens/s in the window before vs after the kill, from their heartbeats, two ways:
     the tokens_per_s they report, and the tokens they added (max - min tokens over the window's beats)
-
-Two variants (full run: both; --quick: as_is only):
-  * as_is: the synchronizer as shipped (``python -m ddiloco synchronizer``)
-  * prewarmed: the same, but started with torch._dynamo already imported, which is what a fix
-    would do: a synchronizer's first torch.optim.SGD (its first outer step) imports it, seconds of
-    work that otherwise land between a standby taking the lease and its first publish.
 Lease changes not caused by a kill are counted too (a holder whose renewals came too late).
 
-Goal (judged on as_is): max failover_s < 5 s, and learners' tokens/s after / before >= 0.9
-(mean over kills, tokens added per second from heartbeats).
+Goal (issue #29): p99 of failover_s <= 1 s over the kills (p99 by nearest rank: with 20 kills, the largest), on each
+ledger, and learners' tokens/s after the kills >= 0.9 x the no-kill baseline of the same run (mean over kills of the
+tokens added per second in the window after each kill, from heartbeats).
 
 With shards (``--shards N``, N > 1; ``synchronizer.shards: N``): N + 1 unpinned synchronizers (each
 takes whichever shard's lease is free: N active, 1 standby). Kill i SIGKILLs the holder of shard
@@ -50,19 +50,22 @@ i mod N (the shards in turn), then a fresh standby is started as above. Per kill
     two-pass gap: one skipped pass anywhere in the window can read as an interruption;
     max_gap_starts_after_kill_s says where the largest gap was.)
   * learners' tokens/s before vs after, as above
-Goal with shards: max failover_s < 5 s for the killed shard, and every other shard uninterrupted at
-every kill (the tokens/s ratio is reported with its 0.9 line, as above, but is not part of this goal).
+Goal with shards: the killed shard's failover p99 <= 1 s, and every other shard uninterrupted at every kill (the
+tokens/s ratio is reported with its 0.9 line, as above, but is not part of this goal).
 Results go to benchmarks/results/failover_shards<N>.json (failover.json stays the one-shard figures).
 Any --quick run writes under the system temp dir unless --json says where (never the published figures).
-The default variants with shards: as_is only (the shipped synchronizer imports torch._dynamo at
-start-up now, so prewarmed measures the same thing twice); --variants as_is,prewarmed runs both.
+(Earlier versions also ran a "prewarmed" variant, torch._dynamo imported before the first merge; the shipped
+synchronizer does that at start-up now.)
 
-    python benchmarks/failover.py [--quick] [--kills 3] [--window-s 10] [--variants as_is,prewarmed] [--shards N]
+    python benchmarks/failover.py [--quick] [--kills 20] [--seed 0] [--window-s 6] [--baseline-s 30]
+                                  [--ledgers sqlite,postgres] [--shards N]
 """
 
 from __future__ import annotations
 
+import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -87,12 +90,14 @@ from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import Event, FragmentSpec, FragmentVersion, Heartbeat
 from ddiloco.platform.runtime import RunContext
 from ddiloco.testing.net import wait_for
+from ddiloco.testing.postgres import scratch_database, server_url
 from ddiloco.testing.processes import ProcessRun
 
 NAME = "failover"
-GOAL_FAILOVER_S = 5.0
+GOAL_FAILOVER_P99_S = 1.0
 GOAL_TPS_RATIO = 0.9
 LEARNERS = ("us-0", "us-1")
+LEDGERS = ("sqlite", "postgres")
 
 
 def bench_config(name: str, quick: bool, shards: int = 1):
@@ -110,26 +115,20 @@ def bench_config(name: str, quick: bool, shards: int = 1):
     return build_config(data)
 
 
-# Wraps the launcher's ``python -m ddiloco <args>``: inside, argv is [-c, python, -m, ddiloco, <args>...].
-PREWARM = [sys.executable, "-c", "import sys, torch._dynamo; from ddiloco.cli import app; sys.argv = sys.argv[3:]; app()"]
-
-
 class BenchRun(ProcessRun):
-    """ProcessRun whose synchronizers can be started with torch._dynamo already imported.
+    """ProcessRun on the ledger given, with a read-only view of it for the benchmark's own polls."""
 
-    That is what a fix would do: a synchronizer's first ``torch.optim.SGD(...)`` (its first outer
-    step) imports torch._dynamo, which takes seconds, and a standby's first merge is the one after a
-    failover. ``prewarm`` measures the failover with that cost paid at start-up instead."""
-
-    def __init__(self, tmp_path: Path, cfg, prewarm: bool) -> None:
-        super().__init__(tmp_path, cfg)
-        self.prewarm = prewarm
+    def __init__(self, tmp_path: Path, cfg, ledger_url: str | None) -> None:
+        super().__init__(tmp_path, cfg, warm=True, ledger_url=ledger_url)
         # The benchmark only reads the ledger: a read-only engine (plain BEGIN) so its frequent polls
         # never take SQLite's write lock away from the processes being measured.
         self.ro = RunContext.open(self.cfg, self.cfg.name, engine=open_ledger(self.cfg.ledger.url, migrate=False, read_only=True))
 
-    def synchronizer(self, label: str, **kw):  # noqa: ANN003 - ProcessRun.synchronizer's
-        return super().synchronizer(label, wrap=PREWARM if self.prewarm else (), **kw)
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The nearest-rank percentile (q in (0, 100]): a value of ``xs``, never an interpolation below the worst."""
+    ordered = sorted(xs)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def label_of(holder: str) -> str:
@@ -175,7 +174,7 @@ def classify_takeovers(events: list[tuple[float, str, str]], kills: list[dict]) 
     for at, actor, detail in events:
         if "took over from " not in detail:
             continue
-        previous = detail.split("took over from ", 1)[1]
+        previous = detail.split("took over from ", 1)[1].split(" (", 1)[0]  # "X" or "X (its session ended)"
         if previous == actor:
             out["self"] += 1
         elif any(k["killed"] == previous and at >= k["t_kill"] for k in kills):
@@ -232,6 +231,7 @@ def kill_record(holder: str, active: str, t_kill: float, pid: int | None, token:
     version published after it (``first``: (created, fragment, version, holder) or None), tokens/s around it."""
     # A holder that "took over from" itself let its own lease lapse (renewals too late) and re-acquired it.
     self_takeovers = [e for e in events if e[2].endswith(f"took over from {e[1]}")]
+    takeover = next((e for e in events if f"took over from {holder}" in e[2]), None)
     return {
         "killed": holder,
         "killed_label": active,
@@ -243,6 +243,7 @@ def kill_record(holder: str, active: str, t_kill: float, pid: int | None, token:
         "new_token": new_lease[1] if new_lease else None,
         "lease_left_s": round(expires - t_kill, 3),
         "takeover_s": round(new_lease[2] - t_kill, 3) if new_lease and new_lease[0] != holder else None,
+        "takeover_by": None if takeover is None else "presence" if takeover[2].endswith("(its session ended)") else "expiry",
         "takeover_seen_s": round(takeover_seen - t_kill, 3) if takeover_seen else None,
         "failover_s": round(published_seen - t_kill, 3) if published_seen else None,
         "ledger_created_s": round(first[0] - t_kill, 3) if first else None,
@@ -454,15 +455,25 @@ def one_shard_failover(run: ProcessRun, live: list[str], shard: int, assignment:
                           before, after)}
 
 
-def run_variant(args, prewarm: bool) -> dict:
-    """One run: start everything, kill the active synchronizer ``args.kills`` times (with shards: each
-    shard's holder in turn); the kills and a summary."""
+def run_ledger(args, ledger: str) -> dict:
+    """One run on ``ledger`` (sqlite or postgres): a scratch ledger, then :func:`run_kills` on it."""
+    if ledger == "sqlite":
+        return run_kills(args, ledger, None)
+    with scratch_database(server_url(), prefix="ddiloco_failover") as url:
+        return run_kills(args, ledger, url)
+
+
+def run_kills(args, ledger: str, ledger_url: str | None) -> dict:
+    """One run: start everything, measure the no-kill baseline, kill the active synchronizer ``args.kills`` times (with
+    shards: each shard's holder in turn); the kills and a summary."""
     shards = args.shards
     cfg = bench_config("failover", args.quick, shards)
     tmp = Path(tempfile.mkdtemp(prefix="failover-bench-"))
-    run = BenchRun(tmp, cfg, prewarm)
+    run = BenchRun(tmp, cfg, ledger_url)
     cfg = run.cfg
-    out: dict = {"prewarmed_dynamo": prewarm, "kills": []}
+    rng = random.Random(args.seed)
+    jitter_s = cfg.synchronizer.lease_ttl_s / 3  # one renewal period of the holder
+    out: dict = {"ledger": ledger, "kills": []}
     t_start = time.monotonic()
     n_sync = 0
 
@@ -507,16 +518,21 @@ def run_variant(args, prewarm: bool) -> dict:
                 return len(rows) == len(LEARNERS) and all(r.step > 0 for r in rows)
 
         wait_for(learners_stepping, 180, "both learners to step")
-        ready_at = time.time()
         out["startup_s"] = round(time.monotonic() - t_start, 1)
+        # The no-kill baseline: everything running (the standby too), nothing killed or started.
+        t_base = time.time()
+        time.sleep(args.baseline_s + 0.5)  # the window's last heartbeats commit
+        out["baseline"] = tokens_per_s(run, t_base, t_base + args.baseline_s)
+        ready_at = time.time()
         print(
-            f"[{'prewarmed' if prewarm else 'as is'}] startup {out['startup_s']:.1f}s; lease ttl {cfg.synchronizer.lease_ttl_s}s; "
-            f"{args.kills} kill(s), {args.window_s:.0f}s windows",
+            f"[{ledger}] startup {out['startup_s']:.1f}s; lease ttl {cfg.synchronizer.lease_ttl_s}s; baseline "
+            f"{out['baseline']['progress'] or 0:.0f} tokens/s over {args.baseline_s:.0f}s; {args.kills} kill(s), "
+            f"{args.window_s:.0f}s windows, seed {args.seed}",
             flush=True,
         )
         for i in range(args.kills):
-            # A clean "before" window: nothing started within it.
-            wait_s = ready_at + args.window_s - time.time()
+            # A clean "before" window (nothing started within it), then a seeded delay within one renewal period.
+            wait_s = ready_at + args.window_s + rng.uniform(0, jitter_s) - time.time()
             if wait_s > 0:
                 time.sleep(wait_s)
             if shards == 1:
@@ -525,14 +541,13 @@ def run_variant(args, prewarm: bool) -> dict:
                 k = one_shard_failover(run, live, i % shards, assignment, args.window_s, args.timeout_s)
             out["kills"].append(k)
             fs = f"{k['failover_s']:.2f}s" if k["failover_s"] is not None else "none"
-            rr = f"{k['ratio_reported']:.3f}" if k["ratio_reported"] else "n/a"
             rp = f"{k['ratio_progress']:.3f}" if k["ratio_progress"] else "n/a"
             print(
                 f"  kill {i + 1}/{args.kills}: SIGKILL {'shard ' + str(k['shard']) + ' holder ' if 'shard' in k else ''}"
                 f"{k['killed']} (lease left {k['lease_left_s']:.2f}s"
                 f"{', self-takeovers after: ' + str(k['self_takeovers']) if k['self_takeovers'] else ''}) -> "
-                f"{k['new_holder']} took the lease at +{k['takeover_s']}s, first version seen at +{fs} "
-                f"(its created_at +{k['ledger_created_s']}s); learners tok/s after/before: progress {rp}, reported {rr}",
+                f"{k['new_holder']} took the lease at +{k['takeover_s']}s by {k['takeover_by']}, first version seen at +{fs} "
+                f"(its created_at +{k['ledger_created_s']}s); learners tok/s after/before: {rp}",
                 flush=True,
             )
             for sk, o in k.get("other_shards", {}).items():
@@ -554,40 +569,55 @@ def run_variant(args, prewarm: bool) -> dict:
         out["lease_takeovers"] = classify_takeovers(lease_events(run, 0.0), out["kills"])
     finally:
         run.stop_all()
+        run.ro.engine.dispose()
+        run.ctx.engine.dispose()
         if args.keep:
             print(f"kept {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
+    out["summary"], out["goal"] = summarize(out, args)
+    return out
 
+
+def summarize(out: dict, args) -> tuple[dict, dict]:
+    """A run's summary figures and its goal verdicts."""
     kills = out["kills"]
     times = [k["failover_s"] for k in kills if k["failover_s"] is not None]
-    rep = [k["ratio_reported"] for k in kills if k["ratio_reported"]]
     prog = [k["ratio_progress"] for k in kills if k["ratio_progress"]]
-    ok_time = bool(times) and len(times) == len(kills) and max(times) < GOAL_FAILOVER_S
-    tps_ratio = sum(prog) / len(prog) if prog else (sum(rep) / len(rep) if rep else None)
-    ok_tps = tps_ratio is not None and tps_ratio >= GOAL_TPS_RATIO
-    out["summary"] = {
+    after = [k["tokens_per_s_after"]["progress"] for k in kills if k["tokens_per_s_after"]["progress"] is not None]
+    base = out["baseline"]["progress"]
+    vs_baseline = (sum(after) / len(after)) / base if after and base else None
+    p99 = percentile(times, 99) if times else None
+    ok_time = bool(times) and len(times) == len(kills) == args.kills and p99 <= GOAL_FAILOVER_P99_S
+    ok_tps = vs_baseline is not None and vs_baseline >= GOAL_TPS_RATIO
+    summary = {
+        "kills": len(kills),
         "failover_s": times,
+        "failover_p50_s": round(percentile(times, 50), 3) if times else None,
+        "failover_p99_s": round(p99, 3) if p99 is not None else None,
         "failover_mean_s": round(sum(times) / len(times), 3) if times else None,
         "failover_max_s": round(max(times), 3) if times else None,
+        "takeover_p50_s": round(percentile([k["takeover_s"] for k in kills if k["takeover_s"] is not None], 50), 3)
+        if any(k["takeover_s"] is not None for k in kills) else None,
+        "takeovers_by_presence": sum(k["takeover_by"] == "presence" for k in kills),
         "publish_after_takeover_mean_s": round(
-            sum(k["failover_s"] - k["takeover_s"] for k in kills if k["failover_s"] and k["takeover_s"]) / len(times), 3
-        )
-        if times
-        else None,
+            sum(k["failover_s"] - k["takeover_s"] for k in kills if k["failover_s"] and k["takeover_s"]) / len(times), 3)
+        if times else None,
         "lease_left_mean_s": round(sum(k["lease_left_s"] for k in kills) / len(kills), 3) if kills else None,
         "self_takeovers": out.get("lease_takeovers", {}).get("self"),
         "spontaneous_takeovers": out.get("lease_takeovers", {}).get("spontaneous"),
+        "tokens_per_s_baseline": round(base, 1) if base else None,
+        "tokens_per_s_after_kills_mean": round(sum(after) / len(after), 1) if after else None,
+        "tokens_per_s_after_vs_baseline": round(vs_baseline, 4) if vs_baseline is not None else None,
         "tokens_per_s_ratio_progress_mean": round(sum(prog) / len(prog), 4) if prog else None,
-        "tokens_per_s_ratio_reported_mean": round(sum(rep) / len(rep), 4) if rep else None,
     }
-    out["goal"] = {"failover_pass": ok_time, "tokens_per_s_pass": ok_tps, "pass": ok_time and ok_tps}
-    if shards > 1:
+    goal = {"failover_pass": ok_time, "tokens_per_s_pass": ok_tps, "pass": ok_time and ok_tps}
+    if args.shards > 1:
         others = [o for k in kills for o in k["other_shards"].values()]
         ratios = [o["ratio_to_median"] for o in others if o["ratio_to_median"] is not None]
         ok_others = bool(others) and len(kills) == args.kills and all(o["uninterrupted"] for o in others)
-        out["summary"].update(
-            shards=shards,
+        summary.update(
+            shards=args.shards,
             killed_shards=[k["shard"] for k in kills],
             other_shards_judged=len(others),
             other_shards_uninterrupted=sum(bool(o["uninterrupted"]) for o in others),
@@ -595,23 +625,19 @@ def run_variant(args, prewarm: bool) -> dict:
             other_shards_max_gap_ratio=max(ratios) if ratios else None,
             other_shards_max_gap_around_s=max((o["max_gap_around_s"] for o in others if o["max_gap_around_s"] is not None), default=None),
         )
-        # The issue's goal with shards: the killed shard's next version < 5 s, the others uninterrupted.
-        out["goal"] = {"failover_pass": ok_time, "other_shards_pass": ok_others, "tokens_per_s_pass": ok_tps,
-                       "pass": ok_time and ok_others}
-    return out
+        # The goal with shards: the killed shard's next version within the p99 goal, the others uninterrupted.
+        goal = {"failover_pass": ok_time, "other_shards_pass": ok_others, "tokens_per_s_pass": ok_tps, "pass": ok_time and ok_others}
+    return summary, goal
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = base_parser(__doc__)
-    ap.add_argument("--kills", type=int, default=3)
-    ap.add_argument("--window-s", type=float, default=10.0, help="tokens/s window before and after each kill")
+    ap.add_argument("--kills", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0, help="seeds the random delay before each kill")
+    ap.add_argument("--window-s", type=float, default=6.0, help="tokens/s window before and after each kill")
+    ap.add_argument("--baseline-s", type=float, default=30.0, help="the no-kill baseline's length")
     ap.add_argument("--timeout-s", type=float, default=60.0, help="give up on a failover after this long")
-    ap.add_argument(
-        "--variants",
-        default=None,
-        help="comma list of: as_is (the synchronizer as shipped), prewarmed (torch._dynamo imported at "
-        "start-up, what a fix would do); default both, --quick or --shards > 1 as_is",
-    )
+    ap.add_argument("--ledgers", default=None, help="comma list of: sqlite, postgres (default both; --quick: sqlite)")
     ap.add_argument("--shards", type=int, default=1,
                     help="synchronizer.shards: N + 1 synchronizers, each kill takes the next shard's holder (default 1)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dirs (ledger, store, process logs)")
@@ -619,12 +645,14 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()
     if args.shards < 1:
         ap.error("--shards must be >= 1")
+    ledgers = (args.ledgers or ("sqlite" if args.quick else ",".join(LEDGERS))).split(",")
+    if unknown := [x for x in ledgers if x not in LEDGERS]:
+        ap.error(f"--ledgers: {', '.join(unknown)} is not one of {', '.join(LEDGERS)}")
     if args.quick:
-        args.kills, args.window_s = (1, 2.0) if args.shards == 1 else (args.shards, 4.0)
+        args.kills, args.window_s, args.baseline_s = (1, 2.0, 3.0) if args.shards == 1 else (args.shards, 4.0, 3.0)
         if not args.json:
             # never the published figures
             args.json = str(Path(tempfile.gettempdir()) / f"ddiloco-{NAME}{shards_suffix(args.shards)}.quick.json")
-    variants = (args.variants or ("as_is" if args.quick or args.shards > 1 else "as_is,prewarmed")).split(",")
 
     cfg = bench_config("failover", args.quick, args.shards)
     results = header(NAME, args)
@@ -640,58 +668,45 @@ def main(argv: list[str] | None = None) -> int:
         "model": {k: getattr(cfg.model, k) for k in ("n_layer", "d_model", "seq_len")},
         "batch_size": cfg.learners.batch_size,
     }
-    results["variants"] = {}
-    for v in variants:
-        results["variants"][v] = run_variant(args, prewarm=(v == "prewarmed"))
-    # The goal is judged on the synchronizer as shipped (the first variant run).
-    main_v = results["variants"][variants[0]]
-    results["kills"] = main_v["kills"]
-    results["summary"] = main_v["summary"]
+    results["ledgers"] = {}
+    for ledger in ledgers:  # one after the other: never two runs on the machine at once
+        results["ledgers"][ledger] = run_ledger(args, ledger)
+    first = results["ledgers"][ledgers[0]]
+    results["kills"] = first["kills"]
+    results["summary"] = first["summary"]
     results["goal"] = {
-        "variant": variants[0],
-        "failover_max_s": GOAL_FAILOVER_S,
-        "failover_pass": main_v["goal"]["failover_pass"],
+        "failover_p99_max_s": GOAL_FAILOVER_P99_S,
+        "failover_measure": "p99 (nearest rank) of SIGKILL -> the shard's next version seen committed in the ledger, per ledger",
         "tokens_per_s_ratio_min": GOAL_TPS_RATIO,
-        "tokens_per_s_measure": "mean over kills of (tokens added per s after / before), from heartbeats",
-        "tokens_per_s_pass": main_v["goal"]["tokens_per_s_pass"],
-        "pass": main_v["goal"]["pass"],
+        "tokens_per_s_measure": "mean over kills of the tokens added per s in the window after the kill, / the no-kill baseline",
+        **{f"{ledger}_{k}": v for ledger, r in results["ledgers"].items() for k, v in r["goal"].items()},
+        "pass": all(r["goal"]["pass"] for r in results["ledgers"].values()),
     }
-    if args.shards > 1:
-        results["goal"].update(
-            measure="the killed shard's next version < 5 s, and every other shard uninterrupted at every kill "
-            "(tokens/s reported, not judged)",
-            uninterrupted="holder and token unchanged, and no gap between its publishes around the kill longer than "
-            "max(2 x its steady median gap, its steady max gap), steady = the window before the kill",
-            other_shards_pass=main_v["goal"]["other_shards_pass"],
-        )
     print()
-    for v, r in results["variants"].items():
+    for ledger, r in results["ledgers"].items():
         sm = r["summary"]
         if sm["failover_s"]:
             print(
-                f"{v:10} failover: {', '.join(f'{t:.2f}' for t in sm['failover_s'])} s; mean {sm['failover_mean_s']:.2f} s, "
-                f"max {sm['failover_max_s']:.2f} s (lease left at kill {sm['lease_left_mean_s']:.2f} s on average, "
-                f"first publish {sm['publish_after_takeover_mean_s']:.2f} s after takeover) -> {verdict(r['goal']['failover_pass'])} "
-                f"(goal < {GOAL_FAILOVER_S:.0f} s)"
+                f"{ledger:9} failover over {len(sm['failover_s'])} kills: p50 {sm['failover_p50_s']:.2f} s, "
+                f"p99 {sm['failover_p99_s']:.2f} s, "
+                f"max {sm['failover_max_s']:.2f} s (takeover p50 {sm['takeover_p50_s']} s, {sm['takeovers_by_presence']} by presence; "
+                f"lease left at kill {sm['lease_left_mean_s']:.2f} s on average; first publish {sm['publish_after_takeover_mean_s']:.2f} s "
+                f"after takeover) -> {verdict(r['goal']['failover_pass'])} (goal p99 <= {GOAL_FAILOVER_P99_S:.1f} s)"
             )
         else:
-            print(f"{v:10} failover: no version published by a standby: FAIL")
+            print(f"{ledger:9} failover: no version published by a standby: FAIL")
         print(
-            f"{'':10} learners' tokens/s after/before: progress {sm['tokens_per_s_ratio_progress_mean']}, reported "
-            f"{sm['tokens_per_s_ratio_reported_mean']} -> {verdict(r['goal']['tokens_per_s_pass'])} (goal >= {GOAL_TPS_RATIO})"
+            f"{'':9} learners' tokens/s: baseline {sm['tokens_per_s_baseline']}, after kills {sm['tokens_per_s_after_kills_mean']} "
+            f"= {sm['tokens_per_s_after_vs_baseline']} x -> {verdict(r['goal']['tokens_per_s_pass'])} (goal >= {GOAL_TPS_RATIO})"
         )
         if args.shards > 1:
             print(
-                f"{'':10} other shards: {sm['other_shards_uninterrupted']}/{sm['other_shards_judged']} uninterrupted, holder and token "
+                f"{'':9} other shards: {sm['other_shards_uninterrupted']}/{sm['other_shards_judged']} uninterrupted, holder and token "
                 f"kept {sm['other_shards_holder_and_token_kept']}/{sm['other_shards_judged']}, largest gap around a kill "
                 f"{sm['other_shards_max_gap_around_s']} s = {sm['other_shards_max_gap_ratio']} x its steady median -> "
                 f"{verdict(r['goal']['other_shards_pass'])}"
             )
-    if args.shards > 1:
-        print(f"goal ({variants[0]}, {args.shards} shards): killed shard's failover < {GOAL_FAILOVER_S:.0f} s and the other shards "
-              f"uninterrupted: {verdict(results['goal']['pass'])}")
-    else:
-        print(f"goal ({variants[0]}): failover < {GOAL_FAILOVER_S:.0f} s and tokens/s kept: {verdict(results['goal']['pass'])}")
+    print(f"goal: {verdict(results['goal']['pass'])}")
     write_results(NAME + shards_suffix(args.shards), results, args.json)
     return 0
 

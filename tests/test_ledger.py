@@ -446,6 +446,39 @@ def test_a_lapsed_lease_nobody_took_over_is_renewed_with_its_token(ledger):
         publish(S, 2, holder="A", token=1, now=t(24))
 
 
+def test_a_lease_whose_holder_held_its_presence_lock_is_taken_at_once_by_the_next_holder_of_that_lock(ledger):
+    """``present``: the caller holds the shard's presence lock (ledger.presence). A holder that said it held it and
+    lost it is gone: whoever holds it now takes over before the expiry, with a new token; the token still fences."""
+    _, S = ledger
+    with S.begin() as s:
+        runs_q.create_run(s, RUN, config_json="{}", code_version="t", git_commit=None, num_fragments=1, token_budget=1, now=T0)
+    t = lambda sec: T0 + timedelta(seconds=sec)  # noqa: E731
+
+    def row():
+        with S() as s:
+            lease = sync_q.current_lease(s, RUN)
+            return lease.holder, lease.token, lease.presence
+
+    with S.begin() as s:
+        assert sync_q.acquire_lease(s, RUN, "A", 3, t(0)) == 1  # without the lock (a hung holder had it)
+        assert sync_q.acquire_lease(s, RUN, "B", 3, t(1), present=True) is None  # A never said it held it: not stolen
+        assert sync_q.renew_lease(s, RUN, "A", 1, 3, t(1), present=True)  # A got the lock at a renewal
+    assert row() == ("A", 1, True)
+    with S.begin() as s:
+        assert sync_q.acquire_lease(s, RUN, "B", 3, t(2)) is None  # live, and B has not the lock: A is alive
+        assert sync_q.acquire_lease(s, RUN, "B", 3, t(2), present=True) == 2  # B has A's lock: A is gone
+    assert row() == ("B", 2, True)
+    with pytest.raises(errors_q.LeaseLostError):
+        publish(S, 0, holder="A", token=1, now=t(2.5))  # the dead holder's writes, should any land, are fenced
+    with S.begin() as s:
+        assert not sync_q.renew_lease(s, RUN, "A", 1, 3, t(2.5), present=True)
+        sync_q.release_lease(s, RUN, "B", 2, t(3))
+    assert row() == ("B", 2, False)  # released: nothing to tell by a lock any more
+    with S() as s:
+        acquired = [e.detail for e in reversed(runs_q.events(s, RUN)) if e.kind == "lease_acquired"]
+    assert acquired == ["token 1", "token 2; took over from A (its session ended)"]
+
+
 # --- garbage collection -----------------------------------------------------------------------------
 
 

@@ -215,3 +215,115 @@ def test_a_killed_shard_is_taken_over_while_the_other_shard_keeps_publishing(tmp
             assert shard_of[fragment] == (held_other.shard if holder.startswith(f"{other}@") else held_a.shard), (fragment, holder)
     finally:
         run.stop_all()
+
+
+# --- failover at the speed of the failure ------------------------------------------------------------------
+
+
+def _stop_outside_a_transaction(run: ProcessRun, name: str) -> None:
+    """SIGSTOP ``name`` at a moment it holds no ledger lock (a process frozen inside a write would hold SQLite's one
+    write lock, or PostgreSQL's lease row, and stall the others for reasons this test is not about): stop it, and if
+    a write cannot get through at once, let it run on and try again."""
+    import signal
+    import sqlite3
+
+    from pydantic import SecretStr
+    from sqlalchemy.exc import OperationalError
+
+    url = run.cfg.ledger.url
+    url = url.get_secret_value() if isinstance(url, SecretStr) else url
+
+    def write_gets_through() -> bool:
+        if url.startswith("sqlite"):
+            conn = sqlite3.connect(url.removeprefix("sqlite:///"), timeout=0.3, isolation_level=None)
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                conn.execute("ROLLBACK")
+                return True
+            except sqlite3.OperationalError:
+                return False
+            finally:
+                conn.close()
+        with run.ctx.engine.connect() as conn:
+            conn.exec_driver_sql("SET LOCAL lock_timeout = '300ms'")
+            try:
+                conn.exec_driver_sql("SELECT 1 FROM synchronizer_leases FOR UPDATE")
+                return True
+            except OperationalError:  # the lock wait timed out
+                return False
+            finally:
+                conn.rollback()
+
+    def stopped_and_clear() -> bool:
+        run.signal(name, signal.SIGSTOP)
+        if write_gets_through():
+            return True
+        run.signal(name, signal.SIGCONT)
+        return False
+
+    wait_for(stopped_and_clear, 60, f"{name} stopped outside a ledger transaction", interval_s=0.05)
+
+
+def test_a_killed_holder_is_replaced_before_its_lease_expires_and_a_hung_one_only_after(tmp_path, ledger_url):
+    """SIGKILL the lease holder: its presence lock dies with it, and a standby takes over well before the lease's
+    expiry (read from the ledger, not timed). SIGSTOP the new holder (hung, still holding its lock): nobody takes over
+    before its lease expires; then a standby does, by expiry, without the lock; the woken holder cannot publish
+    (fenced), stands down and lets the lock go, and the new holder claims it."""
+    import signal
+
+    cfg = process_config("presence")
+    cfg = cfg.model_copy(update={"synchronizer": cfg.synchronizer.model_copy(update={"lease_ttl_s": 4.0})})
+    run = ProcessRun(tmp_path, cfg, warm=True, ledger_url=ledger_url)
+
+    def lease():
+        with run.ctx.reading() as s:
+            return sync_q.current_lease(s, "presence")
+
+    def took_over(holder: str):
+        with run.ctx.reading() as s:
+            return next((e for e in runs_q.events(s, "presence")
+                         if e.kind == "lease_acquired" and f"took over from {holder}" in e.detail), None)
+
+    try:
+        run.synchronizer("sync-a")
+        wait_for(lambda: v0_published(run), 120, "version 0")
+        for name in ("sync-b", "sync-c", "us-0"):
+            (run.synchronizer if name.startswith("sync") else run.learner)(name)
+        wait_for(lambda: len(_versions_by(run, "sync-a")) > run.cfg.fragments.count, 180, "sync-a to merge")
+        wait_for(lambda: all(" is standby" in run.log(x) for x in ("sync-b", "sync-c")), 120, "two standbys")
+
+        # 1. SIGKILL: the takeover comes before the dead holder's lease would have expired.
+        held = lease()
+        assert held.holder.startswith("sync-a@") and held.presence
+        run.kill("sync-a")
+        event = wait_for(lambda: took_over(held.holder), 30, "a standby to take over", interval_s=0.05)
+        assert event.detail.endswith("(its session ended)") and event.at < held.expires_at
+        new = lease()
+        assert new.token == held.token + 1 and new.presence and event.actor == new.holder
+        label = new.holder.partition("@")[0]
+        other = ({"sync-b", "sync-c"} - {label}).pop()
+        wait_for(lambda: _versions_by(run, label), 60, f"{label} to publish")
+
+        # 2. SIGSTOP: hung, alive, still holding its lock; taken over only by expiry.
+        _stop_outside_a_transaction(run, label)
+        frozen = lease()
+        assert frozen.holder == new.holder
+        event = wait_for(lambda: took_over(new.holder), 60, "the standby to take the hung holder's lease")
+        assert event.at >= frozen.expires_at and "(its session ended)" not in event.detail
+        taken = lease()
+        assert taken.holder.startswith(f"{other}@") and taken.token == new.token + 1
+        assert not taken.presence  # the hung holder still has the lock
+        run.signal(label, signal.SIGCONT)
+        wait_for(lambda: "lost the lease" in run.log(label), 60, f"{label} to find its lease gone")
+        wait_for(lambda: lease().presence, 30, f"{other} to claim the presence lock")
+        assert lease().token == taken.token  # claimed without a change of holder
+        wait_for(lambda: _versions_by(run, other), 60, f"{other} to publish")
+        with run.ctx.reading() as s:
+            late = s.scalars(select(FragmentVersion).where(
+                FragmentVersion.run_id == "presence", FragmentVersion.synchronizer == new.holder,
+                FragmentVersion.created_at >= taken.acquired_at)).all()
+        assert late == []  # the woken holder published nothing after the takeover
+        assert check_run(run.ctx) == []  # dense versions, fencing, fates, blobs, accounting
+    finally:
+        run.stop_all()
+

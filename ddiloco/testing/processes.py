@@ -120,12 +120,13 @@ class ProcessCluster:
 
 
 class ProcessRun(ProcessCluster):
-    """A run on a SQLite ledger and a file:// store under ``workdir``, its learners and synchronizers real processes."""
+    """A run on a SQLite ledger (or the ``ledger_url`` given) and a file:// store under ``workdir``, its learners and
+    synchronizers real processes."""
 
-    def __init__(self, workdir: Path, cfg: RunConfig, warm: bool = False) -> None:
+    def __init__(self, workdir: Path, cfg: RunConfig, warm: bool = False, ledger_url: str | None = None) -> None:
         cfg = cfg.model_copy(
             update={
-                "ledger": cfg.ledger.model_copy(update={"url": f"sqlite:///{workdir / 'ledger.db'}"}),
+                "ledger": cfg.ledger.model_copy(update={"url": ledger_url or f"sqlite:///{workdir / 'ledger.db'}"}),
                 "storage": cfg.storage.model_copy(update={"url": f"file://{workdir / 'store'}"}),
             }
         )

@@ -340,3 +340,6 @@ class SynchronizerLease(Base):
     """Fencing token: grows by one at every change of holder."""
     acquired_at: Mapped[datetime] = mapped_column(UtcDateTime())
     expires_at: Mapped[datetime] = mapped_column(UtcDateTime())
+    presence: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    """The holder held the shard's presence lock when it last wrote this row (``ledger.presence``): a standby that
+    gets that lock knows the holder is gone and takes over without waiting for ``expires_at``."""

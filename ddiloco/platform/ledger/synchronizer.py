@@ -13,7 +13,7 @@ from typing import Any
 from sqlalchemy import bindparam, case, exists, func, insert, or_, select, tuple_, update
 from sqlalchemy.orm import Session
 
-from ddiloco.platform import compact, liveness
+from ddiloco.platform import compact, liveness, takeover
 from ddiloco.platform.ids import validate_holder
 from ddiloco.platform.ledger._common import _insert, _inserted, check_count, check_seconds
 from ddiloco.platform.ledger.errors import AlreadyDecidedError, LeaseLostError, LedgerError, VersionConflictError
@@ -110,9 +110,11 @@ def recent_merged_norm_steps(session: Session, run_id: str, fragment: int, limit
 # --- the synchronizer lease -----------------------------------------------------------------------
 
 
-def acquire_lease(session: Session, run_id: str, holder: str, ttl_s: float, now: datetime, *, shard: int = 0) -> int | None:
+def acquire_lease(session: Session, run_id: str, holder: str, ttl_s: float, now: datetime, *, shard: int = 0,
+                  present: bool = False) -> int | None:
     """Take or renew the lease of one shard of the run. Returns the fencing token, or None while another holder's
-    lease is live.
+    lease is live and that holder is not known to be gone (``platform.takeover``). ``present``: the caller holds the
+    shard's presence lock now (``ledger.presence``); the lease records it.
 
     A holder whose lease lapsed while nobody took it over gets it back with the same token: no one else can
     have published meanwhile (a takeover always bumps the token), so what it holds in memory is still current."""
@@ -120,36 +122,45 @@ def acquire_lease(session: Session, run_id: str, holder: str, ttl_s: float, now:
     check_seconds(ttl_s, "lease ttl_s"), check_count(shard, "shard")
     lease = session.get(SynchronizerLease, (run_id, shard), with_for_update=True)
     expires = now + timedelta(seconds=ttl_s)
+    view = None if lease is None else takeover.LeaseView(lease.holder, lease.expires_at, lease.presence)
+    decision = takeover.decide_lease(view, holder, now, present)
+    if not decision.take:
+        return None
     if lease is None:
         stmt = (
             _insert(session, SynchronizerLease)
-            .values(run_id=run_id, shard=shard, holder=holder, token=1, acquired_at=now, expires_at=expires)
+            .values(run_id=run_id, shard=shard, holder=holder, token=1, acquired_at=now, expires_at=expires, presence=present)
             .on_conflict_do_nothing(index_elements=["run_id", "shard"])
         )
         if not _inserted(session, stmt.returning(SynchronizerLease.run_id)):
             return None
         record_event(session, run_id, "lease_acquired", holder, f"{_shard_label(shard)}token 1", now)
         return 1
-    if lease.holder == holder:
-        lease.expires_at = expires
+    lease.expires_at = expires
+    lease.presence = present
+    if not decision.takeover:
         return lease.token
-    if lease.expires_at > now:
-        return None
     previous = lease.holder
     lease.holder = holder
     lease.token += 1
     lease.acquired_at = now
-    lease.expires_at = expires
     session.flush()
-    record_event(session, run_id, "lease_acquired", holder, f"{_shard_label(shard)}token {lease.token}; took over from {previous}", now)
+    why = " (its session ended)" if decision.kind == takeover.GONE else ""
+    detail = f"{_shard_label(shard)}token {lease.token}; took over from {previous}{why}"
+    record_event(session, run_id, "lease_acquired", holder, detail, now)
     return lease.token
 
 
-def renew_lease(session: Session, run_id: str, holder: str, token: int, ttl_s: float, now: datetime, *, shard: int = 0) -> bool:
+def renew_lease(session: Session, run_id: str, holder: str, token: int, ttl_s: float, now: datetime, *, shard: int = 0,
+                present: bool | None = None) -> bool:
     """Extend the lease while ``holder`` still holds ``token`` — also once it has lapsed, as long as nobody took
     it over: a renewer thread starved past the TTL (a long first pass after a takeover on a loaded machine)
-    must not lose a lease no one else wants, and waste its pass's merges to the fence."""
+    must not lose a lease no one else wants, and waste its pass's merges to the fence. ``present`` (when given):
+    whether the holder holds the shard's presence lock now."""
     check_seconds(ttl_s, "lease ttl_s"), check_count(shard, "shard")
+    values: dict[str, Any] = {"expires_at": now + timedelta(seconds=ttl_s)}
+    if present is not None:
+        values["presence"] = present
     result = session.execute(
         update(SynchronizerLease)
         .where(
@@ -158,7 +169,7 @@ def renew_lease(session: Session, run_id: str, holder: str, token: int, ttl_s: f
             SynchronizerLease.holder == holder,
             SynchronizerLease.token == token,
         )
-        .values(expires_at=now + timedelta(seconds=ttl_s))
+        .values(**values)
     )
     return result.rowcount == 1
 
@@ -168,7 +179,7 @@ def release_lease(session: Session, run_id: str, holder: str, token: int, now: d
         update(SynchronizerLease)
         .where(SynchronizerLease.run_id == run_id, SynchronizerLease.shard == shard, SynchronizerLease.holder == holder,
                SynchronizerLease.token == token)
-        .values(expires_at=now)
+        .values(expires_at=now, presence=False)
     )
 
 
