@@ -211,7 +211,7 @@ def test_mlflow_run_holds_the_logged_scalars(monkeypatch, tmp_path: Path):
     pytest.importorskip("mlflow", reason="mlflow is not installed (the mlflow extra); its selection is tested above")
     from mlflow import MlflowClient
 
-    uri = (tmp_path / "mlruns").as_uri()
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # the file store is in maintenance mode: MLflow refuses it
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     tracker = open_tracker("r", "learner-us-0", environ={"MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_NAME": "t"})
     tracker.log({"learner/loss": 2.5}, 3, 1.7e9)
