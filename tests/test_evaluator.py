@@ -18,9 +18,10 @@ from ddiloco.platform import spans
 from ddiloco.platform.ledger import open_ledger
 from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.runtime import RunContext, to_datetime, to_timestamp
+from ddiloco.platform.tracking import TensorBoardTracker
 from ddiloco.synchronizer.evaluation import evaluate_global, newest_params
 from ddiloco.synchronizer.evaluator import Evaluator
-from ddiloco.synchronizer.series import TENSORBOARD_ENV, TensorBoardSeries, series_from_env
+from ddiloco.synchronizer.series import TENSORBOARD_ENV, EvalSeries, series_for
 from ddiloco.synchronizer.service import Synchronizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +55,7 @@ def test_the_synchronizer_pass_never_evaluates_and_the_evaluator_records_publish
             clock.t += 1.0
             sim_step(learner, clock.t)
             sync.poll_once(clock.t)
-    evaluator = Evaluator(ctx, series=TensorBoardSeries(tmp_path / "tb"))
+    evaluator = Evaluator(ctx, series=EvalSeries(TensorBoardTracker(str(tmp_path / "tb"))))
     with ctx.reading() as s:
         assert runs_q.evaluations(s, ctx.run_id) == []
         published = runs_q.latest_version_numbers(s, ctx.run_id)
@@ -121,21 +122,16 @@ def test_ddiloco_evaluate_is_its_own_process_and_stops_when_the_run_has_ended(tm
     with ctx.reading() as s:
         evals = runs_q.evaluations(s, ctx.run_id)
     assert len(evals) == 1 and evals[0].versions_total == 0  # version 0 of every fragment, evaluated once
-    # DDILOCO_TENSORBOARD_DIR: the process wrote that evaluation to TensorBoard under the run's name.
-    assert [(step, pytest.approx(value)) for step, value, _ in scalars(tmp_path / "tb" / cfg.name)["eval/val_loss"]] == [
+    # DDILOCO_TENSORBOARD_DIR: the process wrote that evaluation to TensorBoard under the run's name, as its evaluator.
+    assert [(step, pytest.approx(value)) for step, value, _ in scalars(tmp_path / "tb" / cfg.name / "evaluator")["eval/val_loss"]] == [
         (evals[0].tokens, evals[0].val_loss)]
 
 
-def test_the_tensorboard_series_follows_its_variable_and_names_a_missing_package(monkeypatch, tmp_path: Path) -> None:
-    assert series_from_env("r", {}) is None and series_from_env("r", {TENSORBOARD_ENV: ""}) is None
-    series = series_from_env("r", {TENSORBOARD_ENV: str(tmp_path / "tb")})
+def test_the_evaluation_series_follow_the_tracker_variables(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    assert series_for(cfg, "r", {}) is None and series_for(cfg, "r", {TENSORBOARD_ENV: ""}) is None
+    series = series_for(cfg, "r", {TENSORBOARD_ENV: str(tmp_path / "tb")})
     series.add(tokens=4096, versions_total=3, val_loss=1.5, val_accuracy=0.25, at=1.7e9)
     series.close()
-    assert scalars(tmp_path / "tb" / "r") == {"eval/val_loss": [(4096, 1.5, 1.7e9)], "eval/val_accuracy": [(4096, 0.25, 1.7e9)],
-                                              "eval/versions_total": [(4096, 3.0, 1.7e9)]}
-    with pytest.raises(ValueError, match="run id '../r' is not a valid id"):
-        series_from_env("../r", {TENSORBOARD_ENV: str(tmp_path / "tb")})
-    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if tensorboard were not installed
-    with pytest.raises(ValueError, match=r"DDILOCO_TENSORBOARD_DIR is set .* pip install 'ddiloco\[tensorboard\]'"):
-        series_from_env("r", {TENSORBOARD_ENV: str(tmp_path / "none")})
-    assert not (tmp_path / "none").exists()
+    assert scalars(tmp_path / "tb" / "r" / "evaluator") == {
+        "eval/val_loss": [(4096, 1.5, 1.7e9)], "eval/val_accuracy": [(4096, 0.25, 1.7e9)], "eval/versions_total": [(4096, 3.0, 1.7e9)]}

@@ -1,15 +1,19 @@
-"""Prometheus /metrics of a real learner process and a real synchronizer process, scraped over HTTP;
-the learner's progress lines; rejection reasons as a label of few values."""
+"""Prometheus /metrics of a real learner process and a real synchronizer process, scraped over HTTP, and the same
+series in TensorBoard (``DDILOCO_TENSORBOARD_DIR``); the learner's progress lines; rejection reasons as a label of few
+values."""
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support import tiny_config, wait_for
+from test_tracking import scalars
 
 from ddiloco.platform.metrics import metrics_address, reason_label
+from ddiloco.platform.tracking import EVERY_ENV, TENSORBOARD_ENV
 from ddiloco.testing.net import free_port
 from ddiloco.testing.processes import ProcessCluster, stop_processes, write_config
 
@@ -42,9 +46,10 @@ def test_learner_and_synchronizer_serve_the_series_the_dashboards_need(tmp_path)
     )
     cluster = ProcessCluster(write_config(cfg, tmp_path / "config.yaml"), "metrics", tmp_path / "logs")
     sync_port, learner_port = free_port(), free_port()
+    tb = {TENSORBOARD_ENV: str(tmp_path / "tb"), EVERY_ENV: "0.5"}
     try:
-        cluster.synchronizer("sync-a", env={"DDILOCO_METRICS_PORT": f"127.0.0.1:{sync_port}"})
-        cluster.learner("us-0", env={"DDILOCO_METRICS_PORT": f"127.0.0.1:{learner_port}"})
+        cluster.synchronizer("sync-a", env={"DDILOCO_METRICS_PORT": f"127.0.0.1:{sync_port}", **tb})
+        cluster.learner("us-0", env={"DDILOCO_METRICS_PORT": f"127.0.0.1:{learner_port}", **tb})
 
         def merged_and_received():
             s, ln = scrape(sync_port), scrape(learner_port)
@@ -63,11 +68,25 @@ def test_learner_and_synchronizer_serve_the_series_the_dashboards_need(tmp_path)
     assert learner[f"ddiloco_learner_sent_bytes_total{label}"] > 0
     assert learner[f"ddiloco_learner_received_bytes_total{label}"] > 0
     assert learner[f"ddiloco_learner_upload_queue_depth{label}"] >= 0
+    assert learner[f"ddiloco_learner_nonfinite_losses_total{label}"] == 0
+    assert learner[f"ddiloco_learner_incarnation{label}"] == 0
     holder = next(k for k in sync if k.startswith("ddiloco_sync_lease_held{"))
     assert sync[holder] == 1 and "sync-a@" in holder
     assert sync["ddiloco_sync_merge_seconds_count{run=metrics}"] == sync["ddiloco_sync_merges_total{run=metrics}"]
     assert sync["ddiloco_sync_staleness_versions_count{run=metrics}"] >= 1
     assert "ddiloco_sync_pending_submissions{run=metrics}" in sync
+    assert sync["ddiloco_sync_versions{run=metrics}"] >= 1
+    assert 0 < time.time() - sync["ddiloco_sync_newest_version_timestamp_seconds{run=metrics}"] < 120
+    # The same series in TensorBoard, each process under its own name; stopped by SIGTERM, each wrote its final report.
+    learner_tb = scalars(tmp_path / "tb" / "metrics" / "learner-us-0")
+    sync_tb = scalars(tmp_path / "tb" / "metrics" / "synchronizer-sync-a")
+    assert {"learner/loss", "learner/tokens_per_second", "learner/sent_bytes_total", "learner/nonfinite_losses_total"} <= set(learner_tb)
+    assert all(0 < v < 10 for _, v in learner_tb["learner/loss"])
+    steps = [step for step, _ in learner_tb["learner/tokens_total"]]
+    assert steps == sorted(steps) and steps[-1] >= learner[f"ddiloco_learner_step{label}"]
+    assert sync_tb["sync/merges_total"][-1][1] >= 2 and "sync/staleness_versions_count" in sync_tb
+    versions = [int(v) for _, v in sync_tb["sync/versions"]]  # the step of a synchronizer's report: the run's versions
+    assert [step for step, _ in sync_tb["sync/versions"]] == versions == sorted(versions) and versions[-1] >= 1
     log = (tmp_path / "logs" / "us-0.log").read_text()
     assert "metrics at http://127.0.0.1:" in log
     progress = [line for line in log.splitlines() if "learner us-0 step " in line]

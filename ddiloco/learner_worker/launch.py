@@ -35,6 +35,7 @@ from ddiloco.learner_worker.link import LearnerLink
 from ddiloco.platform.config import ConfigError, RunConfig, world_size_problem
 from ddiloco.platform.metrics import LearnerFigures, serve_learner
 from ddiloco.platform.runtime import RunContext
+from ddiloco.platform.tracking import Reporter, open_run_tracker, tracking_every_s
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -97,6 +98,7 @@ def learner_figures(learner: Learner) -> LearnerFigures:
         step=learner.step_count, tokens=learner.tokens_total, tokens_per_s=learner.last_tokens / step_s if step_s > 0 else 0.0,
         loss=learner.last_loss, upload_queue=queued, sent_bytes=link.uploader.bytes_sent if link else 0,
         received_bytes=link.downloader.bytes_received if link else 0, last_version=newest,
+        nonfinite_losses=learner.nonfinite_losses, incarnation=max(0, learner.incarnation),
     )
 
 
@@ -142,14 +144,22 @@ def run_learner(
         d = Dist.single(device)
     t0 = time.monotonic()
     clean = False
+    tracker, reporter = None, None
     try:
+        if d.rank == 0:
+            tracking_every_s()  # a bad value is refused before the model is built
+            tracker = open_run_tracker(cfg, run_id, f"learner-{learner_id}")
         ctx = RunContext.open(cfg, run_id) if d.rank == 0 else None
         link = LearnerLink(ctx, learner_id, region, flow_run_url=flow_run_url) if ctx is not None else None
         learner = Learner(cfg, learner_id, index=index, num_learners=cfg.learners.count, link=link, dist=d)
         learner.start(ready_timeout_s=ready_timeout_s)
         learner.start_background_io()
         if d.rank == 0:
-            serve_learner(run_id, learner_id, lambda: learner_figures(learner))
+            serve_learner(run_id, learner_id, lambda: learner_figures(learner), register=tracker is not None)
+            if tracker is not None:
+                # Its step is the learner's inner step over all its incarnations, so a relaunch's series go on forward.
+                reporter = Reporter(tracker, run_id, lambda _: learner.schedule_offset + learner.step_count,
+                                    every_s=tracking_every_s()).start()
             log.info(
                 "learner %s (incarnation %s) joined run %s in region %s: %s rank(s) on %s",
                 learner_id, learner.incarnation, run_id, region, d.world, device,
@@ -167,6 +177,10 @@ def run_learner(
             learner.stop()
         clean = True
     finally:
+        if reporter is not None:
+            reporter.close()  # the final figures, then the tracker closes
+        elif tracker is not None:
+            tracker.close()
         shutdown_dist(d, together=clean)
     if d.rank != 0:
         return None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -277,6 +278,9 @@ class Learner:
         self.tokens_total = 0
         self._tokens_unsubmitted = 0
         self.last_loss: float | None = None
+        """Moving average of the finite step losses (None before the first)."""
+        self.nonfinite_losses = 0
+        """Steps whose loss was NaN or infinite."""
         self.last_step_s = 0.0
         self.last_tokens = 0
         self._busy_s = 0.0
@@ -404,7 +408,10 @@ class Learner:
         self.tokens_total += tokens
         self._tokens_unsubmitted += tokens
         self.last_tokens = tokens
-        self.last_loss = loss if self.last_loss is None else 0.9 * self.last_loss + 0.1 * loss
+        if math.isfinite(loss):
+            self.last_loss = loss if self.last_loss is None else 0.9 * self.last_loss + 0.1 * loss
+        else:
+            self._nonfinite_loss(loss)
         self.last_step_s = step_s if self.last_step_s == 0 else 0.8 * self.last_step_s + 0.2 * step_s
         self._busy_s += step_s
         for frag in self.fragments:
@@ -418,6 +425,15 @@ class Learner:
         if every and self.step_count % every == 0:
             self.save_state()
         return StepReport(self.step_count, loss, tokens, submitted=sent, received=received, compute_s=compute_s)
+
+    def _nonfinite_loss(self, loss: float) -> None:
+        """Count a NaN or infinite step loss (kept out of the moving average, which would stay NaN for good) and say
+        so: rank 0 logs an ERROR on the 1st, 2nd, 4th, 8th… such step, so a diverged learner does not flood its log."""
+        self.nonfinite_losses += 1
+        n = self.nonfinite_losses
+        if self.link is not None and n & (n - 1) == 0:
+            log.error("learner %s step %s: loss is %s (%s non-finite step loss%s so far; the synchronizer rejects "
+                      "non-finite sends)", self.id, self.step_count, loss, n, "" if n == 1 else "es")
 
     def due(self, every: int) -> list[int]:
         """Fragments to send after this step: each every ``every`` steps (a multiple of H, the sends spread

@@ -5,10 +5,15 @@ free port, logged). Learner series are read from the learner when scraped (nothi
 loop); synchronizer series are counted where merges and rejections happen. Series (label ``run``,
 plus ``learner`` / ``holder`` / ``reason``):
 
-- learner: ``ddiloco_learner_step``, ``_tokens_total``, ``_tokens_per_second``, ``_loss``,
+- learner: ``ddiloco_learner_step``, ``_tokens_total``, ``_tokens_per_second``, ``_loss`` (absent before the
+  first step, so a NaN is a NaN), ``_nonfinite_losses_total``, ``_incarnation`` (relaunches of the learner so far),
   ``_upload_queue_depth``, ``_sent_bytes_total``, ``_received_bytes_total``, ``_last_version_received``
 - synchronizer: ``ddiloco_sync_merges_total`` (``rate()`` gives merges/s), ``_merge_seconds``,
-  ``_pending_submissions``, ``_staleness_versions``, ``_rejections_total{reason}``, ``_lease_held{holder}``
+  ``_pending_submissions``, ``_staleness_versions`` (its ``_count``: submissions merged), ``_rejections_total{reason}``,
+  ``_lease_held{holder}``, ``_versions`` (versions published, all fragments), ``_newest_version_timestamp_seconds``
+
+``infra/prometheus/alerts.yaml`` and ``infra/grafana/ddiloco.json`` are written over these names (``tests/test_alerts.py``
+holds them to this module), and ``tracking`` copies the same series to TensorBoard, W&B or MLflow.
 """
 
 from __future__ import annotations
@@ -37,6 +42,10 @@ STALENESS = Histogram("ddiloco_sync_staleness_versions", "Versions a merged subm
 REJECTIONS = Counter("ddiloco_sync_rejections", "Submissions rejected, by reason.", ["run", "reason"])
 LEASE_HELD = Gauge("ddiloco_sync_lease_held", "1 while this synchronizer holds the run's lease (it is the active one).",
                    ["run", "holder"])
+VERSIONS = Gauge("ddiloco_sync_versions", "Merged versions of the run: the sum of every fragment's newest version number "
+                 "(from the ledger).", ["run"])
+NEWEST_VERSION_AT = Gauge("ddiloco_sync_newest_version_timestamp_seconds",
+                          "When the run's newest global version was published (Unix time, from the ledger).", ["run"])
 
 
 def reason_label(why: str) -> str:
@@ -44,11 +53,17 @@ def reason_label(why: str) -> str:
     return rejections_q.reason_class(why).replace(" ", "_")[:40]
 
 
-def observe_pass(run_id: str, holder: str, active: bool, pending: int | None = None) -> None:
-    """One synchronizer pass: whether it holds the lease, and (active) how many submissions wait."""
+def observe_pass(run_id: str, holder: str, active: bool, pending: int | None = None,
+                 versions: int | None = None, newest_at: float | None = None) -> None:
+    """One synchronizer pass: whether it holds the lease and (active) how many submissions wait, how many versions
+    the run has and when its newest was published, as the ledger says (so a restarted synchronizer knows too)."""
     LEASE_HELD.labels(run_id, holder).set(1 if active else 0)
     if pending is not None:
         PENDING.labels(run_id).set(pending)
+    if versions is not None:
+        VERSIONS.labels(run_id).set(versions)
+    if newest_at is not None:
+        NEWEST_VERSION_AT.labels(run_id).set(newest_at)
 
 
 def observe_merge(run_id: str, merge_s: float, staleness: Iterable[int]) -> None:
@@ -77,6 +92,8 @@ class LearnerFigures:
     sent_bytes: int
     received_bytes: int
     last_version: int
+    nonfinite_losses: int = 0
+    incarnation: int = 0
 
 
 class LearnerCollector(Collector):
@@ -103,7 +120,10 @@ class LearnerCollector(Collector):
         yield gauge("step", "Inner steps of this incarnation.", f.step)
         yield counter("tokens", "Tokens trained by this incarnation.", f.tokens)
         yield gauge("tokens_per_second", "Tokens per second of the last step.", f.tokens_per_s)
-        yield gauge("loss", "Training loss of the last step (NaN before the first).", float("nan") if f.loss is None else f.loss)
+        if f.loss is not None:  # absent before the first step: a NaN here is a training problem, never a start
+            yield gauge("loss", "Training loss (moving average of the finite step losses).", f.loss)
+        yield counter("nonfinite_losses", "Steps whose loss was NaN or infinite.", f.nonfinite_losses)
+        yield gauge("incarnation", "This learner's incarnation: how often it was relaunched so far.", f.incarnation)
         yield gauge("upload_queue_depth", "Outer gradients queued for upload.", f.upload_queue)
         yield counter("sent_bytes", "Bytes of outer gradients sent.", f.sent_bytes)
         yield counter("received_bytes", "Bytes of global fragments received.", f.received_bytes)
@@ -132,10 +152,10 @@ def serve(registry: CollectorRegistry = REGISTRY, address: tuple[str, int] | Non
     return port
 
 
-def serve_learner(run_id: str, learner_id: str, figures: Callable[[], LearnerFigures]) -> int | None:
-    """Register a learner's collector and serve ``/metrics`` when ``DDILOCO_METRICS_PORT`` is set."""
+def serve_learner(run_id: str, learner_id: str, figures: Callable[[], LearnerFigures], *, register: bool = False) -> int | None:
+    """Register a learner's collector when ``/metrics`` is served (``DDILOCO_METRICS_PORT``) or ``register`` asks for it
+    (a tracker reports it), and serve ``/metrics``; the port, or None when not served."""
     address = metrics_address()
-    if address is None:
-        return None
-    REGISTRY.register(LearnerCollector(run_id, learner_id, figures))
-    return serve(REGISTRY, address)
+    if address is not None or register:
+        REGISTRY.register(LearnerCollector(run_id, learner_id, figures))
+    return serve(REGISTRY, address) if address is not None else None

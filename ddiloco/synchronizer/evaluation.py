@@ -20,7 +20,7 @@ from ddiloco.platform.spans import span
 from ddiloco.synchronizer.merge import GlobalFragment
 
 if TYPE_CHECKING:
-    from ddiloco.synchronizer.series import TensorBoardSeries
+    from ddiloco.synchronizer.series import EvalSeries
 
 
 def newest_params(ctx: RunContext, cache: Mapping[int, GlobalFragment] | None = None) -> dict[str, torch.Tensor]:
@@ -75,7 +75,7 @@ def evaluate_and_record(
     *,
     cache: Mapping[int, GlobalFragment] | None = None,
     model: torch.nn.Module | None = None,
-    series: TensorBoardSeries | None = None,
+    series: EvalSeries | None = None,
 ) -> tuple[float, float | None]:
     """Evaluate the newest global model and record the result (with the merged tokens) in the ledger,
     and in ``series`` once recorded."""

@@ -7,7 +7,8 @@ summary read them). The synchronizer never evaluates: at real model sizes an eva
 minutes, which inside a merge pass would stall merges and trip the synchronizer's watchdog.
 
 Several evaluators on one run each record what they evaluate; one per run is the intended setup.
-With ``DDILOCO_TENSORBOARD_DIR`` set, each evaluation also goes to TensorBoard (``series``)."""
+Each evaluation also goes to the experiment trackers the environment configures (``series``: TensorBoard with
+``DDILOCO_TENSORBOARD_DIR``, W&B, MLflow)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.models import build_model
 from ddiloco.platform.runtime import RunContext
 from ddiloco.synchronizer.evaluation import evaluate_and_record
-from ddiloco.synchronizer.series import TensorBoardSeries, series_from_env
+from ddiloco.synchronizer.series import EvalSeries, series_for
 
 log = logging.getLogger("ddiloco.evaluator")
 
@@ -29,11 +30,11 @@ class Evaluator:
     """Evaluates newly published versions on its own cadence; holds no training state."""
 
     def __init__(
-        self, ctx: RunContext, *, every_s: float | None = None, device: str = "cpu", series: TensorBoardSeries | None = None
+        self, ctx: RunContext, *, every_s: float | None = None, device: str = "cpu", series: EvalSeries | None = None
     ) -> None:
         self.ctx = ctx
         self.series = series
-        """Where each evaluation also goes once recorded (TensorBoard), if anywhere."""
+        """Where each evaluation also goes once recorded (experiment trackers), if anywhere."""
         self.every_s = ctx.cfg.synchronizer.eval_every_s if every_s is None else every_s
         if not self.every_s > 0:
             raise ValueError(f"the evaluator's cadence must be > 0 seconds, got {self.every_s}")
@@ -102,9 +103,9 @@ def run_evaluator(ctx: RunContext, stop: threading.Event | None = None, device: 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         signal.signal(signal.SIGINT, lambda *_: stop.set())
-    series = series_from_env(ctx.run_id)
+    series = series_for(ctx.cfg, ctx.run_id)
     log.info("evaluator started for run %s (every %.0fs%s)", ctx.run_id, ctx.cfg.synchronizer.eval_every_s,
-             f", TensorBoard series in {series.logdir}" if series else "")
+             ", with experiment trackers" if series else "")
     try:
         return Evaluator(ctx, device=device, series=series).run(stop)
     finally:

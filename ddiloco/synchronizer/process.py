@@ -12,6 +12,7 @@ import torch
 from ddiloco.platform import metrics
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.runtime import RunContext
+from ddiloco.platform.tracking import Reporter, open_run_tracker, tracking_every_s
 from ddiloco.synchronizer.lease import holder_name
 from ddiloco.synchronizer.outer import outer_step
 from ddiloco.synchronizer.service import Synchronizer
@@ -36,8 +37,16 @@ def run_synchronizer(cfg: RunConfig, run_id: str, label: str = "sync", shard: in
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_signal)
         signal.signal(signal.SIGINT, _on_signal)
+    every_s = tracking_every_s()
+    tracker = open_run_tracker(cfg, run_id, f"synchronizer-{label}")
     sync = Synchronizer(RunContext.open(cfg, run_id), holder=holder_name(label), shard=shard)
     metrics.serve()  # /metrics when DDILOCO_METRICS_PORT is set
+    # The step of a report is the run's merged versions (from the ledger): it only grows, across failovers too.
+    reporter = Reporter(tracker, run_id, lambda s: int(s.get("sync/versions", 0)), every_s=every_s).start() if tracker else None
     log.info("synchronizer %s started for run %s", sync.holder, run_id)
-    sync.run(stop)
+    try:
+        sync.run(stop)
+    finally:
+        if reporter is not None:
+            reporter.close()
     return sync

@@ -122,7 +122,9 @@ class Synchronizer:
             self._bootstrap(now)
             self._write_statuses(now)
             snap, self.stats = read_snapshot(self.ctx, now, self._pending_filter(), self.policies, self.stats)
-            metrics.observe_pass(self.ctx.run_id, self.holder, active=True, pending=sum(len(v) for v in snap.pending.values()))
+            metrics.observe_pass(self.ctx.run_id, self.holder, active=True, pending=sum(len(v) for v in snap.pending.values()),
+                                 versions=sum(h.version for h in snap.latest.values()),
+                                 newest_at=max((to_timestamp(h.created_at) for h in snap.latest.values()), default=None))
             result = PollResult(role="active")
             try:
                 for fragment, subs in snap.pending.items():
