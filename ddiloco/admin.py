@@ -1,4 +1,4 @@
-"""``ddiloco ledger``, ``store`` and ``data``: the administration sub-commands, and what every command shares (one-line
+"""``ddiloco ledger``, ``run``, ``store`` and ``data``: the administration sub-commands, and what every command shares (one-line
 refusals, the config, options, the read-only ledger that read commands open)."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the runtime stays unimported until a command needs it (bad 
     from ddiloco.platform.runtime import RunContext
 
 ledger_app = typer.Typer(help="The SQL ledger.", no_args_is_help=True)
+run_app = typer.Typer(help="End a run: for runs driven by hand (a training flow ends its own).", no_args_is_help=True)
 store_app = typer.Typer(help="The fragment store.", no_args_is_help=True)
 data_app = typer.Typer(help="Training data: tokenize a corpus into shards.", no_args_is_help=True)
 console = Console()
@@ -94,8 +95,8 @@ def read_only_run(
         ctx.engine.dispose()
 
 
-def existing_ledger(url: str) -> Engine:
-    """A read-only engine on a ledger that exists at the newest schema: a read command never creates,
+def existing_ledger(url: str, *, write: bool = False) -> Engine:
+    """An engine on a ledger that exists at the newest schema, read-only unless ``write``: a command never creates,
     overwrites or migrates one (``ddiloco ledger upgrade`` does)."""
     from alembic.migration import MigrationContext
     from alembic.script import ScriptDirectory
@@ -129,7 +130,7 @@ def existing_ledger(url: str) -> Engine:
         refuse(redact_url(f"cannot read the ledger at {url}: {str(err).splitlines()[0]}"))
     finally:
         probe.dispose()
-    engine = make_engine(url, read_only=True)
+    engine = make_engine(url, read_only=not write)
     head = ScriptDirectory.from_config(alembic_config()).get_current_head()
     if current != head:
         engine.dispose()
@@ -246,6 +247,62 @@ def ledger_roles(
     typer.echo(f"roles {', '.join(plan.group(kind) for kind in roles.GROUPS)} set up on {redact_url(url)}")
     for kind, name in plan.login_roles():
         typer.echo(f"  login {name} in {plan.group(kind)}" + (" (password set)" if name in plan.passwords else ""))
+
+
+# --- ddiloco run ---------------------------------------------------------------------------------------
+
+RunArg = typer.Argument(..., help="The run's id (as `ddiloco runs` lists it).", show_default=False)
+RUN_ENDS = {
+    "finish": ("finished", "its synchronizer merges what is pending, then the run's processes exit"),
+    "stop": ("stopped", "the run's processes exit at their next poll; nothing more is merged"),
+}
+"""``ddiloco run VERB``: the status it ends a run in, and what the run's processes do then."""
+
+
+def end_run_by_hand(run: str, verb: str, ledger: str | None, config: Path | None) -> None:
+    """End ``run`` as ``ddiloco run VERB`` says (:data:`RUN_ENDS`), and say so in one line; an unknown run, or one
+    that ended otherwise already, is refused in one line (exit 2)."""
+    import time
+
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from ddiloco.platform.ledger import runs as runs_q
+    from ddiloco.platform.ledger import session_factory
+    from ddiloco.platform.runtime import to_datetime
+
+    status, then = RUN_ENDS[verb]
+    run_id = checked_id_or_exit(run, "run")
+    url = plain(ledger_url(ledger, config))
+    engine = existing_ledger(url, write=True)
+    try:
+        with session_factory(engine).begin() as s:
+            if runs_q.get_run(s, run_id) is None:
+                refuse(f"run {run_id!r} is not in the ledger at {redact_url(url)} (`ddiloco runs` lists its runs)")
+            ended = runs_q.set_run_status(s, run_id, status, to_datetime(time.time()), detail=f"by hand: ddiloco run {verb}")
+            row = runs_q.require_run(s, run_id)
+            at = f"{row.finished_at:%Y-%m-%d %H:%M:%S} UTC" if row.finished_at else "an unknown time"
+    except SQLAlchemyError as err:
+        refuse(redact_url(f"cannot write the ledger at {url}: {str(err).splitlines()[0]}"))
+    finally:
+        engine.dispose()
+    if ended:
+        console.print(f"run {escape(run_id)} {status} at {at}: {then}", highlight=False, soft_wrap=True)
+    elif row.status == status:
+        console.print(f"run {escape(run_id)} had already {status} at {at}: nothing changed", highlight=False, soft_wrap=True)
+    else:
+        refuse(f"run {run_id} already ended as {row.status} at {at}: it stays {row.status}")
+
+
+@run_app.command("finish")
+def run_finish(run: str = RunArg, ledger: str | None = LedgerOpt, config: Path | None = ConfigOpt) -> None:
+    """Finish a running run now, as its token budget would: pending work is merged, then every process exits."""
+    end_run_by_hand(run, "finish", ledger, config)
+
+
+@run_app.command("stop")
+def run_stop(run: str = RunArg, ledger: str | None = LedgerOpt, config: Path | None = ConfigOpt) -> None:
+    """Stop a running run now: every process of the run exits, and nothing more is merged."""
+    end_run_by_hand(run, "stop", ledger, config)
 
 
 @store_app.command("check")

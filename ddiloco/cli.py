@@ -27,6 +27,7 @@ from ddiloco.admin import (
     plain,
     read_only_run,
     refuse,
+    run_app,
     store_app,
 )
 from ddiloco.admin import load_or_exit as _config
@@ -39,6 +40,7 @@ from ddiloco.ui.command import ui_command
 
 app = typer.Typer(help="Decoupled DiLoCo pre-training: learners, synchronizer, demo and tools.", no_args_is_help=True)
 app.add_typer(ledger_app, name="ledger")
+app.add_typer(run_app, name="run")
 app.add_typer(store_app, name="store")
 app.add_typer(bench_app, name="bench")
 app.add_typer(data_app, name="data")

@@ -41,10 +41,11 @@ def test_runs_on_a_mistyped_sqlite_path_creates_nothing(tmp_path):
     assert not (tmp_path / "no").exists()
 
 
-READ_COMMANDS = [["runs"], ["summary", "--run", "r"], ["ledger", "check", "--run", "r"], ["export", "--run", "r", "--to", "out"]]
+READ_COMMANDS = [["runs"], ["summary", "--run", "r"], ["ledger", "check", "--run", "r"], ["export", "--run", "r", "--to", "out"],
+                 ["run", "stop", "r"]]  # the last writes a run's end, and opens only a ledger that exists at the newest schema too
 
 
-@pytest.mark.parametrize("command", READ_COMMANDS, ids=lambda c: c[0] if c[0] != "ledger" else "ledger-check")
+@pytest.mark.parametrize("command", READ_COMMANDS, ids=lambda c: c[0] if c[0] not in ("ledger", "run") else "-".join(c[:2]))
 @pytest.mark.parametrize("content", [b"", b"x", b"just some notes\n" * 10])
 def test_read_commands_never_overwrite_a_file_that_is_not_a_ledger(tmp_path, monkeypatch, command, content):
     monkeypatch.chdir(tmp_path)
@@ -65,7 +66,7 @@ def test_runs_refuses_a_sqlite_database_without_a_ledger(tmp_path):
     assert path.read_bytes() == before
 
 
-@pytest.mark.parametrize("command", READ_COMMANDS, ids=lambda c: c[0] if c[0] != "ledger" else "ledger-check")
+@pytest.mark.parametrize("command", READ_COMMANDS, ids=lambda c: c[0] if c[0] not in ("ledger", "run") else "-".join(c[:2]))
 def test_read_commands_never_migrate_an_old_ledger(tmp_path, monkeypatch, command):
     monkeypatch.chdir(tmp_path)
     url = f"sqlite:///{tmp_path}/old.db"
@@ -90,6 +91,7 @@ def test_read_commands_never_migrate_an_old_ledger(tmp_path, monkeypatch, comman
         (["evaluate", "--run", "a b"], "run 'a b' is not a valid id"),
         (["synchronizer", "--label", "[URGENT](https://evil.example)"], "synchronizer label"),
         (["summary", "--run", "x/../y"], "is not a valid id"),
+        (["run", "finish", "[x](https://evil.example)"], "run '[x](https://evil.example)' is not a valid id"),
     ],
 )
 def test_bad_ids_are_refused_at_once(args, needle):

@@ -122,6 +122,21 @@ def test_create_run_is_idempotent(ledger):
             runs_q.require_run(s, "nope")
 
 
+def test_a_run_ends_once_and_its_first_end_stands(run):
+    S = run
+    with S.begin() as s:
+        assert runs_q.set_run_status(s, RUN, runs_q.STOPPED, T0 + timedelta(seconds=5), detail="by hand: ddiloco run stop")
+        # A supervisor or a synchronizer finishing it afterwards changes neither its status nor its end.
+        assert not runs_q.set_run_status(s, RUN, runs_q.FINISHED, T0 + timedelta(seconds=9))
+    with S() as s:
+        r = runs_q.require_run(s, RUN)
+        assert (r.status, r.finished_at) == (runs_q.STOPPED, T0 + timedelta(seconds=5))
+        ends = [(e.kind, e.detail) for e in runs_q.events(s, RUN) if e.kind.startswith("run_") and e.kind != "run_created"]
+        assert ends == [("run_stopped", "by hand: ddiloco run stop")]
+    with S.begin() as s, pytest.raises(ValueError, match="a run ends as one of finished, stopped, failed, not 'running'"):
+        runs_q.set_run_status(s, RUN, runs_q.RUNNING, T0)
+
+
 def test_datetimes_read_back_timezone_aware(run):
     S = run
     local = T0.astimezone(timezone(timedelta(hours=5)))  # same instant, other offset
@@ -147,7 +162,9 @@ def test_incarnations_and_token_accounting_stay_balanced(run):
     def acct():
         with S() as s:
             a = reports_q.token_accounting(s, RUN)
+            merged = runs_q.tokens_merged(s, RUN)  # what the synchronizer's budget check reads
         assert a.balanced, a
+        assert merged == a.merged
         return a
 
     with S.begin() as s:

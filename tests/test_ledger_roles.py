@@ -3,6 +3,7 @@ functions, and nothing else (a learner writes only its own rows, the dashboard o
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -232,6 +233,19 @@ def test_each_role_does_its_whole_job_through_the_real_code(ledger):
         assert max(st.version for st in sync.state.values()) >= 2
         assert sum(collect_garbage(sync_ctx)) > 0
         evaluate_and_record(context(ledger.login("evaluator")), clock.t)
+        # With its budget merged, the synchronizer's own loop ends the run through its role, drains it and returns
+        # (a guard stops the loop after two minutes if it never does: the run would then still be running).
+        with context(ledger.admin).transaction() as s:
+            s.execute(text("UPDATE runs SET token_budget = 1 WHERE id = :run"), {"run": cfg.name})
+        guard = threading.Event()
+        timer = threading.Timer(120.0, guard.set)
+        timer.start()
+        try:
+            sync.run(guard)
+        finally:
+            timer.cancel()
+        with sync_ctx.reading() as s:
+            assert runs_q.require_run(s, cfg.name).status == runs_q.FINISHED
 
         dashboard = uq.read_only_engine(ledger.login("dashboard"))
         engines.append(dashboard)

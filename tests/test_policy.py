@@ -65,6 +65,12 @@ def test_moving_averages():
     assert s.step_s == 3.0 and s.sync_s == 1.0
 
 
+def test_the_budget_ends_a_run_on_merged_tokens_with_its_reason():
+    assert pol.budget_end(9_999, 10_000) is None
+    assert pol.budget_end(10_000, 10_000) == "token budget reached: 10,000 tokens merged of 10,000"
+    assert pol.budget_end(1_327_104, 1_000_000) == "token budget reached: 1,327,104 tokens merged of 1,000,000"
+
+
 def test_token_weights_reward_quantity_and_quality():
     assert pol.token_weight(1000, 10) == 1000 * 100
     # Same tokens in fewer, larger steps weigh more.

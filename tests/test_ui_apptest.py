@@ -213,6 +213,40 @@ def test_everything_silent_long_after_the_run(monkeypatch, run_ledger):
     assert set(frame_with(at, "last_heartbeat")["status"]) == {liveness.DEAD}
 
 
+def test_a_finished_run_reads_as_finished_everywhere_and_no_tile_cuts_its_figure(monkeypatch, run_ledger, tmp_path):
+    ledger = copy_ledger(run_ledger, tmp_path)
+    engine = open_ledger(ledger.url)
+    with session_factory(engine).begin() as s:
+        trained = sum(r.tokens_trained + r.inc_tokens_trained for r in runs_q.learners(s, ledger.run_id))
+        # The figure: as an exact number ('1,327,104') it is wider than its tile.
+        us0 = s.get(Learner, (ledger.run_id, "us-0"))
+        us0.tokens_trained += 1_327_104 - trained
+        runs_q.set_run_status(s, ledger.run_id, runs_q.FINISHED, ledger.end, detail="token budget reached")
+        created = runs_q.require_run(s, ledger.run_id).created_at
+    engine.dispose()
+    later = ledger.end + timedelta(hours=3)  # looked at long after the end: nothing is measured against this clock
+    at = open_app(monkeypatch, ledger.url, later, run=ledger.run_id, page=RUN_HEALTH)
+    m = metrics(at)
+    assert m["Tokens trained"] == "1.33M"
+    assert next(e.proto.help for e in at.metric if e.label == "Tokens trained").startswith("1,327,104 trained: ")
+    assert "Learners up" not in m and "Since new version" not in m
+    assert m["Finished at"] == f"{ledger.end:%H:%M}" and m["Ran for"] == liveness.format_duration((ledger.end - created).total_seconds())
+    assert max(len(v) for v in m.values()) <= 7, m  # each fits its tile whole (Streamlit cuts a wider one off)
+    shown = texts(at)
+    assert "FINISHED" in shown and f"finished at {ledger.end:%Y-%m-%d %H:%M:%S} UTC, after " in shown
+    assert ":gray-badge[RUN ENDED]" in shown and "sync-inprocess held the lease last (token 1)" in shown
+    tables = [d.value for d in at.dataframe]
+    cells = " ".join(str(v) for df in tables for v in df.astype(str).to_numpy().ravel())
+    # Nothing reads as live: no 'ago', no lease to renew, no learner 'up' against a clock past the end.
+    for live in (" ago", "renew due", "holds the lease", "learners up"):
+        assert live not in shown and live not in cells and all(live not in v for v in m.values()), live
+    learners = frame_with(at, "last_heartbeat")
+    assert all(v.endswith(("before the end", "after the end")) for v in learners["last_heartbeat"]), list(learners["last_heartbeat"])
+    assert frame_with(at, "role").iloc[-1]["role"] == "last holder"
+    card = texts(open_app(monkeypatch, ledger.url, later))
+    assert "**4** learners · finished" in card and "learners up" not in card
+
+
 def test_empty_ledger_and_a_run_with_no_heartbeats(monkeypatch, tmp_path):
     url = f"sqlite:///{tmp_path}/ledger.db"
     engine = open_ledger(url)

@@ -352,6 +352,10 @@ def test_synchronizer_and_run_health():
     assert h.run_health("running", alive, never, POLICY).level == h.DOWN
     assert h.run_health("finished", one_dead, died, POLICY).level == h.FINISHED
     assert h.run_health("failed", alive, active, POLICY).level == h.FAILED
+    # An ended run's lease, live or not at its end, is named as its last holder's: nothing is due any more.
+    ended = h.synchronizer_verdict([lease], T0 - timedelta(seconds=1), T0, run_running=False)
+    assert (ended.status, ended.message) == ("ended", "the run has ended; sync-a held the lease last (token 3)")
+    assert h.run_health("stopped", alive, ended, POLICY).reasons == ["the run was stopped"]
 
 
 def test_a_sharded_run_is_healthy_only_while_every_shard_has_a_live_lease():
@@ -374,7 +378,7 @@ def test_policy_comes_from_the_run_config_and_formatting():
     assert (policy.dead_after_s, policy.straggler_factor, policy.stall_after_s) == (40, 3, 80)
     assert h.HealthPolicy.from_config({}) == h.HealthPolicy()
     assert [liveness.format_duration(x) for x in (4.24, 42, 185, 7300, 200_000)] == ["4.2s", "42s", "3m 05s", "2h 01m", "2d 7h"]
-    assert (h.format_count(1234), h.format_count(12_345_678), h.format_bytes(928_600)) == ("1,234", "12.3M", "928.6 kB")
+    assert (h.format_count(1234), h.format_count(12_345_678), h.format_bytes(928_600)) == ("1,234", "12.3M", "929 kB")
     assert (
         h.event_category("chaos") == "chaos"
         and h.event_category("run_failed") == "failure"

@@ -17,7 +17,7 @@ import yaml
 from ddiloco.flows import alerts
 from ddiloco.flows.chaos import apply_event, seeded_schedule
 from ddiloco.flows.launchers import Handle, Launcher, SubprocessLauncher, secret_env
-from ddiloco.flows.supervise import LearnerView, budget_reached, relaunch_decisions
+from ddiloco.flows.supervise import LearnerView, relaunch_decisions
 from ddiloco.platform.config import RunConfig
 from ddiloco.platform.ledger import reports as reports_q
 from ddiloco.platform.ledger import runs as runs_q
@@ -28,6 +28,7 @@ from ddiloco.platform.runtime import RunContext, to_timestamp
 from ddiloco.platform.summary import RunSummary, run_summary
 from ddiloco.synchronizer.evaluation import evaluate_and_record
 from ddiloco.synchronizer.lease import holder_name
+from ddiloco.synchronizer.policy import budget_end
 from ddiloco.synchronizer.service import Synchronizer
 
 SUPERVISE_EVERY_S = 1.0
@@ -87,14 +88,17 @@ def supervise(
         launcher.close(0.0)  # an error or an interrupt (Ctrl-C, a test's timeout) leaves no process of the run behind
         raise
     with ctx.transaction() as s:
-        runs_q.set_run_status(s, run_id, "finished", ctx.now_dt())
-    alerts.emit("ddiloco.run.finished", run_resource)
+        # The synchronizer may have finished it at its budget already, or an operator stopped it: that end stands.
+        runs_q.set_run_status(s, run_id, runs_q.FINISHED, ctx.now_dt(), detail="the training flow's time or budget is up")
+        status = runs_q.require_run(s, run_id).status
+    alerts.emit("ddiloco.run.finished", run_resource)  # whatever its status: the event that closes the run's alerts
     launcher.close(STOP_TIMEOUT_S)
-    return finish_run(ctx)
+    return finish_run(ctx, merge=status == runs_q.FINISHED)
 
 
 def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext, seconds: float | None, progress: Progress | None) -> None:
-    """Start every process, relaunch what dies, apply the chaos schedule; return when the budget or the time is up."""
+    """Start every process, relaunch what dies, apply the chaos schedule; return when the budget or the time is up, or
+    the run has ended otherwise (``ddiloco run finish | stop``)."""
     run_resource = alerts.RUN_RESOURCE.format(run_id=run_id)
     syncs: list[Handle] = [launcher.start_synchronizer("sync-a")]
     # Learners start with the synchronizer, not after its version 0: their start-up overlaps its own, and
@@ -133,6 +137,9 @@ def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext
             rows = {r.id: r for r in runs_q.learners(s, run_id)}
             acct = reports_q.token_accounting(s, run_id)
             versions = sum(runs_q.latest_version_numbers(s, run_id).values())
+            status = runs_q.require_run(s, run_id).status
+        if status != runs_q.RUNNING:
+            break  # ended by its synchronizer at the budget, or by an operator: its processes are exiting, none is relaunched
         if versions > published:
             published = versions
             alerts.emit("ddiloco.version.published", run_resource, **{"ddiloco.versions": str(versions)})
@@ -174,9 +181,7 @@ def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext
             evaluator = launcher.start_evaluator()
         if progress:
             progress(elapsed, {"tokens": acct.trained})
-        # Merged, not trained: trained counts what learners claim at registration, and a lying claim
-        # (rejected a poll later) must not end the run.
-        if budget_reached(acct.merged, cfg.token_budget) or (seconds is not None and t0 is not None and elapsed >= seconds):
+        if budget_end(acct.merged, cfg.token_budget) or (seconds is not None and t0 is not None and elapsed >= seconds):
             break
         time.sleep(SUPERVISE_EVERY_S)
 
@@ -194,10 +199,11 @@ def _record_exit(ctx: RunContext, lid: str, why: str) -> None:
         runs_q.record_event(s, ctx.run_id, runs_q.LEARNER_EXITED, lid, why, ctx.now_dt())
 
 
-def finish_run(ctx: RunContext) -> RunSummary:
-    """Merge what is still pending, evaluate the final global model, and summarise."""
+def finish_run(ctx: RunContext, *, merge: bool = True) -> RunSummary:
+    """Merge what is still pending (unless ``merge`` is off: a stopped run merges nothing more), evaluate the final
+    global model, and summarise."""
     cache = {}
-    for shard in range(ctx.cfg.synchronizer.shards):
+    for shard in range(ctx.cfg.synchronizer.shards if merge else 0):
         final = Synchronizer(ctx, holder=holder_name("final"), shard=shard)
         _wait(lambda final=final: final.poll_once(drain=True).role == "active", ctx.cfg.synchronizer.lease_ttl_s * 4 + 10,
               f"the lease of shard {shard} for the final merge")

@@ -31,7 +31,3 @@ def relaunch_decisions(now: float, learners: list[LearnerView], *, liveness: Liv
         elif is_dead(now - lv.last_heartbeat, liveness):
             out[lv.learner_id] = f"heartbeat stopped {now - lv.last_heartbeat:.1f}s ago"
     return out
-
-
-def budget_reached(tokens_trained: int, token_budget: int) -> bool:
-    return tokens_trained >= token_budget

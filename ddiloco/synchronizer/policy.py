@@ -140,6 +140,15 @@ def decide_merge(
 # --- validation and weights -------------------------------------------------------------------
 
 
+def budget_end(tokens_merged: int, token_budget: int) -> str | None:
+    """Why the run is over by its token budget, or None while it goes on. Merged tokens, never trained ones: trained
+    counts what learners claim, and a lying claim (rejected a poll later) must not end a run. Whoever drives the run
+    (the synchronizer's loop, the training flow's supervisor) asks this one question."""
+    if tokens_merged >= token_budget:
+        return f"token budget reached: {tokens_merged:,} tokens merged of {token_budget:,}"
+    return None
+
+
 def token_weight(c_tokens: int, c_steps: int, scheme: str = "tokens") -> float:
     """w = c_tokens * (c_tokens / c_steps): quantity times quality (tokens per step)."""
     if scheme == "equal":

@@ -287,7 +287,7 @@ class Synchronizer:
     # --- process loop ----------------------------------------------------------------------------
 
     def run(self, stop: threading.Event | None = None, until: float | None = None) -> None:
-        """Poll until stopped (or the run is finished), as active or standby."""
+        """Poll until stopped or the run ends (see :meth:`_poll_and_check`), as active or standby."""
         stop = stop or threading.Event()
         renewer = threading.Thread(target=self.lease.renew_loop, args=(stop, lambda: self._poll_started), name="lease-renewer",
                                    daemon=True)
@@ -299,16 +299,32 @@ class Synchronizer:
             renewer.join(timeout=5)
             self.lease.release()
 
-    def _poll_and_check(self) -> tuple[PollResult, bool]:
-        """One poll, then whether the run has finished and this synchronizer must drain it."""
+    def _poll_and_check(self) -> tuple[PollResult, str | None]:
+        """One poll, then how the run has ended (None while it runs, or while this synchronizer stands by). The active
+        synchronizer ends the run itself when its token budget is merged: it runs whoever drives the run (a flow, or
+        processes started by hand), and learners and the evaluator stop when they see the run end."""
         self._poll_started = time.monotonic()
         try:
             result = self.poll_once(self.ctx.now())
         finally:
             self._poll_started = None
+        if result.role != "active":
+            return result, None
         with self.ctx.reading() as s:
             run = runs_q.get_run(s, self.ctx.run_id)
-        return result, run is not None and run.status != "running" and result.role == "active"
+            merged = runs_q.tokens_merged(s, self.ctx.run_id) if run is not None and run.status == runs_q.RUNNING else 0
+        if run is None:
+            return result, None
+        if run.status != runs_q.RUNNING:
+            return result, run.status
+        why = pol.budget_end(merged, run.token_budget)
+        if why is None:
+            return result, None
+        with self.ctx.transaction() as s:
+            if not runs_q.set_run_status(s, self.ctx.run_id, runs_q.FINISHED, self.ctx.now_dt(), detail=f"{why} ({self.holder})"):
+                return result, runs_q.require_run(s, self.ctx.run_id).status  # it ended meanwhile (an operator's stop stands)
+        log.info("%s: run %s finished: %s", self.holder, self.ctx.run_id, why)
+        return result, runs_q.FINISHED
 
     def _poll_failed(self, retry_state: RetryCallState) -> None:
         err = retry_state.outcome.exception() if retry_state.outcome else None
@@ -335,7 +351,7 @@ class Synchronizer:
             try:
                 for attempt in retrying:
                     with attempt:
-                        result, finished = self._poll_and_check()
+                        result, ended = self._poll_and_check()
             except ConfigError:
                 raise
             except Exception:  # noqa: BLE001 - only reached once stopping: the last failure is logged
@@ -344,7 +360,8 @@ class Synchronizer:
             if result.role != role:
                 role = result.role
                 log.info("%s is %s", self.holder, role)
-            if finished:
-                self.poll_once(self.ctx.now(), drain=True)
+            if ended is not None:
+                if ended == runs_q.FINISHED:  # what was sent before the end is merged; a stopped run merges nothing more
+                    self.poll_once(self.ctx.now(), drain=True)
                 break
             stop.wait(self.cfg.synchronizer.poll_s)

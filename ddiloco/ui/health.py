@@ -44,6 +44,7 @@ STATUS_COLORS: dict[str, str] = {
     FAILED: "red",
     FINISHED: "gray",
     "stopped": "gray",
+    "ended": "gray",
     "active": "green",
     "standby": "gray",
     "none": "red",
@@ -100,7 +101,8 @@ class LeaseSnapshot:
 @dataclass(frozen=True)
 class SyncVerdict:
     status: str
-    """active (a holder's lease is live), none (nobody holds a live lease), never (no lease yet)."""
+    """active (a holder's lease is live), none (nobody holds a live lease), never (no lease yet), ended (the run has
+    ended: whose lease is live no longer matters)."""
     holder: str | None
     message: str
     last_version_age_s: float | None
@@ -110,12 +112,17 @@ def synchronizer_verdict(
     leases: Sequence[LeaseSnapshot], last_version_at: datetime | None, now: datetime, *, run_running: bool = True,
     shards: int = 1,
 ) -> SyncVerdict:
-    """Active when every one of the run's ``shards`` has a live lease; else which shard has none, and since when."""
+    """Active when every one of the run's ``shards`` has a live lease; else which shard has none, and since when. An
+    ended run's synchronizers are named as its last holders, with no time measured against ``now``."""
     age = (now - last_version_at).total_seconds() if last_version_at is not None else None
     by_shard = {lease.shard: lease for lease in leases}
+    where = (lambda k: f"shard {k}: ") if shards > 1 else (lambda k: "")  # noqa: E731 - one shard reads as before
+    if not run_running:
+        held = "; ".join(f"{where(k)}{by_shard[k].holder} held the lease last (token {by_shard[k].token})" for k in sorted(by_shard))
+        return SyncVerdict("ended", None, f"the run has ended; {held}" if held else "the run has ended; no synchronizer ever held "
+                           "its lease", age)
     if not by_shard:
         return SyncVerdict("never", None, "no synchronizer has ever held this run's lease", age)
-    where = (lambda k: f"shard {k}: ") if shards > 1 else (lambda k: "")  # noqa: E731 - one shard reads as before
     live = [by_shard[k] for k in range(shards) if k in by_shard and by_shard[k].expires_at > now]
     if len(live) == shards:
         return SyncVerdict(
@@ -125,10 +132,6 @@ def synchronizer_verdict(
                       f"{format_duration((lease.expires_at - now).total_seconds())})" for lease in live),
             age,
         )
-    if not run_running:
-        return SyncVerdict("none", None, "; ".join(
-            f"{where(lease.shard)}lease released by {lease.holder} {format_duration((now - lease.expires_at).total_seconds())} ago "
-            "(run ended)" for lease in by_shard.values()), age)
     lapsed = [k for k in range(shards) if k not in {lease.shard for lease in live}]
     return SyncVerdict(
         "none",
@@ -173,8 +176,10 @@ def run_health(run_status: str, verdicts: dict[str, Verdict], sync: SyncVerdict,
         return RunHealth(FINISHED, ["the run finished"])
     if run_status == "failed":
         return RunHealth(FAILED, ["the run is marked failed"])
+    if run_status == "stopped":
+        return RunHealth(FINISHED, ["the run was stopped"])
     if run_status != "running":
-        return RunHealth(FINISHED if run_status == "stopped" else run_status, [f"the run is {run_status}"])
+        return RunHealth(run_status, [f"the run is {run_status}"])
     counts = count_statuses(verdicts.values())
     live = counts[ALIVE] + counts[STRAGGLING] + counts[RECOVERING]
     down: list[str] = []
@@ -247,22 +252,29 @@ def event_category(kind: str) -> str:
 # --- formatting --------------------------------------------------------------------------------------
 
 
+def _scaled(n: float, units: tuple[tuple[str, float, float], ...]) -> str | None:
+    """``n`` in the largest of ``units`` (name, size, least multiple shown in it) it reaches, to three significant
+    digits ('1.33M', '12.3M', '133M'); None below them all."""
+    for unit, size, least in units:
+        v = n / size
+        if abs(v) >= least:  # what rounds to 1.00 of a unit is shown in it, never as '1000' of the one below
+            return f"{v:.{2 if abs(v) < 9.995 else 1 if abs(v) < 99.95 else 0}f}{unit}"
+    return None
+
+
 def format_count(n: float | None) -> str:
-    """1234 -> '1,234'; 12_345_678 -> '12.3M'."""
+    """Exact up to five digits, three significant digits above: 99,949 -> '99,949'; 123_456 -> '123k'; 1_327_104 ->
+    '1.33M'. At most six characters: a metric tile cuts a longer value off (the exact figure goes in its help)."""
     if n is None:
         return "—"
     n = float(n)
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
-        if abs(n) >= size:
-            return f"{n / size:.1f}{unit}"
-    return f"{n:,.0f}"
+    return _scaled(n, (("T", 1e12, 0.9995), ("B", 1e9, 0.9995), ("M", 1e6, 0.9995), ("k", 1e3, 99.95))) or f"{n:,.0f}"
 
 
 def format_bytes(n: float | None) -> str:
+    """Three significant digits, at most seven characters: 928_600 -> '929 kB', 1_327_104 -> '1.33 MB'."""
     if n is None:
         return "—"
     n = float(n)
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
+    units = tuple((f" {unit}", size, 0.9995) for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)))
+    return _scaled(n, units) or f"{n:.0f} B"

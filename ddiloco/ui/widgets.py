@@ -84,11 +84,6 @@ def badge_markup(level: str) -> str:
     return f":{h.color_of(level)}-badge[{icon} {level.upper()}]"
 
 
-def big_count(n: int) -> str:
-    """Exact below ten million, short above (the metric tiles are narrow)."""
-    return f"{n:,}" if abs(n) < 10_000_000 else h.format_count(n)
-
-
 def status_css(value: object) -> str:
     """Cell style of a status: white text on the status colour."""
     color = h.STATUS_COLORS.get(str(value))
@@ -111,10 +106,15 @@ def styled(df: pd.DataFrame, status_columns: Sequence[str] = ("status",)) -> Sty
     return sty
 
 
-def ago(when: datetime | None, now: datetime) -> str:
+def ago(when: datetime | None, now: datetime, *, ended: bool = False) -> str:
+    """How long before ``now`` something happened: '3.2s ago' while the run runs; for an ended run ``now`` is its end,
+    and it reads '3.2s before the end' (or 'after', for a last heartbeat that came in as the run was ending)."""
     if when is None or pd.isna(when):
         return "never"
-    return f"{liveness.format_duration((now - when).total_seconds())} ago"
+    seconds = (now - when).total_seconds()
+    if not ended:
+        return f"{liveness.format_duration(seconds)} ago"
+    return f"{liveness.format_duration(abs(seconds))} {'before' if seconds >= 0 else 'after'} the end"
 
 
 def no_data(message: str) -> None:

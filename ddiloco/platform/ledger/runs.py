@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from ddiloco.platform import liveness
@@ -80,12 +80,34 @@ def list_runs(session: Session) -> list[Run]:
     return list(session.scalars(select(Run).order_by(Run.created_at.desc())))
 
 
-def set_run_status(session: Session, run_id: str, status: str, now: datetime) -> None:
-    values: dict[str, Any] = {"status": status}
-    if status in ("finished", "failed", "stopped"):
-        values["finished_at"] = now
-    session.execute(update(Run).where(Run.id == run_id).values(**values))
-    record_event(session, run_id, f"run_{status}", None, "", now)
+RUNNING = "running"
+FINISHED = "finished"
+"""Ended as planned: at its token budget, its time box, or by ``ddiloco run finish``; what is pending is still merged."""
+STOPPED = "stopped"
+"""Ended by ``ddiloco run stop``: every process of the run exits, and nothing more is merged."""
+FAILED = "failed"
+RUN_ENDS = (FINISHED, STOPPED, FAILED)
+"""The statuses a run ends in. A run is created running and ends once: learners, synchronizers and the evaluator
+exit when they see any status but running."""
+
+
+def set_run_status(session: Session, run_id: str, status: str, now: datetime, detail: str = "") -> bool:
+    """End a running run as ``status`` (one of :data:`RUN_ENDS`) at ``now``; returns whether it was running. An ended
+    run keeps its first end: a supervisor finishing a run an operator stopped leaves it stopped, and its end time."""
+    if status not in RUN_ENDS:
+        raise ValueError(f"a run ends as one of {', '.join(RUN_ENDS)}, not {status!r}")
+    ended = session.execute(
+        update(Run).where(Run.id == run_id, Run.status == RUNNING).values(status=status, finished_at=now).returning(Run.id)
+    ).first()
+    if ended is not None:
+        record_event(session, run_id, f"run_{status}", None, detail, now)
+    return ended is not None
+
+
+def tokens_merged(session: Session, run_id: str) -> int:
+    """Tokens merged into the run's global versions so far, from the fragments' running totals (P rows)."""
+    total = session.scalar(select(func.coalesce(func.sum(FragmentHead.tokens_merged), 0)).where(FragmentHead.run_id == run_id))
+    return int(total or 0)
 
 
 def recorded_config(run: Run) -> dict[str, Any]:

@@ -23,10 +23,12 @@ def run_card(row) -> None:  # noqa: ANN001 - a pandas row
         st.markdown(f"#### {widgets.md(row.run)} &nbsp; {widgets.badge_markup(row.health)}")
         st.caption(widgets.md(row.reason or row.status))
         val_loss = "—" if pd.isna(row.val_loss) else f"{row.val_loss:.3f}"
+        # An ended run's learners are counted, not called up: liveness means nothing after the end.
+        learners = f"**{row.learners_alive}/{row.learners}** learners up" if row.status == "running" else (
+            f"**{row.learners}** learners · {widgets.md(row.status)}")
         st.markdown(
             f"**{h.format_count(row.tokens)}** tokens · **{row.versions:,}** versions · **{row.goodput:.0%}** goodput  \n"
-            f"**{row.learners_alive}/{row.learners}** learners up · val loss **{val_loss}** · "
-            f"age **{liveness.format_duration(row.age_s)}**"
+            f"{learners} · val loss **{val_loss}** · age **{liveness.format_duration(row.age_s)}**"
         )
         st.page_link(
             "views/run_health.py", label="Open run health", icon=":material/arrow_forward:", query_params={"run": row.run}

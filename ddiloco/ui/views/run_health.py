@@ -16,6 +16,8 @@ from ddiloco.ui.queries import RunPage
 URL = loaders.ledger_url()
 SEVERITY = {liveness.DEAD: 0, liveness.STRAGGLING: 1, liveness.RECOVERING: 2, liveness.ALIVE: 3}
 EVENT_ROWS = 200  # newest events listed in the table (the timeline shows more)
+ENDED_AT = {"finished": "Finished at", "stopped": "Stopped at", "failed": "Failed at"}
+"""The label of an ended run's end-time tile, by status."""
 
 
 def pick_run() -> str | None:
@@ -36,17 +38,29 @@ def pick_run() -> str | None:
     return None
 
 
+def ended_line(page: RunPage) -> str:
+    """When and after how long an ended run ended, e.g. 'finished at 2026-11-25 14:03:22 UTC, after 2m 31s'."""
+    info = page.snapshot.info
+    if info.finished_at is None:
+        return f"{info.status} (no end time recorded)"
+    ran = liveness.format_duration((info.finished_at - info.created_at).total_seconds())
+    return f"{info.status} at {info.finished_at:%Y-%m-%d %H:%M:%S} UTC, after {ran}"
+
+
 def header(page: RunPage) -> None:
     snap, s = page.snapshot, page.summary
+    running = snap.info.running
     left, right = st.columns([4, 1], vertical_alignment="center")
     with left:
         st.title(f"Run {widgets.md(snap.info.id)} {widgets.badge_markup(snap.health.level)}")
+        started = f"started {snap.info.created_at:%Y-%m-%d %H:%M:%S} UTC"
         st.caption(
-            f"status **{widgets.md(snap.info.status)}** · started {snap.info.created_at:%Y-%m-%d %H:%M:%S} UTC "
-            f"({liveness.format_duration((page.now - snap.info.created_at).total_seconds())} ago) · "
-            f"{snap.info.num_fragments} fragments · code {widgets.md(snap.info.code_version)}"
+            f"status **{widgets.md(snap.info.status)}** · "
+            + (f"{started} ({liveness.format_duration((page.now - snap.info.created_at).total_seconds())} ago)" if running
+               else f"{started}, {widgets.md(ended_line(page))}")
+            + f" · {snap.info.num_fragments} fragments · code {widgets.md(snap.info.code_version)}"
             + (f" @ {widgets.md(snap.info.git_commit[:10])}" if snap.info.git_commit else "")
-            + f" · as of {page.now:%H:%M:%S} UTC"
+            + (f" · as of {page.now:%H:%M:%S} UTC" if running else " · every figure as of its end")
         )
     with right:
         link = widgets.safe_link(snap.info.flow_run_url)
@@ -57,6 +71,8 @@ def header(page: RunPage) -> None:
         else:
             st.caption("No Prefect flow run recorded for this run (started outside Prefect).")
     reasons = widgets.md(" · ".join(snap.health.reasons))
+    if not running:
+        reasons = widgets.md(f"The run {ended_line(page)}. Learners, heartbeats and the synchronizer are shown as they were at its end.")
     if snap.health.level in (h.DOWN, h.FAILED):
         st.error(reasons, icon=":material/error:")
     elif snap.health.level == h.DEGRADED:
@@ -71,13 +87,15 @@ def header(page: RunPage) -> None:
     evals = page.evaluations
     cols = st.columns(7)
     budget = snap.info.token_budget
+    # Every value fits its tile (Streamlit cuts a longer one off with '…'); the exact figures are in the help.
     cols[0].metric(
         "Tokens trained",
-        widgets.big_count(s.tokens),
-        help=f"{s.tokens_merged:,} merged · {s.tokens_rejected:,} rejected · {s.tokens_pending:,} pending · "
+        h.format_count(s.tokens),
+        help=f"{s.tokens:,} trained: {s.tokens_merged:,} merged · {s.tokens_rejected:,} rejected · {s.tokens_pending:,} pending · "
         f"{s.tokens_lost:,} lost · {s.tokens_in_flight:,} in flight" + (f" · budget {budget:,}" if budget else ""),
     )
-    cols[1].metric("Global versions", f"{sum(s.versions.values()):,}")
+    versions = sum(s.versions.values())
+    cols[1].metric("Global versions", h.format_count(versions), help=f"{versions:,} versions published, over every fragment")
     cols[2].metric(
         "Goodput",
         f"{s.goodput:.1%}",
@@ -99,8 +117,22 @@ def header(page: RunPage) -> None:
         )
     else:
         cols[4].metric("Validation loss", "—")
-    cols[5].metric("Learners up", f"{up}/{len(snap.verdicts)}")
-    cols[6].metric("Since new version", liveness.format_duration(snap.sync.last_version_age_s))
+    if running:
+        cols[5].metric("Learners up", f"{up}/{len(snap.verdicts)}")
+        cols[6].metric("Since new version", liveness.format_duration(snap.sync.last_version_age_s))
+        return
+    # An ended run: when it ended and how long it ran, never a liveness figure against a clock past its end.
+    end = snap.info.finished_at
+    cols[5].metric(
+        ENDED_AT.get(snap.info.status, "Ended at"),
+        f"{end:%H:%M}" if end is not None else "—",
+        help=f"The run {ended_line(page)}; {len(snap.verdicts)} learners had joined, {up} of them up at the end.",
+    )
+    cols[6].metric(
+        "Ran for",
+        liveness.format_duration((end - snap.info.created_at).total_seconds()) if end is not None else "—",
+        help=f"From its start, {snap.info.created_at:%Y-%m-%d %H:%M:%S} UTC, to its end",
+    )
 
 
 def learners_section(page: RunPage) -> None:
@@ -113,6 +145,11 @@ def learners_section(page: RunPage) -> None:
         return
     if df["loss"].isna().all() and (df["step"] == 0).all():
         widgets.no_data("Learners have joined but none has reported a training step yet.")
+    ended = not page.snapshot.info.running
+    if ended:
+        st.caption("As they were when the run ended: status, last heartbeat and last submission are judged at its end.")
+        # An alive learner's reason is its heartbeat's age, which the 'last heartbeat' column gives against the end.
+        df = df.assign(reason=df["reason"].where(df["status"] != liveness.ALIVE, "alive when the run ended"))
     grid, regions = st.columns([3, 2])
     with grid:
         st.altair_chart(charts.learner_grid(df), width="stretch")
@@ -120,8 +157,8 @@ def learners_section(page: RunPage) -> None:
         st.altair_chart(charts.region_tokens(page.regions), width="stretch")
     table = df.assign(
         severity=df["status"].map(SEVERITY),
-        last_heartbeat=[widgets.ago(t, page.snapshot.as_of) for t in df["last_heartbeat_at"]],
-        last_submission=[widgets.ago(t, page.snapshot.as_of) for t in df["last_submission_at"]],
+        last_heartbeat=[widgets.ago(t, page.snapshot.as_of, ended=ended) for t in df["last_heartbeat_at"]],
+        last_submission=[widgets.ago(t, page.snapshot.as_of, ended=ended) for t in df["last_submission_at"]],
     ).sort_values(["region", "severity", "learner"])
     table = table[
         [
@@ -159,6 +196,7 @@ def learners_section(page: RunPage) -> None:
         hide_index=True,
         height=min(600, 38 + 35 * len(table)),
         column_config={
+            "status": st.column_config.TextColumn("status at the end" if ended else "status"),
             "tokens_per_s": st.column_config.NumberColumn("tokens/s"),
             "last_heartbeat": st.column_config.TextColumn("last heartbeat"),
             "last_submission": st.column_config.TextColumn("last submission"),
@@ -187,18 +225,26 @@ def learners_section(page: RunPage) -> None:
 def synchronizer_section(page: RunPage) -> None:
     st.header("Synchronizer", divider="gray")
     sync = page.snapshot.sync
+    ended = not page.snapshot.info.running
     left, right = st.columns([2, 3])
     with left:
         top = st.columns([1, 2], vertical_alignment="center")
         with top[0]:
-            st.badge("ACTIVE" if sync.status == "active" else "NO ACTIVE SYNCHRONIZER", color=h.color_of(sync.status))
+            badge = "RUN ENDED" if ended else "ACTIVE" if sync.status == "active" else "NO ACTIVE SYNCHRONIZER"
+            st.badge(badge, color=h.color_of(sync.status))
         top[1].markdown(f"**{widgets.md(sync.holder)}**" if sync.holder else "")
-        if sync.status == "active" or not page.snapshot.info.running:
+        if sync.status == "active" or ended:
             st.caption(widgets.md(sync.message))
         else:
             st.error(widgets.md(sync.message), icon=":material/error:")
         a, b = st.columns(2)
-        a.metric("Last merge", widgets.ago(page.last_merge_at, page.snapshot.as_of))
+        last = page.last_merge_at
+        if ended:  # a time of day fits the tile; the seconds, and how long before the end, go in its help
+            a.metric("Last merge", f"{last:%H:%M}" if last is not None else "never",
+                     help=f"{last:%Y-%m-%d %H:%M:%S} UTC, {widgets.ago(last, page.snapshot.as_of, ended=True)}"
+                     if last is not None else None)
+        else:
+            a.metric("Last merge", widgets.ago(last, page.snapshot.as_of))
         b.metric(
             "Fencing token",
             str(int(page.holders["token"].max())) if len(page.holders) else "—",
@@ -220,7 +266,8 @@ def synchronizer_section(page: RunPage) -> None:
             newest = page.holders.groupby("shard")["token"].transform("max")
             holders = page.holders.assign(
                 role=[
-                    "active" if r.holder in active and r.token == top else "former (standby or gone)"
+                    "last holder" if ended and r.token == top else "active" if r.holder in active and r.token == top
+                    else "former (standby or gone)"
                     for r, top in zip(page.holders.itertuples(), newest, strict=True)
                 ]
             )
