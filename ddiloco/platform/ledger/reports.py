@@ -35,6 +35,7 @@ from ddiloco.platform.ledger.runs import (
     learners,
     recorded_config,
     require_run,
+    tokens_merged,
 )
 
 # --- accounting -----------------------------------------------------------------------------------
@@ -79,12 +80,12 @@ def account_tokens(rows: Iterable[Learner], tokens_by_status: dict[str, int]) ->
 def decided_tokens(session: Session, run_id: str) -> dict[str, int]:
     """Tokens by fate from running totals and a small set: merged from the fragment heads, rejected from the
     run's row, pending summed over just the pending rows (the poll index) — never every submission."""
-    merged = session.scalar(select(func.coalesce(func.sum(FragmentHead.tokens_merged), 0)).where(FragmentHead.run_id == run_id))
+    merged = tokens_merged(session, run_id)
     pending = session.scalar(
         select(func.coalesce(func.sum(Submission.tokens_new), 0)).where(Submission.run_id == run_id, Submission.status == PENDING)
     )
     rejected = session.scalar(select(Run.tokens_rejected).where(Run.id == run_id))
-    return {MERGED: int(merged or 0), PENDING: int(pending or 0), REJECTED: int(rejected or 0)}
+    return {MERGED: merged, PENDING: int(pending or 0), REJECTED: int(rejected or 0)}
 
 
 def token_accounting(session: Session, run_id: str) -> TokenAccounting:
