@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -97,12 +98,43 @@ def store_url(request, tmp_path):
 # --- collection -------------------------------------------------------------------------------------
 
 
+LONGEST_FIRST = ("test_chaos_suite", "test_quality_smoke", "test_benchmarks_smoke", "test_prefect_integration", "test_learner_state")
+"""Modules that take minutes; started first, so that none of them starts last and holds up the run's end."""
+
+
+def _module_fixture_owner(item) -> bool:
+    """Whether the item uses a module-scoped fixture of its own module (work to do once per module, not per worker)."""
+    module = item.nodeid.split("::", 1)[0]
+    return any(
+        fd.scope in ("module", "class") and fd.baseid.split("::", 1)[0] == module
+        for defs in item._fixtureinfo.name2fixturedefs.values()
+        for fd in defs
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     # Any test parametrised with a "postgres" id needs the server, whichever fixture put it there.
     for item in items:
         callspec = getattr(item, "callspec", None)
         if callspec is not None and "postgres" in callspec.id.split("-"):
             item.add_marker(pytest.mark.postgres)
+    # Under xdist (--dist loadgroup, see pyproject): the tests of a module that sets something up once per module
+    # (a cluster, a server, a benchmark run) stay on one worker; every other test goes wherever a worker is free.
+    # Tryfirst: xdist reads the groups in its own hook of the same name.
+    grouped = {item.nodeid.split("::", 1)[0] for item in items if _module_fixture_owner(item)}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        if module in grouped:
+            item.add_marker(pytest.mark.xdist_group(Path(module).stem))
+
+    def rank(item) -> int:
+        stem = Path(item.nodeid.split("::", 1)[0]).stem
+        if stem in LONGEST_FIRST:
+            return LONGEST_FIRST.index(stem)
+        return len(LONGEST_FIRST) + (0 if item.get_closest_marker("slow") else 1)
+
+    items.sort(key=rank)  # stable: the order within each rank is the collection order
 
 
 def pytest_sessionfinish(session, exitstatus):
