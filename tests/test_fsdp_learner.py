@@ -77,12 +77,15 @@ def test_two_rank_fsdp_sends_what_two_rank_ddp_sends(tmp_path):
     assert a["submissions"] == b["submissions"] and a["versions"] == b["versions"]
     assert len(a["submissions"]) == STEPS and sum(ddp[0]["base"]) >= 3 and fsdp[0]["base"] == ddp[0]["base"]
     assert fsdp[0]["tokens_total"] == ddp[0]["tokens_total"] == STEPS * 2 * B * 32
-    # The outer gradients sent agree to float tolerance (the reductions' order differs: not bit for bit).
+    # The outer gradients sent agree to float tolerance (the reductions' order differs: not bit for bit). An outer
+    # gradient is a difference of parameters, so it gets the parameters' tolerance: AdamW turns a reduction-order
+    # difference in a near-zero gradient into an update difference near the learning rate's scale (1.2e-6 seen on
+    # an AVX-512 machine, where 1e-6 had held on an AVX2 one).
     assert ddp[0]["blobs"].keys() == fsdp[0]["blobs"].keys()
     for uid, values in ddp[0]["blobs"].items():
         got = torch.tensor(fsdp[0]["blobs"][uid])
         assert got.abs().max() > 0, uid
-        torch.testing.assert_close(got, torch.tensor(values), rtol=1e-4, atol=1e-6, msg=lambda m, u=uid: f"{u}: {m}")
+        torch.testing.assert_close(got, torch.tensor(values), rtol=1e-4, atol=1e-5, msg=lambda m, u=uid: f"{u}: {m}")
     torch.testing.assert_close(torch.tensor(fsdp[0]["losses"]), torch.tensor(ddp[0]["losses"]), rtol=1e-5, atol=1e-6)
     assert fsdp[0]["losses"] == fsdp[1]["losses"]
     want = load_file(str(tmp_path / "ddp" / "params-0.safetensors"))

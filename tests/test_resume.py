@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from support import tiny_config
 
+from ddiloco.entry import ProcessSpec
 from ddiloco.platform.data import build_dataset
 from ddiloco.platform.ledger.models import Learner as LearnerRow
 from ddiloco.synchronizer.service import Synchronizer
@@ -55,7 +56,7 @@ def test_sigkilled_learner_continues_at_the_next_unseen_position(tmp_path):
         run.kill("us-0")
         incarnation, saved = data_position(run)
         assert incarnation == 0 and saved >= 6
-        relaunch = run.learner("us-0", "--max-steps", "4")
+        relaunch = run.start("us-0", ProcessSpec.learner("us-0", max_steps=4))
         assert relaunch.wait(timeout=120) == 0, run.log("us-0")[-3000:]
         assert f"resumes its data at micro-batch {saved}" in run.log("us-0")
         incarnation, after = data_position(run)

@@ -968,12 +968,20 @@ def ledger_url_problem(url: str) -> str | None:
     return None
 
 
-SQLITE_MAGIC = b"SQLite format 3\x00"
+SQLITE_NOTADB = 26
+"""SQLite's result code for a file that is not a database."""
 
 
 def sqlite_file_problem(path: Path) -> str | None:
     """Why ``path`` cannot hold a SQLite ledger (a directory, a device, a file of something else), or None when
-    it is a SQLite database, empty, or not there yet (the ledger creates it)."""
+    it is a SQLite database, empty, or not there yet (the ledger creates it).
+
+    The file is read through SQLite itself, never opened by hand: closing any descriptor of a database file drops
+    every POSIX lock this process holds on it, so a process with open ledger connections that peeked at the header
+    would let another process reset the write-ahead log under them (a relaunched learner's registration vanished
+    that way). SQLite shares its locks between the connections of one process and defers such closes."""
+    import sqlite3
+
     try:
         if path.is_dir():
             return f"the SQLite path {path} is a directory"
@@ -981,13 +989,18 @@ def sqlite_file_problem(path: Path) -> str | None:
             return None
         if not path.is_file():
             return f"the SQLite path {path} is not a regular file"
-        with path.open("rb") as f:
-            head = f.read(len(SQLITE_MAGIC))
     except OSError as err:
         return f"the SQLite path {path} cannot be read: {err.strerror or type(err).__name__}"
-    # SQLite makes a database of an empty file; any other content would fail on the first statement.
-    if head and head != SQLITE_MAGIC:
-        return f"the SQLite path {path} is not a SQLite database"
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=1.0)
+        try:
+            conn.execute("PRAGMA schema_version").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as err:
+        if getattr(err, "sqlite_errorcode", None) == SQLITE_NOTADB or "not a database" in str(err):
+            return f"the SQLite path {path} is not a SQLite database"
+        # Busy or locked: a database in use, which is what a ledger file is.
     return None
 
 

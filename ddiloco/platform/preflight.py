@@ -16,14 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddiloco.platform.config import DataConfig, ModelConfig, RunConfig
+from ddiloco.platform.config import DataConfig, ModelConfig, RunConfig, sqlite_file_problem
 from ddiloco.platform.redact import mask_tree, redact_url
 
 REACH_TIMEOUT_S = 10.0
 """How long a store or ledger may take to answer (a client's own retries can run for minutes)."""
 READ_TIMEOUT_S = 60.0
 """How long reading the data's, the tokenizer's and the model's files may take (imports included)."""
-SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
 @dataclass(frozen=True)
@@ -108,9 +107,9 @@ def probe_ledger(url: str, timeout_s: float = REACH_TIMEOUT_S) -> Callable[[], s
             path = Path(parsed.database)
             if not path.exists():
                 return _nearest_writable(path)
-            with open(path, "rb") as f:
-                if f.read(16) != SQLITE_MAGIC:
-                    raise ValueError(f"{path} is not a SQLite database")
+            why = sqlite_file_problem(path)
+            if why:
+                raise ValueError(why)
             return "a SQLite database"
         engine = create_engine(url, poolclass=NullPool, connect_args={"connect_timeout": max(1, int(timeout_s))})
         try:
