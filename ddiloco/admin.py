@@ -3,7 +3,10 @@ refusals, the config, options, the read-only ledger that read commands open)."""
 
 from __future__ import annotations
 
+import errno
 import os
+import sys
+import traceback
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +17,7 @@ from urllib.parse import quote
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from ddiloco.entry import EntryError, checked_id, load
 from ddiloco.platform.config import ConfigError, RunConfig
@@ -38,10 +42,99 @@ StoreOpt = typer.Option(None, "--store", help="Fragment store URL; defaults to t
 
 
 def refuse(message: str) -> NoReturn:
-    """``message`` as one line on stderr, and exit 2."""
+    """``message`` as one line on stderr, credentials masked, and exit 2."""
     # Escaped: the message quotes what the user typed, and "[x](…)" is not Rich markup either.
-    err_console.print(f"[red]error:[/red] {escape(message)}")
+    err_console.print(f"[red]error:[/red] {escape(redact_url(message))}")
     raise typer.Exit(2)
+
+
+# --- an operator's mistake ends in one line, a bug in its traceback -------------------------------------
+
+_OURS = frozenset({
+    "ddiloco.entry.EntryError", "ddiloco.platform.config.ConfigError", "ddiloco.platform.ids.InvalidIdError",
+    "ddiloco.platform.ledger.errors.UnknownRunError", "ddiloco.platform.store.StoreError", "ddiloco.export.ExportError",
+})
+"""Our refusals: their messages say what to fix already, whole (a config error lists its fields on lines of their own;
+ConfigError covers WeightsError and CorruptShardError)."""
+
+_REFUSED = {
+    # The ledger's database: a URL SQLAlchemy cannot take, a server or file it cannot reach.
+    "sqlalchemy.exc.ArgumentError": "not a ledger URL: {}",
+    "sqlalchemy.exc.NoSuchModuleError": "unsupported ledger URL: {}",
+    "sqlalchemy.exc.OperationalError": "cannot reach or read the ledger: {}",
+    "sqlalchemy.exc.InterfaceError": "cannot reach or read the ledger: {}",
+    # Object stores: credentials and endpoints.
+    "botocore.exceptions.NoCredentialsError": "no object-store credentials: {} (set AWS_ACCESS_KEY_ID and "
+    "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or storage.options)",
+    "botocore.exceptions.PartialCredentialsError": "incomplete object-store credentials: {}",
+    "botocore.exceptions.EndpointConnectionError": "cannot reach the object store: {}",
+    "google.auth.exceptions.DefaultCredentialsError": "no Google Cloud credentials: {}",
+}
+"""Other libraries' exceptions an operator's mistake ends in, and the line it is told in (their message's first line).
+Classes go by module and name, so judging one imports nothing; a subclass counts as its class."""
+
+_OS_REFUSED = (FileNotFoundError, IsADirectoryError, NotADirectoryError, FileExistsError, PermissionError,
+               ConnectionError, TimeoutError)
+_ERRNO_REFUSED = frozenset({errno.ENOSPC, errno.EROFS, errno.ENAMETOOLONG, errno.ELOOP, errno.EDQUOT})
+_PROTOCOL_REGISTRY = "fsspec.registry"
+"""fsspec's ValueError ("Protocol not known") and ImportError ("Install s3fs …") for a URL's protocol come from here."""
+
+
+def _first_line(err: BaseException) -> str:
+    # SQLAlchemy appends "[SQL: …]" and a link on lines of their own; the first line says what went wrong.
+    lines = str(err).strip().splitlines()
+    return " ".join(lines[0].split())[:500] if lines else type(err).__name__
+
+
+def _raised_in(err: BaseException) -> str:
+    """The module of the innermost frame ``err`` was raised from."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return str(tb.tb_frame.f_globals.get("__name__", "")) if tb is not None else ""
+
+
+def operator_error(err: BaseException) -> str | None:
+    """The one line an ordinary operator mistake ends in (bad input; a ledger, store, credential or path that is not
+    there), or None for an exception that is a bug and keeps its traceback."""
+    names = {f"{c.__module__}.{c.__qualname__}" for c in type(err).__mro__}
+    if names & _OURS:
+        return str(err)
+    for name, shape in _REFUSED.items():
+        if name in names:
+            return shape.format(_first_line(err))
+    if isinstance(err, OSError) and (isinstance(err, _OS_REFUSED) or err.errno in _ERRNO_REFUSED):
+        if err.filename is None:
+            return _first_line(err)
+        paths = " -> ".join(str(f) for f in (err.filename, err.filename2) if f is not None)
+        return f"{(err.strerror or type(err).__name__).lower()}: {paths}"
+    if isinstance(err, (ValueError, ImportError)) and _raised_in(err) == _PROTOCOL_REGISTRY:
+        return f"store URL: {_first_line(err)}"
+    return None
+
+
+def _is_cli_signal(err: BaseException) -> bool:
+    """Typer's (or Click's) own exceptions: --help, usage errors, typer.Exit; they are the framework's to print."""
+    return any(c.__module__.split(".")[0] in ("typer", "click") for c in type(err).__mro__)
+
+
+class OperatorErrors(TyperGroup):
+    """The ``ddiloco`` command group: whatever sub-command runs, an operator's mistake (:func:`operator_error`) ends
+    in one masked ``error:`` line and exit 2; any other exception is a bug and keeps its traceback (credentials masked)
+    and exit 1."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Exception as err:  # noqa: BLE001 - judged below: refused, or shown in full
+            if _is_cli_signal(err):
+                raise
+            message = operator_error(err)
+            if message is None:
+                sys.stderr.write(redact_url("".join(traceback.format_exception(err))))
+                sys.stderr.flush()
+                raise typer.Exit(1) from None
+            refuse(message)
 
 
 def load_or_exit(path: Path | None) -> RunConfig:
@@ -347,7 +440,7 @@ def data_prepare(
     text_column: str = typer.Option("text", "--text-column", help="The text field of jsonl / parquet / datasets."),
     hf_split: str = typer.Option("train", "--hf-split"),
     fmt: str = typer.Option("bin", "--format", help="bin (flat uint16/uint32) or parquet (a token-list column)."),
-    max_bytes: int | None = typer.Option(None, "--max-bytes", help="Cap on the text read (--input stdlib or site-packages only)."),
+    max_bytes: int | None = typer.Option(None, "--max-bytes", min=1, help="Cap on the text read (--input stdlib or site-packages only)."),
 ) -> None:
     """Tokenize a corpus into token shards and a manifest.json that data.manifest points at."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -16,6 +16,7 @@ from rich.table import Table
 from ddiloco.admin import (
     ConfigOpt,
     LedgerOpt,
+    OperatorErrors,
     StoreOpt,
     checked_id_or_exit,
     console,
@@ -33,12 +34,14 @@ from ddiloco.admin import (
 from ddiloco.admin import load_or_exit as _config
 from ddiloco.bench.command import bench_app
 from ddiloco.entry import WAIT_S, ProcessSpec, main, setup_logging
-from ddiloco.platform.config import ConfigError, RunConfig
+from ddiloco.platform.config import ConfigError, RunConfig, build_config
 from ddiloco.platform.redact import redact_url
 from ddiloco.simulator.command import simulate_command
 from ddiloco.ui.command import ui_command
 
-app = typer.Typer(help="Decoupled DiLoCo pre-training: learners, synchronizer, demo and tools.", no_args_is_help=True)
+# OperatorErrors: an operator's mistake in any command ends in one line, never a traceback.
+app = typer.Typer(cls=OperatorErrors, help="Decoupled DiLoCo pre-training: learners, synchronizer, demo and tools.",
+                  no_args_is_help=True)
 app.add_typer(ledger_app, name="ledger")
 app.add_typer(run_app, name="run")
 app.add_typer(store_app, name="store")
@@ -55,7 +58,9 @@ InitFromOpt = typer.Option(
 def _with_init_from(cfg: RunConfig, init_from: str | None) -> RunConfig:
     if init_from is None:
         return cfg
-    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_from": init_from})})
+    data = cfg.model_dump()
+    data["model"]["init_from"] = init_from
+    return build_config(data)  # validated like a config file's model.init_from
 
 
 WaitOpt = typer.Option(WAIT_S, "--wait-s", min=0.0, help="Give up when the ledger or the store cannot be reached for this long.")
@@ -94,7 +99,7 @@ def learner(
         help="Run id; defaults to the config's name. (Under torchrun write --run-id: torchrun reads --run as its --run-path.)",
     ),
     learner_id: str = typer.Option(..., "--learner", help="Learner id as listed by the config (e.g. us-0)."),
-    max_steps: int | None = typer.Option(None, help="Stop after this many inner steps."),
+    max_steps: int | None = typer.Option(None, min=1, help="Stop after this many inner steps."),
     nproc_per_node: int | None = typer.Option(
         None,
         "--nproc-per-node",

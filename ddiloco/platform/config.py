@@ -740,9 +740,12 @@ class RunConfig(BaseSettings):
                 f"synchronizer.lease_ttl_s ({self.synchronizer.lease_ttl_s}) must exceed synchronizer.poll_s "
                 f"({self.synchronizer.poll_s}): the lease would lapse between two renewals"
             )
-        for where, url in [("storage.url", self.storage.url)] + [
+        urls = [("storage.url", self.storage.url)] + [
             (f"learners.regions.{r.name}.storage_url", r.storage_url) for r in self.learners.regions if r.storage_url
-        ]:
+        ]
+        if self.model.init_from:
+            urls.append(("model.init_from", self.model.init_from))
+        for where, url in urls:
             why = store_url_problem(url)
             if why:
                 raise ValueError(f"{where}: {why}")
@@ -916,6 +919,8 @@ def _load_yaml(text: str) -> Any:
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The file's mapping; anything else is one ConfigError line naming the file (and the line or key)."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {p} is a directory")
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     if p.suffix not in (".toml", ".yaml", ".yml", ".json"):
@@ -986,7 +991,8 @@ def sqlite_file_problem(path: Path) -> str | None:
         if path.is_dir():
             return f"the SQLite path {path} is a directory"
         if not path.exists():
-            return None
+            above = next((p for p in path.parents if p.exists()), None)
+            return f"the SQLite path {path} is below {above}, which is a file" if above and not above.is_dir() else None
         if not path.is_file():
             return f"the SQLite path {path} is not a regular file"
     except OSError as err:

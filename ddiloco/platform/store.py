@@ -22,6 +22,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
+from ddiloco.platform.config import store_url_problem
 from ddiloco.platform.ids import TMP_PREFIX, InvalidIdError, validate_key
 from ddiloco.platform.redact import redact_url
 
@@ -140,13 +141,20 @@ class FragmentStore:
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
+        why = store_url_problem(self.url)
+        if why:
+            raise StoreError(f"store {redact_url(self.url)}: {why}")
         # No listings cache: a listing would otherwise make blobs written after it look missing
         # (s3fs answers reads from the cached listing), and immutable blobs gain nothing from it.
         self.fs, self.root = url_to_fs(self.url, **{"use_listings_cache": False, **(storage_options or {})})
         self.root = self.root.rstrip("/")
         self._local = "file" in _protocols(self.fs)
         if self._local:
-            os.makedirs(self.root, exist_ok=True)
+            try:
+                os.makedirs(self.root, exist_ok=True)
+            except (FileExistsError, NotADirectoryError):
+                raise StoreError(f"store {redact_url(self.url)}: {self.root} or a folder above it is a file, "
+                                 "not a directory") from None
 
     def __repr__(self) -> str:
         return f"FragmentStore({redact_url(self.url)!r})"

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
+from ddiloco.platform.config import ConfigError, format_validation_error
 from ddiloco.simulator.config import REGIMES, SimulationConfig
 from ddiloco.simulator.regimes import Row, simulate_table
 from ddiloco.simulator.report import compare_to_target, row_label, save_plot, target_for
@@ -99,15 +100,13 @@ def simulate_command(
             grace={"enabled": grace, "max_s": grace_max_s},
         )
     except ValidationError as err:
-        console.print(f"[red]invalid simulation settings:[/red]\n{err}")
-        raise typer.Exit(2) from None
+        raise ConfigError(format_validation_error(err).replace("configuration", "simulation settings", 1)) from None
 
     started = time.perf_counter()
     try:
         results = simulate_table(cfg, chip_list, learner_list, regime_list)  # type: ignore[arg-type]
     except ValueError as err:
-        console.print(f"[red]{err}[/red]")
-        raise typer.Exit(2) from None
+        raise ConfigError(str(err)) from None
     elapsed = time.perf_counter() - started
     rows = [r.row for r in results]
 
