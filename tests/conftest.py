@@ -98,48 +98,23 @@ def store_url(request, tmp_path):
 # --- collection -------------------------------------------------------------------------------------
 
 
-LONGEST_FIRST = ("test_chaos_suite", "test_quality_smoke", "test_benchmarks_smoke", "test_prefect_integration", "test_learner_state")
-"""Modules that take minutes; started first, so that none of them starts last and holds up the run's end."""
+LONGEST_FIRST = (
+    "test_quality_smoke", "test_chaos_suite", "test_export", "test_benchmarks_smoke", "test_ddp_learner", "test_fsdp_learner",
+    "test_prefect_integration", "test_data_prepare", "test_compact_downloads", "test_infra", "test_learner_state", "test_flows",
+)
+"""Modules that take minutes (their summed test times, longest first): under xdist (``--dist loadscope``, a module
+to a worker, see pyproject) they start first, so that none of them starts last and holds up the run's end."""
 
 
-def _module_fixture_owner(item) -> bool:
-    """Whether the item uses a module-scoped fixture of its own module (work to do once per module, not per worker)."""
-    module = item.nodeid.split("::", 1)[0]
-    return any(
-        fd.scope in ("module", "class") and fd.baseid.split("::", 1)[0] == module
-        for defs in item._fixtureinfo.name2fixturedefs.values()
-        for fd in defs
-    )
-
-
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     # Any test parametrised with a "postgres" id needs the server, whichever fixture put it there.
     for item in items:
         callspec = getattr(item, "callspec", None)
         if callspec is not None and "postgres" in callspec.id.split("-"):
             item.add_marker(pytest.mark.postgres)
-    # Under xdist (--dist loadgroup, see pyproject): the tests of a module that sets something up once per module
-    # (a cluster, a server, a benchmark run) stay on one worker; every other test goes wherever a worker is free.
-    # Tryfirst: xdist reads the groups in its own hook of the same name.
-    grouped = {item.nodeid.split("::", 1)[0] for item in items if _module_fixture_owner(item)}
-    for item in items:
-        module = item.nodeid.split("::", 1)[0]
-        if module in grouped:
-            item.add_marker(pytest.mark.xdist_group(Path(module).stem))
 
     def rank(item) -> int:
         stem = Path(item.nodeid.split("::", 1)[0]).stem
-        if stem in LONGEST_FIRST:
-            return LONGEST_FIRST.index(stem)
-        return len(LONGEST_FIRST) + (0 if item.get_closest_marker("slow") else 1)
+        return LONGEST_FIRST.index(stem) if stem in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the order within each rank is the collection order
-
-
-def pytest_sessionfinish(session, exitstatus):
-    # A Prefect temporary server left running would otherwise be stopped at interpreter exit and
-    # log to pytest's capture stream, closed by then: a "Logging error" traceback after the summary.
-    from ddiloco.testing.prefect import stop_ephemeral_servers
-
-    stop_ephemeral_servers()
