@@ -356,14 +356,18 @@ def _soak(duration: str, rate: float, seed: int, check_every: float, json_path: 
           workdir: Path | None) -> None:
     import tempfile
 
-    from ddiloco.testing.soak import parse_duration, run_soak, soak_passed
+    from ddiloco.testing.soak import parse_duration, run_growth, run_soak, soak_passed
 
     try:
         seconds = parse_duration(duration)
     except ValueError as err:
         refuse(str(err))
-    report = run_soak(duration_s=seconds, rate_per_hour=rate, seed=seed, postgres_url=postgres_url, check_every_s=check_every,
-                      workdir=workdir or Path(tempfile.mkdtemp(prefix="ddiloco-soak-")))
+    try:
+        report = run_soak(duration_s=seconds, rate_per_hour=rate, seed=seed, postgres_url=postgres_url, check_every_s=check_every,
+                          workdir=workdir or Path(tempfile.mkdtemp(prefix="ddiloco-soak-")))
+    except RuntimeError as err:
+        err_console.print(f"[red]error:[/red] {escape(str(err))}")
+        raise typer.Exit(1) from None
     table = Table("at s", "fault", "target", "for s", "applied", "detail")
     for a in report.timeline:
         table.add_row(f"{a.fault.at_s:.0f}", a.fault.kind, a.fault.target, f"{a.fault.duration_s:.1f}", "yes" if a.applied else "NO",
@@ -375,10 +379,10 @@ def _soak(duration: str, rate: float, seed: int, check_every: float, json_path: 
                   f"{report.goodput_of_bound:.2f} of the bound")
     console.print("tokens " + ", ".join(f"{k} {v:,}" for k, v in report.tokens.items()))
     console.print("longest gap between versions: " + ", ".join(f"shard {g['shard']} {g['gap_s']:.1f} s" for g in report.longest_gap_s))
-    worst = max(report.growth, key=lambda g: g["rss_ratio"], default=None)
+    worst = max(run_growth(report), key=lambda g: g["rss_ratio"], default=None)
     if worst:
         console.print(f"largest RSS growth after warm-up: {worst['process']} x{worst['rss_ratio']:.3f} over {worst['lived_s']:.0f} s "
-                      f"({len(report.growth)} processes lived through the soak)")
+                      f"({len(run_growth(report))} of the run's processes lived through the soak)")
     console.print(f"invariants: {'ok' if report.invariants_ok else 'BROKEN'} ({len(report.invariant_checks)} checks)")
     for problem in report.problems:
         console.print(f"  [red]{escape(problem)}[/red]")
