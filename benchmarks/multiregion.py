@@ -6,7 +6,7 @@ ledger and the synchronizer live) by a veth pair. The link is shaped in both dir
   * bandwidth: a kernel token-bucket filter (``tc qdisc … tbf rate R``) on the egress of both ends
     of the veth pair, so uploads and downloads are each limited to R;
   * latency: this kernel has no ``netem`` qdisc ("Specified qdisc kind is unknown"), so the delay is
-    added in user space by a small asyncio TCP relay (``relay`` below, its own OS process) that
+    added in user space by a small asyncio TCP relay (:mod:`ddiloco.testing.relay`, its own OS process) that
     every connection from a region to the store and to the ledger passes through: each chunk it
     reads is written out one one-way delay after it arrived (timestamp-based, so it delays without
     capping bandwidth). The region's round trip time is twice that.
@@ -54,12 +54,9 @@ exit, also on Ctrl-C or SIGTERM; namespaces left by a killed earlier run are rem
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -73,7 +70,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from ddiloco.testing.net import free_port, poll_until  # noqa: E402 - stdlib only: the relay process imports this file too
+from ddiloco.testing.net import free_port, poll_until  # noqa: E402
+from ddiloco.testing.relay import Relay  # noqa: E402
 
 NAME = "multiregion"
 GOAL_RATIO = 0.9
@@ -84,86 +82,6 @@ NO_WORSE = 0.95
 """Adaptive against fixed at GOAL_RATE_MBIT: at least this share of fixed's merged tokens/s (run-to-run noise)."""
 MODES = ("fixed", "adaptive")
 NS_PREFIX = "ddmr"
-
-
-# --- the delay relay (runs as its own process: ``multiregion.py relay ROUTE...``) ---------------------
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:
-    """Copy reader to writer, each chunk written ``delay_s`` after it was read (reads go on meanwhile)."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue(maxsize=1024)
-
-    async def pump_in() -> None:
-        try:
-            while True:
-                data = await reader.read(65536)
-                await queue.put((loop.time() + delay_s, data))
-                if not data:
-                    return
-        except (ConnectionError, OSError):
-            await queue.put((loop.time(), b""))
-
-    feeder = asyncio.create_task(pump_in())
-    try:
-        while True:
-            due, data = await queue.get()
-            wait = due - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            if not data:
-                if writer.can_write_eof():
-                    writer.write_eof()
-                return
-            writer.write(data)
-            await writer.drain()
-    except (ConnectionError, OSError):
-        pass
-    finally:
-        feeder.cancel()
-
-
-async def _relay_main(routes: list[tuple[str, int, str, int, float]]) -> None:
-    async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter, target: tuple[str, int], delay_s: float) -> None:
-        try:
-            sr, sw = await asyncio.open_connection(*target)
-        except OSError:
-            cw.close()
-            return
-        for w in (cw, sw):
-            sock = w.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            await asyncio.gather(_pipe(cr, sw, delay_s), _pipe(sr, cw, delay_s))
-        finally:
-            for w in (cw, sw):
-                w.close()
-
-    servers = []
-    for lhost, lport, thost, tport, delay_s in routes:
-        servers.append(
-            await asyncio.start_server(lambda r, w, t=(thost, tport), d=delay_s: handle(r, w, t, d), lhost, lport, reuse_address=True)
-        )
-    print("relay ready", flush=True)
-    await asyncio.gather(*(s.serve_forever() for s in servers))
-
-
-def relay_cli(argv: list[str]) -> int:
-    """``relay LHOST:LPORT=THOST:TPORT@DELAY_MS ...``: one listener per route."""
-    routes = []
-    for spec in argv:
-        listen, rest = spec.split("=", 1)
-        target, delay_ms = rest.split("@", 1)
-        lh, lp = listen.rsplit(":", 1)
-        th, tp = target.rsplit(":", 1)
-        routes.append((lh, int(lp), th, int(tp), float(delay_ms) / 1e3))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        asyncio.run(_relay_main(routes))
-    except KeyboardInterrupt:
-        pass
-    return 0
 
 
 # --- namespaces, veth pairs, tbf -------------------------------------------------------------------
@@ -326,7 +244,7 @@ class Lab:
     def __init__(self, regions: list[str], postgres_server_url: str, workdir: Path) -> None:
         self.workdir = workdir
         self.server_url = postgres_server_url
-        self.relay: subprocess.Popen | None = None
+        self.relay: Relay | None = None
         self.topo: Topology | None = None
         self.region_names = regions
         self._stack = ExitStack()
@@ -381,17 +299,11 @@ class Lab:
             s3p, pgp = self.relay_ports[r.name]
             routes += [f"{r.host_ip}:{s3p}=127.0.0.1:{self.s3_port}@{r.one_way_ms}",
                        f"{r.host_ip}:{pgp}={self.pg_host}:{self.pg_port}@{r.one_way_ms}"]
-        self.relay = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "relay", *routes],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
-        line = self.relay.stdout.readline() if self.relay.stdout else ""
-        if "relay ready" not in line:
-            raise RuntimeError(f"the relay did not start: {line.strip()}")
+        self.relay = Relay(routes)
 
     def _stop_relay(self) -> None:
-        from ddiloco.testing.processes import stop_processes
-
         if self.relay is not None:
-            stop_processes([self.relay], 5)
+            self.relay.stop()
             self.relay = None
 
     def close(self) -> None:
@@ -552,8 +464,6 @@ def _fmt_rate(r: float | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["relay"]:
-        return relay_cli(argv[1:])
     from common import base_parser, exit_on_sigterm, header, results_path, verdict, write_results
 
     from ddiloco.testing.postgres import server_url

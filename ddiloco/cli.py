@@ -322,6 +322,11 @@ def chaos_suite_command(
     postgres_url: str | None = typer.Option(None, help="Admin URL of the PostgreSQL server to create a scratch ledger on."),
     workdir: Path | None = typer.Option(None, help="Where process logs go (a temporary folder by default)."),
     shards: int = typer.Option(1, "--shards", min=1, max=4, help="Synchronizer shards (each kill takes the next shard's holder)."),
+    soak: str | None = typer.Option(None, "--soak", help="Instead of the matrix one by one: a soak this long (150s, 30m, 1h) "
+                                    "of faults drawn at random, overlapping, on a PostgreSQL server of its own."),
+    rate: float = typer.Option(125.0, "--rate", min=0.0, max=36000.0, help="With --soak: faults per hour (Poisson)."),
+    seed: int = typer.Option(0, "--seed", help="With --soak: the schedule's seed (the same seed, the same schedule)."),
+    check_every: float = typer.Option(60.0, "--check-every", min=5.0, help="With --soak: seconds between invariant checks."),
     env_storage: bool = EnvStorageOpt,
 ) -> None:
     """Inject faults into a live run on PostgreSQL + S3 (moto) + OS processes and check the invariants after each."""
@@ -332,6 +337,9 @@ def chaos_suite_command(
     # The suite restarts database servers and kills processes: never against an exported production URL.
     _scratch_storage_only(env_storage, "the chaos suite")
     setup_logging()
+    if soak is not None:
+        _soak(soak, rate, seed, check_every, json_path, postgres_url, workdir)
+        return
     report = run_suite(quick=quick, postgres_url=postgres_url, workdir=workdir, shards=shards)
     table = Table("fault", "injected", "survived", "lost", "recover s", "detail")
     for f in report.faults:
@@ -346,6 +354,47 @@ def chaos_suite_command(
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(report_json(report))
     if not report.passed:
+        raise typer.Exit(1)
+
+
+def _soak(duration: str, rate: float, seed: int, check_every: float, json_path: Path | None, postgres_url: str | None,
+          workdir: Path | None) -> None:
+    import tempfile
+
+    from ddiloco.testing.soak import parse_duration, run_growth, run_soak, soak_passed
+
+    try:
+        seconds = parse_duration(duration)
+    except ValueError as err:
+        refuse(str(err))
+    try:
+        report = run_soak(duration_s=seconds, rate_per_hour=rate, seed=seed, postgres_url=postgres_url, check_every_s=check_every,
+                          workdir=workdir or Path(tempfile.mkdtemp(prefix="ddiloco-soak-")))
+    except RuntimeError as err:
+        err_console.print(f"[red]error:[/red] {escape(str(err))}")
+        raise typer.Exit(1) from None
+    table = Table("at s", "fault", "target", "for s", "applied", "detail")
+    for a in report.timeline:
+        table.add_row(f"{a.fault.at_s:.0f}", a.fault.kind, a.fault.target, f"{a.fault.duration_s:.1f}", "yes" if a.applied else "NO",
+                      a.detail[:70])
+    console.print(table)
+    for kind, why in report.skipped_kinds.items():
+        console.print(f"not drawn: {kind}: {why}")
+    console.print(f"goodput {report.goodput:.1%} of the learner-seconds; the schedule leaves {report.availability_bound:.1%}: "
+                  f"{report.goodput_of_bound:.2f} of the bound")
+    console.print("tokens " + ", ".join(f"{k} {v:,}" for k, v in report.tokens.items()))
+    console.print("longest gap between versions: " + ", ".join(f"shard {g['shard']} {g['gap_s']:.1f} s" for g in report.longest_gap_s))
+    worst = max(run_growth(report), key=lambda g: g["rss_ratio"], default=None)
+    if worst:
+        console.print(f"largest RSS growth after warm-up: {worst['process']} x{worst['rss_ratio']:.3f} over {worst['lived_s']:.0f} s "
+                      f"({len(run_growth(report))} of the run's processes lived through the soak)")
+    console.print(f"invariants: {'ok' if report.invariants_ok else 'BROKEN'} ({len(report.invariant_checks)} checks)")
+    for problem in report.problems:
+        console.print(f"  [red]{escape(problem)}[/red]")
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(report.to_json())
+    if not soak_passed(report):
         raise typer.Exit(1)
 
 

@@ -100,8 +100,8 @@ def test_relay_adds_the_one_way_delay_each_way():
         relay = subprocess.Popen(
             [
                 sys.executable,
-                str(ROOT / "benchmarks" / "multiregion.py"),
-                "relay",
+                "-m",
+                "ddiloco.testing.relay",
                 f"127.0.0.1:{port}=127.0.0.1:{echo.getsockname()[1]}@100",
             ],
             stdout=subprocess.PIPE,

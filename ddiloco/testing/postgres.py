@@ -94,6 +94,8 @@ class ThrowawayCluster:
     url: str
     data: Path
     bin_dir: Path
+    options: str = ""
+    """The server's command-line options (port, socket folder), as :meth:`resume` starts it again."""
 
     @classmethod
     def start(cls) -> ThrowawayCluster:
@@ -126,12 +128,22 @@ class ThrowawayCluster:
             detail = (getattr(err, "stderr", b"") or b"").decode(errors="replace")[-500:]
             shutil.rmtree(base, ignore_errors=True)
             raise RuntimeError(f"throwaway cluster failed: {err} {detail}") from None
-        cluster = cls(f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres", data, bin_dir)
+        cluster = cls(f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres", data, bin_dir, opts)
         reason = unreachable(cluster.url)
         if reason:
             cluster.stop()
             raise RuntimeError(f"throwaway cluster started but refuses connections: {reason}")
         return cluster
+
+    def halt(self) -> None:
+        """Stop the server (fast shutdown: every session is ended), keeping its data for :meth:`resume`."""
+        subprocess.run(_as_postgres([str(self.bin_dir / "pg_ctl"), "-D", str(self.data), "-m", "fast", "-w", "stop"]),
+                       check=True, capture_output=True, timeout=60)
+
+    def resume(self) -> None:
+        """Start the server again, on the same port, after :meth:`halt`."""
+        subprocess.run(_as_postgres([str(self.bin_dir / "pg_ctl"), "-D", str(self.data), "-o", self.options, "-l",
+                                     str(self.data / "server.log"), "-w", "start"]), check=True, capture_output=True, timeout=120)
 
     def stop(self) -> None:
         subprocess.run(_as_postgres([str(self.bin_dir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"]),

@@ -1,0 +1,131 @@
+"""A user-space TCP relay, its own OS process: ``python -m ddiloco.testing.relay LHOST:LPORT=THOST:TPORT@DELAY_MS ...``.
+
+Each route listens on LHOST:LPORT and forwards every connection to THOST:TPORT, each chunk written DELAY_MS after it
+arrived (timestamp-based, so it delays without capping bandwidth). The multi-region benchmark puts it between a
+region's namespace and the store and ledger (this kernel has no netem); the soak puts each region's learners behind
+one and partitions the region by stopping it (:meth:`Relay.partition`): the kernel still accepts connections, no
+byte moves either way, and what was in flight flows again when it heals, as after a real network partition."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+
+READY = "relay ready"
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:
+    """Copy reader to writer, each chunk written ``delay_s`` after it was read (reads go on meanwhile)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=1024)
+
+    async def pump_in() -> None:
+        try:
+            while True:
+                data = await reader.read(65536)
+                await queue.put((loop.time() + delay_s, data))
+                if not data:
+                    return
+        except (ConnectionError, OSError):
+            await queue.put((loop.time(), b""))
+
+    feeder = asyncio.create_task(pump_in())
+    try:
+        while True:
+            due, data = await queue.get()
+            wait = due - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if not data:
+                if writer.can_write_eof():
+                    writer.write_eof()
+                return
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        pass
+    finally:
+        feeder.cancel()
+
+
+async def serve(routes: Sequence[tuple[str, int, str, int, float]]) -> None:
+    """Listen on every route's (host, port) and relay to its target with its one-way delay, forever."""
+
+    async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter, target: tuple[str, int], delay_s: float) -> None:
+        try:
+            sr, sw = await asyncio.open_connection(*target)
+        except OSError:
+            cw.close()
+            return
+        for w in (cw, sw):
+            sock = w.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            await asyncio.gather(_pipe(cr, sw, delay_s), _pipe(sr, cw, delay_s))
+        finally:
+            for w in (cw, sw):
+                w.close()
+
+    servers = []
+    for lhost, lport, thost, tport, delay_s in routes:
+        servers.append(
+            await asyncio.start_server(lambda r, w, t=(thost, tport), d=delay_s: handle(r, w, t, d), lhost, lport, reuse_address=True)
+        )
+    print(READY, flush=True)
+    await asyncio.gather(*(s.serve_forever() for s in servers))
+
+
+def parse_route(spec: str) -> tuple[str, int, str, int, float]:
+    """``LHOST:LPORT=THOST:TPORT@DELAY_MS`` as (lhost, lport, thost, tport, delay in seconds)."""
+    listen, rest = spec.split("=", 1)
+    target, delay_ms = rest.split("@", 1)
+    lh, lp = listen.rsplit(":", 1)
+    th, tp = target.rsplit(":", 1)
+    return lh, int(lp), th, int(tp), float(delay_ms) / 1e3
+
+
+def main(argv: Sequence[str]) -> int:
+    routes = [parse_route(spec) for spec in argv]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        asyncio.run(serve(routes))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+class Relay:
+    """A relay process over ``routes`` (``LHOST:LPORT=THOST:TPORT@DELAY_MS`` each), started ready."""
+
+    def __init__(self, routes: Sequence[str]) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "ddiloco.testing.relay", *routes], stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+        line = self.process.stdout.readline() if self.process.stdout else ""
+        if READY not in line:
+            self.stop()
+            raise RuntimeError(f"the relay did not start: {line.strip()}")
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def partition(self) -> None:
+        """Cut every route: no byte crosses until :meth:`heal`."""
+        self.process.send_signal(signal.SIGSTOP)
+
+    def heal(self) -> None:
+        self.process.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        from ddiloco.testing.processes import stop_processes
+
+        stop_processes([self.process], 5)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,140 @@
+"""The soak's decisions, pure: the seeded fault schedule, the availability bound it leaves, RSS growth, version gaps."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from ddiloco.testing.soak import (
+    DOWN_KINDS,
+    EVAL_KILL,
+    LEARNER_KILL,
+    LEARNER_STOP,
+    MATRIX,
+    PARTITION,
+    PG_RESTART,
+    STORE_OUTAGE,
+    UNREACHABLE_KINDS,
+    Fault,
+    Sample,
+    availability_bound,
+    draw_schedule,
+    longest_gaps,
+    parse_duration,
+    read_proc,
+    resource_growth,
+    unavailable,
+)
+
+TARGETS = {"learner": ["us-0", "us-1", "eu-0", "eu-1"], "shard": ["0", "1"], "evaluator": ["evaluator"], "ledger": ["postgresql"],
+           "store": ["s3"], "region": ["eu", "us"]}
+LEARNERS = {"us-0": "us", "us-1": "us", "eu-0": "eu", "eu-1": "eu"}
+
+
+def test_the_same_seed_draws_the_same_schedule_and_another_seed_another():
+    a = draw_schedule(7, 1800, 125, TARGETS)
+    assert a == draw_schedule(7, 1800, 125, TARGETS)
+    assert a != draw_schedule(8, 1800, 125, TARGETS)
+
+
+def test_arrivals_are_a_poisson_stream_at_the_rate_asked():
+    hours = 40
+    faults = draw_schedule(3, hours * 3600, 125, TARGETS)
+    # A Poisson count of mean 5,000 has a standard deviation of 71: within 4 of them.
+    assert abs(len(faults) - 125 * hours) < 4 * (125 * hours) ** 0.5
+    gaps = [b.at_s - a.at_s for a, b in zip(faults, faults[1:])]
+    # Exponential gaps: mean = standard deviation = 28.8 s, each estimated within ~1.4% and ~2% (one sigma) from
+    # 5,000 gaps; a draw that finds every target held is skipped, which is rare at this rate.
+    assert statistics.mean(gaps) == pytest.approx(3600 / 125, rel=0.07)
+    assert statistics.stdev(gaps) == pytest.approx(3600 / 125, rel=0.10)
+    assert all(0 <= f.at_s < hours * 3600 for f in faults)
+
+
+def test_every_kind_of_the_matrix_is_drawn_with_its_durations():
+    faults = draw_schedule(1, 4 * 3600, 125, TARGETS)
+    by_kind = {k.name: [f for f in faults if f.kind == k.name] for k in MATRIX}
+    for kind in MATRIX:
+        drawn = by_kind[kind.name]
+        assert len(drawn) > 0.5 * len(faults) / len(MATRIX), kind.name
+        assert all(kind.min_s <= f.duration_s <= kind.max_s for f in drawn)
+        assert all(f.target in TARGETS[kind.hits] for f in drawn)
+
+
+def test_faults_overlap_but_never_two_at_once_on_one_target():
+    faults = draw_schedule(5, 2 * 3600, 600, TARGETS)
+    hits = {k.name: k.hits for k in MATRIX}
+    overlapping = 0
+    for i, a in enumerate(faults):
+        for b in faults[i + 1:]:
+            if b.at_s >= a.end_s:
+                break  # in time order: no later one overlaps a either
+            overlapping += 1
+            assert (hits[a.kind], a.target) != (hits[b.kind], b.target), (a, b)
+    assert overlapping > 50  # at 600/h the draw does overlap them
+
+
+def test_a_kind_with_nothing_to_hit_is_never_drawn():
+    faults = draw_schedule(2, 3600 * 5, 125, {k: v for k, v in TARGETS.items() if k != "ledger"})
+    assert faults and all(f.kind != PG_RESTART for f in faults)
+    assert draw_schedule(2, 3600, 0, TARGETS) == []
+
+
+def test_the_bound_subtracts_each_learners_down_time_once_and_clips_at_the_window():
+    schedule = [
+        Fault(10, LEARNER_KILL, "us-0", 10),  # 10-20
+        Fault(15, LEARNER_STOP, "us-0", 10),  # 15-25: overlaps the kill, 15 s in all
+        Fault(0, PARTITION, "eu", 10),  # cut off, not down
+        Fault(95, LEARNER_STOP, "eu-1", 10),  # 5 s of it inside the 100 s window
+        Fault(50, EVAL_KILL, "evaluator", 30),  # no learner's
+    ]
+    assert unavailable(schedule, LEARNERS, 100)["us-0"] == [(10, 25)]
+    assert availability_bound(schedule, LEARNERS, 100) == pytest.approx(1 - (15 + 5) / 400)
+    # Counting the partition too: eu-0 and eu-1 lose 10 s each.
+    assert availability_bound(schedule, LEARNERS, 100, DOWN_KINDS | UNREACHABLE_KINDS) == pytest.approx(1 - (15 + 5 + 20) / 400)
+    # A backend outage takes every learner: 4 x 3 s.
+    outage = [Fault(40, STORE_OUTAGE, "s3", 3)]
+    assert availability_bound(outage, LEARNERS, 100, UNREACHABLE_KINDS) == pytest.approx(1 - 12 / 400)
+    assert availability_bound(outage, LEARNERS, 100) == 1.0
+
+
+def test_growth_is_judged_only_for_processes_that_lived_through_the_soak_from_their_warm_sample():
+    def s(at: float, rss: int) -> Sample:
+        return Sample(at, rss, 10, 4, 1)
+
+    series = {
+        ("us-0", 1): [s(0, 100), s(30, 200), s(60, 210), s(100, 220)],  # warm at 30: 220 / 200
+        ("us-1", 2): [s(50, 100), s(100, 500)],  # relaunched mid-soak: not long-lived
+        ("sync-0", 3): [s(0, 100), s(30, 100), s(60, 100)],  # killed at 60
+    }
+    grown = resource_growth(series, warmup_s=30, end_s=100, slack_s=5)
+    assert [(g.process, g.pid) for g in grown] == [("us-0", 1)]
+    assert grown[0].rss_ratio == pytest.approx(1.1)
+    assert grown[0].lived_s == 100
+
+
+def test_the_longest_gap_is_per_shard():
+    times = {0: [0, 1, 2], 1: [10, 11], 2: [0, 5], 3: [6]}
+    assert longest_gaps(times, [(0, 1), (2, 3)]) == [(8, 2), (5, 0)]
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("90", 90), ("90s", 90), ("30m", 1800), ("1h", 3600), ("2.5m", 150)])
+def test_durations(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "soon", "-5m", "0", "48h", "5x"])
+def test_a_bad_duration_is_refused_naming_it(text):
+    with pytest.raises(ValueError, match="--soak"):
+        parse_duration(text)
+
+
+def test_proc_reads_a_live_process_and_none_for_a_gone_one():
+    rss, fds, threads = read_proc(os.getpid())
+    assert rss > 10 << 20 and fds >= 3 and threads >= 1
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert read_proc(child.pid) is None
