@@ -17,6 +17,7 @@ from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.presence import FilePresence, PostgresPresence, lock_path, open_presence
 from ddiloco.platform.runtime import RunContext, to_timestamp
 from ddiloco.synchronizer.lease import ShardLease
+from ddiloco.testing.net import wait_for
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 
@@ -75,8 +76,8 @@ def test_a_presence_lock_is_exclusive_per_run_and_shard_and_freed_when_its_holde
         first.keep_only(None)
         assert first.held == frozenset() and second.hold(0)
         assert not first.hold(0)
-        second.close()  # a process's end: every lock it held is free
-        assert first.hold(0) and first.hold(1)
+        second.close()  # a process's end: every lock it held is free, once the server has ended its session
+        wait_for(lambda: first.hold(0) and first.hold(1), 10, "the closed session's locks to be free")
     finally:
         for p in (first, second, other_run):
             p.close()

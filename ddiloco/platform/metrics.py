@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -67,8 +68,11 @@ def observe_pass(run_id: str, holder: str, active: bool, pending: int | None = N
 
 
 def observe_merge(run_id: str, merge_s: float, staleness: Iterable[int]) -> None:
-    """A published merge: its time and the staleness of each merged submission."""
+    """A published merge: its time and the staleness of each merged submission. The run's version count and newest
+    publish move with it, so they are current between the passes that read them from the ledger."""
     MERGES.labels(run_id).inc()
+    VERSIONS.labels(run_id).inc()
+    NEWEST_VERSION_AT.labels(run_id).set(time.time())
     MERGE_SECONDS.labels(run_id).observe(merge_s)
     for s in staleness:
         STALENESS.labels(run_id).observe(s)
