@@ -268,6 +268,8 @@ class Learner:
         self._saved_event = threading.Event()
         """Set when no learner state is being written in the background (and the last one is recorded)."""
         self._saved_event.set()
+        self._save_skipped = False
+        """Whether the last due save was skipped because the one before was still being written."""
         self.encode_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         """CUDA: the side stream the link encodes this learner's increments on, off the training stream."""
         self.dataset = build_dataset(cfg.data, cfg.model)
@@ -370,6 +372,7 @@ class Learner:
             want_stop = stop() or self.run_finished or (max_steps is not None and self.step_count >= max_steps)
             report = self.step(want_stop=want_stop)
             if report.stopped:
+                self._make_up_skipped_save()
                 return
             if report.waiting and self.link is not None:
                 self.link.wait_for_awaited(1.0)
@@ -588,7 +591,9 @@ class Learner:
         busy = torch.tensor([int(not self._saved_event.is_set())], dtype=torch.int64)
         if self.dist.all_reduce_sum(busy).item():
             log.info("learner %s: the previous state is still being written; no save at step %s", self.id, self.step_count)
+            self._save_skipped = True
             return
+        self._save_skipped = False
         url = self.dist.broadcast_object(self.link.state_url(self.step_count) if self.link is not None else None)
         self._saved_event.clear()
         try:
@@ -606,6 +611,15 @@ class Learner:
             writing = Future()
             writing.set_result(None)
         writing.add_done_callback(lambda done: self._saved(url, done))
+
+    def _make_up_skipped_save(self) -> None:
+        """At a stop all ranks agreed on: if the last due save was skipped (its predecessor was still being written),
+        save now, so the job leaves its newest state rather than one a few saves old. Every rank holds the same flag
+        (it follows an all-reduce), so the collective runs on all of them or none."""
+        if not self._save_skipped:
+            return
+        self.finish_saves(STATE_WRITE_TIMEOUT_S)
+        self.save_state()
 
     def _saved(self, url: str, done: Future) -> None:
         """A background save ended (on DCP's thread): rank 0 records it, or every rank logs why it failed."""

@@ -107,6 +107,9 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
     cfg = alembic_config()
     with engine.begin() as conn:
         if conn.dialect.name == "postgresql":
+            # Alembic loads and runs Python between statements, which a loaded machine can stretch past the
+            # idle-in-transaction limit meant for dead learners: the server would end the migration half done.
+            conn.exec_driver_sql("SET LOCAL idle_in_transaction_session_timeout = 0")
             # Processes starting together must not race to create the same tables.
             conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_ID})")
         cfg.attributes["connection"] = conn
