@@ -2,6 +2,7 @@
 
 - a tbf-shaped veth link between a network namespace and the root namespace really limits a transfer;
 - the user-space delay relay (this kernel has no netem) really adds its one-way delay each way;
+- cutting a region off (both veth ends down) stalls its open TCP connections and refuses new ones until it heals;
 - a learner process inside a region namespace registers, steps and submits fragments through its
   shaped, delayed link to moto's S3 server and PostgreSQL, and those bytes crossed the veth.
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.testing.net import free_port
+from ddiloco.testing.net import free_port, poll_until, wait_for
 from ddiloco.testing.processes import stop_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,6 +83,99 @@ def test_tbf_shaped_veth_limits_a_transfer():
     assert rate_free > 3 * rate_limited, f"unshaped {rate_free:.1f} Mbit/s is not clearly faster than shaped {rate_limited:.1f}"
     assert up >= 2 * 1_500_000  # both transfers crossed this veth
     assert not Path(f"/var/run/netns/{ns}").exists()  # removed by close()
+
+
+_PARTITION_CLIENT = """
+import socket, sys
+host, port = sys.argv[1], int(sys.argv[2])
+held = socket.create_connection((host, port), timeout=10)
+held.sendall(b"a")
+print("connected", flush=True)
+sys.stdin.readline()  # the region is cut off now
+held.sendall(b"b")  # only queued: nothing can leave
+try:
+    socket.create_connection((host, port), timeout=5).close()
+    print("new connection: made", flush=True)
+except OSError as err:
+    print(f"new connection: {err.strerror}", flush=True)
+sys.stdin.readline()  # healed
+fresh = socket.create_connection((host, port), timeout=10)
+fresh.sendall(b"c")
+fresh.close()
+held.close()
+"""
+
+
+class _Collector:
+    """Accepts connections at (host, 0) and records what each sends, by connection in order of arrival."""
+
+    def __init__(self, host: str) -> None:
+        self.srv = socket.create_server((host, 0))
+        self.port = self.srv.getsockname()[1]
+        self.got: list[bytearray] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return
+            buf = bytearray()
+            self.got.append(buf)
+            threading.Thread(target=self._read, args=(conn, buf), daemon=True).start()
+
+    @staticmethod
+    def _read(conn: socket.socket, buf: bytearray) -> None:
+        with conn:
+            while data := conn.recv(4096):
+                buf.extend(data)
+
+    def received(self) -> list[bytes]:
+        return [bytes(b) for b in self.got]
+
+
+def test_a_partition_stalls_open_connections_refuses_new_ones_and_heals():
+    topo = mr.Topology(["cut", "other"])
+    r, other = topo.region("cut"), topo.region("other")
+    collector = _Collector("0.0.0.0")
+    client = subprocess.Popen(
+        ["ip", "netns", "exec", r.ns, sys.executable, "-c", _PARTITION_CLIENT, r.host_ip, str(collector.port)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert client.stdout.readline().strip() == "connected"
+        wait_for(lambda: collector.received() == [b"a"], 10, "the first byte over the open connection")
+        topo.partition("cut")
+        assert r.partitioned and not other.partitioned
+        client.stdin.write("\n")
+        client.stdin.flush()
+        # A new connection fails at once (no route), not after its timeout.
+        t0 = time.monotonic()
+        assert client.stdout.readline().strip() == "new connection: Network is unreachable"
+        assert time.monotonic() - t0 < 4
+        # What the open connection sent stays in the region while it is cut off.
+        assert poll_until(lambda: collector.received()[0] != b"a", 1.5) is None
+        # The other region is not cut off.
+        subprocess.run(["ip", "netns", "exec", other.ns, sys.executable, "-c",
+                        f"import socket; socket.create_connection(('{other.host_ip}', {collector.port}), timeout=5).sendall(b'o')"],
+                       check=True, timeout=30)
+        wait_for(lambda: b"o" in collector.received(), 10, "a connection from the other region")
+        assert collector.received()[0] == b"a"
+        topo.heal("cut")
+        assert not r.partitioned
+        client.stdin.write("\n")
+        client.stdin.flush()
+        client.wait(timeout=60)
+        assert client.returncode == 0
+        # The stalled byte arrives on the connection it was sent on, and a new connection goes through.
+        wait_for(lambda: collector.received()[0] == b"ab" and b"c" in collector.received(), 60,
+                 "the stalled byte and a new connection after the heal")
+    finally:
+        stop_processes([client], 5)
+        collector.srv.close()
+        topo.close()
+    assert not Path(f"/var/run/netns/{r.ns}").exists()
 
 
 def test_relay_adds_the_one_way_delay_each_way():
