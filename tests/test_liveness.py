@@ -159,8 +159,16 @@ def test_one_dead_learner_of_two_is_not_a_cut():
 
 def test_learners_that_died_minutes_apart_are_not_a_cut():
     verdict = regions(snap("eu-0", 400, region="eu"), snap("eu-1", 100, region="eu"))["eu"]
-    assert verdict == liveness.Verdict(REGION_DOWN, "all 2 learners dead, fallen silent 5m 00s apart (more than 10s): "
-                                                    "separate deaths, not a cut")
+    assert verdict == liveness.Verdict(REGION_DOWN, "all 2 learners dead, the last fallen silent 5m 00s after the one before "
+                                                    "it (more than 10s): separate deaths, not a cut")
+    # Three deaths one by one, each more than dead_after_s after the one before: still not a cut.
+    assert regions(snap("a", 100, region="r"), snap("b", 60, region="r"), snap("c", 30, region="r"))["r"].status == REGION_DOWN
+
+
+def test_a_learner_dead_long_before_does_not_hide_a_cut_of_the_others():
+    verdict = regions(snap("old", 3600, region="r"), snap("a", 41, region="r"), snap("b", 42, region="r"))["r"]
+    assert verdict == liveness.Verdict(CUT_OFF, "2 of 3 learners (the rest dead before) silent since 11:59:19 (41s): "
+                                                "cut off from the ledger?")
 
 
 def test_a_region_with_a_live_learner_is_up_whatever_the_others_do():

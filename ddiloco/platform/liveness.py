@@ -129,24 +129,27 @@ def _clock(t: datetime) -> str:
 
 
 def region_verdict(snaps: Sequence[LearnerSnapshot], now: datetime, policy: LivenessPolicy) -> Verdict:
-    """One region's learners: cut off when every one of them (at least :data:`MIN_CUT_OFF_LEARNERS`) is dead and they
-    fell silent within ``dead_after_s`` of each other; down when all are dead otherwise; up while one is live."""
+    """One region's learners: cut off when every one is dead and the last of them fell silent together (at least
+    :data:`MIN_CUT_OFF_LEARNERS` within ``dead_after_s`` of the last); down when all are dead otherwise; up while one
+    is live. Learners dead before the cut (never relaunched) do not hide it."""
     n = len(snaps)
     dead = sum(is_dead(silent_s(s, now), policy) for s in snaps)
     if dead < n:
         return Verdict(REGION_UP, f"{n - dead} of {n} learners live")
-    heard = [s.last_heartbeat_at or s.started_at for s in snaps]
-    last = max(heard)
+    heard = sorted(s.last_heartbeat_at or s.started_at for s in snaps)
+    last = heard[-1]
     silent = format_duration((now - last).total_seconds())
     if n < MIN_CUT_OFF_LEARNERS:
         return Verdict(REGION_DOWN, f"its only learner is dead (silent {silent}): one learner's death and a cut look alike")
-    spread = (last - min(heard)).total_seconds()
     # The liveness rule takes any silence shorter than dead_after_s for jitter: silences that began within that
     # much of each other are as simultaneous as it can tell, while deaths one by one fall anywhere.
-    if spread > policy.dead_after_s:
-        return Verdict(REGION_DOWN, f"all {n} learners dead, fallen silent {format_duration(spread)} apart (more than "
+    together = [t for t in heard if (last - t).total_seconds() <= policy.dead_after_s]
+    if len(together) < MIN_CUT_OFF_LEARNERS:
+        gap = format_duration((last - heard[-2]).total_seconds())
+        return Verdict(REGION_DOWN, f"all {n} learners dead, the last fallen silent {gap} after the one before it (more than "
                                     f"{format_duration(policy.dead_after_s)}): separate deaths, not a cut")
-    return Verdict(CUT_OFF, f"all {n} learners silent since {_clock(last)} ({silent}): cut off from the ledger?")
+    who = f"all {n} learners" if len(together) == n else f"{len(together)} of {n} learners (the rest dead before)"
+    return Verdict(CUT_OFF, f"{who} silent since {_clock(last)} ({silent}): cut off from the ledger?")
 
 
 def region_verdicts(snaps: Sequence[LearnerSnapshot], now: datetime, policy: LivenessPolicy) -> dict[str, Verdict]:
