@@ -285,6 +285,7 @@ def _scrape_in(r: mr.Region, port: int) -> dict[str, float]:
 
 
 def _samples(text: str) -> dict[str, float]:
+    """``{name{labels}: value}`` of every sample of a /metrics page."""
     from prometheus_client.parser import text_string_to_metric_families
 
     return {f"{s.name}{{{','.join(f'{k}={v}' for k, v in sorted(s.labels.items()))}}}": s.value
@@ -292,6 +293,7 @@ def _samples(text: str) -> dict[str, float]:
 
 
 def _scrape(port: int) -> dict[str, float]:
+    """The samples at 127.0.0.1:port/metrics of the root namespace, or {} while nothing answers."""
     import urllib.request
 
     try:
