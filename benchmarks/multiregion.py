@@ -149,6 +149,8 @@ class Region:
     host_ip: str
     ns_ip: str
     one_way_ms: float = 0.0
+    partitioned: bool = False
+    """Cut off by :meth:`Topology.partition` and not yet healed."""
 
 
 @dataclass
@@ -188,6 +190,29 @@ class Topology:
                     burst = max(16_000, int(rate_bytes * 0.005))  # 5 ms of the rate, at least ~10 full frames
                     _sh(*prefix, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{rate_mbit}mbit",
                         "burst", str(burst), "latency", "100ms")
+
+    def region(self, name: str) -> Region:
+        """The region called ``name``."""
+        for r in self.regions:
+            if r.name == name:
+                return r
+        raise KeyError(f"no region {name!r} (regions: {', '.join(r.name for r in self.regions)})")
+
+    def partition(self, name: str) -> None:
+        """Cut region ``name`` off from the root namespace (the store, the ledger) until :meth:`heal`."""
+        r = self.region(name)
+        # Both veth ends down, not a packet filter (no iptables or nft here): the kernel drops every packet and the
+        # route with it, so open TCP connections stall in retransmission and a new connect fails at once.
+        _sh("ip", "link", "set", r.host_if, "down")
+        _sh("ip", "-n", r.ns, "link", "set", r.ns_if, "down")
+        r.partitioned = True
+
+    def heal(self, name: str) -> None:
+        """Join region ``name`` again: its addresses, routes and qdiscs are as before, stalled connections go on."""
+        r = self.region(name)
+        _sh("ip", "-n", r.ns, "link", "set", r.ns_if, "up")
+        _sh("ip", "link", "set", r.host_if, "up")
+        r.partitioned = False
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Bytes sent into (down) and out of (up) each region so far."""

@@ -17,6 +17,7 @@ from prometheus_client import REGISTRY
 
 from ddiloco.flows.alerts import AlertPolicy
 from ddiloco.platform import metrics
+from ddiloco.platform.liveness import CUT_OFF, Verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "infra" / "prometheus" / "alerts.yaml"
@@ -32,6 +33,7 @@ def exported() -> dict[str, str]:
     metrics.observe_pass(probe, "h", active=True, pending=0, versions=0, newest_at=0.0)
     metrics.observe_merge(probe, 0.1, [1])
     metrics.observe_rejections(probe, [(1, "staleness 9 > 4")])
+    metrics.observe_regions(probe, {"r": {"alive": 1}}, {"r": Verdict(CUT_OFF, "")})
     figures = metrics.LearnerFigures(step=1, tokens=1, tokens_per_s=1.0, loss=1.0, upload_queue=0, sent_bytes=0,
                                      received_bytes=0, last_version=0)
     families = [*REGISTRY.collect(), *metrics.LearnerCollector(probe, "l", lambda: figures).collect()]

@@ -537,7 +537,7 @@ def test_update_learner_statuses_dead_and_straggling(run):
         s.execute(text("UPDATE learners SET last_heartbeat_at = :t WHERE id = 'd'"), {"t": T0 - timedelta(seconds=30)})
     now = T0 + timedelta(seconds=5)
     with S.begin() as s:
-        verdicts = sync_q.update_learner_statuses(s, RUN, now, POLICY)
+        verdicts = sync_q.update_learner_statuses(s, RUN, now, POLICY).learners
         assert liveness.live_ids(verdicts) == ["a", "b", "c"]
     with S.begin() as s:
         sync_q.update_learner_statuses(s, RUN, now, POLICY)  # a second pass declares nobody dead again
@@ -550,13 +550,44 @@ def test_update_learner_statuses_dead_and_straggling(run):
     # Everyone falls silent, then d comes back with a heartbeat.
     later = T0 + timedelta(seconds=60)
     with S.begin() as s:
-        assert liveness.live_ids(sync_q.update_learner_statuses(s, RUN, later, POLICY)) == []
+        assert liveness.live_ids(sync_q.update_learner_statuses(s, RUN, later, POLICY).learners) == []
         learner_q.record_heartbeat(s, RUN, "d", 0, now=later, step=3, tokens=150, loss=1.0, tokens_per_s=1, step_time_s=0.1)
     with S() as s:
         status = {row.id: row.status for row in runs_q.learners(s, RUN)}
         assert status == {"a": "dead", "b": "dead", "c": "dead", "d": "recovering"}
         assert liveness.live_ids(liveness.learner_verdicts(runs_q.learner_snapshots(runs_q.learners(s, RUN)), later, POLICY)) == ["d"]
         assert sorted(e.actor for e in runs_q.events(s, RUN) if e.kind == "learner_dead") == ["a", "b", "c", "d"]
+        # a, b and c fell silent together (d had died 30 s before them): the region was cut off.
+        cuts = [e.detail for e in runs_q.events(s, RUN) if e.kind == sync_q.REGION_CUT_OFF]
+        assert len(cuts) == 1 and cuts[0].startswith("3 of 4 learners (the rest dead before) silent since 12:00:00 (1m 00s)")
+
+
+def test_a_region_whose_learners_die_together_is_cut_off_once_by_the_pass_that_finds_it(run):
+    S = run
+    with S.begin() as s:
+        for lid, region in (("eu-0", "eu"), ("eu-1", "eu"), ("us-0", "us")):
+            learner_q.register_learner(s, RUN, lid, region, T0)
+            learner_q.record_heartbeat(s, RUN, lid, 0, now=T0, step=2, tokens=100, loss=1.0, tokens_per_s=1, step_time_s=0.1)
+    # eu goes silent; us heartbeats on.
+    for now in (T0 + timedelta(seconds=11), T0 + timedelta(seconds=12)):
+        with S.begin() as s:
+            learner_q.record_heartbeat(s, RUN, "us-0", 0, now=now, step=3, tokens=150, loss=1.0, tokens_per_s=1, step_time_s=0.1)
+            statuses = sync_q.update_learner_statuses(s, RUN, now, POLICY)
+    assert statuses.regions["eu"].status == liveness.CUT_OFF and statuses.regions["us"].status == liveness.REGION_UP
+    assert statuses.counts() == {"eu": {"alive": 0, "straggling": 0, "recovering": 0, "dead": 2},
+                                 "us": {"alive": 1, "straggling": 0, "recovering": 0, "dead": 0}}
+    with S() as s:
+        cuts = [e for e in runs_q.events(s, RUN) if e.kind == sync_q.REGION_CUT_OFF]
+    assert [(e.actor, e.at.replace(tzinfo=None)) for e in cuts] == [("eu", (T0 + timedelta(seconds=11)).replace(tzinfo=None))]
+    assert cuts[0].detail.startswith("all 2 learners silent since")
+    # eu-0 heartbeats again: the ledger says recovering at once, the region is up by the next pass.
+    back = T0 + timedelta(seconds=20)
+    with S.begin() as s:
+        learner_q.record_heartbeat(s, RUN, "eu-0", 0, now=back, step=40, tokens=900, loss=1.0, tokens_per_s=1, step_time_s=0.1)
+        assert {r.id: r.status for r in runs_q.learners(s, RUN)}["eu-0"] == liveness.RECOVERING
+        statuses = sync_q.update_learner_statuses(s, RUN, back, POLICY)
+    assert statuses.learners["eu-0"].status == liveness.ALIVE
+    assert statuses.regions["eu"] == liveness.Verdict(liveness.REGION_UP, "1 of 2 learners live")
 
 
 # --- upgrading a run's ledger in place -----------------------------------------------------------------

@@ -8,18 +8,29 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from ddiloco.platform import liveness
-from ddiloco.platform.liveness import ALIVE, DEAD, RECOVERING, STRAGGLING, LearnerSnapshot, LivenessPolicy
+from ddiloco.platform.liveness import (
+    ALIVE,
+    CUT_OFF,
+    DEAD,
+    RECOVERING,
+    REGION_DOWN,
+    REGION_UP,
+    STRAGGLING,
+    LearnerSnapshot,
+    LivenessPolicy,
+)
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 POLICY = LivenessPolicy(dead_after_s=10, straggler_factor=2.0)
 
 
 def snap(
-    lid: str, silent_s: float | None, step_s: float = 1.0, *, status: str = ALIVE, step: int = 5, started_s: float = 3600
+    lid: str, silent_s: float | None, step_s: float = 1.0, *, status: str = ALIVE, step: int = 5, started_s: float = 3600,
+    region: str = "",
 ) -> LearnerSnapshot:
     """A learner last heard of ``silent_s`` ago (None: no heartbeat yet), started ``started_s`` ago."""
     heartbeat = None if silent_s is None else T0 - timedelta(seconds=silent_s)
-    return LearnerSnapshot(lid, heartbeat, T0 - timedelta(seconds=started_s), step, step_s, status)
+    return LearnerSnapshot(lid, heartbeat, T0 - timedelta(seconds=started_s), step, step_s, status, region)
 
 
 def statuses(*snaps: LearnerSnapshot, now: datetime = T0) -> dict[str, str]:
@@ -121,3 +132,64 @@ class _Learners:
 )
 def test_policy_from_the_run_config_or_its_recorded_dict(learners, expected):
     assert LivenessPolicy.from_learners_config(learners) == expected
+
+
+# --- regions ---------------------------------------------------------------------------------------
+
+
+def regions(*snaps: LearnerSnapshot, now: datetime = T0) -> dict[str, liveness.Verdict]:
+    return liveness.region_verdicts(snaps, now, POLICY)
+
+
+def test_a_region_whose_learners_fell_silent_together_is_cut_off_with_since_when():
+    verdicts = regions(snap("eu-0", 41, region="eu"), snap("eu-1", 41.8, region="eu"), snap("us-0", 1, region="us"))
+    assert verdicts["eu"] == liveness.Verdict(CUT_OFF, "all 2 learners silent since 11:59:19 (41s): cut off from the ledger?")
+    assert verdicts["us"] == liveness.Verdict(REGION_UP, "1 of 1 learners live")
+    # Silences that began up to dead_after_s apart are together; one more and they are deaths one by one.
+    assert regions(snap("a", 11, region="r"), snap("b", 21, region="r"))["r"].status == CUT_OFF
+    assert regions(snap("a", 11, region="r"), snap("b", 21.5, region="r"))["r"].status == REGION_DOWN
+    # A learner that never heartbeat is judged by its start, as the liveness rule judges it.
+    assert regions(snap("a", None, started_s=30, region="r"), snap("b", 25, region="r"))["r"].status == CUT_OFF
+
+
+def test_one_dead_learner_of_two_is_not_a_cut():
+    verdict = regions(snap("eu-0", 41, region="eu"), snap("eu-1", 1, region="eu"))["eu"]
+    assert verdict == liveness.Verdict(REGION_UP, "1 of 2 learners live")
+
+
+def test_learners_that_died_minutes_apart_are_not_a_cut():
+    verdict = regions(snap("eu-0", 400, region="eu"), snap("eu-1", 100, region="eu"))["eu"]
+    assert verdict == liveness.Verdict(REGION_DOWN, "all 2 learners dead, the last fallen silent 5m 00s after the one before "
+                                                    "it (more than 10s): separate deaths, not a cut")
+    # Three deaths one by one, each more than dead_after_s after the one before: still not a cut.
+    assert regions(snap("a", 100, region="r"), snap("b", 60, region="r"), snap("c", 30, region="r"))["r"].status == REGION_DOWN
+
+
+def test_a_learner_dead_long_before_does_not_hide_a_cut_of_the_others():
+    verdict = regions(snap("old", 3600, region="r"), snap("a", 41, region="r"), snap("b", 42, region="r"))["r"]
+    assert verdict == liveness.Verdict(CUT_OFF, "2 of 3 learners (the rest dead before) silent since 11:59:19 (41s): "
+                                                "cut off from the ledger?")
+
+
+def test_a_region_with_a_live_learner_is_up_whatever_the_others_do():
+    # Two fell silent together, but a third still heartbeats: not cut off from the ledger.
+    verdict = regions(snap("a", 30, region="r"), snap("b", 30, region="r"), snap("c", 0.5, region="r"))["r"]
+    assert verdict == liveness.Verdict(REGION_UP, "1 of 3 learners live")
+    # A straggler or a learner just back from a cut is live too.
+    assert regions(snap("a", 30, region="r"), snap("b", 1, step_s=9.0, region="r"))["r"].status == REGION_UP
+    assert regions(snap("a", 30, region="r"), snap("b", 1, status=RECOVERING, step=0, region="r"))["r"].status == REGION_UP
+
+
+def test_a_lone_learner_cannot_tell_a_cut_from_its_death():
+    verdict = regions(snap("ap-0", 60, region="ap"))["ap"]
+    assert verdict == liveness.Verdict(REGION_DOWN, "its only learner is dead (silent 1m 00s): one learner's death and a cut look alike")
+
+
+def test_a_cut_heals_when_one_learner_heartbeats_again_and_time_moves_the_verdict():
+    cut = [snap("a", 5, region="r"), snap("b", 5.5, region="r")]
+    assert regions(*cut)["r"].status == REGION_UP  # silent, but not yet dead
+    assert regions(*cut, now=T0 + timedelta(seconds=6))["r"].status == CUT_OFF
+    # a heartbeats again after the cut: the ledger may still say dead, the heartbeat decides.
+    back = [snap("a", -5.9, region="r", status=DEAD), cut[1]]  # heard at T0 + 5.9 s
+    assert regions(*back, now=T0 + timedelta(seconds=6))["r"] == liveness.Verdict(REGION_UP, "1 of 2 learners live")
+    assert list(regions(snap("z", 1, region="z"), snap("a", 1, region="a"))) == ["a", "z"]

@@ -2,6 +2,7 @@
 
 - a tbf-shaped veth link between a network namespace and the root namespace really limits a transfer;
 - the user-space delay relay (this kernel has no netem) really adds its one-way delay each way;
+- cutting a region off (both veth ends down) stalls its open TCP connections and refuses new ones until it heals;
 - a learner process inside a region namespace registers, steps and submits fragments through its
   shaped, delayed link to moto's S3 server and PostgreSQL, and those bytes crossed the veth.
 
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.testing.net import free_port
+from ddiloco.testing.net import free_port, poll_until, wait_for
 from ddiloco.testing.processes import stop_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,6 +83,99 @@ def test_tbf_shaped_veth_limits_a_transfer():
     assert rate_free > 3 * rate_limited, f"unshaped {rate_free:.1f} Mbit/s is not clearly faster than shaped {rate_limited:.1f}"
     assert up >= 2 * 1_500_000  # both transfers crossed this veth
     assert not Path(f"/var/run/netns/{ns}").exists()  # removed by close()
+
+
+_PARTITION_CLIENT = """
+import socket, sys
+host, port = sys.argv[1], int(sys.argv[2])
+held = socket.create_connection((host, port), timeout=10)
+held.sendall(b"a")
+print("connected", flush=True)
+sys.stdin.readline()  # the region is cut off now
+held.sendall(b"b")  # only queued: nothing can leave
+try:
+    socket.create_connection((host, port), timeout=5).close()
+    print("new connection: made", flush=True)
+except OSError as err:
+    print(f"new connection: {err.strerror}", flush=True)
+sys.stdin.readline()  # healed
+fresh = socket.create_connection((host, port), timeout=10)
+fresh.sendall(b"c")
+fresh.close()
+held.close()
+"""
+
+
+class _Collector:
+    """Accepts connections at (host, 0) and records what each sends, by connection in order of arrival."""
+
+    def __init__(self, host: str) -> None:
+        self.srv = socket.create_server((host, 0))
+        self.port = self.srv.getsockname()[1]
+        self.got: list[bytearray] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.srv.accept()
+            except OSError:
+                return
+            buf = bytearray()
+            self.got.append(buf)
+            threading.Thread(target=self._read, args=(conn, buf), daemon=True).start()
+
+    @staticmethod
+    def _read(conn: socket.socket, buf: bytearray) -> None:
+        with conn:
+            while data := conn.recv(4096):
+                buf.extend(data)
+
+    def received(self) -> list[bytes]:
+        return [bytes(b) for b in self.got]
+
+
+def test_a_partition_stalls_open_connections_refuses_new_ones_and_heals():
+    topo = mr.Topology(["cut", "other"])
+    r, other = topo.region("cut"), topo.region("other")
+    collector = _Collector("0.0.0.0")
+    client = subprocess.Popen(
+        ["ip", "netns", "exec", r.ns, sys.executable, "-c", _PARTITION_CLIENT, r.host_ip, str(collector.port)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert client.stdout.readline().strip() == "connected"
+        wait_for(lambda: collector.received() == [b"a"], 10, "the first byte over the open connection")
+        topo.partition("cut")
+        assert r.partitioned and not other.partitioned
+        client.stdin.write("\n")
+        client.stdin.flush()
+        # A new connection fails at once (no route), not after its timeout.
+        t0 = time.monotonic()
+        assert client.stdout.readline().strip() == "new connection: Network is unreachable"
+        assert time.monotonic() - t0 < 4
+        # What the open connection sent stays in the region while it is cut off.
+        assert poll_until(lambda: collector.received()[0] != b"a", 1.5) is None
+        # The other region is not cut off.
+        subprocess.run(["ip", "netns", "exec", other.ns, sys.executable, "-c",
+                        f"import socket; socket.create_connection(('{other.host_ip}', {collector.port}), timeout=5).sendall(b'o')"],
+                       check=True, timeout=30)
+        wait_for(lambda: b"o" in collector.received(), 10, "a connection from the other region")
+        assert collector.received()[0] == b"a"
+        topo.heal("cut")
+        assert not r.partitioned
+        client.stdin.write("\n")
+        client.stdin.flush()
+        client.wait(timeout=60)
+        assert client.returncode == 0
+        # The stalled byte arrives on the connection it was sent on, and a new connection goes through.
+        wait_for(lambda: collector.received()[0] == b"ab" and b"c" in collector.received(), 60,
+                 "the stalled byte and a new connection after the heal")
+    finally:
+        stop_processes([client], 5)
+        collector.srv.close()
+        topo.close()
+    assert not Path(f"/var/run/netns/{r.ns}").exists()
 
 
 def test_relay_adds_the_one_way_delay_each_way():
@@ -177,5 +271,172 @@ def test_learner_in_a_region_namespace_submits_through_the_shaped_link(postgres_
             assert after["down"] - before["down"] > 0  # the global fragments came down the same link
         finally:
             cluster.stop_all(20)
+            ctx.engine.dispose()
+    assert not Path(f"/var/run/netns/{region.ns}").exists()
+
+
+def _scrape_in(r: mr.Region, port: int) -> dict[str, float]:
+    """``{name{labels}: value}`` of a learner's /metrics inside region r's namespace (reachable while the region is cut
+    off: it is the namespace's own loopback), or {} while nothing answers."""
+    code = f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/metrics', timeout=10).read().decode())"
+    res = subprocess.run(["ip", "netns", "exec", r.ns, sys.executable, "-c", code], capture_output=True, text=True, timeout=30,
+                         check=False)
+    return _samples(res.stdout) if res.returncode == 0 else {}
+
+
+def _samples(text: str) -> dict[str, float]:
+    """``{name{labels}: value}`` of every sample of a /metrics page."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f"{s.name}{{{','.join(f'{k}={v}' for k, v in sorted(s.labels.items()))}}}": s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """The samples at 127.0.0.1:port/metrics of the root namespace, or {} while nothing answers."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+            return _samples(resp.read().decode())
+    except OSError:
+        return {}
+
+
+def test_a_region_cut_off_trains_on_shows_as_cut_off_and_loses_no_token_when_it_heals(postgres_url):
+    from datetime import datetime, timezone
+
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session
+
+    from ddiloco.entry import ProcessSpec
+    from ddiloco.platform import invariants, liveness
+    from ddiloco.platform.config import build_config, tokens_per_step
+    from ddiloco.platform.ledger import reports as reports_q
+    from ddiloco.platform.ledger import runs as runs_q
+    from ddiloco.platform.ledger import synchronizer as sync_q
+    from ddiloco.platform.ledger.models import MERGED, REJECTED, Heartbeat, Submission
+    from ddiloco.platform.runtime import RunContext
+    from ddiloco.platform.store import FragmentStore
+    from ddiloco.synchronizer.validate import DEAD_LEARNER
+    from ddiloco.testing.processes import ProcessCluster, write_config
+    from ddiloco.ui import queries as uq
+
+    learners = ["eu-0", "eu-1"]
+    with tempfile.TemporaryDirectory(prefix="mr-cut-") as tmp, mr.Lab(["eu"], postgres_url, Path(tmp)) as lab:
+        lab.set_network(None, [0.0])  # the cut is the only fault
+        region = lab.topo.region("eu")
+        run_id = "mr-cut"
+        data = mr.bench_config(run_id, lab.ledger_url, lab.bucket, ["eu"], len(learners), quick=True)
+        # Dead soon, so the cut outlasts the liveness rule within seconds; a session frozen mid-transaction by the
+        # cut is ended by the server before its learner's verdict.
+        data["learners"].update(dead_after_s=3.0, heartbeat_s=0.5, poll_s=0.25)
+        data["ledger"]["idle_in_transaction_timeout_s"] = 2.0
+        # The tiny model steps hundreds of times a second: paced and sending less often, the learners leave this
+        # 2-core machine to the synchronizer, which must keep up well within dead_after_s.
+        data["learners"]["regions"][0]["speeds"] = [0.25] * len(learners)
+        data["fragments"]["every"] = 32
+        cfg = build_config(data)
+        cfg_path = write_config(cfg, Path(tmp) / "cfg.yaml")
+        ctx = RunContext.open(cfg, run_id)
+        ro = uq.read_only_engine(lab.ledger_url)
+        cluster = ProcessCluster(
+            cfg_path, run_id, Path(tmp), env={k: v for k, v in os.environ.items() if not k.startswith(("DDILOCO_", "AWS_"))}
+        )
+        sync_port, learner_port = free_port(), 9100  # the learners' port is on their namespace's own loopback
+        cut_gauge = f"ddiloco_region_cut_off{{region=eu,run={run_id}}}"
+
+        def merged_since(when: datetime) -> dict[str, int]:
+            """How many submissions of each learner created after ``when`` are merged."""
+            with ctx.reading() as s:
+                rows = s.execute(select(Submission.learner_id).where(
+                    Submission.run_id == run_id, Submission.status == MERGED, Submission.created_at > when)).scalars().all()
+            return {lid: rows.count(lid) for lid in learners}
+
+        def view(now: datetime) -> uq.RunPage:
+            with Session(ro) as s:
+                return uq.run_page(s, run_id, now)
+
+        started = datetime.now(timezone.utc)
+        cluster.synchronizer("sync", env={**lab.aws_env, "AWS_ENDPOINT_URL": lab.s3_url, "DDILOCO_METRICS_PORT": f"127.0.0.1:{sync_port}"})
+        for i, lid in enumerate(learners):
+            cluster.start(lid, ProcessSpec.learner(lid),
+                          env={**lab.region_env(region), "DDILOCO_METRICS_PORT": f"127.0.0.1:{learner_port + i}"},
+                          wrap=mr.region_wrap(region))
+        learner_port_of = {lid: learner_port + i for i, lid in enumerate(learners)}
+
+        def steps() -> dict[str, float]:
+            return {lid: _scrape_in(region, learner_port_of[lid]).get(f"ddiloco_learner_step{{learner={lid},run={run_id}}}", -1)
+                    for lid in learners}
+
+        try:
+            wait_for(lambda: all(merged_since(started).values()), 150, "a merged submission of each learner before the cut",
+                     interval_s=0.5)
+            wait_for(lambda: _scrape(sync_port).get(cut_gauge) == 0, 15, "the synchronizer's gauge to say eu is not cut off")
+
+            lab.topo.partition("eu")
+            cut_at = datetime.now(timezone.utc)
+            before = wait_for(lambda: (st := steps()) and min(st.values()) >= 0 and st, 30, "each learner's step at the cut",
+                              interval_s=0.5)
+            # The region view, as the dashboard reads it, says cut off once the learners outlive the liveness rule.
+            page = wait_for(lambda: (p := view(datetime.now(timezone.utc))).snapshot.regions["eu"].status == liveness.CUT_OFF and p,
+                            30, "the dashboard's region view to say eu is cut off", interval_s=0.5)
+            regions = page.regions.set_index("region")
+            assert regions.loc["eu", "status"] == liveness.CUT_OFF and regions.loc["eu", "dead"] == len(learners)
+            assert regions.loc["eu", "reason"].startswith(f"all {len(learners)} learners silent since ")
+            assert regions.loc["eu", "reason"].endswith("cut off from the ledger?")
+            # So does the synchronizer: its gauge, and one event for the cut.
+            wait_for(lambda: _scrape(sync_port).get(cut_gauge) == 1, 15, "the synchronizer's gauge to say eu is cut off")
+            assert _scrape(sync_port)[f"ddiloco_region_learners{{region=eu,run={run_id},status=dead}}"] == len(learners)
+            with ctx.reading() as s:
+                assert [e.actor for e in runs_q.events(s, run_id) if e.kind == sync_q.REGION_CUT_OFF] == ["eu"]
+            # Meanwhile the learners train on: alive, and stepping past where they were when the region was judged cut off.
+            judged = steps()
+            trained_in_cut = wait_for(lambda: (st := steps()) and all(st[lid] > max(judged[lid], before[lid]) for lid in learners)
+                                      and st, 30, "the cut-off learners to keep stepping", interval_s=0.5)
+            assert all(cluster.procs[lid].poll() is None for lid in learners)
+
+            lab.topo.heal("eu")
+            healed_at = datetime.now(timezone.utc)
+            cut_steps = {lid: trained_in_cut[lid] - before[lid] for lid in learners}
+
+            def sent_since_cut() -> list | None:
+                """Every submission registered since the cut, once each learner has sent what it trained while cut off
+                (coalesced: one carrying at least the steps of the cut) and has one merged since the heal."""
+                with ctx.reading() as s:
+                    sent = s.execute(select(Submission.learner_id, Submission.c_steps, Submission.created_at).where(
+                        Submission.run_id == run_id, Submission.created_at > cut_at)).all()
+                carried = all(any(who == lid and c >= cut_steps[lid] for who, c, _ in sent) for lid in learners)
+                return sent if carried and all(merged_since(healed_at).values()) else None
+
+            # Each learner is heard of again, sends what it held back, and its submissions are merged again.
+            sent = wait_for(sent_since_cut, 60, "each learner's coalesced work sent and a submission merged after the heal",
+                            interval_s=0.5)
+            with ctx.reading() as s:
+                beats = s.execute(select(Heartbeat.learner_id, Heartbeat.at).where(
+                    Heartbeat.run_id == run_id, Heartbeat.at > cut_at, Heartbeat.at < healed_at)).all()
+            # Nothing is stamped with a time inside the cut: what was written after the heal carries the time it was
+            # written at, so the heartbeat that ends the cut is not one from before it.
+            assert beats == [] and all(at >= healed_at for _, _, at in sent), (beats, sent)
+            after = wait_for(lambda: (p := view(datetime.now(timezone.utc))).snapshot.regions["eu"].status == liveness.REGION_UP and p,
+                             30, "the region view to say eu is up again", interval_s=0.5)
+            assert {lid: after.snapshot.verdicts[lid].status for lid in learners} == dict.fromkeys(learners, liveness.ALIVE)
+            wait_for(lambda: _scrape(sync_port).get(cut_gauge) == 0, 15, "the synchronizer's gauge to say eu is back")
+            # Nothing the learners trained is unaccounted: trained = merged + rejected (each with its reason) + pending +
+            # in flight, and nothing lost. Work registered before the cut and judged after its learner was declared dead
+            # may be rejected as a dead learner's (recorded, with that reason); nothing sent since the cut may be.
+            with ctx.reading() as s:
+                acct = reports_q.token_accounting(s, run_id)
+                rejected = s.execute(select(Submission.reject_reason, Submission.created_at).where(
+                    Submission.run_id == run_id, Submission.status == REJECTED)).all()
+            assert acct.balanced and acct.lost == 0, acct
+            assert acct.trained >= sum(trained_in_cut.values()) * tokens_per_step(cfg.model, cfg.learners.batch_size)
+            assert all(why for why, _ in rejected), rejected
+            assert not [why for why, at in rejected if at > cut_at and why.startswith(DEAD_LEARNER)], rejected
+            problems = invariants.check_run(ctx, lambda r: FragmentStore(cfg.storage_url_for(r), lab.storage_options))
+            assert problems == [], [str(p) for p in problems]
+        finally:
+            cluster.stop_all(20)
+            ro.dispose()
             ctx.engine.dispose()
     assert not Path(f"/var/run/netns/{region.ns}").exists()

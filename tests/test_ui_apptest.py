@@ -211,6 +211,12 @@ def test_everything_silent_long_after_the_run(monkeypatch, run_ledger):
     shown = texts(at)
     assert "DOWN" in shown and "all 4 learners are dead" in shown and "no active synchronizer" in shown
     assert set(frame_with(at, "last_heartbeat")["status"]) == {liveness.DEAD}
+    # us-0 and us-1 fell silent together: their region is shown cut off, with since when; eu's learners died apart.
+    regions = frame_with(at, "share_merged").set_index("region")
+    assert (regions.loc["us", "status"], regions.loc["eu", "status"]) == (liveness.CUT_OFF, liveness.REGION_DOWN)
+    reason = regions.loc["us", "reason"]
+    assert reason.startswith("all 2 learners silent since ") and reason.endswith(": cut off from the ledger?")
+    assert f"Region **us** {reason}" in shown and "Region **eu**" not in shown
 
 
 def test_a_finished_run_reads_as_finished_everywhere_and_no_tile_cuts_its_figure(monkeypatch, run_ledger, tmp_path):

@@ -101,6 +101,30 @@ def test_learners_frame_matches_the_ledger(ro, run_ledger):
     assert (regions.loc["eu", "dead"], regions.loc["eu", "straggling"], regions.loc["us", "alive"]) == (1, 1, 2)
     assert regions["tokens_merged"].sum() == df["tokens_merged"].sum()
     assert regions["share_merged"].sum() == pytest.approx(1.0)
+    assert regions["status"].isna().all()  # no verdicts given
+
+
+def test_the_regions_table_shows_a_region_cut_off_and_why(ro, run_ledger):
+    # A minute after the end every learner is silent: us-0 and us-1 fell silent together, eu-1 had died long before eu-0.
+    now = now_of(run_ledger, 60)
+    with Session(ro) as s:
+        page = uq.run_page(s, run_ledger.run_id, now)
+        heard = dict(s.execute(select(Learner.id, Learner.last_heartbeat_at).where(Learner.run_id == run_ledger.run_id)).all())
+    regions = page.regions.set_index("region")
+    assert regions.loc["us", "status"] == liveness.CUT_OFF and regions.loc["eu", "status"] == liveness.REGION_DOWN
+    last = max(heard["us-0"], heard["us-1"])
+    silent = liveness.format_duration((now - last).total_seconds())
+    assert regions.loc["us", "reason"] == f"all 2 learners silent since {last:%H:%M:%S} ({silent}): cut off from the ledger?"
+    assert "separate deaths" in regions.loc["eu", "reason"]
+    assert page.snapshot.regions == {"eu": liveness.Verdict(regions.loc["eu", "status"], regions.loc["eu", "reason"]),
+                                     "us": liveness.Verdict(liveness.CUT_OFF, regions.loc["us", "reason"])}
+    # The run's badge says why its learners are dead.
+    assert page.snapshot.health.level == h.DOWN
+    assert page.snapshot.health.reasons[-2:] == ["all 4 learners are dead", f"region us {regions.loc['us', 'reason']}"]
+    # A second earlier, us was up: one learner heard within dead_after_s is enough.
+    with Session(ro) as s:
+        earlier = uq.run_page(s, run_ledger.run_id, now_of(run_ledger, 1)).regions.set_index("region")
+    assert earlier.loc["us", "status"] == liveness.REGION_UP and earlier.loc["us", "reason"] == "2 of 2 learners live"
 
 
 def test_a_learners_link_report_is_read_field_by_field():
@@ -342,6 +366,12 @@ def test_synchronizer_and_run_health():
     one_dead = {**alive, "c": liveness.Verdict(liveness.DEAD, "")}
     degraded = h.run_health("running", one_dead, active, POLICY)
     assert degraded.level == h.DEGRADED and degraded.reasons == ["1 of 3 learners dead"]
+    # Two learners of a region dead together: the cut is named before the dead learners it explains.
+    two_dead = {**one_dead, "d": liveness.Verdict(liveness.DEAD, "")}
+    regions = {"eu": liveness.Verdict(liveness.CUT_OFF, "all 2 learners silent since 11:59:19 (41s): cut off from the ledger?"),
+               "us": liveness.Verdict(liveness.REGION_UP, "2 of 2 learners live")}
+    assert h.run_health("running", two_dead, active, POLICY, regions).reasons == [
+        "region eu all 2 learners silent since 11:59:19 (41s): cut off from the ledger?", "2 of 4 learners dead"]
     all_dead = {"c": liveness.Verdict(liveness.DEAD, "")}
     assert "all 1 learners are dead" in h.run_health("running", all_dead, active, POLICY).reasons
     stalled = h.synchronizer_verdict([lease], T0 - timedelta(seconds=31), T0)

@@ -234,7 +234,7 @@ class LearnerLink:
             with self._events_lock:
                 events, self._events = self._events, []
             try:
-                result = self._commit_exchange(subs or [], beat, now, events, {p: h.version for p, h in self._heads.items()})
+                now, result = self._commit_exchange(subs or [], beat, events, {p: h.version for p, h in self._heads.items()})
             except BaseException:
                 with self._events_lock:
                     self._events[:0] = events
@@ -250,11 +250,17 @@ class LearnerLink:
         return self._receive(result.run_status, heads)
 
     @ledger_retry
-    def _commit_exchange(self, subs: list[learner_q.SubmissionIn], beat: learner_q.Beat | None, now: float,
-                         events: list[tuple[str, str]], known: dict[int, int]) -> learner_q.Exchange:
+    def _commit_exchange(self, subs: list[learner_q.SubmissionIn], beat: learner_q.Beat | None,
+                         events: list[tuple[str, str]], known: dict[int, int]) -> tuple[float, learner_q.Exchange]:
+        """(the time it was written at, the exchange)."""
         with self.ctx.transaction() as s:
-            return learner_q.learner_exchange(s, self.ctx.run_id, self.learner_id, self.incarnation, subs, beat, to_datetime(now),
-                                      events=events, known=known)
+            # The clock is read once the connection is checked out (and pinged), at every attempt: an exchange that
+            # waited out a partition must not write the time it began, or the heartbeat that ends the partition reads
+            # as one from before it, and the submissions it brings as a dead learner's.
+            s.connection()
+            now = self.ctx.now()
+            return now, learner_q.learner_exchange(s, self.ctx.run_id, self.learner_id, self.incarnation, subs, beat,
+                                                   to_datetime(now), events=events, known=known)
 
     def _receive(self, status: str | None, heads: dict[int, learner_q.HeadRef]) -> list[int]:
         """Note the run's end; download every head newer than what the learner holds into the inbox."""

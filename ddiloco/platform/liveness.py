@@ -1,19 +1,32 @@
-"""Who is alive: the one rule for a learner's status, as a pure function of (snapshot, now, policy).
+"""Who is alive: the one rule for a learner's status, as a pure function of (snapshot, now, policy), and what it
+says of a whole region (:func:`region_verdicts`: cut off, when all its learners fell silent together).
 
-The synchronizer's status writer and live set and the dashboard all call :func:`learner_verdicts`;
-nothing here reads the clock or the ledger, and every verdict carries its reason."""
+The synchronizer's status writer and live set and the dashboard all call :func:`learner_verdicts` and
+:func:`region_verdicts`; nothing here reads the clock or the ledger, and every verdict carries its reason."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 
 ALIVE = "alive"
 STRAGGLING = "straggling"
 DEAD = "dead"
 RECOVERING = "recovering"
 LEARNER_STATUSES = (ALIVE, STRAGGLING, RECOVERING, DEAD)
+
+REGION_UP = "up"
+"""A region with at least one live learner."""
+REGION_DOWN = "down"
+"""Every learner of the region dead, but not together (deaths one by one), or a lone learner."""
+CUT_OFF = "cut off"
+"""Every learner of the region dead, all fallen silent together: a partition or a region outage."""
+REGION_STATUSES = (REGION_UP, REGION_DOWN, CUT_OFF)
+MIN_CUT_OFF_LEARNERS = 2
+"""Learners that must fall silent together for a region to be judged cut off: one learner's silence is its own
+death as much as a cut, and its own verdict already says it is dead."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,7 @@ class LearnerSnapshot:
     step_time_s: float
     ledger_status: str
     """As last written by the synchronizer (``learners.status``)."""
+    region: str = ""
 
 
 @dataclass(frozen=True)
@@ -107,3 +121,40 @@ def learner_verdicts(snaps: Sequence[LearnerSnapshot], now: datetime, policy: Li
 def live_ids(verdicts: Mapping[str, Verdict]) -> list[str]:
     """The learners that count as live for quorum and grace: every one not dead, sorted."""
     return sorted(lid for lid, v in verdicts.items() if v.status != DEAD)
+
+
+def _clock(t: datetime) -> str:
+    """A time of day as the dashboard shows every time: UTC."""
+    return f"{t.astimezone(timezone.utc) if t.tzinfo is not None else t:%H:%M:%S}"
+
+
+def region_verdict(snaps: Sequence[LearnerSnapshot], now: datetime, policy: LivenessPolicy) -> Verdict:
+    """One region's learners: cut off when every one is dead and the last of them fell silent together (at least
+    :data:`MIN_CUT_OFF_LEARNERS` within ``dead_after_s`` of the last); down when all are dead otherwise; up while one
+    is live. Learners dead before the cut (never relaunched) do not hide it."""
+    n = len(snaps)
+    dead = sum(is_dead(silent_s(s, now), policy) for s in snaps)
+    if dead < n:
+        return Verdict(REGION_UP, f"{n - dead} of {n} learners live")
+    heard = sorted(s.last_heartbeat_at or s.started_at for s in snaps)
+    last = heard[-1]
+    silent = format_duration((now - last).total_seconds())
+    if n < MIN_CUT_OFF_LEARNERS:
+        return Verdict(REGION_DOWN, f"its only learner is dead (silent {silent}): one learner's death and a cut look alike")
+    # The liveness rule takes any silence shorter than dead_after_s for jitter: silences that began within that
+    # much of each other are as simultaneous as it can tell, while deaths one by one fall anywhere.
+    together = [t for t in heard if (last - t).total_seconds() <= policy.dead_after_s]
+    if len(together) < MIN_CUT_OFF_LEARNERS:
+        gap = format_duration((last - heard[-2]).total_seconds())
+        return Verdict(REGION_DOWN, f"all {n} learners dead, the last fallen silent {gap} after the one before it (more than "
+                                    f"{format_duration(policy.dead_after_s)}): separate deaths, not a cut")
+    who = f"all {n} learners" if len(together) == n else f"{len(together)} of {n} learners (the rest dead before)"
+    return Verdict(CUT_OFF, f"{who} silent since {_clock(last)} ({silent}): cut off from the ledger?")
+
+
+def region_verdicts(snaps: Sequence[LearnerSnapshot], now: datetime, policy: LivenessPolicy) -> dict[str, Verdict]:
+    """Every region's verdict (:func:`region_verdict`), regions sorted by name."""
+    by_region: dict[str, list[LearnerSnapshot]] = defaultdict(list)
+    for s in snaps:
+        by_region[s.region].append(s)
+    return {region: region_verdict(group, now, policy) for region, group in sorted(by_region.items())}

@@ -11,6 +11,9 @@ plus ``learner`` / ``holder`` / ``reason``):
 - synchronizer: ``ddiloco_sync_merges_total`` (``rate()`` gives merges/s), ``_merge_seconds``,
   ``_pending_submissions``, ``_staleness_versions`` (its ``_count``: submissions merged), ``_rejections_total{reason}``,
   ``_lease_held{holder}``, ``_versions`` (versions published, all fragments), ``_newest_version_timestamp_seconds``
+- regions (served by the synchronizer that writes the learners' statuses, shard 0's holder, at each status pass):
+  ``ddiloco_region_learners{region,status}`` (its learners by liveness status), ``ddiloco_region_cut_off{region}``
+  (1 while every learner of the region fell silent together: a partition, ``liveness.region_verdicts``)
 
 ``infra/prometheus/alerts.yaml`` and ``infra/grafana/ddiloco.json`` are written over these names (``tests/test_alerts.py``
 holds them to this module), and ``tracking`` copies the same series to TensorBoard, W&B or MLflow.
@@ -21,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -29,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ddiloco.platform.ledger import rejections as rejections_q
+from ddiloco.platform.liveness import CUT_OFF, Verdict
 
 PORT_ENV = "DDILOCO_METRICS_PORT"
 
@@ -48,6 +52,11 @@ VERSIONS = Gauge("ddiloco_sync_versions", "Merged versions of the run: the sum o
 NEWEST_VERSION_AT = Gauge("ddiloco_sync_newest_version_timestamp_seconds",
                           "When the run's newest global version was published (Unix time, from the ledger).", ["run"])
 
+REGION_LEARNERS = Gauge("ddiloco_region_learners", "A region's learners by liveness status, at the last status pass.",
+                        ["run", "region", "status"])
+REGION_CUT_OFF = Gauge("ddiloco_region_cut_off", "1 while every learner of the region fell silent together (a partition "
+                       "or a region outage), at the last status pass.", ["run", "region"])
+
 
 def reason_label(why: str) -> str:
     """A rejection reason as a label of few values: its class (``ledger.rejections.reason_class``) in snake case."""
@@ -65,6 +74,15 @@ def observe_pass(run_id: str, holder: str, active: bool, pending: int | None = N
         VERSIONS.labels(run_id).set(versions)
     if newest_at is not None:
         NEWEST_VERSION_AT.labels(run_id).set(newest_at)
+
+
+def observe_regions(run_id: str, counts: Mapping[str, Mapping[str, int]], verdicts: Mapping[str, Verdict]) -> None:
+    """One status pass: each region's learners by status, and whether it is cut off (``liveness.region_verdicts``)."""
+    for region, by_status in counts.items():
+        for status, n in by_status.items():
+            REGION_LEARNERS.labels(run_id, region, status).set(n)
+    for region, v in verdicts.items():
+        REGION_CUT_OFF.labels(run_id, region).set(1 if v.status == CUT_OFF else 0)
 
 
 def observe_merge(run_id: str, merge_s: float, staleness: Iterable[int]) -> None:

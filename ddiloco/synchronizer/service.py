@@ -198,7 +198,8 @@ class Synchronizer:
             return
         self._last_status = now
         with self.ctx.transaction() as s:
-            sync_q.update_learner_statuses(s, self.ctx.run_id, to_datetime(now), self.policies.liveness)
+            statuses = sync_q.update_learner_statuses(s, self.ctx.run_id, to_datetime(now), self.policies.liveness)
+        metrics.observe_regions(self.ctx.run_id, statuses.counts(), statuses.regions)
 
     def _pending_filter(self) -> sync_q.FragmentFilter | None:
         """Which pending submissions this shard decides: its fragments; shard 0 also those naming no fragment

@@ -14,9 +14,11 @@ from datetime import datetime
 
 from ddiloco.platform.liveness import (
     ALIVE,
+    CUT_OFF,
     DEAD,
     LEARNER_STATUSES,
     RECOVERING,
+    REGION_UP,
     STRAGGLING,
     LivenessPolicy,
     Verdict,
@@ -37,6 +39,8 @@ STATUS_COLORS: dict[str, str] = {
     STRAGGLING: "orange",
     RECOVERING: "blue",
     DEAD: "red",
+    CUT_OFF: "red",
+    REGION_UP: "green",  # a region down (liveness.REGION_DOWN) is the run's DOWN below: the same word, the same red
     HEALTHY: "green",
     STARTING: "blue",
     DEGRADED: "orange",
@@ -170,8 +174,10 @@ def count_statuses(verdicts: Iterable[Verdict]) -> dict[str, int]:
     return counts
 
 
-def run_health(run_status: str, verdicts: dict[str, Verdict], sync: SyncVerdict, policy: HealthPolicy) -> RunHealth:
-    """One badge for the run, with every reason that made it so (worst first)."""
+def run_health(run_status: str, verdicts: dict[str, Verdict], sync: SyncVerdict, policy: HealthPolicy,
+               regions: dict[str, Verdict] | None = None) -> RunHealth:
+    """One badge for the run, with every reason that made it so (worst first); a region cut off (``regions``, from
+    ``liveness.region_verdicts``) is named before the dead learners it explains."""
     if run_status == "finished":
         return RunHealth(FINISHED, ["the run finished"])
     if run_status == "failed":
@@ -192,6 +198,7 @@ def run_health(run_status: str, verdicts: dict[str, Verdict], sync: SyncVerdict,
         down.append(f"all {len(verdicts)} learners are dead")
     if sync.last_version_age_s is not None and live and sync.last_version_age_s > policy.stall_after_s:
         down.append(f"no new global version for {format_duration(sync.last_version_age_s)}")
+    degraded += [f"region {region} {v.reason}" for region, v in (regions or {}).items() if v.status == CUT_OFF]
     if counts[DEAD] and live:
         degraded.append(f"{counts[DEAD]} of {len(verdicts)} learners dead")
     if counts[STRAGGLING]:
@@ -213,6 +220,7 @@ def run_health(run_status: str, verdicts: dict[str, Verdict], sync: SyncVerdict,
 
 EVENT_CATEGORIES = {
     "learner_dead": "failure",
+    "region_cut_off": "failure",
     "learner_exited": "failure",
     "run_failed": "failure",
     "learner_restarted": "restart",

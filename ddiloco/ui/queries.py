@@ -156,6 +156,8 @@ class RunHealthSnapshot:
     verdicts: dict[str, liveness.Verdict]
     sync: h.SyncVerdict
     health: h.RunHealth
+    regions: dict[str, liveness.Verdict]
+    """Each region's verdict (``liveness.region_verdicts``): up, down, or cut off."""
 
 
 def health_snapshot(session: Session, run_id: str, now: datetime) -> RunHealthSnapshot | None:
@@ -164,12 +166,14 @@ def health_snapshot(session: Session, run_id: str, now: datetime) -> RunHealthSn
         return None
     as_of = info.as_of(now)
     policy = info.policy
-    verdicts = liveness.learner_verdicts(runs_q.read_learner_snapshots(session, run_id), as_of, policy)
+    snaps = runs_q.read_learner_snapshots(session, run_id)
+    verdicts = liveness.learner_verdicts(snaps, as_of, policy)
+    regions = liveness.region_verdicts(snaps, as_of, policy)
     sync = h.synchronizer_verdict(
         lease_snapshots(session, run_id), reports_q.last_version_at(session, run_id), as_of, run_running=info.running,
         shards=runs_q.recorded_shards(info.config),
     )
-    return RunHealthSnapshot(info, as_of, verdicts, sync, h.run_health(info.status, verdicts, sync, policy))
+    return RunHealthSnapshot(info, as_of, verdicts, sync, h.run_health(info.status, verdicts, sync, policy, regions), regions)
 
 
 # --- runs overview ------------------------------------------------------------------------------------
@@ -314,7 +318,8 @@ def learners_frame(session: Session, run_id: str, now: datetime, learners: list[
     learners = dash_q.learner_rows(session, run_id) if learners is None else learners
     fates = dash_q.learner_fates(session, run_id, learners)
     snaps = [
-        liveness.LearnerSnapshot(row.id, row.last_heartbeat_at, row.started_at, int(row.step), float(row.step_time_s or 0.0), row.status)
+        liveness.LearnerSnapshot(row.id, row.last_heartbeat_at, row.started_at, int(row.step), float(row.step_time_s or 0.0), row.status,
+                                 row.region)
         for row in learners
     ]
     verdicts = liveness.learner_verdicts(snaps, as_of, info.policy)
@@ -359,6 +364,8 @@ def learners_frame(session: Session, run_id: str, now: datetime, learners: list[
 
 REGION_COLUMNS = [
     "region",
+    "status",
+    "reason",
     "learners",
     "alive",
     "straggling",
@@ -371,8 +378,9 @@ REGION_COLUMNS = [
 ]
 
 
-def regions_frame(learners: pd.DataFrame) -> pd.DataFrame:
-    """What each region contributes, from :func:`learners_frame` (live throughput counts live learners only)."""
+def regions_frame(learners: pd.DataFrame, verdicts: dict[str, liveness.Verdict] | None = None) -> pd.DataFrame:
+    """What each region contributes, from :func:`learners_frame` (live throughput counts live learners only), with its
+    verdict from ``verdicts`` (``liveness.region_verdicts``: up, down or cut off; blank when not given)."""
     if learners.empty:
         return pd.DataFrame(columns=REGION_COLUMNS)
     rows = []
@@ -383,6 +391,8 @@ def regions_frame(learners: pd.DataFrame) -> pd.DataFrame:
         rows.append(
             {
                 "region": region,
+                "status": verdicts[region].status if verdicts and region in verdicts else None,
+                "reason": verdicts[region].reason if verdicts and region in verdicts else None,
                 "learners": len(grp),
                 "alive": int(counts.get(liveness.ALIVE, 0)),
                 "straggling": int(counts.get(liveness.STRAGGLING, 0)),
@@ -499,7 +509,7 @@ def run_page(session: Session, run_id: str, now: datetime) -> RunPage | None:
         snapshot=snapshot,
         summary=summary,
         learners=learners,
-        regions=regions_frame(learners),
+        regions=regions_frame(learners, snapshot.regions),
         holders=synchronizer_holders(session, run_id),
         last_merge_at=reports_q.last_merge_at(session, run_id),
         versions=versions_frame(session, run_id),

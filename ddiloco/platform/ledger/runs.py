@@ -155,7 +155,7 @@ def learner_snapshots(rows: Sequence[Any]) -> list[liveness.LearnerSnapshot]:
     return [
         liveness.LearnerSnapshot(
             id=r.id, last_heartbeat_at=r.last_heartbeat_at, started_at=r.started_at,
-            step=int(r.step), step_time_s=float(r.step_time_s or 0.0), ledger_status=r.status,
+            step=int(r.step), step_time_s=float(r.step_time_s or 0.0), ledger_status=r.status, region=r.region,
         )
         for r in rows
     ]
@@ -164,7 +164,8 @@ def learner_snapshots(rows: Sequence[Any]) -> list[liveness.LearnerSnapshot]:
 def read_learner_snapshots(session: Session, run_id: str) -> list[liveness.LearnerSnapshot]:
     """:func:`learner_snapshots` of the run's learners, reading only the columns the liveness rule needs."""
     rows = session.connection().execute(
-        select(Learner.id, Learner.last_heartbeat_at, Learner.started_at, Learner.step, Learner.step_time_s, Learner.status)
+        select(Learner.id, Learner.last_heartbeat_at, Learner.started_at, Learner.step, Learner.step_time_s, Learner.status,
+               Learner.region)
         .where(Learner.run_id == run_id)
         .order_by(Learner.region, Learner.id)
     )

@@ -34,23 +34,50 @@ from ddiloco.platform.ledger.runs import learner_snapshots, learners, record_eve
 # --- liveness and pending work --------------------------------------------------------------------
 
 
-def update_learner_statuses(
-    session: Session, run_id: str, now: datetime, policy: liveness.LivenessPolicy
-) -> dict[str, liveness.Verdict]:
-    """Write every learner's verdict (``platform.liveness``) to its row; returns the verdicts.
+REGION_CUT_OFF = "region_cut_off"
+"""The event of a region whose learners all fell silent together (``liveness.region_verdicts``); its actor is the region."""
 
-    A learner newly declared dead gets a ``learner_dead`` event with the tokens it may have lost."""
+
+@dataclass(frozen=True)
+class Statuses:
+    """One liveness pass: every learner's verdict and every region's."""
+
+    learners: dict[str, liveness.Verdict]
+    regions: dict[str, liveness.Verdict]
+    region_of: dict[str, str]
+    """Each learner's region."""
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Per region, its learners by status (every status, 0 included)."""
+        out = {region: dict.fromkeys(liveness.LEARNER_STATUSES, 0) for region in self.regions}
+        for lid, v in self.learners.items():
+            out[self.region_of[lid]][v.status] += 1
+        return out
+
+
+def update_learner_statuses(session: Session, run_id: str, now: datetime, policy: liveness.LivenessPolicy) -> Statuses:
+    """Write every learner's verdict (``platform.liveness``) to its row; returns the learners' and the regions' verdicts.
+
+    A learner newly declared dead gets a ``learner_dead`` event with the tokens it may have lost; a region cut off by
+    this pass's deaths gets a :data:`REGION_CUT_OFF` event, once: the status its last learner leaves is written here."""
     rows = learners(session, run_id)
-    verdicts = liveness.learner_verdicts(learner_snapshots(rows), now, policy)
+    snaps = learner_snapshots(rows)
+    verdicts = liveness.learner_verdicts(snaps, now, policy)
+    regions = liveness.region_verdicts(snaps, now, policy)
+    newly_dead: set[str] = set()
     for r in rows:
         status = verdicts[r.id].status
         if status != r.status:
             if status == liveness.DEAD:
                 lost = max(0, r.inc_tokens_trained - r.inc_tokens_submitted)
                 record_event(session, run_id, "learner_dead", r.id, f"{verdicts[r.id].reason}; up to {lost} tokens lost", now)
+                newly_dead.add(r.region)
             r.status = status
+    for region in sorted(newly_dead):
+        if regions[region].status == liveness.CUT_OFF:
+            record_event(session, run_id, REGION_CUT_OFF, region, regions[region].reason, now)
     session.flush()
-    return verdicts
+    return Statuses(verdicts, regions, {r.id: r.region for r in rows})
 
 
 def pending_counts(session: Session, run_id: str) -> dict[int, int]:

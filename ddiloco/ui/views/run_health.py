@@ -150,6 +150,10 @@ def learners_section(page: RunPage) -> None:
         st.caption("As they were when the run ended: status, last heartbeat and last submission are judged at its end.")
         # An alive learner's reason is its heartbeat's age, which the 'last heartbeat' column gives against the end.
         df = df.assign(reason=df["reason"].where(df["status"] != liveness.ALIVE, "alive when the run ended"))
+    for region, verdict in page.snapshot.regions.items():
+        if verdict.status == liveness.CUT_OFF:
+            # A partition reads as dead learners one by one: say what they have in common.
+            st.error(f"Region **{widgets.md(region)}** {widgets.md(verdict.reason)}", icon=":material/cloud_off:")
     grid, regions = st.columns([3, 2])
     with grid:
         st.altair_chart(charts.learner_grid(df), width="stretch")
@@ -215,10 +219,11 @@ def learners_section(page: RunPage) -> None:
     )
     with st.expander("Regions in numbers"):
         st.dataframe(
-            page.regions.style.format(
+            widgets.styled(page.regions).format(
                 {"tokens_per_s": "{:,.0f}", "share_merged": "{:.1%}", "tokens_trained": "{:,}", "tokens_merged": "{:,}"}
             ),
             hide_index=True,
+            column_config={"reason": st.column_config.TextColumn("why", width="large")},
         )
 
 
