@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import sys
-import threading
-
-import pytest
 import torch
 from support import sim_run
 
 from ddiloco.inprocess import sim_learner, sim_step
-from ddiloco.learner_worker.learner import Learner
 from ddiloco.learner_worker.state import is_complete
 from ddiloco.platform.ledger import reports as reports_q
 from ddiloco.platform.ledger import runs as runs_q
-from ddiloco.testing.net import poll_until
 
 
 def _adamw_state(learner) -> dict[str, torch.Tensor]:
@@ -177,29 +170,3 @@ def test_a_slow_link_queues_one_blob_per_fragment_and_loses_no_token():
     got = decode_delta(*store.get_with_metadata(r0.blob_key, r0.sha256, r0.nbytes))
     for n, t in learner.fragments[0].tensors.items():
         assert torch.allclose(got[n].float(), before[0][n] - t.detach(), atol=1e-5), n
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="niceness is per thread on Linux only")
-def test_the_links_threads_run_below_the_training_thread():
-    """Where every core is busy the step keeps its core: the upload and poll threads are niced below it."""
-    from ddiloco.learner_worker.link import IO_NICENESS, LearnerLink
-
-    cfg, clock, ctx, sync = sim_run(learners={"regions": [{"name": "us", "learners": 1}]})
-    link = LearnerLink(ctx, "us-0", "us")
-    learner = Learner(cfg, "us-0", index=0, num_learners=1, link=link, clock=ctx.now)
-    learner.start(clock.t)
-    learner.start_background_io()
-    try:
-        mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        threads = [t for t in threading.enumerate() if t.name in ("us-0-upload", "us-0-poll")]
-        assert len(threads) == 2, threading.enumerate()
-
-        def niceness() -> list[int]:
-            return [os.getpriority(os.PRIO_PROCESS, t.native_id) for t in threads]
-
-        # Each thread lowers itself as it starts.
-        poll_until(lambda: niceness() == [min(19, mine + IO_NICENESS)] * 2, 10, interval_s=0.01)
-        assert niceness() == [min(19, mine + IO_NICENESS)] * 2
-        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the training thread keeps its own
-    finally:
-        learner.stop()

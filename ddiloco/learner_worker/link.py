@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -38,27 +37,6 @@ STATE_FORMAT = "dcp"
 
 CADENCE_EVENT = "link_cadence"
 """The event a learner records when it changes its send period or codec."""
-
-
-IO_NICENESS = 10
-"""How far below the training thread the link's threads run (Linux niceness, per thread): where the host's cores are
-all busy, a step keeps its core and the I/O, which has a whole send period to catch up, waits."""
-
-
-def _below_training(target: Callable[[], None]) -> Callable[[], None]:
-    """``target``, run at :data:`IO_NICENESS` below the calling thread's priority (on Linux, where niceness is per
-    thread; elsewhere unchanged: setpriority there would name a process)."""
-
-    def run() -> None:
-        if sys.platform.startswith("linux"):
-            tid = threading.get_native_id()
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + IO_NICENESS))
-            except OSError as err:  # a sandbox may refuse it: the thread runs at the training thread's priority
-                log.debug("could not lower the priority of %s: %s", threading.current_thread().name, err)
-        target()
-
-    return run
 
 
 class RunNotReadyError(RuntimeError):
@@ -350,7 +328,7 @@ class LearnerLink:
         """Upload and poll (with heartbeats) in the background until :meth:`stop`."""
         self._stats = stats
         for target, name in ((self.uploader.serve, "upload"), (lambda: self._poll_loop(stats), "poll")):
-            t = threading.Thread(target=_below_training(target), name=f"{self.learner_id}-{name}", daemon=True)
+            t = threading.Thread(target=target, name=f"{self.learner_id}-{name}", daemon=True)
             t.start()
             self._threads.append(t)
 
