@@ -10,6 +10,7 @@ import pytest
 import torch
 from support import drive, setup_run, submit_raw, tiny_config
 
+from ddiloco.inprocess import sim_step
 from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.ledger import reports as reports_q
 from ddiloco.platform.ledger import runs as runs_q
@@ -18,6 +19,7 @@ from ddiloco.platform.ledger.models import Submission
 from ddiloco.platform.models import evaluate
 from ddiloco.platform.runtime import to_datetime
 from ddiloco.synchronizer import policy as pol
+from ddiloco.synchronizer.snapshot import read_snapshot
 
 TPS = 4 * 32  # tiny_config: batch 4 x seq 32 tokens per learner step
 H = 4  # tiny_config: 4 fragments, one sent per step
@@ -254,3 +256,18 @@ def test_claims_in_range_of_the_checks_but_not_of_time_dead_learners_and_unknown
         assert s.get(Submission, back).status == "merged", s.get(Submission, back).reject_reason
         honest_rows = s.query(Submission).filter(Submission.learner_id == "us-0", Submission.status != "pending").all()
     assert honest_rows and all(r.status == "merged" for r in honest_rows)
+
+    # Work registered while its learner was alive is judged as usual even when the learner is dead by the time the
+    # synchronizer reaches it (killed, or cut off by a partition, right after sending): none of it is lost.
+    with ctx.reading() as s:
+        base = runs_q.latest_version_numbers(s, ctx.run_id)[3]
+    before_death = send(3, H, incarnation=incarnation, base=base)
+    for _ in range(int(cfg.learners.dead_after_s) + 2):  # us-1 falls silent; only the honest learner goes on
+        clock.t += 1.0
+        sim_step(honest, clock.t)
+    snap, _ = read_snapshot(ctx, clock.t, None, sync.policies, sync.stats)
+    assert snap.learners["us-1"].dead is not None and "us-1" not in snap.live
+    drive(clock, sync, honest, 2)
+    with ctx.reading() as s:
+        row = s.get(Submission, before_death)
+        assert row.status == "merged", row.reject_reason

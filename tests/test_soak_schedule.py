@@ -116,6 +116,23 @@ def test_growth_is_judged_only_for_processes_that_lived_through_the_soak_from_th
     assert grown[0].lived_s == 100
 
 
+def test_a_standby_that_took_a_shard_over_is_judged_from_its_first_sample_as_the_holder():
+    def s(at: float, rss: int, role: str | None) -> Sample:
+        return Sample(at, rss, 10, 4, 1, role)
+
+    series = {
+        # Took shard 0 over at 50 s: its state and merges grow it then, once.
+        ("sync-2", 1): [s(0, 100, "standby"), s(30, 100, "standby"), s(55, 112, "active"), s(100, 113, "active")],
+        # A holder that grows after its takeover is still caught.
+        ("sync-3", 2): [s(0, 100, "standby"), s(40, 100, "active"), s(70, 120, None), s(100, 130, "active")],
+        ("sync-0", 3): [s(0, 100, "active"), s(30, 100, "active"), s(100, 115, "active")],
+    }
+    grown = {g.process: g for g in resource_growth(series, warmup_s=30, end_s=100, slack_s=5)}
+    assert grown["sync-2"].start.at_s == 55 and grown["sync-2"].rss_ratio == pytest.approx(113 / 112)
+    assert grown["sync-3"].start.at_s == 40 and grown["sync-3"].rss_ratio == pytest.approx(1.3)
+    assert grown["sync-0"].start.at_s == 30 and grown["sync-0"].rss_ratio == pytest.approx(1.15)
+
+
 def test_the_longest_gap_is_per_shard():
     times = {0: [0, 1, 2], 1: [10, 11], 2: [0, 5], 3: [6]}
     assert longest_gaps(times, [(0, 1), (2, 3)]) == [(8, 2), (5, 0)]

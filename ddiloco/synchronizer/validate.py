@@ -64,6 +64,8 @@ class LearnerFacts(NamedTuple):
     tolerance (``learners.dead_after_s``) added."""
     dead: str | None = None
     """Why it counts as dead (``platform.liveness``), None while it is live."""
+    dead_since: float | None = None
+    """When it became dead (its last sign of life plus ``learners.dead_after_s``), None while it is live."""
 
 
 class Admission(NamedTuple):
@@ -83,9 +85,10 @@ def admit(sb: Submission, run_id: str, version: int, learner: LearnerFacts | Non
     (None: no such learner registered); ``numel``: the fragment's elements."""
     if learner is None:
         return Admission(f"{UNKNOWN_LEARNER} {sb.learner_id!r}")
-    if learner.dead is not None:
-        # A learner silent past the liveness rule is out of the quorum and the participation scale; its work merges
-        # again once it is heard of (a heartbeat, or a new incarnation's registration).
+    if learner.dead is not None and (learner.dead_since is None or sb.created_at.timestamp() > learner.dead_since):
+        # Work registered after its learner fell silent past the liveness rule is a zombie's: refused until the learner
+        # is heard of (a heartbeat, or a new incarnation's registration). Work registered before is judged as it would
+        # have been: a learner killed, or cut off by a partition, right after sending loses none of it.
         return Admission(f"{DEAD_LEARNER} {sb.learner_id!r}: {learner.dead}; heartbeat or re-register to be merged again")
     why = (pol.check_claims(sb.c_steps, sb.c_tokens, sb.tokens_new, sb.base_version, learner.most_tokens, learner.trained_s,
                             sb.codec)

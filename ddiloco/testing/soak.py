@@ -197,6 +197,8 @@ class Sample:
     fds: int
     threads: int
     connections: int | None = None
+    role: str | None = None
+    """A synchronizer's: "active" (it held a shard's lease) or "standby"; None for other processes, or unknown."""
 
 
 def read_proc(pid: int) -> tuple[int, int, int] | None:
@@ -233,13 +235,18 @@ class Growth:
 def resource_growth(series: Mapping[tuple[str, int], Sequence[Sample]], warmup_s: float, end_s: float,
                     slack_s: float) -> list[Growth]:
     """For every process (name, pid) that lived through the soak (sampled within ``slack_s`` of its start and of
-    ``end_s``): its first sample at or after ``warmup_s`` against its last."""
+    ``end_s``): its first sample at or after ``warmup_s``, and after its last change of role, against its last. A
+    standby that takes a shard over starts holding its state and merging then: its warm-up begins again."""
     out = []
     for (name, pid), samples in sorted(series.items()):
         after = [s for s in samples if s.at_s >= warmup_s]
         if not after or samples[0].at_s > slack_s or after[-1].at_s < end_s - slack_s:
             continue
-        out.append(Growth(name, pid, after[0], after[-1], after[-1].at_s - samples[0].at_s))
+        role = next((s.role for s in reversed(samples) if s.role is not None), None)
+        changed = [i for i, s in enumerate(samples) if s.role is not None and s.role != role]
+        since = samples[changed[-1] + 1].at_s if changed else 0.0
+        base = next(s for s in after if s.at_s >= since)
+        out.append(Growth(name, pid, base, after[-1], after[-1].at_s - samples[0].at_s))
     return out
 
 
@@ -488,19 +495,28 @@ class Soak:
             return None
         return {str(name): int(n) for name, n in rows}
 
+    def holders(self) -> set[str] | None:
+        """The synchronizers holding a shard's lease now, or None while the ledger cannot say."""
+        try:
+            return {h for shard in range(self.shards) if (h := self.holder(shard)) is not None}
+        except Exception:  # noqa: BLE001 - the server may be restarting: this sample has no roles
+            return None
+
     def sample(self) -> None:
         at = self.now()
         conns = self.connections()
         if conns is not None:
             self.last_connections = conns
             self.first_connections = self.first_connections or conns
+        holders = self.holders()
         for name, pid in self.pids().items():
             got = read_proc(pid)
             if got is None:
                 continue
             n = None if conns is None else conns.get(name, 0)
+            role = None if holders is None or not name.startswith("sync") else "active" if name in holders else "standby"
             with self._lock:
-                self.series.setdefault((name, pid), []).append(Sample(round(at, 2), *got, n))
+                self.series.setdefault((name, pid), []).append(Sample(round(at, 2), *got, n, role))
 
     def check(self, final: bool = False) -> None:
         at = self.now()
