@@ -3,9 +3,11 @@ install when moto is missing."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -79,3 +81,32 @@ def test_a_free_port_is_free():
     port = free_port()
     assert 0 < port < 65536
     assert not port_open("127.0.0.1", port, timeout_s=0.5)
+
+
+def test_a_relay_that_has_said_more_than_its_pipe_holds_still_relays():
+    """The relay prints a line per connection; unread, its pipe would fill and block it, cutting every route for good
+    (seen in a 30-minute soak: a region's learners stalled for minutes after a partition had healed)."""
+    from ddiloco.testing.relay import Relay
+
+    with socket.socket() as echo:
+        echo.bind(("127.0.0.1", 0))
+        echo.listen(64)
+
+        def serve() -> None:
+            while True:
+                conn, _ = echo.accept()
+                with conn:
+                    while data := conn.recv(65536):
+                        conn.sendall(data)
+
+        threading.Thread(target=serve, daemon=True).start()
+        port = free_port()
+        relay = Relay([f"127.0.0.1:{port}=127.0.0.1:{echo.getsockname()[1]}@0"])
+        try:
+            for i in range(1500):  # about 60 bytes a line: well past a 64 KiB pipe
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+                    c.sendall(b"x")
+                    assert c.recv(16) == b"x", i
+            wait_for(lambda: len(relay.output) == relay.output.maxlen and "closed" in relay.output[-1], 30, "the relay's lines")
+        finally:
+            relay.stop()

@@ -13,6 +13,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+from collections import deque
 from collections.abc import Sequence
 
 READY = "relay ready"
@@ -70,6 +72,8 @@ async def serve(routes: Sequence[tuple[str, int, str, int, float]]) -> None:
         finally:
             for w in (cw, sw):
                 w.close()
+            # A line per connection relayed: what crossed a partition, for the logs of whoever runs the relay.
+            print(f"{cw.get_extra_info('peername')} -> {target[0]}:{target[1]} closed", flush=True)
 
     servers = []
     for lhost, lport, thost, tport, delay_s in routes:
@@ -109,6 +113,15 @@ class Relay:
         if READY not in line:
             self.stop()
             raise RuntimeError(f"the relay did not start: {line.strip()}")
+        self.output: deque[str] = deque(maxlen=100)
+        """Its last lines (asyncio's warnings about connections lost mid-write): read as they come, because a relay
+        whose pipe filled up would block on its next write and cut every route for good."""
+        threading.Thread(target=self._drain, name=f"relay-{self.pid}-output", daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.output.append(line)
 
     @property
     def pid(self) -> int:
