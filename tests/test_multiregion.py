@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.testing.net import free_port, poll_until, wait_for
+from ddiloco.testing.net import EchoServer, free_port, poll_until, wait_for
 from ddiloco.testing.processes import stop_processes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,24 +179,14 @@ def test_a_partition_stalls_open_connections_refuses_new_ones_and_heals():
 
 
 def test_relay_adds_the_one_way_delay_each_way():
-    with socket.socket() as echo:
-        echo.bind(("127.0.0.1", 0))
-        echo.listen(1)
-
-        def serve() -> None:
-            conn, _ = echo.accept()
-            with conn:
-                while data := conn.recv(65536):
-                    conn.sendall(data)
-
-        threading.Thread(target=serve, daemon=True).start()
+    with EchoServer() as echo:
         port = free_port()
         relay = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
                 "ddiloco.testing.relay",
-                f"127.0.0.1:{port}=127.0.0.1:{echo.getsockname()[1]}@100",
+                f"127.0.0.1:{port}=127.0.0.1:{echo.port}@100",
             ],
             stdout=subprocess.PIPE,
             text=True,

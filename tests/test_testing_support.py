@@ -7,11 +7,10 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 
 import pytest
 
-from ddiloco.testing.net import free_port, poll_until, port_open, wait_for
+from ddiloco.testing.net import EchoServer, free_port, poll_until, port_open, wait_for
 from ddiloco.testing.progress import longest_gap
 
 
@@ -88,20 +87,9 @@ def test_a_relay_that_has_said_more_than_its_pipe_holds_still_relays():
     (seen in a 30-minute soak: a region's learners stalled for minutes after a partition had healed)."""
     from ddiloco.testing.relay import Relay
 
-    with socket.socket() as echo:
-        echo.bind(("127.0.0.1", 0))
-        echo.listen(64)
-
-        def serve() -> None:
-            while True:
-                conn, _ = echo.accept()
-                with conn:
-                    while data := conn.recv(65536):
-                        conn.sendall(data)
-
-        threading.Thread(target=serve, daemon=True).start()
+    with EchoServer() as echo:
         port = free_port()
-        relay = Relay([f"127.0.0.1:{port}=127.0.0.1:{echo.getsockname()[1]}@0"])
+        relay = Relay([f"127.0.0.1:{port}=127.0.0.1:{echo.port}@0"])
         try:
             for i in range(1500):  # about 60 bytes a line: well past a 64 KiB pipe
                 with socket.create_connection(("127.0.0.1", port), timeout=10) as c:

@@ -1,4 +1,5 @@
-"""Ports and waits: a free loopback port, polling a condition with a deadline, and a local webhook that records what is posted to it."""
+"""Ports and waits: a free loopback port, polling a condition with a deadline, a local webhook that records what is posted to it,
+and a loopback echo server."""
 
 from __future__ import annotations
 
@@ -89,3 +90,30 @@ class Webhook:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class EchoServer:
+    """A loopback TCP server that sends back whatever a connection sends it, one connection after another."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port: int = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                while data := conn.recv(65536):
+                    conn.sendall(data)
+
+    def __enter__(self) -> EchoServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
