@@ -135,3 +135,54 @@ def test_the_evaluation_series_follow_the_tracker_variables(tmp_path: Path) -> N
     series.close()
     assert scalars(tmp_path / "tb" / "r" / "evaluator") == {
         "eval/val_loss": [(4096, 1.5, 1.7e9)], "eval/val_accuracy": [(4096, 0.25, 1.7e9)], "eval/versions_total": [(4096, 3.0, 1.7e9)]}
+
+
+@pytest.mark.slow
+def test_the_evaluator_waits_out_a_ledger_restart(tmp_path: Path, caplog) -> None:
+    """A PostgreSQL restart under the evaluator: it keeps ticking and goes on once the server is back (it used to die
+    on the run-status read, outside its retry; the 30-minute soak found it gone)."""
+    import logging
+    import threading
+
+    from ddiloco.testing.net import wait_for
+    from ddiloco.testing.postgres import ThrowawayCluster
+
+    try:
+        pg = ThrowawayCluster.start()
+    except RuntimeError as err:
+        pytest.skip(f"no PostgreSQL cluster of its own to restart: {err}")
+    try:
+        cfg = tiny_config(name="evalpg", ledger={"url": pg.url}, storage={"url": f"file://{tmp_path / 'store'}"}, **SECTIONS)
+        ctx = RunContext.open(cfg, cfg.name)
+        Synchronizer(ctx, holder="sync").poll_once()  # registers the run and publishes version 0
+        evaluator = Evaluator(ctx, every_s=0.1)
+        stop, failures = threading.Event(), []
+
+        def run() -> None:
+            try:
+                evaluator.run(stop)
+            except BaseException as err:  # noqa: BLE001 - the test's verdict
+                failures.append(err)
+
+        thread = threading.Thread(target=run, daemon=True)
+        with caplog.at_level(logging.ERROR, logger="ddiloco"):
+            thread.start()
+            wait_for(lambda: evaluator.evaluated, 60, "the first evaluation")
+            pg.halt()
+            try:
+                wait_for(lambda: "reading the run's status failed" in caplog.text or not thread.is_alive(), 30,
+                         "a failed status read while the server is down")
+                assert thread.is_alive() and not failures, failures
+            finally:
+                pg.resume()
+            ctx.engine.dispose()  # sessions of the halted server are gone
+            ticks = caplog.text.count("reading the run's status failed")
+            caplog.clear()
+            with ctx.reading() as s:  # the server is back
+                assert runs_q.get_run(s, cfg.name) is not None
+            stop.set()
+            thread.join(30)
+        assert not thread.is_alive() and not failures, failures
+        assert ticks >= 1
+    finally:
+        pg.stop()

@@ -75,8 +75,13 @@ class Evaluator:
         stop = stop or threading.Event()
         made, told = 0, False
         while not stop.is_set():
-            with self.ctx.reading() as s:
-                run = runs_q.get_run(s, self.ctx.run_id)
+            try:
+                with self.ctx.reading() as s:
+                    run = runs_q.get_run(s, self.ctx.run_id)
+            except Exception:  # noqa: BLE001 - the ledger may be restarting: asked again on the next tick
+                log.exception("reading the run's status failed; retrying in %.0fs", self.every_s)
+                stop.wait(self.every_s)
+                continue
             ended = run is not None and run.status != "running"
             if run is None and not told:
                 # Deployments start in any order: the synchronizer may not have registered the run yet.
