@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 ALIVE = "alive"
 STRAGGLING = "straggling"
@@ -83,9 +83,19 @@ def format_duration(seconds: float | None) -> str:
     return f"{d}d {h}h"
 
 
+def last_heard(snap: LearnerSnapshot) -> datetime:
+    """When the learner was last heard of (its start counts as a sign of life)."""
+    return snap.last_heartbeat_at or snap.started_at
+
+
 def silent_s(snap: LearnerSnapshot, now: datetime) -> float:
-    """Seconds since the learner was last heard of (its start counts as a sign of life)."""
-    return (now - (snap.last_heartbeat_at or snap.started_at)).total_seconds()
+    """Seconds since the learner was last heard of."""
+    return (now - last_heard(snap)).total_seconds()
+
+
+def dead_since(snap: LearnerSnapshot, policy: LivenessPolicy) -> datetime:
+    """When the learner is dead by :func:`is_dead` if it stays silent: last heard of plus ``dead_after_s``."""
+    return last_heard(snap) + timedelta(seconds=policy.dead_after_s)
 
 
 def is_dead(silent: float, policy: LivenessPolicy) -> bool:
@@ -136,7 +146,7 @@ def region_verdict(snaps: Sequence[LearnerSnapshot], now: datetime, policy: Live
     dead = sum(is_dead(silent_s(s, now), policy) for s in snaps)
     if dead < n:
         return Verdict(REGION_UP, f"{n - dead} of {n} learners live")
-    heard = sorted(s.last_heartbeat_at or s.started_at for s in snaps)
+    heard = sorted(last_heard(s) for s in snaps)
     last = heard[-1]
     silent = format_duration((now - last).total_seconds())
     if n < MIN_CUT_OFF_LEARNERS:

@@ -85,7 +85,7 @@ def read_snapshot(
                 # tolerance covers clocks that disagree.
                 now - max(r.started_at.timestamp(), run.created_at.timestamp() if run else now) + policies.liveness.dead_after_s,
                 None if verdicts[r.id].status != liveness.DEAD else verdicts[r.id].reason,
-                None if verdicts[r.id].status != liveness.DEAD else now - liveness.silent_s(sn, now_dt) + policies.liveness.dead_after_s,
+                None if verdicts[r.id].status != liveness.DEAD else liveness.dead_since(sn, policies.liveness).timestamp(),
             )
             for r, sn in zip(rows, snaps, strict=True)
         },

@@ -114,7 +114,7 @@ class Relay:
             self.stop()
             raise RuntimeError(f"the relay did not start: {line.strip()}")
         self.output: deque[str] = deque(maxlen=100)
-        """Its last lines (asyncio's warnings about connections lost mid-write): read as they come, because a relay
+        """Its last lines (a line per connection, asyncio's warnings about connections lost mid-write): read as they come, because a relay
         whose pipe filled up would block on its next write and cut every route for good."""
         threading.Thread(target=self._drain, name=f"relay-{self.pid}-output", daemon=True).start()
 
