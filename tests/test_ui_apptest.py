@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import re
+import subprocess
+import sys
+import textwrap
 from datetime import timedelta
 from pathlib import Path
 
@@ -319,6 +322,29 @@ def test_ui_command_serves_the_app_with_the_ledger_in_the_environment(monkeypatc
     bad = CliRunner().invoke(app, ["--ledger", "not a url"])
     assert bad.exit_code == 2
     assert Path(APP_PATH).is_file()
+
+
+def test_the_dashboard_loads_without_torch():
+    """The app and every module its pages import, in a fresh interpreter: torch (seconds to import,
+    tens of seconds on a busy host) stays out, so a page's first render is not held up by it."""
+    code = textwrap.dedent(
+        f"""
+        import ast, importlib, pathlib, sys
+        import ddiloco.ui.app
+        pages = sorted(pathlib.Path({str(Path(APP_PATH).parent / "views")!r}).glob("*.py"))
+        for page in pages:
+            for node in ast.walk(ast.parse(page.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                    importlib.import_module(node.module)
+                elif isinstance(node, ast.Import):
+                    for alias in node.names:
+                        importlib.import_module(alias.name)
+        print(len(pages), "torch" in sys.modules)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["2", "False"], out.stdout
 
 
 def everything_shown(at: AppTest) -> str:

@@ -21,11 +21,15 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from ddiloco.platform.config import ConfigError
+
+if TYPE_CHECKING:
+    # The plan itself is names and sizes: the dashboard and the ledger read it without loading torch
+    # (an import of seconds, tens of seconds on a busy machine).
+    import torch
+    from torch import nn
 
 ROWS = "@rows:"
 """What separates a parameter name from a piece's row range in its key."""
@@ -220,6 +224,8 @@ def assemble(pieces: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             if t.shape[1:] != parts[0][2].shape[1:] or t.dtype != parts[0][2].dtype:
                 raise PieceKeyError(f"row pieces of {name!r} disagree on shape or dtype at rows {start}:{end}")
             expected = end
+        import torch
+
         out[name] = torch.cat([t for _, _, t in parts], dim=0)
     return out
 
