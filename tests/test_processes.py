@@ -29,11 +29,14 @@ pytestmark = pytest.mark.slow
 
 
 def process_config(name: str, **extra):
+    # A lease long enough that a holder starved of CPU (the suite runs 4 workers on 2 cores) keeps it: with 1.5 s a
+    # live holder lost its shard to a standby mid-test. The kills below must be taken over well inside it, which only
+    # the presence lock can do (a renewed lease has over 5 s left), so the failover bounds test that path, not expiry.
     return tiny_config(
         name=name,
         learners={"regions": [{"name": "us", "learners": 2}], "heartbeat_s": 0.5, "poll_s": 0.2, "dead_after_s": 5.0},
         fragments={"count": 4, "overlap": 2},
-        synchronizer={"poll_s": 0.1, "lease_ttl_s": 1.5, "eval_every_s": 1000.0,
+        synchronizer={"poll_s": 0.1, "lease_ttl_s": 8.0, "eval_every_s": 1000.0,
                       "retention": {"keep_last": 100000, "keep_submission_blobs": True}},
         compression={"codec": "int8"},
         **extra,
