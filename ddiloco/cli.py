@@ -361,7 +361,7 @@ def _soak(duration: str, rate: float, seed: int, check_every: float, json_path: 
           workdir: Path | None) -> None:
     import tempfile
 
-    from ddiloco.testing.soak import parse_duration, run_growth, run_soak, soak_passed
+    from ddiloco.testing.soak import LONG_LIVED_S, parse_duration, run_growth, run_soak, soak_passed
 
     try:
         seconds = parse_duration(duration)
@@ -387,7 +387,9 @@ def _soak(duration: str, rate: float, seed: int, check_every: float, json_path: 
     worst = max(run_growth(report), key=lambda g: g["rss_ratio"], default=None)
     if worst:
         console.print(f"largest RSS growth after warm-up: {worst['process']} x{worst['rss_ratio']:.3f} over {worst['lived_s']:.0f} s "
-                      f"({len(run_growth(report))} of the run's processes lived through the soak)")
+                      f"({len(run_growth(report))} of the run's processes judged: "
+                      f"{sum(g['whole_soak'] for g in run_growth(report))} lived through the soak, "
+                      f"the others {LONG_LIVED_S / 60:.0f}+ minutes)")
     console.print(f"invariants: {'ok' if report.invariants_ok else 'BROKEN'} ({len(report.invariant_checks)} checks)")
     for problem in report.problems:
         console.print(f"  [red]{escape(problem)}[/red]")

@@ -116,6 +116,24 @@ def test_growth_is_judged_only_for_processes_that_lived_through_the_soak_from_th
     assert grown[0].lived_s == 100
 
 
+def test_an_incarnation_relaunched_mid_soak_is_judged_from_its_own_warm_up_once_it_lived_long_enough():
+    def s(at: float, rss: int) -> Sample:
+        return Sample(at, rss, 10, 4, 1)
+
+    series = {
+        ("us-0", 1): [s(0, 100), s(30, 200), s(100, 210)],  # lived through: judged as before
+        ("us-1", 2): [s(10, 100), s(20, 300), s(40, 330), s(80, 360)],  # relaunched at 10, warm at 40, 40 s after it: judged
+        ("us-1", 3): [s(85, 100), s(100, 400)],  # relaunched at 85: 15 s is not long-lived
+        ("eu-0", 4): [s(0, 100), s(30, 200), s(50, 200)],  # killed 20 s after its warm-up: not long-lived
+    }
+    grown = {(g.process, g.pid): g for g in resource_growth(series, warmup_s=30, end_s=100, slack_s=5, min_life_s=40)}
+    assert sorted(grown) == [("us-0", 1), ("us-1", 2)]
+    assert grown["us-0", 1].whole_soak and not grown["us-1", 2].whole_soak
+    assert grown["us-1", 2].start.at_s == 40 and grown["us-1", 2].rss_ratio == pytest.approx(360 / 330)
+    assert grown["us-1", 2].lived_s == 70
+    assert ("us-1", 2) not in {(g.process, g.pid) for g in resource_growth(series, warmup_s=30, end_s=100, slack_s=5)}
+
+
 def test_a_standby_that_took_a_shard_over_is_judged_from_its_first_sample_as_the_holder():
     def s(at: float, rss: int, role: str | None) -> Sample:
         return Sample(at, rss, 10, 4, 1, role)

@@ -222,6 +222,8 @@ class Growth:
     start: Sample
     end: Sample
     lived_s: float
+    whole_soak: bool = True
+    """Whether it lived through the whole soak; otherwise an incarnation that lived long enough after its own warm-up."""
 
     @property
     def rss_ratio(self) -> float:
@@ -229,24 +231,29 @@ class Growth:
 
     def to_dict(self) -> dict[str, Any]:
         return {"process": self.process, "pid": self.pid, "lived_s": round(self.lived_s, 1), "rss_ratio": round(self.rss_ratio, 4),
-                "start": asdict(self.start), "end": asdict(self.end)}
+                "whole_soak": self.whole_soak, "start": asdict(self.start), "end": asdict(self.end)}
 
 
 def resource_growth(series: Mapping[tuple[str, int], Sequence[Sample]], warmup_s: float, end_s: float,
-                    slack_s: float) -> list[Growth]:
+                    slack_s: float, min_life_s: float | None = None) -> list[Growth]:
     """For every process (name, pid) that lived through the soak (sampled within ``slack_s`` of its start and of
-    ``end_s``): its first sample at or after ``warmup_s``, and after its last change of role, against its last. A
-    standby that takes a shard over starts holding its state and merging then: its warm-up begins again."""
+    ``end_s``), and with ``min_life_s`` every other that was sampled over at least that long after its own warm-up
+    (a learner relaunched mid-soak is as long-lived as one never killed): its first sample ``warmup_s`` or more after
+    its own first, and after its last change of role, against its last. A standby that takes a shard over starts
+    holding its state and merging then: its warm-up begins again."""
     out = []
     for (name, pid), samples in sorted(series.items()):
-        after = [s for s in samples if s.at_s >= warmup_s]
-        if not after or samples[0].at_s > slack_s or after[-1].at_s < end_s - slack_s:
+        after = [s for s in samples if s.at_s >= samples[0].at_s + warmup_s]
+        if not after:
+            continue
+        whole = samples[0].at_s <= slack_s and after[-1].at_s >= end_s - slack_s
+        if not whole and (min_life_s is None or after[-1].at_s - after[0].at_s < min_life_s):
             continue
         role = next((s.role for s in reversed(samples) if s.role is not None), None)
         changed = [i for i, s in enumerate(samples) if s.role is not None and s.role != role]
         since = samples[changed[-1] + 1].at_s if changed else 0.0
         base = next(s for s in after if s.at_s >= since)
-        out.append(Growth(name, pid, base, after[-1], after[-1].at_s - samples[0].at_s))
+        out.append(Growth(name, pid, base, after[-1], after[-1].at_s - samples[0].at_s, whole))
     return out
 
 
@@ -363,6 +370,9 @@ DRIVER = "soak-driver"
 START_WAIT_S = 120.0
 """How long a process the soak starts waits for its ledger and store: nine processes starting at once on 2 loaded cores
 took over 30 s (the default) to get their first answer from the store, and a relaunch may land in a backend fault."""
+LONG_LIVED_S = 600.0
+"""A process relaunched mid-soak is judged for growth too when it was sampled this long after its own warm-up: at
+125 faults/hour every learner and synchronizer is killed at least once in 30 minutes."""
 SETTLE_S = 15.0
 """After the last fault ends, the run goes on this long before the final figures: what the last fault held up drains."""
 BACKEND_QUIET_S = 10.0
@@ -748,7 +758,8 @@ class Soak:
         r.processes = [{"process": name, "pid": pid, "start": asdict(v[0]), "end": asdict(v[-1])}
                        for (name, pid), v in sorted(series.items())]
         warmup = min(self.warmup_s, span / 2)
-        r.growth = [g.to_dict() for g in resource_growth(series, warmup, span, slack_s=2 * self.sample_every_s)]
+        r.growth = [g.to_dict() for g in resource_growth(series, warmup, span, slack_s=2 * self.sample_every_s,
+                                                            min_life_s=LONG_LIVED_S)]
         r.connections = {"start": self.first_connections or {}, "end": self.last_connections or {}}
 
 
