@@ -12,6 +12,7 @@ The decisions are pure (:func:`draw_schedule`, :func:`availability_bound`, :func
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import os
@@ -648,14 +649,16 @@ class Soak:
                 self.backend_quiet_at = self.now()
 
     def apply(self, schedule: Sequence[Fault]) -> None:
-        """Begin and end every fault at its time, in one thread: overlapping faults interleave as the schedule says."""
+        """Begin every fault at its time and end it its duration after it began, in one thread: overlapping faults
+        interleave as the schedule says, and one begun late on a loaded machine still lasts as long as drawn."""
         events: list[tuple[float, int, int, Applied]] = []  # (when, 0 = end first at a tie, order, fault)
         for i, f in enumerate(schedule):
             a = Applied(f)
             self.report.timeline.append(a)
-            events += [(f.at_s, 1, i, a), (f.end_s, 0, i, a)]
-        events.sort(key=lambda e: e[:3])
-        for when, is_begin, _, a in events:
+            events.append((f.at_s, 1, i, a))
+        heapq.heapify(events)
+        while events:
+            when, is_begin, i, a = heapq.heappop(events)
             self._halt.wait(max(0.0, when - self.now()))  # the schedule's own clock: wait for the fault's time
             if self._halt.is_set():
                 return
@@ -666,6 +669,9 @@ class Soak:
                 log.exception("fault %s", a.fault)
                 a.applied = False if is_begin else a.applied
                 a.detail += f"; soak error: {' '.join(str(err).split())[:160]}"
+            if is_begin:
+                began = a.started_s if a.started_s is not None else self.now()
+                heapq.heappush(events, (max(a.fault.end_s, began + a.fault.duration_s), 0, i, a))
 
     # --- the soak -----------------------------------------------------------------------------------------------
 
