@@ -384,11 +384,12 @@ def _soak(duration: str, rate: float, seed: int, check_every: float, json_path: 
                   f"{report.goodput_of_bound:.2f} of the bound")
     console.print("tokens " + ", ".join(f"{k} {v:,}" for k, v in report.tokens.items()))
     console.print("longest gap between versions: " + ", ".join(f"shard {g['shard']} {g['gap_s']:.1f} s" for g in report.longest_gap_s))
-    worst = max(run_growth(report), key=lambda g: g["rss_ratio"], default=None)
+    judged = run_growth(report)
+    worst = max(judged, key=lambda g: g["rss_ratio"], default=None)
     if worst:
         console.print(f"largest RSS growth after warm-up: {worst['process']} x{worst['rss_ratio']:.3f} over {worst['lived_s']:.0f} s "
-                      f"({len(run_growth(report))} of the run's processes judged: "
-                      f"{sum(g['whole_soak'] for g in run_growth(report))} lived through the soak, "
+                      f"({len(judged)} of the run's processes judged: "
+                      f"{sum(g['whole_soak'] for g in judged)} lived through the soak, "
                       f"the others {LONG_LIVED_S / 60:.0f}+ minutes)")
     console.print(f"invariants: {'ok' if report.invariants_ok else 'BROKEN'} ({len(report.invariant_checks)} checks)")
     for problem in report.problems:

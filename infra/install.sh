@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Make .venv and install ddiloco from the lock (constraints.txt): `bash infra/install.sh [EXTRAS]`, e.g. `dev`.
-# With uv, which the lock pins and pip fetches in seconds, the whole set installs in about 20 s; where uv cannot be
+# With uv, which the lock pins and pip fetches in seconds, the whole set installs in about 75 s, most of it compiling bytecode; where uv cannot be
 # had, pip installs the same lock (about 2 minutes). uv does not read pip's settings: a machine that keeps its torch
 # wheel on disk for pip (PIP_FIND_LINKS) gets the same wheel through UV_FIND_LINKS, not a download of a CUDA build.
 # Bytecode is compiled at install, as pip does and uv does not by default: where PYTHONDONTWRITEBYTECODE is set, every
-# process would otherwise compile torch from source on import (6.5 s of CPU instead of about 1 s).
+# process would otherwise compile torch from source on import (6.5 s of CPU instead of 2.3 s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 target=".${1:+[$1]}"

@@ -201,6 +201,8 @@ def assemble(pieces: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     dimensions and the dtype; a whole tensor must not come with pieces of itself. Raises
     :class:`PieceKeyError` naming the problem. Whether R is the model's row count is for the caller
     to check against its shapes."""
+    import torch
+
     whole: dict[str, torch.Tensor] = {}
     split_rows: dict[str, list[tuple[int, int, torch.Tensor]]] = {}
     for key, t in pieces.items():
@@ -224,8 +226,6 @@ def assemble(pieces: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             if t.shape[1:] != parts[0][2].shape[1:] or t.dtype != parts[0][2].dtype:
                 raise PieceKeyError(f"row pieces of {name!r} disagree on shape or dtype at rows {start}:{end}")
             expected = end
-        import torch
-
         out[name] = torch.cat([t for _, _, t in parts], dim=0)
     return out
 
