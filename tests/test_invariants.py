@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from ddiloco.cli import app
 from ddiloco.platform.ids import global_key, outer_state_key, submission_key
 from ddiloco.platform.invariants import (
+    MovedOn,
     Problem,
     Snapshot,
     SubmissionRow,
@@ -99,6 +100,10 @@ def test_missing_or_wrong_blobs_count_as_lost():
     assert "is missing" in problems[1].what and "has 7 bytes, not 10" in problems[2].what
     assert [p.lost for p in problems] == [1, 1, 1]
     assert blob_problems(newest, {0: True, 1: True}, pending, {1: 10, 2: 10, 3: 10}) == []
+    # Decided or superseded since the snapshot excuses a blob that is gone, never one of the wrong size.
+    since = MovedOn(decided=frozenset({2, 3}), superseded=frozenset({1}))
+    assert [p.what.split(":")[0] for p in blob_problems(newest, {0: True, 1: False}, pending, {1: 10, 2: None, 3: 7}, since)] == [
+        "pending submission 3"]
 
 
 def test_token_accounting_must_balance_and_the_gap_is_lost():
@@ -197,6 +202,33 @@ def test_a_corrupted_ledger_is_reported_and_the_command_exits_1(run):
     result = run.check()
     assert result.exit_code == 1
     assert result.output.splitlines() == text
+
+
+def test_a_blob_collected_after_the_rows_were_read_is_not_lost(run):
+    """The run goes on between the check's read and its look at the store: the pending submission is
+    merged and its blob collected, fragment 1 moves on and its old head's blob goes. Nothing is lost."""
+    pending, moved = run.subs[2], []
+
+    def store_for(region):
+        if not moved:
+            moved.append(True)
+            with run.ctx.transaction() as s:
+                key = sync_q.pending_submissions(s, "inv")[0].blob_key
+                old_head = runs_q.get_version(s, "inv", 1, 0).blob_key
+            run.publish(0, 2, merged=[sync_q.MergedIn(pending, 1.0, 1.0, 1)])
+            run.publish(1, 1)
+            run.store.delete(key)
+            run.store.delete(old_head)
+        return run.ctx.store(region)
+
+    assert check_run(run.ctx, store_for) == []
+    assert moved
+    # Read again, the same store now holds a run that is sound; a pending blob deleted is still lost.
+    assert check_run(run.ctx) == []
+    late = run.submit("u9", tokens_total=400)
+    with run.ctx.transaction() as s:
+        run.store.delete(next(p.blob_key for p in sync_q.pending_submissions(s, "inv") if p.id == late))
+    assert [p.lost for p in check_run(run.ctx)] == [1]
 
 
 def test_the_check_reads_the_store_it_is_given(run, tmp_path):

@@ -84,6 +84,16 @@ class Totals:
 
 
 @dataclass(frozen=True)
+class MovedOn:
+    """What changed between reading a snapshot and listing the store: pending submissions decided since
+    (whose blobs garbage collection may then delete) and fragments with a newer version since (whose
+    old newest blob it may let go). A blob gone for one of these is not lost."""
+
+    decided: frozenset[int] = frozenset()
+    superseded: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
 class Snapshot:
     versions: list[VersionRow]
     submissions: list[SubmissionRow]
@@ -151,17 +161,18 @@ def blob_problems(
     intact: Mapping[int, bool],
     pending: Iterable[SubmissionRow],
     listed_size: Mapping[int, int | None],
+    moved_on: MovedOn = MovedOn(),
 ) -> list[Problem]:
     """The newest blob of each fragment verified (``intact`` by fragment); each pending blob listed with
     its recorded size (``listed_size`` by submission id, None when absent)."""
     problems = []
     for fragment, v in sorted(newest.items()):
-        if not intact.get(fragment, False):
+        if not intact.get(fragment, False) and fragment not in moved_on.superseded:
             problems.append(Problem(f"fragment {fragment}: v{v.version}'s blob {v.blob_key} is missing or does not match "
                                     "its sha256", lost=1))
     for s in pending:
         size = listed_size.get(s.id)
-        if size != s.nbytes:
+        if size != s.nbytes and not (size is None and s.id in moved_on.decided):
             found = "is missing" if size is None else f"has {size} bytes, not {s.nbytes}"
             problems.append(Problem(f"pending submission {s.id}: its blob {s.blob_key} {found}", lost=1))
     return problems
@@ -209,14 +220,16 @@ def _head(head: tuple[int, str, str] | None) -> str:
     return "none" if head is None else f"v{head[0]} ({head[1]})"
 
 
-def check_snapshot(snap: Snapshot, intact: Mapping[int, bool], listed_size: Mapping[int, int | None]) -> list[Problem]:
+def check_snapshot(
+    snap: Snapshot, intact: Mapping[int, bool], listed_size: Mapping[int, int | None], moved_on: MovedOn = MovedOn()
+) -> list[Problem]:
     """Every invariant over one snapshot and what the store showed of it."""
     newest = newest_versions(snap.versions)
     pending = [s for s in snap.submissions if s.status == PENDING]
     return [
         *version_problems(snap.versions),
         *fate_problems(snap.submissions, {f: v.version for f, v in newest.items()}),
-        *blob_problems(newest, intact, pending, listed_size),
+        *blob_problems(newest, intact, pending, listed_size, moved_on),
         *accounting_problems(snap.accounting),
         *(totals_problems(snap.stored, snap.scanned) if snap.stored is not None and snap.scanned is not None else []),
     ]
@@ -347,4 +360,31 @@ def check_run(ctx: RunContext, store_for: Callable[[str | None], FragmentStore] 
     with ctx.reading() as s:
         snap = read_snapshot(s, ctx.run_id)
     intact, sizes = probe_store(snap, ctx.run_id, store_for or ctx.store)
-    return check_snapshot(snap, intact, sizes)
+    missing = [i for i, size in sizes.items() if size is None]
+    newest = newest_versions(snap.versions)
+    failed = {f: newest[f].version for f, ok in intact.items() if not ok}
+    if not missing and not failed:
+        return check_snapshot(snap, intact, sizes)
+    # The store is looked at after the rows were read, and the synchronizer goes on meanwhile: a blob
+    # gone for a row that has moved on since may have been collected. Rows only move forward (pending
+    # to decided, a fragment to a newer version), so one still as it was had its blob all along.
+    with ctx.reading() as s:
+        moved_on = read_moved_on(s, ctx.run_id, missing, failed)
+    return check_snapshot(snap, intact, sizes, moved_on)
+
+
+def read_moved_on(session: Session, run_id: str, submission_ids: list[int], newest: Mapping[int, int]) -> MovedOn:
+    """Which of ``submission_ids`` are no longer pending, and which fragments have a version newer than ``newest``'s."""
+    decided = set()
+    for start in range(0, len(submission_ids), 500):
+        decided.update(session.scalars(
+            select(Submission.id).where(Submission.run_id == run_id, Submission.id.in_(submission_ids[start:start + 500]),
+                                        Submission.status != PENDING)
+        ))
+    superseded = {
+        f for f, top in session.execute(
+            select(FragmentVersion.fragment, func.max(FragmentVersion.version))
+            .where(FragmentVersion.run_id == run_id, FragmentVersion.fragment.in_(list(newest))).group_by(FragmentVersion.fragment)
+        ) if top > newest[f]
+    }
+    return MovedOn(frozenset(decided), frozenset(superseded))
