@@ -387,7 +387,8 @@ def _soak(duration: str, rate: float, seed: int, check_every: float, json_path: 
     judged = run_growth(report)
     worst = max(judged, key=lambda g: g["rss_ratio"], default=None)
     if worst:
-        console.print(f"largest RSS growth after warm-up: {worst['process']} x{worst['rss_ratio']:.3f} over {worst['lived_s']:.0f} s "
+        console.print(f"largest RSS growth after warm-up: {worst['process']} x{worst['rss_ratio']:.3f} "
+                      f"(anonymous memory x{worst.get('anon_ratio', 1.0):.3f}) over {worst['lived_s']:.0f} s "
                       f"({len(judged)} of the run's processes judged: "
                       f"{sum(g['whole_soak'] for g in judged)} lived through the soak, "
                       f"the others {LONG_LIVED_S / 60:.0f}+ minutes)")

@@ -18,6 +18,7 @@ from ddiloco.testing.soak import (
     PARTITION,
     PG_RESTART,
     STORE_OUTAGE,
+    TRACE_POINTS,
     UNREACHABLE_KINDS,
     Fault,
     Sample,
@@ -27,6 +28,7 @@ from ddiloco.testing.soak import (
     parse_duration,
     read_proc,
     resource_growth,
+    trace,
     unavailable,
 )
 
@@ -116,6 +118,15 @@ def test_growth_is_judged_only_for_processes_that_lived_through_the_soak_from_th
     assert grown[0].lived_s == 100
 
 
+def test_a_judged_process_keeps_a_short_trace_of_rss_and_its_anonymous_part_from_its_warm_sample():
+    series = {("us-0", 1): [Sample(float(t), (100 + t) << 20, 10, 4, 1, None, (50 + t // 10) << 20) for t in range(0, 1001, 5)]}
+    (g,) = resource_growth(series, warmup_s=30, end_s=1000, slack_s=5)
+    assert g.trace[0] == (30.0, 130, 53) and g.trace[-1] == (1000.0, 1100, 150)
+    assert len(g.trace) == TRACE_POINTS and [p[0] for p in g.trace] == sorted({p[0] for p in g.trace})
+    assert g.anon_ratio == pytest.approx(150 / 53) and g.to_dict()["trace"][-1] == [1000.0, 1100, 150]
+    assert trace([Sample(1.0, 1 << 20, 1, 1)]) == ((1.0, 1, 0),)
+
+
 def test_an_incarnation_relaunched_mid_soak_is_judged_from_its_own_warm_up_once_it_lived_long_enough():
     def s(at: float, rss: int) -> Sample:
         return Sample(at, rss, 10, 4, 1)
@@ -168,8 +179,8 @@ def test_a_bad_duration_is_refused_naming_it(text):
 
 
 def test_proc_reads_a_live_process_and_none_for_a_gone_one():
-    rss, fds, threads = read_proc(os.getpid())
-    assert rss > 10 << 20 and fds >= 3 and threads >= 1
+    rss, fds, threads, anon = read_proc(os.getpid())
+    assert rss > 10 << 20 and fds >= 3 and threads >= 1 and 0 < anon < rss
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert read_proc(child.pid) is None

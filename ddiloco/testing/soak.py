@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import create_engine, select, text
 from sqlalchemy.engine import make_url
@@ -200,10 +200,21 @@ class Sample:
     connections: int | None = None
     role: str | None = None
     """A synchronizer's: "active" (it held a shard's lease) or "standby"; None for other processes, or unknown."""
+    anon: int = 0
+    """The anonymous part of RSS (bytes): heap, tensors, stacks. The rest is file-backed: the pages of code and
+    libraries the process has touched so far, which a new code path adds to and no leak does."""
 
 
-def read_proc(pid: int) -> tuple[int, int, int] | None:
-    """(RSS bytes, open file descriptors, threads) of ``pid`` from /proc (Linux), or None once it has gone."""
+class ProcStat(NamedTuple):
+    rss: int
+    fds: int
+    threads: int
+    anon: int
+
+
+def read_proc(pid: int) -> ProcStat | None:
+    """RSS and its anonymous part (bytes), open file descriptors and threads of ``pid`` from /proc (Linux), or None
+    once it has gone."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
         fds = len(os.listdir(f"/proc/{pid}/fd"))
@@ -212,8 +223,11 @@ def read_proc(pid: int) -> tuple[int, int, int] | None:
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     if fields.get("State", "").strip().startswith("Z"):
         return None
-    rss_kb = int(fields.get("VmRSS", "0 kB").split()[0])
-    return rss_kb * 1024, fds, int(fields.get("Threads", "0"))
+
+    def kib(name: str) -> int:
+        return int(fields.get(name, "0 kB").split()[0]) * 1024
+
+    return ProcStat(kib("VmRSS"), fds, int(fields.get("Threads", "0")), kib("RssAnon"))
 
 
 @dataclass(frozen=True)
@@ -225,14 +239,33 @@ class Growth:
     lived_s: float
     whole_soak: bool = True
     """Whether it lived through the whole soak; otherwise an incarnation that lived long enough after its own warm-up."""
+    trace: tuple[tuple[float, int, int], ...] = ()
+    """(seconds into the soak, RSS MiB, anonymous MiB) from ``start`` to ``end``, at most ``TRACE_POINTS`` of them:
+    the shape tells a leak (a steady climb) from a warm-up (a climb that levels off)."""
 
     @property
     def rss_ratio(self) -> float:
         return self.end.rss / self.start.rss if self.start.rss else 1.0
 
+    @property
+    def anon_ratio(self) -> float:
+        return self.end.anon / self.start.anon if self.start.anon else 1.0
+
     def to_dict(self) -> dict[str, Any]:
         return {"process": self.process, "pid": self.pid, "lived_s": round(self.lived_s, 1), "rss_ratio": round(self.rss_ratio, 4),
-                "whole_soak": self.whole_soak, "start": asdict(self.start), "end": asdict(self.end)}
+                "anon_ratio": round(self.anon_ratio, 4), "whole_soak": self.whole_soak, "start": asdict(self.start),
+                "end": asdict(self.end), "trace": [list(p) for p in self.trace]}
+
+
+TRACE_POINTS = 40
+
+
+def trace(samples: Sequence[Sample], points: int = TRACE_POINTS) -> tuple[tuple[float, int, int], ...]:
+    """Evenly spaced samples (the first and last always among them) as (seconds, RSS MiB, anonymous MiB)."""
+    if not samples:
+        return ()
+    picks = sorted({round(i * (len(samples) - 1) / max(1, points - 1)) for i in range(min(points, len(samples)))})
+    return tuple((samples[i].at_s, samples[i].rss >> 20, samples[i].anon >> 20) for i in picks)
 
 
 def resource_growth(series: Mapping[tuple[str, int], Sequence[Sample]], warmup_s: float, end_s: float,
@@ -254,7 +287,8 @@ def resource_growth(series: Mapping[tuple[str, int], Sequence[Sample]], warmup_s
         changed = [i for i, s in enumerate(samples) if s.role is not None and s.role != role]
         since = samples[changed[-1] + 1].at_s if changed else 0.0
         base = next(s for s in after if s.at_s >= since)
-        out.append(Growth(name, pid, base, after[-1], after[-1].at_s - samples[0].at_s, whole))
+        judged = [s for s in after if s.at_s >= base.at_s]
+        out.append(Growth(name, pid, base, after[-1], after[-1].at_s - samples[0].at_s, whole, trace(judged)))
     return out
 
 
@@ -531,7 +565,7 @@ class Soak:
             n = None if conns is None else conns.get(name, 0)
             role = None if holders is None or not name.startswith("sync") else "active" if name in holders else "standby"
             with self._lock:
-                self.series.setdefault((name, pid), []).append(Sample(round(at, 2), *got, n, role))
+                self.series.setdefault((name, pid), []).append(Sample(round(at, 2), got.rss, got.fds, got.threads, n, role, got.anon))
 
     def check(self, final: bool = False) -> None:
         at = self.now()
