@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import uuid
+from contextlib import ExitStack
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,6 +22,7 @@ from ddiloco.platform.run_state import build_layout, read_version, register_run
 from ddiloco.platform.runtime import RunContext
 from ddiloco.synchronizer.evaluation import evaluate_global, newest_params
 from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.testing.postgres import scratch_database
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,11 +75,38 @@ def val_loss_of(model, cfg) -> float:
     return total / tokens
 
 
-def test_export_hf_round_trips_through_from_pretrained(ledger_url, store_url, tmp_path):
+@pytest.fixture(scope="module", params=[(ledger, store) for ledger in ("sqlite", "postgres") for store in ("file", "memory", "s3")],
+                ids=lambda p: "-".join(p))
+def trained(request, tmp_path_factory):
+    """One short run per ledger and store kind, trained once for the module's export tests: (its config, its context)."""
+    ledger, store = request.param
+    tmp = tmp_path_factory.mktemp(f"export-{ledger}-{store}")
+    with ExitStack() as stack:
+        if ledger == "sqlite":
+            ledger_url = f"sqlite:///{tmp}/ledger.db"
+        else:
+            ledger_url = stack.enter_context(scratch_database(request.getfixturevalue("postgres_url")))
+        if store == "file":
+            store_url = f"file://{tmp}/store"
+        elif store == "memory":
+            store_url = f"memory://export-{uuid.uuid4().hex}"
+        else:
+            import s3fs
+
+            request.getfixturevalue("s3_endpoint")
+            bucket = f"b-{uuid.uuid4().hex[:12]}"
+            s3fs.S3FileSystem().mkdir(bucket)
+            store_url = f"s3://{bucket}/root"
+        cfg = run_config(ledger_url, store_url)
+        ctx = train(cfg)
+        yield cfg, ctx
+        ctx.engine.dispose()
+
+
+def test_export_hf_round_trips_through_from_pretrained(trained, tmp_path):
     from ddiloco.export import export_run
 
-    cfg = run_config(ledger_url, store_url)
-    ctx = train(cfg)
+    cfg, ctx = trained
     with ctx.reading() as s:
         assert min(runs_q.latest_version_numbers(s, ctx.run_id).values()) >= 1
     done = export_run(ctx, to=str(tmp_path / "out"), fmt="hf")
@@ -86,11 +117,11 @@ def test_export_hf_round_trips_through_from_pretrained(ledger_url, store_url, tm
     assert val_loss_of(hf.eval(), cfg) == pytest.approx(expected, abs=1e-4)
 
 
-def test_cli_exports_version_n_and_a_new_run_starts_from_it(ledger_url, store_url, tmp_path):
+def test_cli_exports_version_n_and_a_new_run_starts_from_it(trained):
     from ddiloco.cli import app
 
-    cfg = run_config(ledger_url, store_url)
-    ctx = train(cfg, steps=8)
+    cfg, ctx = trained
+    ledger_url, store_url = cfg.ledger.url.get_secret_value(), cfg.storage.url
     out = f"{store_url}/exports/v1"
     result = CliRunner().invoke(
         app, ["export", "--run", cfg.name, "--ledger", ledger_url, "--store", store_url, "--version", "1", "--format", "safetensors",
@@ -114,7 +145,6 @@ def test_cli_exports_version_n_and_a_new_run_starts_from_it(ledger_url, store_ur
     Synchronizer(ctx2, holder="sync-init").poll_once(ctx2.now())
     v0 = newest_params(ctx2)
     assert set(v0) == set(exported) and all(torch.equal(v0[n], exported[n]) for n in exported)
-    ctx.engine.dispose()
     ctx2.engine.dispose()
 
 
