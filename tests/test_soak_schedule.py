@@ -145,21 +145,25 @@ def test_an_incarnation_relaunched_mid_soak_is_judged_from_its_own_warm_up_once_
     assert ("us-1", 2) not in {(g.process, g.pid) for g in resource_growth(series, warmup_s=30, end_s=100, slack_s=5)}
 
 
-def test_a_standby_that_took_a_shard_over_is_judged_from_its_first_sample_as_the_holder():
+def test_a_standby_that_took_a_shard_over_is_judged_from_its_warm_up_as_the_holder():
     def s(at: float, rss: int, role: str | None) -> Sample:
         return Sample(at, rss, 10, 4, 1, role)
 
     series = {
-        # Took shard 0 over at 50 s: its state and merges grow it then, once.
-        ("sync-2", 1): [s(0, 100, "standby"), s(30, 100, "standby"), s(55, 112, "active"), s(100, 113, "active")],
-        # A holder that grows after its takeover is still caught.
-        ("sync-3", 2): [s(0, 100, "standby"), s(40, 100, "active"), s(70, 120, None), s(100, 130, "active")],
+        # Took shard 0 over at 50 s: loading its state and its first merges grow it then, once (warm at 80 s).
+        ("sync-2", 1): [s(0, 100, "standby"), s(30, 100, "standby"), s(55, 112, "active"), s(85, 120, "active"),
+                        s(100, 121, "active")],
+        # A holder that grows after its takeover's warm-up is still caught.
+        ("sync-3", 2): [s(0, 100, "standby"), s(40, 100, "active"), s(70, 120, None), s(100, 140, "active")],
         ("sync-0", 3): [s(0, 100, "active"), s(30, 100, "active"), s(100, 115, "active")],
+        # Took over 10 s before the end: not warm in its role yet, judged from its last sample.
+        ("sync-4", 4): [s(0, 100, "standby"), s(30, 100, "standby"), s(92, 130, "active"), s(100, 131, "active")],
     }
     grown = {g.process: g for g in resource_growth(series, warmup_s=30, end_s=100, slack_s=5)}
-    assert grown["sync-2"].start.at_s == 55 and grown["sync-2"].rss_ratio == pytest.approx(113 / 112)
-    assert grown["sync-3"].start.at_s == 40 and grown["sync-3"].rss_ratio == pytest.approx(1.3)
+    assert grown["sync-2"].start.at_s == 85 and grown["sync-2"].rss_ratio == pytest.approx(121 / 120)
+    assert grown["sync-3"].start.at_s == 70 and grown["sync-3"].rss_ratio == pytest.approx(140 / 120)
     assert grown["sync-0"].start.at_s == 30 and grown["sync-0"].rss_ratio == pytest.approx(1.15)
+    assert grown["sync-4"].start.at_s == 100 and grown["sync-4"].rss_ratio == 1.0
 
 
 def test_the_longest_gap_is_per_shard():

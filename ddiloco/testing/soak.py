@@ -273,8 +273,9 @@ def resource_growth(series: Mapping[tuple[str, int], Sequence[Sample]], warmup_s
     """For every process (name, pid) that lived through the soak (sampled within ``slack_s`` of its start and of
     ``end_s``), and with ``min_life_s`` every other that was sampled over at least that long after its own warm-up
     (a learner relaunched mid-soak is as long-lived as one never killed): its first sample ``warmup_s`` or more after
-    its own first, and after its last change of role, against its last. A standby that takes a shard over starts
-    holding its state and merging then: its warm-up begins again."""
+    its own first and ``warmup_s`` or more after its last change of role, against its last. A standby that takes a
+    shard over starts holding its state and merging then: its warm-up begins again, as long as a fresh process's (one
+    that took over less than ``warmup_s`` before its last sample is judged from that sample: not yet warm)."""
     out = []
     for (name, pid), samples in sorted(series.items()):
         after = [s for s in samples if s.at_s >= samples[0].at_s + warmup_s]
@@ -285,8 +286,8 @@ def resource_growth(series: Mapping[tuple[str, int], Sequence[Sample]], warmup_s
             continue
         role = next((s.role for s in reversed(samples) if s.role is not None), None)
         changed = [i for i, s in enumerate(samples) if s.role is not None and s.role != role]
-        since = samples[changed[-1] + 1].at_s if changed else 0.0
-        base = next(s for s in after if s.at_s >= since)
+        since = samples[changed[-1] + 1].at_s + warmup_s if changed else 0.0
+        base = next((s for s in after if s.at_s >= since), after[-1])
         judged = [s for s in after if s.at_s >= base.at_s]
         out.append(Growth(name, pid, base, after[-1], after[-1].at_s - samples[0].at_s, whole, trace(judged)))
     return out
