@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from ddiloco.platform.config import ConfigError, RunConfig, load_config, world_size_problem
 from ddiloco.platform.ids import InvalidIdError, validate_id
+from ddiloco.platform.memory import start_heap_trimmer
 from ddiloco.platform.preflight import probe_ledger, probe_store
 from ddiloco.platform.redact import RedactingFilter, redact_url
 
@@ -152,6 +153,7 @@ def learner_main(
     except ConfigError as err:
         raise EntryError(str(err)) from None
     wait_until_reachable(cfg, [region], wait_s)
+    start_heap_trimmer()
     from ddiloco.learner_worker.launch import LearnerJobFailed, run_learner
 
     try:
@@ -174,6 +176,7 @@ def synchronizer_main(
     if shard is not None and not 0 <= shard < cfg.synchronizer.shards:
         raise EntryError(f"shard {shard}: the run has {cfg.synchronizer.shards} synchronizer shard(s), numbered from 0")
     wait_until_reachable(cfg, [None, *(r.name for r in cfg.learners.regions)], wait_s)
+    start_heap_trimmer()
     from ddiloco.synchronizer.process import run_synchronizer
 
     try:
@@ -189,6 +192,7 @@ def evaluator_main(
     setup_logging(verbose)
     run = checked_id(run_id or cfg.name, "run")
     wait_until_reachable(cfg, [None], wait_s)
+    start_heap_trimmer()
     from ddiloco.platform.runtime import RunContext
     from ddiloco.synchronizer.evaluator import run_evaluator
 

@@ -3,12 +3,13 @@ would otherwise keep every burst's high-water mark resident."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import pytest
 
-from ddiloco.platform.memory import HAVE_MALLOC_TRIM, HeapTrimmer
+from ddiloco.platform.memory import HAVE_MALLOC_TRIM
 
 BURST = """
 from ddiloco.platform.memory import release_free_heap
@@ -34,7 +35,29 @@ def test_a_burst_freed_below_a_live_chunk_stays_resident_until_trimmed():
     assert released == "True" and trimmed < freed - 80, (peak, freed, trimmed)
 
 
-def test_the_trimmer_trims_at_most_every_interval_of_its_clock():
-    trimmer = HeapTrimmer(every_s=30.0)
-    assert [trimmer.maybe(t) for t in (100.0, 110.0, 129.9, 130.0, 140.0, 160.0, 200.0)] == [
-        False, False, False, True, False, True, True]
+THREAD = """
+import json, threading, time
+from ddiloco.platform.memory import start_heap_trimmer
+
+def anon_mib():
+    return int(next(line for line in open("/proc/self/status") if line.startswith("RssAnon")).split()[1]) >> 10
+
+burst = [bytes(1000) + bytes([i % 256]) for i in range(100_000)]
+pin = bytes(1000) + b"pin"
+del burst
+freed = anon_mib()
+started = [start_heap_trimmer(every_s=0.05), start_heap_trimmer(every_s=0.05)]
+deadline = time.monotonic() + 20
+while anon_mib() > freed - 80 and time.monotonic() < deadline:
+    time.sleep(0.05)
+trimmers = [t.daemon for t in threading.enumerate() if t.name == "heap-trimmer"]
+print(json.dumps({"freed": freed, "after": anon_mib(), "started": started, "trimmers": trimmers}))
+"""
+
+
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and HAVE_MALLOC_TRIM), reason="needs Linux and glibc's malloc_trim")
+def test_the_process_trimmer_is_one_daemon_thread_that_gives_a_freed_burst_back():
+    out = subprocess.run([sys.executable, "-c", THREAD], capture_output=True, text=True, check=True, timeout=60).stdout
+    got = json.loads(out)
+    assert got["after"] < got["freed"] - 80, got  # no call from this code: the thread gave the burst back
+    assert got["started"] == [True, False] and got["trimmers"] == [True], got  # once per process, a daemon

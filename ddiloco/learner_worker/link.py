@@ -26,7 +26,6 @@ from ddiloco.platform.ledger import errors as errors_q
 from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger.models import Learner as LearnerRow
-from ddiloco.platform.memory import HeapTrimmer
 from ddiloco.platform.redact import redact_url
 from ddiloco.platform.runtime import RunContext, ledger_retry, to_datetime
 from ddiloco.platform.spans import span
@@ -345,7 +344,6 @@ class LearnerLink:
         self.heartbeat(self.ctx.now(), stats, force=True)
 
     def _poll_loop(self, stats: Callable[[], HeartbeatStats]) -> None:
-        trimmer = HeapTrimmer()
         while not self._stop.is_set():
             try:
                 # A registration's exchange polls too: a separate poll only when none was made for poll_s.
@@ -353,5 +351,4 @@ class LearnerLink:
                     self.poll()
             except Exception:  # noqa: BLE001 - the ledger or store may be restarting; try again
                 log.exception("poll failed; retrying")
-            trimmer.maybe(time.monotonic())
             self._stop.wait(self.ctx.cfg.learners.poll_s)

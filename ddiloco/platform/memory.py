@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
 TRIM_EVERY_S = 30.0
-"""Often enough that a burst's pages go back within a poll or two of a heartbeat; each trim walks the free lists
-(milliseconds for a few hundred MB of heap), off the training thread."""
+"""Often enough that a burst's pages go back soon after it; each trim walks the free lists (milliseconds for a few
+hundred MB of heap) on its own thread, never the training thread's."""
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -36,23 +37,26 @@ def release_free_heap() -> bool:
     return bool(_TRIM(0)) if _TRIM is not None else False
 
 
-class HeapTrimmer:
-    """Calls :func:`release_free_heap` at most every ``every_s`` seconds of the clock it is handed."""
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
 
-    def __init__(self, every_s: float = TRIM_EVERY_S) -> None:
-        self.every_s = every_s
-        self._last: float | None = None
 
-    def maybe(self, now: float) -> bool:
-        """Trim when ``every_s`` has passed since the last trim (the first call only starts the clock); whether it did."""
-        if self._last is None:
-            self._last = now
+def start_heap_trimmer(every_s: float = TRIM_EVERY_S) -> bool:
+    """Start this process's trimming thread, once (a daemon: it never holds the process up); whether it started now.
+    Every process main calls it, so each rank of a multi-rank learner trims its own heap."""
+    global _thread
+    with _lock:
+        if _TRIM is None or (_thread is not None and _thread.is_alive()):
             return False
-        if now - self._last < self.every_s:
-            return False
-        self._last = now
+        _thread = threading.Thread(target=_trim_every, args=(every_s,), name="heap-trimmer", daemon=True)
+        _thread.start()
+        return True
+
+
+def _trim_every(every_s: float) -> None:
+    tick = threading.Event()
+    while not tick.wait(every_s):
         try:
             release_free_heap()
-        except Exception:  # noqa: BLE001 - memory housekeeping must never stop a learner or a synchronizer
+        except Exception:  # noqa: BLE001 - memory housekeeping must never take a process down
             log.exception("malloc_trim failed")
-        return True

@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import torch
 
 from ddiloco.platform.ledger import runs as runs_q
-from ddiloco.platform.memory import HeapTrimmer
 from ddiloco.platform.models import build_model
 from ddiloco.platform.runtime import RunContext
 from ddiloco.synchronizer.evaluation import evaluate_and_record
@@ -76,9 +74,7 @@ class Evaluator:
         version (so the synchronizer's final drain is evaluated too); returns the evaluations made."""
         stop = stop or threading.Event()
         made, told = 0, False
-        trimmer = HeapTrimmer()
         while not stop.is_set():
-            trimmer.maybe(time.monotonic())
             try:
                 with self.ctx.reading() as s:
                     run = runs_q.get_run(s, self.ctx.run_id)

@@ -26,7 +26,6 @@ from ddiloco.platform.ledger import errors as errors_q
 from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import Submission
-from ddiloco.platform.memory import HeapTrimmer
 from ddiloco.platform.models.weights import load_weights, read_weights
 from ddiloco.platform.run_state import Layout, build_layout, register_run
 from ddiloco.platform.runtime import RunContext, to_datetime, to_timestamp
@@ -347,11 +346,9 @@ class Synchronizer:
             before_sleep=self._poll_failed,
             reraise=True,
         )
-        trimmer = HeapTrimmer()
         while not stop.is_set():
             if until is not None and self.ctx.now() >= until:
                 break
-            trimmer.maybe(time.monotonic())
             try:
                 for attempt in retrying:
                     with attempt:
