@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -18,10 +19,12 @@ from ddiloco.testing.soak import (
     PARTITION,
     PG_RESTART,
     STORE_OUTAGE,
+    SYNC_KILL,
     TRACE_POINTS,
     UNREACHABLE_KINDS,
     Fault,
     Sample,
+    Soak,
     availability_bound,
     draw_schedule,
     longest_gaps,
@@ -188,3 +191,54 @@ def test_proc_reads_a_live_process_and_none_for_a_gone_one():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert read_proc(child.pid) is None
+
+
+def test_a_shard_kill_waiting_for_a_holder_does_not_hold_back_the_schedule(tmp_path):
+    """A PostgreSQL restart drawn for 0.4 s and a shard SIGKILL 0.05 s into it: the kill finds no holder while the ledger
+    is down, so it looks again later, and the restart still ends on time (a blocking lookup stretched a 4.9 s restart to
+    23.6 s in the hour's soak). The holder is a real process, SIGKILLed once the ledger answers."""
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+    class Cluster:
+        procs = {"sync-0": holder}
+
+        def signal(self, name: str, sig: int) -> None:
+            self.procs[name].send_signal(sig)
+            self.procs[name].wait(10)
+
+    class Probe(Soak):
+        ledger_down = False
+
+        def holder(self, shard: int) -> str | None:
+            if self.ledger_down:
+                raise ConnectionError("the ledger is restarting")
+            return "sync-0"
+
+        def running(self, name: str) -> bool:
+            return Cluster.procs[name].poll() is None
+
+        def start_synchronizer(self, name: str) -> None:
+            self.standbys.append(name)
+
+        def begin(self, a):  # noqa: ANN001, ANN202
+            if a.fault.kind != PG_RESTART:
+                return super().begin(a)
+            a.started_s, self.ledger_down, a.applied = self.now(), True, True
+            return None
+
+        def end(self, a):  # noqa: ANN001, ANN202
+            a.ended_s = self.now()
+            if a.fault.kind == PG_RESTART:
+                self.ledger_down = False
+
+    soak = Probe(duration_s=1.0, rate_per_hour=1.0, seed=1, workdir=tmp_path)
+    soak.cluster, soak.standbys = Cluster(), []
+    try:
+        soak.apply([Fault(0.0, PG_RESTART, "postgresql", 0.4), Fault(0.05, SYNC_KILL, "0", 1.0)])
+    finally:
+        holder.kill()
+    restart, kill = soak.report.timeline
+    assert restart.ended_s - restart.started_s < 0.4 + 0.3, restart  # ended on time, not after the kill's lookup
+    assert kill.applied and holder.returncode == -signal.SIGKILL, kill
+    assert restart.ended_s <= kill.started_s < restart.ended_s + 1.0, (restart, kill)  # killed once the ledger answered
+    assert soak.standbys == ["sync-s1"] and "sync-0" in kill.detail
