@@ -72,8 +72,15 @@ def publish(S, version: int, fragment: int = 0, *, holder: str = "sync", token: 
 
 
 def test_migration_creates_schema_and_is_idempotent(ledger_url):
+    from ddiloco.platform.ledger.engine import at_head, head_revision, make_engine
+
+    empty = make_engine(ledger_url)
+    assert not at_head(empty)  # a new ledger is migrated, not taken for one at the head
+    empty.dispose()
     engine = open_ledger(ledger_url)
     try:
+        assert at_head(engine)
+        open_ledger(ledger_url).dispose()  # the second opening finds it at the head
         insp = inspect(engine)
         assert set(insp.get_table_names()) == EXPECTED_TABLES
         index_names = {ix["name"] for ix in insp.get_indexes("submissions")}
@@ -82,7 +89,7 @@ def test_migration_creates_schema_and_is_idempotent(ledger_url):
             from alembic.script import ScriptDirectory
 
             head = ScriptDirectory.from_config(alembic_config()).get_current_head()
-            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == head
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == head == head_revision()
             # The migrated schema is the one the models describe.
             from alembic.autogenerate import compare_metadata
             from alembic.migration import MigrationContext
