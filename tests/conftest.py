@@ -99,9 +99,9 @@ def store_url(request, tmp_path):
 
 
 LONGEST_FIRST = (
-    "test_quality_smoke", "test_chaos_suite", "test_chaos_soak", "test_prefect_integration", "test_fsdp_learner", "test_export",
-    "test_benchmarks_smoke", "test_multiregion", "test_flows", "test_ddp_learner", "test_inner_loop", "test_cadence",
-    "test_data_prepare", "test_compact_downloads",
+    "test_quality_smoke", "test_chaos_suite", "test_export", "test_chaos_soak", "test_benchmarks_smoke", "test_ddp_learner",
+    "test_fsdp_learner", "test_prefect_integration", "test_data_prepare", "test_compact_downloads", "test_infra",
+    "test_learner_state", "test_flows",
 )
 """Modules that take minutes (their summed test times, longest first): under xdist (``--dist loadscope``, a module
 to a worker, see pyproject) they start first, so that none of them starts last and holds up the run's end."""
