@@ -4,7 +4,8 @@
 # repository root, its working directory), DRY_RUN (1: a CPU smoke run with .venv) and GPU (the GPU's name, or empty).
 
 # What the GPU image lacks of the project's runtime and test needs (torch, transformers, numpy, pytest... it has).
-MISSING_ON_IMAGE=(pydantic pydantic-settings "sqlalchemy>=2.0,<2.1" alembic tenacity "psycopg[binary]>=3.1")
+# prometheus-client: the synchronizer (and so ddiloco.inprocess, which the GPU tests import) needs it.
+MISSING_ON_IMAGE=(pydantic pydantic-settings "sqlalchemy>=2.0,<2.1" alembic tenacity "psycopg[binary]>=3.1" prometheus-client)
 
 gpu_name() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1; }
 

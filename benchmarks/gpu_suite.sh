@@ -81,11 +81,11 @@ NPROC="$(nproc 2>/dev/null || echo 1)"
 STEPS=(
   "setup|40|-|(python environment: see the header)|(python environment)"
   "cuda_tests|75|gpu_suite_cuda_tests.json|{TESTS}|{TESTS}"
-  "overhead_demo|55|learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --device cuda --windows 4 --window-s 2.5 --warmup-s 4 --json {OUT}/learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --quick --json {OUT}/learner_overhead_cuda.json"
-  "overhead_llama_ddp|60|learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --json {OUT}/learner_overhead_cuda_llama100m_ddp.json"
-  "overhead_llama_fsdp|60|learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism fsdp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism fsdp --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json"
-  "largest_model|120|largest_model_cuda.json|{PY} benchmarks/largest_model.py --device cuda --parallelism ddp,fsdp --budget-s 50 --json {OUT}/largest_model_cuda.json|{PY} benchmarks/largest_model.py --quick --device cpu --json {OUT}/largest_model_cuda.json"
-  "merge_cuda|35|merge_throughput_cuda.json|{PY} benchmarks/merge_throughput.py --device cuda --rounds 3 --json {OUT}/merge_throughput_cuda.json|{PY} benchmarks/merge_throughput.py --quick --device cpu --json {OUT}/merge_throughput_cuda.json"
+  "overhead_demo|50|learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --device cuda --windows 4 --window-s 2.5 --warmup-s 4 --json {OUT}/learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --quick --json {OUT}/learner_overhead_cuda.json"
+  "overhead_llama_ddp|80|learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --json {OUT}/learner_overhead_cuda_llama100m_ddp.json"
+  "overhead_llama_fsdp|80|learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism fsdp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism fsdp --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json"
+  "largest_model|90|largest_model_cuda.json|{PY} benchmarks/largest_model.py --device cuda --parallelism ddp,fsdp --budget-s 50 --json {OUT}/largest_model_cuda.json|{PY} benchmarks/largest_model.py --quick --device cpu --json {OUT}/largest_model_cuda.json"
+  "merge_cuda|30|merge_throughput_cuda.json|{PY} benchmarks/merge_throughput.py --device cuda --rounds 3 --json {OUT}/merge_throughput_cuda.json|{PY} benchmarks/merge_throughput.py --quick --device cpu --json {OUT}/merge_throughput_cuda.json"
   "sync_sustain|125|sync_sustain_${NPROC}cores.json|{PY} benchmarks/sync_sustain.py --learners 32 --shards 1,2 --minutes 0.4 --warmup-s 8 --quiet --json {OUT}/sync_sustain_${NPROC}cores.json|{PY} benchmarks/sync_sustain.py --quick --shards 1,2 --json {OUT}/sync_sustain_${NPROC}cores.json"
 )
 # A dry run on a small shared CPU machine is slower than the GPU run: its caps are stretched, never its commands.
@@ -163,7 +163,10 @@ TEST_FILES="$(grep -l -i -E 'skipif\(.*(cuda|gpu)' tests/test_*.py | tr '\n' ' '
 for s in "${STEPS[@]}"; do
   name="$(field "$s" 0)"; cap="$(field "$s" 1)"; result="$(field "$s" 2)"
   if [[ "$DRY_RUN" == 1 ]]; then cmd="$(field "$s" 4)"; else cmd="$(field "$s" 3)"; fi
-  cmd="${cmd//\{TESTS\}/CUDA_TESTS_JSON=\{OUT\}/gpu_suite_cuda_tests.json PYTHONPATH=benchmarks \{PY\} -m pytest -q -p cuda_tests --timeout 120 $TEST_FILES}"
+  # The step's bash expands $PYTHONPATH: the tests need the project's site folder that setup put there.
+  tests_cmd='CUDA_TESTS_JSON={OUT}/gpu_suite_cuda_tests.json PYTHONPATH="benchmarks${PYTHONPATH:+:$PYTHONPATH}" '
+  tests_cmd+="{PY} -m pytest -q -p cuda_tests --timeout 120 $TEST_FILES"
+  cmd="${cmd//\{TESTS\}/$tests_cmd}"
   cmd="${cmd//\{PY\}/$PY}"; cmd="${cmd//\{OUT\}/$OUT}"
   if [[ "$name" != setup && -z "$PY" ]]; then
     record_step "$name" -1 "not run (setup failed)" 0 - - "$cmd"; continue
@@ -175,7 +178,7 @@ done
 TOTAL=$(elapsed)
 REC_PY="${PY:-python3}"
 "$REC_PY" - "$ROWS" "$OUT/gpu_suite.json" "$DRY_RUN" "$TOTAL" "$GPU" "$NPROC" "$LOAD_START" "$SUITE_BUDGET_S" "$LOGS" <<'EOF'
-import json, subprocess, sys
+import json, os, subprocess, sys
 from datetime import datetime, timezone
 rows, out, dry, total, gpu, nproc, load_start, budget, logs = sys.argv[1:]
 def git(*a):
@@ -187,7 +190,7 @@ steps = []
 for line in open(rows):
     name, rc, status, secs, res, log, cmd = line.rstrip("\n").split("\t", 6)
     steps.append({"step": name, "rc": int(rc), "status": status, "seconds": int(secs),
-                  "result": None if res == "-" else res, "log": None if log == "-" else log, "command": cmd})
+                  "result": None if res == "-" else res, "command": cmd})
 try:
     import torch
     torch_v = torch.__version__
@@ -199,10 +202,11 @@ record = {
     "mode": "dry-run (--quick CPU forms)" if dry == "1" else "gpu",
     "machine": {"gpu": gpu or None, "nproc": int(nproc), "load_avg_start": load_start,
                 "load_avg_end": " ".join(open("/proc/loadavg").read().split()[:3]), "python": sys.executable, "torch": torch_v},
-    "budget_s": int(budget), "total_s": int(total), "logs": logs, "steps": steps,
+    "budget_s": int(budget), "total_s": int(total), "steps": steps,
     "passed": sum(s["status"] == "passed" for s in steps), "of": len(steps),
 }
-open(out, "w").write(json.dumps(record, indent=2) + "\n")
+# Paths relative to the repository root (the working directory): the record is committed, the machine's layout is not.
+open(out, "w").write(json.dumps(record, indent=2).replace(os.getcwd() + "/", "") + "\n")
 EOF
 echo
 echo "== GPU suite summary ($([[ $DRY_RUN == 1 ]] && echo dry run || echo GPU run); ${GPU:-no GPU}, $NPROC cores, load ${LOAD_START} -> $(cut -d' ' -f1-3 /proc/loadavg)): $TOTAL s of $SUITE_BUDGET_S"

@@ -483,9 +483,9 @@ def run_point(args, learners: int, shards: int, stack_env: dict[str, str]) -> di
     from ddiloco.platform.ledger import learner as learner_q
     from ddiloco.platform.ledger import synchronizer as sync_q
     from ddiloco.platform.runtime import RunContext
+    from ddiloco.testing.environ import environment
     from ddiloco.testing.postgres import scratch_database, server_url
     from ddiloco.testing.processes import ProcessCluster, write_config
-    from ddiloco.testing.s3 import environment
 
     run_id = "sustain"
     window_s = args.minutes * 60
@@ -864,7 +864,7 @@ def postgres_server(stack: ExitStack) -> str | None:
     """None when the ledger's server is usable: $DDILOCO_TEST_POSTGRES_URL, the local one, or else (no URL set) a
     throwaway cluster started here and stopped with ``stack`` (a GPU machine has no server); else why not."""
     from ddiloco.testing import postgres
-    from ddiloco.testing.s3 import environment
+    from ddiloco.testing.environ import environment
 
     url = postgres.server_url()
     reason = postgres.unreachable(url)

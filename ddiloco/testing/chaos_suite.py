@@ -44,11 +44,12 @@ from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import Base, FragmentSpec, FragmentVersion, Learner, Submission
 from ddiloco.platform.runtime import RunContext, to_datetime
 from ddiloco.platform.store import FragmentStore
+from ddiloco.testing.environ import environment
 from ddiloco.testing.net import poll_until
 from ddiloco.testing.postgres import scratch_database, server_url
 from ddiloco.testing.processes import ProcessCluster, write_config
 from ddiloco.testing.progress import ProgressMonitor
-from ddiloco.testing.s3 import S3Server, environment
+from ddiloco.testing.s3 import S3Server
 
 log = logging.getLogger("ddiloco.chaos_suite")
 

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
 from pathlib import Path
 
 try:
@@ -88,18 +85,3 @@ class S3Server:
         name = f"{prefix}-{uuid.uuid4().hex[:12]}"
         s3fs.S3FileSystem(**(storage_options if storage_options is not None else {"skip_instance_cache": True})).mkdir(name)
         return name
-
-
-@contextmanager
-def environment(values: Mapping[str, str]) -> Iterator[None]:
-    """Set environment variables for the block; restore the previous values after."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

@@ -41,12 +41,13 @@ from ddiloco.platform.ledger.models import FragmentSpec, FragmentVersion, Learne
 from ddiloco.platform.runtime import RunContext, to_datetime
 from ddiloco.platform.store import FragmentStore
 from ddiloco.platform.summary import RunSummary, run_summary
+from ddiloco.testing.environ import environment
 from ddiloco.testing.net import free_port, poll_until, port_open
 from ddiloco.testing.postgres import ThrowawayCluster, scratch_database, server_url
 from ddiloco.testing.processes import ProcessCluster, write_config
 from ddiloco.testing.progress import longest_gap
 from ddiloco.testing.relay import Relay
-from ddiloco.testing.s3 import S3Server, environment
+from ddiloco.testing.s3 import S3Server
 
 log = logging.getLogger("ddiloco.soak")
 
