@@ -28,7 +28,7 @@ setup_python() {   # sets PY (and PYTHONPATH on the GPU machine); $1: seconds it
   if [[ -z "$sys_torch" ]]; then echo "python3's torch does not see the GPU (or is missing): nothing to build on" >&2; return 1; fi
   echo "base: $(command -v python3) ($(python3 -V 2>&1)), torch $sys_torch; the project from $ROOT, what the image lacks from $site"
   export PYTHONPATH="$ROOT:$site${PYTHONPATH:+:$PYTHONPATH}"
-  if ! python3 -c 'import pydantic, pydantic_settings, sqlalchemy, alembic, tenacity, psycopg' 2>/dev/null; then
+  if ! python3 -c 'import pydantic, pydantic_settings, sqlalchemy, alembic, tenacity, psycopg, prometheus_client' 2>/dev/null; then
     local src=()
     if [[ -d "$wheels" ]]; then src=(--no-index --find-links "$wheels"); echo "offline: wheels from $wheels"; fi
     # Only what the image lacks, into a folder of its own: nothing of the image (its CUDA torch above all) is touched.

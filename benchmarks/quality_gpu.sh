@@ -18,6 +18,15 @@
 #     run(command="bash benchmarks/quality_gpu.sh decoupled; cp benchmarks/results/quality_gpu.json docs/quality.md \
 #                  docs/quality-gpu-llama.png $OUT/", carry=[".whl"], timeout_s=600)
 #
+# The four rows compare only at one code (the sha256 of ddiloco/**/*.py), and a GPU session's device time holds the suite
+# and one regime or two: to go on with a plan whose first rows were trained at an older commit while the code moves on,
+# freeze that commit's code here and carry it:
+#     bash benchmarks/quality_gpu.sh --pin eda46b7          # here (needs git): that commit's ddiloco/ in .quality-pin/
+#     run(command="bash benchmarks/quality_gpu.sh --pinned diloco; cp benchmarks/results/quality_gpu.json docs/quality.md \
+#                  docs/quality-gpu-llama.png $OUT/", carry=[".whl", ".quality-pin"], timeout_s=600)
+# --pinned trains with the code in .quality-pin/ (this script, its Python setup and the corpus are this checkout's) and
+# publishes into this checkout (--repo): the rows and the docs block say which code trained them.
+#
 # Knobs (environment): QUALITY_GPU_OUT (--dry-run's results folder), GPU_SUITE_PYTHON, GPU_SUITE_SITE, GPU_SUITE_WHEELS
 # (as for gpu_suite.sh).
 set -uo pipefail
@@ -27,9 +36,25 @@ cd "$ROOT" || exit 1
 
 DRY_RUN=0
 ONLY=""
+PIN="$ROOT/.quality-pin"
+CODE="$ROOT"
+usage="usage: $0 [--dry-run] [--pinned] [REGIME[,REGIME...]] | --pin COMMIT"
+if [[ "${1:-}" == --pin ]]; then
+  [[ -n "${2:-}" ]] || { echo "$usage" >&2; exit 2; }
+  commit="$(git rev-parse --verify "$2^{commit}")" || exit 2
+  rm -rf "$PIN" && mkdir -p "$PIN"
+  git archive "$commit" ddiloco benchmarks/quality.py | tar -x -C "$PIN" || exit 1
+  echo "$commit" >"$PIN/COMMIT"
+  echo "the plan's code at $commit is in .quality-pin/ ($(du -sh "$PIN" | cut -f1)): carry it and run with --pinned"
+  exit 0
+fi
+[[ "${1:-}" == --dry-run ]] && { DRY_RUN=1; shift; }
+if [[ "${1:-}" == --pinned ]]; then
+  [[ -f "$PIN/COMMIT" ]] || { echo "no .quality-pin/: make it with $0 --pin COMMIT" >&2; exit 2; }
+  CODE="$PIN"; shift
+fi
 case "${1:-}" in
-  --dry-run) DRY_RUN=1; ONLY="${2:-}" ;;
-  -*) echo "usage: $0 [--dry-run] [REGIME[,REGIME...]]" >&2; exit 2 ;;
+  -*) echo "$usage" >&2; exit 2 ;;
   *) ONLY="${1:-}" ;;
 esac
 
@@ -42,12 +67,17 @@ fi
 PY=""
 setup_python 240 || { echo "no Python for the plan (see benchmarks/gpu_env.sh)" >&2; exit 1; }
 
-ARGS=(--scale gpu)
+if [[ "$CODE" != "$ROOT" ]]; then
+  # Ahead of the checkout's own package (PYTHONPATH or an editable install): the pinned ddiloco trains and is hashed.
+  export PYTHONPATH="$CODE${PYTHONPATH:+:$PYTHONPATH}"
+  echo "code: .quality-pin/ at $(cat "$PIN/COMMIT"), publishing into this checkout"
+fi
+ARGS=(--scale gpu --repo "$ROOT")
 [[ -n "$ONLY" ]] && ARGS+=(--only "$ONLY")
 if [[ "$DRY_RUN" == 1 ]]; then
   ARGS+=(--quick --device cpu --out "${QUALITY_GPU_OUT:-$(mktemp -d /tmp/quality-gpu-dry.XXXXXX)}")
 else
   ARGS+=(--device cuda --publish)
 fi
-echo "== $(date -u +%FT%TZ) ${GPU:-CPU}, $(nproc) cores: $PY benchmarks/quality.py ${ARGS[*]}"
-PYTHONUNBUFFERED=1 "$PY" benchmarks/quality.py "${ARGS[@]}"
+echo "== $(date -u +%FT%TZ) ${GPU:-CPU}, $(nproc) cores: $PY ${CODE#"$ROOT"/}/benchmarks/quality.py ${ARGS[*]}"
+PYTHONUNBUFFERED=1 "$PY" "$CODE/benchmarks/quality.py" "${ARGS[@]}"
