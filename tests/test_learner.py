@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from support import sim_run
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ddiloco.inprocess import sim_learner, sim_step
 from ddiloco.learner_worker.state import is_complete
@@ -42,6 +45,51 @@ def test_restarted_learner_resumes_its_adamw_state_and_the_newest_global_version
     states = {k.rsplit("/", 1)[0] for k in ctx.store("us").list(f"{ctx.run_id}/learners/us-0")}
     assert states == {f"{ctx.run_id}/learners/us-0/i0-s10"}
     assert is_complete(f"{ctx.store('us').url}/{ctx.run_id}/learners/us-0/i0-s10")
+
+
+class _GatedStager(DefaultStager):
+    """DCP's stager with its copy on its own thread, held until the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
+                                        use_non_blocking_copy=False))
+        self.gate = threading.Event()
+
+    def _stage(self, state_dict, **kwargs):
+        assert self.gate.wait(60), "the test never opened the gate"
+        return super()._stage(state_dict, **kwargs)
+
+
+def test_a_background_save_holds_its_steps_state_while_the_copy_is_still_being_made():
+    cfg, clock, ctx, sync = sim_run(learners={"save_optimizer_every": 3, "regions": [{"name": "us", "learners": 1}]})
+    learner = sim_learner(ctx, "us-0", index=0, num_learners=1)
+    learner.start(clock.t)
+    # What start_background_io does for the saves, without the link's threads (the simulated clock drives the link).
+    learner._background, learner._stager = True, (stager := _GatedStager())
+    for _ in range(3):
+        clock.t += 1.0
+        sim_step(learner, clock.t)
+    at_save = _adamw_state(learner)
+    params = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+    stepping = threading.Thread(target=sim_step, args=(learner, clock.t + 1.0))
+    stepping.start()
+    # The next step runs its forward and backward, then waits for the copy before its optimizer step changes anything.
+    stepping.join(1.0)
+    assert stepping.is_alive()
+    for name, p in learner.model.named_parameters():
+        assert torch.equal(p.detach(), params[name]), name
+    stager.gate.set()
+    stepping.join(60)
+    assert not stepping.is_alive() and learner.step_count == 4
+    assert learner.finish_saves(60)
+    assert any(not torch.equal(v, at_save[k]) for k, v in _adamw_state(learner).items())
+    learner.stop()
+    second = sim_learner(ctx, "us-0", index=0, num_learners=1)
+    second.start(clock.t)
+    restored = _adamw_state(second)
+    assert set(restored) == set(at_save)
+    for key, value in at_save.items():
+        torch.testing.assert_close(restored[key], value)
 
 
 def test_late_joiner_starts_from_the_newest_global_state():

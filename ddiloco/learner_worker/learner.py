@@ -54,7 +54,7 @@ from ddiloco.learner_worker.parallel import (
     shard_replica,
 )
 from ddiloco.learner_worker.schedule import lr_factor, param_groups, schedule_steps
-from ddiloco.learner_worker.state import load_state, save_state
+from ddiloco.learner_worker.state import load_state, make_stager, save_state
 from ddiloco.platform.compression import Tensors, codec_nbytes
 from ddiloco.platform.config import RunConfig, codec_ladder
 from ddiloco.platform.data import Batch, build_dataset
@@ -270,6 +270,10 @@ class Learner:
         self._saved_event.set()
         self._save_skipped = False
         """Whether the last due save was skipped because the one before was still being written."""
+        self._stager: object | None = None
+        """DCP's stager (a process's saves): copies the state to host memory on its own thread."""
+        self._staged: Future | None = None
+        """The copy of the state being saved: the parameters and AdamW's state change only once it is done."""
         self.encode_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         """CUDA: the side stream the link encodes this learner's increments on, off the training stream."""
         self.dataset = build_dataset(cfg.data, cfg.model)
@@ -346,12 +350,15 @@ class Learner:
         """Processes: rank 0 uploads, polls and heartbeats on background threads from now on, and every rank writes
         its saved state in the background."""
         self._background = True
+        self._stager = make_stager(self.device)
         if self.link is not None:
             self.link.start_threads(self.heartbeat_stats)
 
     def stop(self) -> None:
         """Finish writing the state and the queued uploads, and send a last heartbeat (rank 0)."""
-        self.finish_saves(STATE_WRITE_TIMEOUT_S)
+        if self.finish_saves(STATE_WRITE_TIMEOUT_S) and self._stager is not None:
+            self._stager.close()
+            self._stager = None
         if self.link is not None:
             self.link.stop(self.heartbeat_stats)
 
@@ -471,6 +478,7 @@ class Learner:
             # Gradients are already averaged over ranks (identical everywhere, or sharded DTensors whose norm
             # clip_grad_norm_ reduces over the shards).
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
+            self._await_staging()
             self.optimizer.step()
             self.scheduler.step()
             stats = torch.tensor([loss_sum, tokens], dtype=torch.float64)
@@ -525,6 +533,7 @@ class Learner:
             # base and c_steps are the same on every rank, so they all agree on which fragments rebase.
             rebase = {p for p, _ in control.apply if rebases(mode, self.fragments[p].base, self.fragments[p].c_steps)}
             incoming = self._incoming(control)
+            self._await_staging()
             for p, version in control.apply:
                 self.fragments[p].receive(version, incoming, rebase=p in rebase, alpha=alpha)
         return [p for p, _ in control.apply]
@@ -598,19 +607,32 @@ class Learner:
         self._saved_event.clear()
         try:
             with span("learner.save_state", into=self.timings):
-                writing = save_state(
+                if self._stager is not None and self.device.type == "cuda":
+                    # The stager copies on a stream of its own that does not wait for the training stream: the
+                    # optimizer step just queued must be done before the copy starts.
+                    torch.cuda.current_stream(self.device).synchronize()
+                futures = save_state(
                     url, self.model, self.optimizer, {"step": self.step_count, "data_batches": self.batches_drawn},
                     process_group=self.dist.checkpoint, storage_options=self.cfg.storage.fsspec_options(),
-                    background=self._background,
+                    background=self._background, stager=self._stager,
                 )
         except Exception as err:  # noqa: BLE001 - a store that is down must not take the learner with it
             self._saved_event.set()
             log.warning("learner %s rank %s: saving its state failed (%s)", self.id, self.dist.rank, redact_url(str(err)))
             return
-        if writing is None:
-            writing = Future()
+        if futures is None:
+            writing: Future = Future()
             writing.set_result(None)
+        else:
+            self._staged, writing = futures
         writing.add_done_callback(lambda done: self._saved(url, done))
+
+    def _await_staging(self) -> None:
+        """Before the parameters or AdamW's state change: the copy of a state being saved must be done (a failed copy
+        fails the write, which says so)."""
+        if self._staged is not None:
+            self._staged.exception()
+            self._staged = None
 
     def _make_up_skipped_save(self) -> None:
         """At a stop all ranks agreed on: if the last due save was skipped (its predecessor was still being written),

@@ -114,7 +114,8 @@ def save_state(
     process_group: dist.ProcessGroup | None = None,
     storage_options: Mapping[str, Any] | None = None,
     background: bool = False,
-) -> Future | None:
+    stager: Any | None = None,
+) -> tuple[Future, Future] | None:
     """Save ``model``, ``optimizer``'s per-parameter state and ``extras`` as one checkpoint at ``url``.
 
     Collective: every rank of ``process_group`` (the world group by default; none at all in a single
@@ -125,10 +126,12 @@ def save_state(
     is complete once :func:`is_complete` says so. Extras are ints or tensors under names without dots;
     a tensor is saved as one copy, so it must be equal on every rank.
 
-    ``background``: the state is copied to host memory here and written by a thread of DCP's
-    (``async_save``); the returned future ends with the write (its exception, if any, is DCP's). The
-    process group must then be a CPU (gloo) group that nothing else uses while the write runs, and a
-    caller starts no other save before the future is done."""
+    ``background``: the state is copied to host memory and written by a thread of DCP's (``async_save``); it
+    returns two futures, ``(staged, written)``: the copy is done, the write is done (its exception, if any, is
+    DCP's). Without ``stager`` the copy is made here (``staged`` is already done); with one (:func:`make_stager`)
+    it is made on the stager's thread, and the caller must change neither the model's parameters nor AdamW's state
+    until ``staged`` is done. The process group must be a CPU (gloo) group that nothing else uses while the write
+    runs, and a caller starts no other save before ``written`` is done."""
     from torch.distributed.checkpoint import async_save, save
 
     encoded = _encode_extras(extras or {})
@@ -143,10 +146,27 @@ def save_state(
     writer = _writer(url, storage_options)
     with _dcp_errors("saving", url):
         if background:
-            response = async_save(state, storage_writer=writer, process_group=process_group)
-            return getattr(response, "upload_completion", response)
+            response = async_save(state, storage_writer=writer, process_group=process_group, async_stager=stager)
+            if hasattr(response, "staging_completion"):
+                return response.staging_completion, response.upload_completion
+            staged: Future = Future()
+            staged.set_result(None)
+            return staged, response
         save(state, storage_writer=writer, process_group=process_group)
     return None
+
+
+def make_stager(device: torch.device) -> Any:
+    """DCP's stager that copies a learner's state to host memory on a thread of its own, so a save costs the training
+    thread almost nothing: on a GPU into pinned buffers kept from one save to the next, with non-blocking copies on a
+    stream of its own. The caller closes it after its last save."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = device.type == "cuda"
+    options = StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda)
+    # The stager makes its stream on the current device, from this (the training) thread, as DCP asks.
+    with torch.cuda.device(device) if cuda else contextlib.nullcontext():
+        return DefaultStager(options)
 
 
 def load_state(
