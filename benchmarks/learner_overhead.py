@@ -74,8 +74,10 @@ from common import (
 from sync_sustain import LLAMA_100M
 
 from ddiloco.learner_worker.device import autocast, resolve_device
+from ddiloco.learner_worker.dist import Dist, ensure_process_group
 from ddiloco.learner_worker.learner import Learner
 from ddiloco.learner_worker.link import LearnerLink
+from ddiloco.learner_worker.parallel import shard_replica
 from ddiloco.platform.config import build_config
 from ddiloco.platform.data import Batch, build_dataset
 from ddiloco.platform.ledger import runs as runs_q
@@ -140,13 +142,17 @@ def nbytes(tensors) -> int:
 
 
 class Bare:
-    """The plain torch loop the learner's train_step is measured against."""
+    """The plain torch loop the learner's train_step is measured against (its model wrapped as the learner's is)."""
 
     def __init__(self, cfg) -> None:
         self.cfg = cfg
         self.device = resolve_device(cfg.learners.device)
         self.model = build_model(cfg.model, seed=cfg.seed).to(self.device)
         self.model.train()
+        if cfg.learners.parallelism != "ddp":
+            # Wrapped as the learner wraps its replica (FSDP2 at world 1): the ratio charges the platform, not FSDP.
+            ensure_process_group(Dist.single(self.device))
+            shard_replica(self.model, cfg.learners.parallelism, cfg.learners.shard_size, 0, 1, self.device)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2), weight_decay=cfg.inner.weight_decay
         )
@@ -465,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
                 "model_name": args.model or "demo",
                 "model_params": n_params,
                 "parallelism": args.parallelism or "ddp",
-                "parallelism_note": "learners.parallelism of the platform learner; the bare loop is a plain model",
+                "parallelism_note": "learners.parallelism of the platform learner; the bare loop is the same model wrapped the "
+                                    "same way (FSDP2 at world 1 for fsdp, a plain model for ddp)",
                 "device_name": device_name(bare.device),
                 "model": cfg.model.model_dump(),
                 "batch_size": cfg.learners.batch_size,
