@@ -51,6 +51,9 @@ class Downloader:
         self._sent_since: set[int] = set()
         """Fragments sent since their last download (a link-limited learner downloads each once per send)."""
         self._closed = False
+        self.pin = False
+        """Put arrivals in pinned host memory (a GPU learner's): their copy to the device then waits for nothing on the
+        training thread, where from pageable memory it waited for every kernel queued before it."""
         self.downloads = 0
         """Versions received."""
         self.bytes_received = 0
@@ -86,6 +89,8 @@ class Downloader:
                     # A version whose blob was already collected: a newer one is published; take that next time.
                     log.warning("could not read fragment %s v%s: %s", p, row.version, err)
                     continue
+                if self.pin:
+                    tensors = {n: t.pin_memory() for n, t in tensors.items()}
                 fault_point("learner.after_download")
                 with self._lock:
                     if row.version <= self._delivered.get(p, -1):

@@ -115,12 +115,14 @@ class LearnerLink:
         self._events: list[tuple[str, str]] = []
         """Events for the next exchange to record (cadence changes)."""
 
-    def configure(self, num_fragments: int, cadence_policy: CadencePolicy | None, world_size: int = 1) -> None:
-        """The learner's model and job: its fragments, what it may choose its cadence from (None: fixed), and its
-        ranks."""
+    def configure(self, num_fragments: int, cadence_policy: CadencePolicy | None, world_size: int = 1,
+                  pin_arrivals: bool = False) -> None:
+        """The learner's model and job: its fragments, what it may choose its cadence from (None: fixed), its ranks,
+        and whether the versions it receives go to a GPU (then they arrive in pinned host memory)."""
         self.num_fragments = num_fragments
         self.cadence_policy = cadence_policy
         self.world_size = world_size
+        self.downloader.pin = pin_arrivals
 
     def set_cadence(self, cadence: Cadence) -> None:
         """The cadence in force from now on (the learner's first; :meth:`choose` changes it when adaptive)."""
