@@ -1,7 +1,7 @@
 """Learner overhead: tokens/s of a learner inside the platform vs a bare torch loop, same model and batch.
 
   * bare: build_model + AdamW + the same data stream (build_dataset(...).train_batches) and the same
-    step (compute_loss, zero_grad, backward, clip_grad_norm_, step) — nothing else.
+    step (training_loss, zero_grad, backward, clip_grad_norm_, step) — nothing else.
   * platform: a real ``Learner`` with its link's background threads on a file:// store and a SQLite ledger in a temp
     dir, trading fragments with a real synchronizer running as its own OS process
     (``python -m ddiloco synchronizer``), default fragments (P = 24, one sent per step) and int8
@@ -81,7 +81,7 @@ from ddiloco.learner_worker.parallel import shard_replica
 from ddiloco.platform.config import build_config
 from ddiloco.platform.data import Batch, build_dataset
 from ddiloco.platform.ledger import runs as runs_q
-from ddiloco.platform.models import build_model, compute_loss
+from ddiloco.platform.models import build_model, training_loss
 from ddiloco.testing.net import wait_for
 from ddiloco.testing.processes import ProcessRun
 
@@ -168,7 +168,7 @@ class Bare:
             inputs = batch.inputs.to(self.device, non_blocking=True)
             batch = Batch(inputs=inputs, targets=batch.targets.to(self.device, non_blocking=True), tokens=batch.tokens)
         with autocast(self.device):
-            loss, _ = compute_loss(self.model, batch)
+            loss = training_loss(self.model, batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)

@@ -60,7 +60,7 @@ from ddiloco.platform.config import RunConfig, codec_ladder
 from ddiloco.platform.data import Batch, build_dataset
 from ddiloco.platform.faults import fault_point
 from ddiloco.platform.fragments import Fragment, due_fragments, partition_module
-from ddiloco.platform.models import build_model, compute_loss
+from ddiloco.platform.models import build_model, training_loss
 from ddiloco.platform.redact import redact_url
 from ddiloco.platform.spans import span
 
@@ -196,8 +196,7 @@ class _LossModule(nn.Module):
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor, tokens: int) -> torch.Tensor:
         with autocast(self.device):
-            loss, _info = compute_loss(self.model, Batch(inputs=inputs, targets=targets, tokens=tokens))
-        return loss
+            return training_loss(self.model, Batch(inputs=inputs, targets=targets, tokens=tokens))
 
 
 class Learner:
@@ -459,7 +458,10 @@ class Learner:
         accum = self.cfg.inner.grad_accum_steps
         with span("learner.train_step", into=self.timings):
             self.optimizer.zero_grad(set_to_none=True)
-            loss_sum = tokens = 0.0
+            # The token-weighted loss is summed on the device and read once, after the step is queued: a read per
+            # micro-batch would make the host wait for each backward before queueing the next forward.
+            loss_sum: torch.Tensor | None = None
+            tokens = 0.0
             for micro in range(accum):
                 batch = next(self._batches)
                 self.batches_drawn += 1
@@ -472,7 +474,8 @@ class Learner:
                 with contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync():
                     loss = self.net(inputs, targets, batch.tokens)
                     (loss / accum if accum > 1 else loss).backward()
-                loss_sum += float(loss.detach()) * batch.tokens
+                weighted = loss.detach().double() * batch.tokens
+                loss_sum = weighted if loss_sum is None else loss_sum + weighted
                 tokens += batch.tokens
             fault_point("learner.mid_step")
             # Gradients are already averaged over ranks (identical everywhere, or sharded DTensors whose norm
@@ -481,9 +484,9 @@ class Learner:
             self._await_staging()
             self.optimizer.step()
             self.scheduler.step()
-            stats = torch.tensor([loss_sum, tokens], dtype=torch.float64)
-            loss_sum, tokens = self.dist.all_reduce_sum(stats).tolist()
-        return loss_sum / tokens, int(tokens)
+            stats = torch.tensor([float(loss_sum) if loss_sum is not None else 0.0, tokens], dtype=torch.float64)
+            total, tokens = self.dist.all_reduce_sum(stats).tolist()
+        return total / tokens, int(tokens)
 
     @property
     def lr(self) -> float:

@@ -19,7 +19,7 @@ from ddiloco.platform.models.gpt import GPT
 from ddiloco.platform.models.moe import MoEGPT
 from ddiloco.platform.models.vision import SmallCNN
 
-__all__ = ["GPT", "MoEGPT", "SmallCNN", "build_model", "compute_loss", "evaluate", "load_factory", "logits_of"]
+__all__ = ["GPT", "MoEGPT", "SmallCNN", "build_model", "compute_loss", "evaluate", "load_factory", "logits_of", "training_loss"]
 
 
 def load_factory(import_path: str) -> Any:
@@ -97,6 +97,27 @@ def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def _loss_parts(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(training loss, cross-entropy, aux loss or None) of a model without its own ``compute_loss``."""
+    # Batch.targets are already the next tokens: no shift here (a transformers model given labels would shift again).
+    logits = logits_of(model(batch.inputs))
+    ce = _cross_entropy(logits, batch.targets)
+    aux = getattr(model, "aux_loss", None)
+    if isinstance(aux, torch.Tensor):
+        return ce + float(getattr(model, "aux_loss_coef", 0.0)) * aux, ce, aux
+    return ce, ce, None
+
+
+def training_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The loss a step trains on (cross-entropy plus any weighted aux loss), with nothing read back from the device:
+    on a GPU, reading a value here would make the host wait for the forward before it could queue the backward."""
+    own = getattr(model, "compute_loss", None)
+    if callable(own):
+        result = own(batch)
+        return result if isinstance(result, torch.Tensor) else result[0]
+    return _loss_parts(model, batch)[0]
+
+
 def compute_loss(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
     """Training loss (cross-entropy plus any weighted aux loss) and its parts as floats."""
     own = getattr(model, "compute_loss", None)
@@ -105,15 +126,11 @@ def compute_loss(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str
         if isinstance(result, torch.Tensor):
             return result, {"loss": float(result.detach())}
         return result
-    # Batch.targets are already the next tokens: no shift here (a transformers model given labels would shift again).
-    logits = logits_of(model(batch.inputs))
-    ce = _cross_entropy(logits, batch.targets)
+    loss, ce, aux = _loss_parts(model, batch)
     info = {"loss": float(ce.detach())}
-    aux = getattr(model, "aux_loss", None)
-    if isinstance(aux, torch.Tensor):
+    if aux is not None:
         info["aux"] = float(aux.detach())
-        return ce + float(getattr(model, "aux_loss_coef", 0.0)) * aux, info
-    return ce, info
+    return loss, info
 
 
 @torch.no_grad()
