@@ -160,13 +160,13 @@ run_step() {   # name cap result command
 PY=""
 # Only the files with a GPU skip are collected: the others may import what the GPU image lacks (prefect, moto...).
 TEST_FILES="$(grep -l -i -E 'skipif\(.*(cuda|gpu)' tests/test_*.py | tr '\n' ' ')"
+# The step's bash expands $PYTHONPATH: the tests need the project's site folder that setup put there.
+TESTS_CMD='CUDA_TESTS_JSON={OUT}/gpu_suite_cuda_tests.json PYTHONPATH="benchmarks${PYTHONPATH:+:$PYTHONPATH}" '
+TESTS_CMD+="{PY} -m pytest -q -p cuda_tests --timeout 120 $TEST_FILES"
 for s in "${STEPS[@]}"; do
   name="$(field "$s" 0)"; cap="$(field "$s" 1)"; result="$(field "$s" 2)"
   if [[ "$DRY_RUN" == 1 ]]; then cmd="$(field "$s" 4)"; else cmd="$(field "$s" 3)"; fi
-  # The step's bash expands $PYTHONPATH: the tests need the project's site folder that setup put there.
-  tests_cmd='CUDA_TESTS_JSON={OUT}/gpu_suite_cuda_tests.json PYTHONPATH="benchmarks${PYTHONPATH:+:$PYTHONPATH}" '
-  tests_cmd+="{PY} -m pytest -q -p cuda_tests --timeout 120 $TEST_FILES"
-  cmd="${cmd//\{TESTS\}/$tests_cmd}"
+  cmd="${cmd//\{TESTS\}/$TESTS_CMD}"
   cmd="${cmd//\{PY\}/$PY}"; cmd="${cmd//\{OUT\}/$OUT}"
   if [[ "$name" != setup && -z "$PY" ]]; then
     record_step "$name" -1 "not run (setup failed)" 0 - - "$cmd"; continue

@@ -460,7 +460,7 @@ class Learner:
             self.optimizer.zero_grad(set_to_none=True)
             # The token-weighted loss is summed on the device and read once, after the step is queued: a read per
             # micro-batch would make the host wait for each backward before queueing the next forward.
-            loss_sum: torch.Tensor | None = None
+            loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             tokens = 0.0
             for micro in range(accum):
                 batch = next(self._batches)
@@ -474,8 +474,7 @@ class Learner:
                 with contextlib.nullcontext() if self.ddp is None or last else self.ddp.no_sync():
                     loss = self.net(inputs, targets, batch.tokens)
                     (loss / accum if accum > 1 else loss).backward()
-                weighted = loss.detach().double() * batch.tokens
-                loss_sum = weighted if loss_sum is None else loss_sum + weighted
+                loss_sum += loss.detach().double() * batch.tokens
                 tokens += batch.tokens
             fault_point("learner.mid_step")
             # Gradients are already averaged over ranks (identical everywhere, or sharded DTensors whose norm
@@ -484,7 +483,7 @@ class Learner:
             self._await_staging()
             self.optimizer.step()
             self.scheduler.step()
-            stats = torch.tensor([float(loss_sum) if loss_sum is not None else 0.0, tokens], dtype=torch.float64)
+            stats = torch.tensor([float(loss_sum), tokens], dtype=torch.float64)
             total, tokens = self.dist.all_reduce_sum(stats).tolist()
         return total / tokens, int(tokens)
 
