@@ -327,6 +327,9 @@ def chaos_suite_command(
     rate: float = typer.Option(125.0, "--rate", min=0.0, max=36000.0, help="With --soak: faults per hour (Poisson)."),
     seed: int = typer.Option(0, "--seed", help="With --soak: the schedule's seed (the same seed, the same schedule)."),
     check_every: float = typer.Option(60.0, "--check-every", min=5.0, help="With --soak: seconds between invariant checks."),
+    speed: float = typer.Option(1.0, "--learner-speed", min=0.05, max=1.0,
+                                help="With --soak: the learners run at this share of their speed (each step waits after it), leaving "
+                                     "a small machine's cores to the faults."),
     env_storage: bool = EnvStorageOpt,
 ) -> None:
     """Inject faults into a live run on PostgreSQL + S3 (moto) + OS processes and check the invariants after each."""
@@ -338,7 +341,7 @@ def chaos_suite_command(
     _scratch_storage_only(env_storage, "the chaos suite")
     setup_logging()
     if soak is not None:
-        _soak(soak, rate, seed, check_every, json_path, postgres_url, workdir)
+        _soak(soak, rate, seed, check_every, speed, json_path, postgres_url, workdir)
         return
     report = run_suite(quick=quick, postgres_url=postgres_url, workdir=workdir, shards=shards)
     table = Table("fault", "injected", "survived", "lost", "recover s", "detail")
@@ -357,8 +360,8 @@ def chaos_suite_command(
         raise typer.Exit(1)
 
 
-def _soak(duration: str, rate: float, seed: int, check_every: float, json_path: Path | None, postgres_url: str | None,
-          workdir: Path | None) -> None:
+def _soak(duration: str, rate: float, seed: int, check_every: float, speed: float, json_path: Path | None,
+          postgres_url: str | None, workdir: Path | None) -> None:
     import tempfile
 
     from ddiloco.testing.soak import LONG_LIVED_S, parse_duration, run_growth, run_soak, soak_passed
@@ -369,7 +372,7 @@ def _soak(duration: str, rate: float, seed: int, check_every: float, json_path: 
         refuse(str(err))
     try:
         report = run_soak(duration_s=seconds, rate_per_hour=rate, seed=seed, postgres_url=postgres_url, check_every_s=check_every,
-                          workdir=workdir or Path(tempfile.mkdtemp(prefix="ddiloco-soak-")))
+                          speed=speed, workdir=workdir or Path(tempfile.mkdtemp(prefix="ddiloco-soak-")))
     except RuntimeError as err:
         err_console.print(f"[red]error:[/red] {escape(str(err))}")
         raise typer.Exit(1) from None

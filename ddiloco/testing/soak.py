@@ -32,7 +32,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 from ddiloco.entry import ProcessSpec
-from ddiloco.platform.config import RunConfig, build_config
+from ddiloco.platform.config import LearnersConfig, RunConfig, build_config
 from ddiloco.platform.fragments import shard_fragments
 from ddiloco.platform.invariants import check_run
 from ddiloco.platform.ledger import runs as runs_q
@@ -331,6 +331,8 @@ class SoakReport:
     seed: int
     rate_per_hour: float
     duration_s: float
+    learner_speed: float = 1.0
+    """The pace the learners were slowed to (1.0: the demo's learners at full speed)."""
     span_s: float = 0.0
     """From the soak's start to the end of its last fault plus the settle time: the window every figure covers."""
     timeline: list[Applied] = field(default_factory=list)
@@ -387,13 +389,18 @@ def soak_passed(report: SoakReport) -> bool:
 # --- the run under test ------------------------------------------------------------------------------------
 
 
-def soak_config(run_id: str, ledger_url: str, bucket: str, shards: int = 2) -> RunConfig:
-    """The demo's model and learners (4 in 2 regions, one 2x slower) with the chaos suite's short timeouts."""
+def soak_config(run_id: str, ledger_url: str, bucket: str, shards: int = 2, speed: float = 1.0) -> RunConfig:
+    """The demo's model and learners (4 in 2 regions, one 2x slower) with the chaos suite's short timeouts; ``speed`` < 1
+    paces every learner that much slower still (``learners.regions[].speeds``: each step then waits)."""
+    if not 0.0 < speed <= 1.0:
+        raise ValueError(f"the learners' speed must be in (0, 1], got {speed}")
+    regions = [{"name": r.name, "learners": r.learners, "speeds": [speed * s for s in r.speeds + [1.0] * (r.learners - len(r.speeds))]}
+               for r in LearnersConfig().regions]
     return build_config({
         "name": run_id,
         "token_budget": 10**12,
         "data": {"max_bytes": 2_000_000},
-        "learners": {"heartbeat_s": 0.5, "poll_s": 0.3, "dead_after_s": 4.0},
+        "learners": {"heartbeat_s": 0.5, "poll_s": 0.3, "dead_after_s": 4.0, "regions": regions},
         "quorum": {"min_count": 1},
         "grace": {"max_s": 1.0},
         "synchronizer": {"poll_s": 0.2, "lease_ttl_s": 2.0, "shards": shards},
@@ -423,11 +430,12 @@ class Soak:
     """One soak: a run on its own PostgreSQL server, S3 (moto) and OS processes, a schedule applied to it."""
 
     def __init__(self, *, duration_s: float, rate_per_hour: float, seed: int, workdir: Path, postgres_url: str | None = None,
-                 check_every_s: float = 60.0, sample_every_s: float = 5.0, warmup_s: float = 30.0, shards: int = 2) -> None:
-        self.duration_s, self.rate, self.seed = duration_s, rate_per_hour, seed
+                 check_every_s: float = 60.0, sample_every_s: float = 5.0, warmup_s: float = 30.0, shards: int = 2,
+                 speed: float = 1.0) -> None:
+        self.duration_s, self.rate, self.seed, self.speed = duration_s, rate_per_hour, seed, speed
         self.workdir, self.postgres_url = workdir, postgres_url
         self.check_every_s, self.sample_every_s, self.warmup_s, self.shards = check_every_s, sample_every_s, warmup_s, shards
-        self.report = SoakReport(seed, rate_per_hour, duration_s)
+        self.report = SoakReport(seed, rate_per_hour, duration_s, speed)
         self.run_id = f"soak-{uuid.uuid4().hex[:6]}"
         self.series: dict[tuple[str, int], list[Sample]] = {}
         self.active: dict[str, int] = {}
@@ -472,7 +480,8 @@ class Soak:
         # traceback; the client retries and gets its 404. Its errors are not the run's.
         logging.getLogger("werkzeug").setLevel(logging.CRITICAL)
         self._stack.enter_context(environment({**self.s3.env(), "PGAPPNAME": DRIVER}))
-        self.cfg = soak_config(self.run_id, self.db_url.render_as_string(hide_password=False), self.s3.bucket("soak"), self.shards)
+        self.cfg = soak_config(self.run_id, self.db_url.render_as_string(hide_password=False), self.s3.bucket("soak"), self.shards,
+                               self.speed)
         # The driver only watches: its invariant checks hold a read transaction open while they verify blobs from the
         # S3 server in this same interpreter, which on a loaded machine outlasted the run's 2 s idle-in-transaction
         # limit (2 of 28 checks were skipped for it). The limit is there for dead learners' sessions, not the observer's.
@@ -826,9 +835,9 @@ def _state(pid: int) -> str:
 
 
 def run_soak(*, duration_s: float, rate_per_hour: float, seed: int, workdir: Path, postgres_url: str | None = None,
-             check_every_s: float = 60.0, sample_every_s: float = 5.0, warmup_s: float = 30.0) -> SoakReport:
+             check_every_s: float = 60.0, sample_every_s: float = 5.0, warmup_s: float = 30.0, speed: float = 1.0) -> SoakReport:
     """Run one soak (see the module's docstring) and return its report."""
     workdir.mkdir(parents=True, exist_ok=True)
     with Soak(duration_s=duration_s, rate_per_hour=rate_per_hour, seed=seed, workdir=workdir, postgres_url=postgres_url,
-              check_every_s=check_every_s, sample_every_s=sample_every_s, warmup_s=warmup_s) as soak:
+              check_every_s=check_every_s, sample_every_s=sample_every_s, warmup_s=warmup_s, speed=speed) as soak:
         return soak.run()
