@@ -342,7 +342,10 @@ def test_training_run_from_the_readmes_deployment_run_on_two_region_pools(stack,
         # Steps of tens of milliseconds: a tinier model outruns a synchronizer on 2 busy cores.
         model={"kind": "gpt", "n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 64},
         token_budget=10**9,  # the run is time-boxed below, so the killed learner's relaunch is inside it
-        learners={"regions": [{"name": "us", "learners": 1}, {"name": "eu", "learners": 1}], "heartbeat_s": 0.5, "batch_size": 16,
+        # Paced to a quarter of their speed: what is under test is the deployments, workers and alerts, and learners
+        # training flat out for the whole time box took CPU from the Prefect server and the rest of the suite.
+        learners={"regions": [{"name": "us", "learners": 1, "speeds": [0.25]}, {"name": "eu", "learners": 1, "speeds": [0.25]}],
+                  "heartbeat_s": 0.5, "batch_size": 16,
                   "poll_s": 0.2, "dead_after_s": 5.0, "startup_grace_s": 90.0},
         synchronizer={"poll_s": 0.1, "lease_ttl_s": 2.0, "eval_every_s": 5.0},
         ledger={"url": f"sqlite:///{tmp_path / 'ledger.db'}"},
