@@ -319,7 +319,8 @@ def deploy_command(
 def chaos_suite_command(
     quick: bool = typer.Option(False, "--quick", help="The short version CI runs (shorter outages, fewer faults)."),
     json_path: Path | None = typer.Option(None, "--json", help="Write {faults: [...], invariants_ok} here."),
-    postgres_url: str | None = typer.Option(None, help="Admin URL of the PostgreSQL server to create a scratch ledger on."),
+    postgres_url: str | None = typer.Option(None, help="Admin URL of the PostgreSQL server to create a scratch ledger on "
+                                            "(default: a throwaway server of the suite's own, the one its restart fault restarts)."),
     workdir: Path | None = typer.Option(None, help="Where process logs go (a temporary folder by default)."),
     shards: int = typer.Option(1, "--shards", min=1, max=4, help="Synchronizer shards (each kill takes the next shard's holder)."),
     soak: str | None = typer.Option(None, "--soak", help="Instead of the matrix one by one: a soak this long (150s, 30m, 1h) "

@@ -1,6 +1,7 @@
 """``ddiloco chaos-suite``: the fault matrix, on the real multi-region configuration.
 
-PostgreSQL ledger (a scratch database), an S3 store (moto's S3 server on loopback, through s3fs),
+PostgreSQL ledger (a scratch database on a throwaway server of the suite's own, unless ``--postgres-url`` names
+one), an S3 store (moto's S3 server on loopback, through s3fs),
 learners and synchronizers as OS processes started the way the flows start them, every fault point
 of their kind armed by file. The suite is scaffolding itself (it lives in :mod:`ddiloco.testing`, which the
 runtime never imports: only the CLI's ``chaos-suite`` command reaches it). Each fault is injected into one
@@ -42,11 +43,12 @@ from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import Base, FragmentSpec, FragmentVersion, Learner, Submission
+from ddiloco.platform.redact import redact_url
 from ddiloco.platform.runtime import RunContext, to_datetime
 from ddiloco.platform.store import FragmentStore
 from ddiloco.testing.environ import environment
 from ddiloco.testing.net import poll_until
-from ddiloco.testing.postgres import scratch_database, server_url
+from ddiloco.testing.postgres import ThrowawayCluster, scratch_database, server_url
 from ddiloco.testing.processes import ProcessCluster, write_config
 from ddiloco.testing.progress import ProgressMonitor
 from ddiloco.testing.s3 import S3Server
@@ -141,12 +143,14 @@ def suite_config(run_id: str, ledger_url: str, bucket: str, shards: int = 1) -> 
 
 
 class Suite:
-    def __init__(self, quick: bool, postgres_server_url: str, workdir: Path, shards: int = 1) -> None:
+    def __init__(self, quick: bool, postgres_server_url: str | None, workdir: Path, shards: int = 1) -> None:
         self.quick = quick
         self.shards = shards
         self.kills = 0
         """Synchronizer kills so far: each kills the holder of the next shard in turn."""
         self.server_url = postgres_server_url
+        """None: a throwaway server of the suite's own (see :meth:`_open`)."""
+        self.pg: ThrowawayCluster | None = None
         self.workdir = workdir
         self.report = SuiteReport()
         self.run_id = f"chaos-{uuid.uuid4().hex[:6]}"
@@ -167,6 +171,16 @@ class Suite:
     def _open(self) -> None:
         # Undone in reverse order on exit: processes first, whatever else fails, so a suite that
         # dies never leaves a run behind; the scratch database last.
+        if self.server_url is None:
+            # A server of its own, as the soak has: the restart fault then disturbs no one else's sessions (a test suite's
+            # other PostgreSQL tests, a developer's databases). Without initdb: the machine's server, restarted whole.
+            try:
+                self.pg = ThrowawayCluster.start()
+                self._stack.callback(self.pg.stop)
+                self.server_url = self.pg.url
+            except RuntimeError as err:
+                log.warning("no PostgreSQL server of the suite's own (%s): the ledger goes on %s", err, redact_url(server_url()))
+                self.server_url = server_url()
         url = make_url(self._stack.enter_context(scratch_database(self.server_url, "ddiloco_chaos", durable=True)))
         # Planted credentials: the security check greps the ledger and every log for them. The
         # S3 server takes any key; a server with password authentication keeps its real password.
@@ -365,20 +379,25 @@ class Suite:
 
     def postgres_restart(self) -> Injection:
         clusters = sorted(os.listdir("/etc/postgresql")) if os.path.isdir("/etc/postgresql") else []
-        if not clusters or make_url(self.server_url).host not in ("127.0.0.1", "localhost") or not shutil.which("pg_ctlcluster"):
+        local = make_url(self.server_url).host in ("127.0.0.1", "localhost") and shutil.which("pg_ctlcluster")
+        if self.pg is None and not (clusters and local):
             return Injection(0, 0, "skipped: no local PostgreSQL cluster to restart")
         versions = self.versions_total()
         started_before = self.postmaster_started()
         down = time.monotonic()
-        subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", clusters[-1], "main", "restart"], check=True, timeout=120,
-                       capture_output=True)
+        if self.pg is not None:
+            self.pg.halt()
+            self.pg.resume()
+        else:
+            subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", clusters[-1], "main", "restart"], check=True, timeout=120,
+                           capture_output=True)
         up = time.monotonic()
         ok = _wait(lambda: self.progressed_since(versions, by=4), 120)
         self.outages.append((down, time.monotonic() + BACKEND_RECOVERY_S))
         # The restart must have hit the server this run's ledger is on, or it proves nothing.
         restarted = self.postmaster_started() != started_before
         crashed = self.crashed()
-        detail = f"pg_ctlcluster restart took {up - down:.1f}s; " + (f"crashed: {crashed}" if crashed else "no process crashed")
+        detail = f"PostgreSQL restart took {up - down:.1f}s; " + (f"crashed: {crashed}" if crashed else "no process crashed")
         if not restarted:
             detail += "; but the ledger's server was not the one restarted"
         return Injection(int(bool(ok) and restarted and not crashed), 1, detail, time.monotonic() - up)
@@ -637,7 +656,7 @@ def run_suite(*, quick: bool, postgres_url: str | None = None, workdir: Path | N
     if threading.current_thread() is threading.main_thread():
         # SIGTERM unwinds like Ctrl-C, so the run's processes and scratch database are cleaned up.
         signal.signal(signal.SIGTERM, _interrupt)
-    with Suite(quick, postgres_url or server_url(), workdir, shards) as suite:
+    with Suite(quick, postgres_url, workdir, shards) as suite:
         return suite.run()
 
 
