@@ -392,10 +392,9 @@ def soak_passed(report: SoakReport) -> bool:
 def soak_config(run_id: str, ledger_url: str, bucket: str, shards: int = 2, speed: float = 1.0) -> RunConfig:
     """The demo's model and learners (4 in 2 regions, one 2x slower) with the chaos suite's short timeouts; ``speed`` < 1
     paces every learner that much slower still (``learners.regions[].speeds``: each step then waits)."""
-    if not 0.0 < speed <= 1.0:
-        raise ValueError(f"the learners' speed must be in (0, 1], got {speed}")
-    regions = [{"name": r.name, "learners": r.learners, "speeds": [speed * s for s in r.speeds + [1.0] * (r.learners - len(r.speeds))]}
-               for r in LearnersConfig().regions]
+    demo = LearnersConfig()
+    regions = [{"name": r.name, "learners": r.learners, "speeds": [speed * s for _, region, s in demo.learner_ids() if region == r.name]}
+               for r in demo.regions]
     return build_config({
         "name": run_id,
         "token_budget": 10**12,
