@@ -365,12 +365,12 @@ def _alive(pid: int) -> bool:
 
 
 def _submissions(run: ProcessRun, prefix: str = "") -> list:
-    with run.ctx.transaction() as s:
+    with run.ctx.reading() as s:
         return list(s.scalars(select(Submission).where(Submission.run_id == run.cfg.name, Submission.uid.like(f"{prefix}%"))))
 
 
 def _state_key(run: ProcessRun) -> str | None:
-    with run.ctx.transaction() as s:
+    with run.ctx.reading() as s:
         return s.get(LearnerRow, (run.cfg.name, "us-0")).optimizer_state_key
 
 
@@ -410,7 +410,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
         wait_for(lambda: len(_submissions(run, "i0-")) >= 3, 120, "the 2-rank learner's first submissions")
         wait_for(lambda: _state_key(run) is not None, 60, "the 2-rank learner's first saved state")
         ranks = wait_for(lambda: len(_rank_pids(job.pid)) == 2 and _rank_pids(job.pid), 10, "two rank processes")
-        with run.ctx.transaction() as s:
+        with run.ctx.reading() as s:
             row = s.get(LearnerRow, ("ddpkill", "us-0"))
             assert row.pid == ranks[0] and row.incarnation == 0, "rank 0 is the learner in the ledger"
         killed_at = time.monotonic()
@@ -423,7 +423,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
         log = run.log("us-0")
         assert "rank 1" in log and "exit" in log, log[-2000:]
         before = _submissions(run)
-        with run.ctx.transaction() as s:
+        with run.ctx.reading() as s:
             assert reports_q.token_accounting(s, "ddpkill").balanced
             position = s.get(LearnerRow, ("ddpkill", "us-0")).data_batches
         assert position and position > 0
@@ -440,7 +440,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
             assert sb.c_tokens == sb.c_steps * tokens_per_step, "a learner's tokens are the sum over its ranks"
         code = relaunch.wait(timeout=120)
         assert code == 0, run.log("us-0-relaunch")[-3000:]
-        with run.ctx.transaction() as s:
+        with run.ctx.reading() as s:
             row = s.get(LearnerRow, ("ddpkill", "us-0"))
             assert row.incarnation == 1
         again = _submissions(run, "i1-")
@@ -454,7 +454,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
         wait_for(
             lambda: any(sb.status == "merged" for sb in _submissions(run, "i1-")), 60, "the relaunched job's work to be merged"
         )
-        with run.ctx.transaction() as s:
+        with run.ctx.reading() as s:
             assert reports_q.token_accounting(s, "ddpkill").balanced
             kinds = [e.kind for e in runs_q.events(s, "ddpkill")]
         assert "learner_restarted" in kinds
@@ -473,7 +473,7 @@ def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
         assert code == 0, run.log("us-0-single")[-3000:]
         assert "resumes AdamW from" in run.log("us-0-single") and "starting AdamW afresh" not in run.log("us-0-single")
         assert len(_submissions(run, "i2-")) == 4
-        with run.ctx.transaction() as s:
+        with run.ctx.reading() as s:
             assert s.get(LearnerRow, ("ddpkill", "us-0")).world_size == 1
     finally:
         for j in jobs:

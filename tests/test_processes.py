@@ -44,7 +44,7 @@ def process_config(name: str, **extra):
 
 
 def v0_published(run: ProcessRun) -> bool:
-    with run.ctx.transaction() as s:
+    with run.ctx.reading() as s:
         return len(runs_q.latest_version_numbers(s, run.ctx.run_id)) == run.cfg.fragments.count
 
 
@@ -58,7 +58,7 @@ def test_learner_killed_mid_upload_leaves_no_dangling_row_and_rejoins(tmp_path):
         wait_for(lambda: run.fault_reached("us-0", "learner.after_blob"), 120, "us-0 to stop between blob and ledger row")
         run.kill("us-0")
         store = FragmentStore(run.cfg.storage.url)
-        with run.ctx.transaction() as s:
+        with run.ctx.reading() as s:
             rows = list(s.scalars(select(Submission).where(Submission.run_id == "killmid")))
         referenced = {r.blob_key for r in rows}
         on_disk = {k for k in store.list("killmid/submissions") if "/us-0/" in k}
@@ -69,7 +69,7 @@ def test_learner_killed_mid_upload_leaves_no_dangling_row_and_rejoins(tmp_path):
         run.learner("us-0")
 
         def rejoined_and_merged() -> bool:
-            with run.ctx.transaction() as s:
+            with run.ctx.reading() as s:
                 learner = s.get(Learner, ("killmid", "us-0"))
                 merged = s.scalar(
                     select(Submission.id).where(
@@ -79,7 +79,7 @@ def test_learner_killed_mid_upload_leaves_no_dangling_row_and_rejoins(tmp_path):
             return learner.incarnation == 1 and merged is not None
 
         wait_for(rejoined_and_merged, 180, "the restarted learner's work to be merged")
-        with run.ctx.transaction() as s:
+        with run.ctx.reading() as s:
             kinds = [e.kind for e in runs_q.events(s, "killmid")]
             assert "learner_restarted" in kinds
             acct = reports_q.token_accounting(s, "killmid")
@@ -93,7 +93,7 @@ def recompute_version(run: ProcessRun, fragment: int, version: int) -> tuple[dic
     """Redo a merge from the ledger and the blobs alone: (params, momentum) it must have produced."""
     cfg = run.cfg
     store = FragmentStore(cfg.storage.url)
-    with run.ctx.transaction() as s:
+    with run.ctx.reading() as s:
         prev = runs_q.get_version(s, cfg.name, fragment, version - 1)
         merge = s.scalar(select(Merge).where(Merge.run_id == cfg.name, Merge.fragment == fragment, Merge.version == version))
         detail = json.loads(merge.detail_json)
@@ -125,7 +125,7 @@ def test_synchronizer_killed_mid_merge_standby_resumes_exactly(tmp_path):
         run.kill("sync-a")
 
         def published_by_b():
-            with run.ctx.transaction() as s:
+            with run.ctx.reading() as s:
                 return s.scalar(
                     select(FragmentVersion)
                     .where(FragmentVersion.run_id == "failover", FragmentVersion.synchronizer.like("sync-b@%"))
@@ -138,7 +138,7 @@ def test_synchronizer_killed_mid_merge_standby_resumes_exactly(tmp_path):
         assert failover_s < 5.0, f"failover took {failover_s:.1f}s"
         # Let sync-b merge a few more, with the learners still going.
         wait_for(lambda: len(_versions_by(run, "sync-b")) >= 2 * P, 120, "more merges by the standby")
-        with run.ctx.transaction() as s:
+        with run.ctx.reading() as s:
             versions = s.execute(select(FragmentVersion.fragment, FragmentVersion.version, FragmentVersion.lease_token)
                                  .where(FragmentVersion.run_id == "failover")).all()
             merged = s.execute(select(Submission.id, Submission.merged_version, Submission.fragment)
@@ -165,7 +165,7 @@ def test_synchronizer_killed_mid_merge_standby_resumes_exactly(tmp_path):
 
 
 def _versions_by(run: ProcessRun, holder: str) -> list:
-    with run.ctx.transaction() as s:
+    with run.ctx.reading() as s:
         mine = (FragmentVersion.run_id == run.cfg.name, FragmentVersion.synchronizer.like(f"{holder}@%"))
         return list(s.scalars(select(FragmentVersion.version).where(*mine)))
 
@@ -178,7 +178,7 @@ def test_a_killed_shard_is_taken_over_while_the_other_shard_keeps_publishing(tmp
     run = ProcessRun(tmp_path, cfg, warm=True)
 
     def lease_of(label: str):
-        with run.ctx.transaction() as s:
+        with run.ctx.reading() as s:
             return next((lease for lease in sync_q.leases(s, "shards") if lease.holder.startswith(f"{label}@")), None)
 
     try:
@@ -205,7 +205,7 @@ def test_a_killed_shard_is_taken_over_while_the_other_shard_keeps_publishing(tmp
         still = lease_of(other)
         assert (still.shard, still.token) == (held_other.shard, held_other.token)
         wait_for(lambda: len(_versions_by(run, standby)) >= 2, 120, "more merges by the standby")
-        with run.ctx.transaction() as s:
+        with run.ctx.reading() as s:
             merges = list(s.scalars(select(Merge).where(Merge.run_id == "shards")))
             publishers = set(s.execute(select(FragmentVersion.fragment, FragmentVersion.synchronizer)
                                        .where(FragmentVersion.run_id == "shards", FragmentVersion.version > 0)).all())

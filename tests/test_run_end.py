@@ -44,7 +44,7 @@ def exit_codes(run: ProcessRun) -> dict[str, int | None]:
 
 
 def merged_and_status(run: ProcessRun) -> tuple[int, str, str]:
-    with run.ctx.transaction() as s:
+    with run.ctx.reading() as s:
         row = runs_q.require_run(s, run.run_id)
         ends = [e.detail for e in runs_q.events(s, run.run_id) if e.kind == f"run_{row.status}"]
         return runs_q.tokens_merged(s, run.run_id), row.status, " ".join(ends)
