@@ -126,8 +126,30 @@ def test_a_judged_process_keeps_a_short_trace_of_rss_and_its_anonymous_part_from
     (g,) = resource_growth(series, warmup_s=30, end_s=1000, slack_s=5)
     assert g.trace[0] == (30.0, 130, 53) and g.trace[-1] == (1000.0, 1100, 150)
     assert len(g.trace) == TRACE_POINTS and [p[0] for p in g.trace] == sorted({p[0] for p in g.trace})
-    assert g.anon_ratio == pytest.approx(150 / 53) and g.to_dict()["trace"][-1] == [1000.0, 1100, 150]
+    # Judged floor to floor: the last 15 s's least RSS is its first sample (985 s), with its anonymous part.
+    assert g.end.at_s == 985.0 and g.rss_ratio == pytest.approx(1085 / 130) and g.anon_ratio == pytest.approx(148 / 53)
+    assert g.to_dict()["trace"][-1] == [1000.0, 1100, 150]
     assert trace([Sample(1.0, 1 << 20, 1, 1)]) == ((1.0, 1, 0),)
+    # Fewer samples than points: every one of them, the last included.
+    few = [Sample(float(t), t << 20, 1, 1) for t in range(13)]
+    assert [p[0] for p in trace(few)] == [float(t) for t in range(13)]
+
+
+def test_a_swing_at_either_end_is_not_growth_and_a_climb_is():
+    def s(at: float, rss: int) -> Sample:
+        return Sample(at, rss, 10, 4, 1)
+
+    flat = [424, 424, 424, 417, 418, 420, 423, 419, 421, 418, 420, 422, 424]  # MiB every 5 s from warm-up
+    series = {
+        ("eu-1", 1): [s(0, 400)] + [s(30 + 5 * i, r) for i, r in enumerate([*flat[:-1], 470])],  # a save's copy at the end
+        ("us-0", 2): [s(0, 400)] + [s(30 + 5 * i, r) for i, r in enumerate([520, *flat[1:]])],  # at the start
+        ("us-1", 3): [s(0, 400)] + [s(30 + 5 * i, 420 + 4 * i) for i in range(13)],  # a leak: 4 MiB every 5 s
+    }
+    grown = {g.process: g for g in resource_growth(series, warmup_s=30, end_s=90, slack_s=10)}
+    # Floors: 417 MiB in the first 15 s, 418 MiB in the last (sample to sample: 470 / 424 = 1.108 and 424 / 520 = 0.815).
+    assert grown["eu-1"].rss_ratio == pytest.approx(418 / 417)
+    assert grown["us-0"].rss_ratio == pytest.approx(418 / 417)
+    assert grown["us-1"].rss_ratio == pytest.approx((420 + 4 * 9) / 420) and grown["us-1"].rss_ratio > 1.08
 
 
 def test_an_incarnation_relaunched_mid_soak_is_judged_from_its_own_warm_up_once_it_lived_long_enough():
