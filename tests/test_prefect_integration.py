@@ -32,6 +32,7 @@ from ddiloco.cli import app
 from ddiloco.platform.ledger import open_ledger, session_factory
 from ddiloco.platform.ledger import reports as reports_q
 from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.ledger.engine import reader_of
 from ddiloco.testing.compose import INFRA, dotenv, localize_url, render_compose, service_command
 from ddiloco.testing.net import Webhook, free_port
 from ddiloco.testing.postgres import scratch_database
@@ -374,7 +375,9 @@ def test_training_run_from_the_readmes_deployment_run_on_two_region_pools(stack,
     assert cli.returncode == 0, cli.stdout + cli.stderr
     flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", cli.stdout).group(1)
     engine = open_ledger(cfg.ledger.url)
-    sessions = session_factory(engine)
+    # Read-only snapshots: a write transaction's BEGIN IMMEDIATE from a starved test process holds SQLite's one write
+    # lock against the run's own synchronizer and learners.
+    sessions = session_factory(reader_of(engine))
 
     def learner_rows():
         with sessions.begin() as s:
