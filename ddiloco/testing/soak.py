@@ -270,14 +270,15 @@ def trace(samples: Sequence[Sample], points: int = TRACE_POINTS) -> tuple[tuple[
     return tuple((samples[i].at_s, samples[i].rss >> 20, samples[i].anon >> 20) for i in picks)
 
 
-FLOOR_WINDOW_S = 15.0
-"""Growth is judged floor to floor: the least RSS within this long of each end of the judged stretch. A learner's RSS
-swings by about 10% within seconds (a state save's staging copy, a received version being folded in); one sample
-caught in a swing at either end made a 75 s soak's learner read as +10.9% or -11.8%. A leak raises the floor."""
+END_WINDOW_S = 15.0
+"""Growth is judged between the median samples (by RSS) within this long of each end of the judged stretch. A
+learner's RSS swings by about 10% for a sample or two, up and down (a burst of received versions, a heap trim); one
+sample caught in a swing at either end made a 75 s soak's learners read as +10.9%, +11.7% or -11.8%. A leak moves
+the whole window, a swing does not."""
 
 
-def _floor(samples: Sequence[Sample]) -> Sample:
-    return min(samples, key=lambda s: s.rss)
+def _middle(samples: Sequence[Sample]) -> Sample:
+    return sorted(samples, key=lambda s: s.rss)[(len(samples) - 1) // 2]
 
 
 def resource_growth(series: Mapping[tuple[str, int], Sequence[Sample]], warmup_s: float, end_s: float,
@@ -285,8 +286,8 @@ def resource_growth(series: Mapping[tuple[str, int], Sequence[Sample]], warmup_s
     """For every process (name, pid) that lived through the soak (sampled within ``slack_s`` of its start and of
     ``end_s``), and with ``min_life_s`` every other that was sampled over at least that long after its own warm-up
     (a learner relaunched mid-soak is as long-lived as one never killed): from its first sample ``warmup_s`` or more
-    after its own first and ``warmup_s`` or more after its last change of role, to its last, the floor of the first
-    ``FLOOR_WINDOW_S`` against the floor of the last (the last sample alone where the stretch is too short for two
+    after its own first and ``warmup_s`` or more after its last change of role, to its last: the median sample of the
+    first ``END_WINDOW_S`` against that of the last (the last sample alone where the stretch is too short for two
     windows). A standby that takes a shard over starts holding its state and merging then: its warm-up begins again,
     as long as a fresh process's (one that took over less than ``warmup_s`` before its last sample is judged from that
     sample: not yet warm)."""
@@ -303,9 +304,9 @@ def resource_growth(series: Mapping[tuple[str, int], Sequence[Sample]], warmup_s
         since = samples[changed[-1] + 1].at_s + warmup_s if changed else 0.0
         base = next((s for s in after if s.at_s >= since), after[-1])
         judged = [s for s in after if s.at_s >= base.at_s]
-        head = [s for s in judged if s.at_s <= judged[0].at_s + FLOOR_WINDOW_S]
-        tail = [s for s in judged[len(head):] if s.at_s >= judged[-1].at_s - FLOOR_WINDOW_S] or [judged[-1]]
-        out.append(Growth(name, pid, _floor(head), _floor(tail), after[-1].at_s - samples[0].at_s, whole, trace(judged)))
+        head = [s for s in judged if s.at_s <= judged[0].at_s + END_WINDOW_S]
+        tail = [s for s in judged[len(head):] if s.at_s >= judged[-1].at_s - END_WINDOW_S] or [judged[-1]]
+        out.append(Growth(name, pid, _middle(head), _middle(tail), after[-1].at_s - samples[0].at_s, whole, trace(judged)))
     return out
 
 
