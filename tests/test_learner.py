@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import threading
 
-import pytest
 import torch
 from support import sim_run
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ddiloco.inprocess import sim_learner, sim_step
-from ddiloco.learner_worker.launch import paced
-from ddiloco.learner_worker.learner import StepReport
 from ddiloco.learner_worker.state import is_complete
 from ddiloco.platform.ledger import reports as reports_q
 from ddiloco.platform.ledger import runs as runs_q
@@ -48,34 +45,6 @@ def test_restarted_learner_resumes_its_adamw_state_and_the_newest_global_version
     states = {k.rsplit("/", 1)[0] for k in ctx.store("us").list(f"{ctx.run_id}/learners/us-0")}
     assert states == {f"{ctx.run_id}/learners/us-0/i0-s10"}
     assert is_complete(f"{ctx.store('us').url}/{ctx.run_id}/learners/us-0/i0-s10")
-
-
-class _Recorded(threading.Event):
-    """An event whose waits are recorded and return at once (the pace's waits, without waiting)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.waits: list[float] = []
-
-    def wait(self, timeout: float | None = None) -> bool:
-        self.waits.append(timeout)
-        return False
-
-
-def test_a_paced_learner_waits_by_what_its_step_cost_the_hardware_not_by_the_wait_for_a_core():
-    cfg, clock, ctx, sync = sim_run(learners={"regions": [{"name": "us", "learners": 1}]})
-    learner = sim_learner(ctx, "us-0", index=0, num_learners=1)
-    learner.start(clock.t)
-    clock.t += 1.0
-    report = sim_step(learner, clock.t)
-    assert report.tokens > 0 and report.cpu_s is not None and report.cpu_s > 0  # a CPU learner counts its step's CPU
-    stop = _Recorded()
-    pace = paced(0.25, stop)
-    pace(StepReport(1, 1.0, 64, compute_s=2.0, cpu_s=0.1))  # 1.9 s of its 2 s spent waiting for a core
-    pace(StepReport(2, 1.0, 64, compute_s=0.2, cpu_s=0.4))  # two threads at work: the wall time is the step's
-    pace(StepReport(3, 1.0, 64, compute_s=0.3))  # an accelerator: its wall time
-    assert stop.waits == pytest.approx([0.3, 0.6, 0.9])
-    assert paced(1.0, stop) is None
 
 
 class _GatedStager(DefaultStager):

@@ -61,22 +61,13 @@ class JobSummary:
     figures: dict[str, float]
 
 
-def hardware_s(report: StepReport) -> float:
-    """What a step cost the hardware: its compute time, or on a CPU device its CPU time where that is less. On a shared
-    CPU a step's wall time includes waiting for a core; pacing by it would slow a paced learner again by every bit of
-    contention (the demo's learners at speed 0.1 in a loaded 2-core test suite: a step every 14-26 s, each 0.15 s of CPU)."""
-    if report.cpu_s is None:
-        return report.compute_s
-    return min(report.compute_s, report.cpu_s)
-
-
 def paced(speed: float, stop: threading.Event):  # noqa: ANN201 - a step callback
-    """Emulated slower hardware (``learners.regions[].speeds``): each step takes 1/speed as long as this hardware's."""
+    """Emulated slower hardware (``learners.regions[].speeds``): each step takes 1/speed as long."""
     if speed >= 1.0:
         return None
 
     def pace(report: StepReport) -> None:
-        stop.wait(hardware_s(report) * (1.0 / speed - 1.0))
+        stop.wait(report.compute_s * (1.0 / speed - 1.0))
 
     return pace
 

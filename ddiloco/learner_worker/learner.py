@@ -157,9 +157,6 @@ class StepReport:
     waiting: bool = False
     stopped: bool = False
     compute_s: float = 0.0
-    cpu_s: float | None = None
-    """The process's CPU time over the inner step, on a CPU device (None on an accelerator, whose work the host does not
-    count): what the step cost the hardware, without the time it waited for a CPU on a shared machine."""
 
 
 @dataclass
@@ -408,10 +405,9 @@ class Learner:
             # Time spent waiting for a merge (overlap 0) is not part of a step.
             self._last_step_at += now - self._waiting_since
             self._waiting_since = None
-        t0, c0 = time.perf_counter(), (time.process_time() if self.device.type == "cpu" else None)
+        t0 = time.perf_counter()
         loss, tokens = self.train_step()
         compute_s = time.perf_counter() - t0
-        cpu_s = None if c0 is None else time.process_time() - c0
         # A step lasts from its start to the next one's: slower hardware, I/O on this thread and
         # pacing all count, which is what stragglers and goodput are judged on.
         period = now - self._last_step_at
@@ -437,7 +433,7 @@ class Learner:
         every = self.cfg.learners.save_optimizer_every
         if every and self.step_count % every == 0:
             self.save_state()
-        return StepReport(self.step_count, loss, tokens, submitted=sent, received=received, compute_s=compute_s, cpu_s=cpu_s)
+        return StepReport(self.step_count, loss, tokens, submitted=sent, received=received, compute_s=compute_s)
 
     def _nonfinite_loss(self, loss: float) -> None:
         """Count a NaN or infinite step loss (kept out of the moving average, which would stay NaN for good) and say

@@ -282,8 +282,7 @@ class RegionConfig(_Section):
     learners: int = Field(1, ge=0, le=1 << 16)
     speeds: list[float] = Field(default_factory=list)
     """Relative speed of each learner in this region (1.0 = full speed, 0.5 = 2x slower); missing
-    entries are 1.0. Used to emulate mixed hardware: after each step a learner waits (1/speed - 1) times what the
-    step cost its hardware (on a CPU device its CPU time, so that a shared machine's contention is not scaled too)."""
+    entries are 1.0. Used to emulate mixed hardware."""
     storage_url: str | None = None
     """This region's bucket; the run-wide ``storage.url`` when unset."""
     deploy: PodConfig = Field(default_factory=PodConfig)
