@@ -272,7 +272,7 @@ def trace(samples: Sequence[Sample], points: int = TRACE_POINTS) -> tuple[tuple[
 
 END_WINDOW_S = 15.0
 """Growth is judged between the median samples (by RSS) within this long of each end of the judged stretch. A
-learner's RSS swings by about 10% for a sample or two, up and down (a burst of received versions, a heap trim); one
+learner's RSS swings by about 10% for a sample or two, up and down (seen in the suite's soaks, cause not traced); one
 sample caught in a swing at either end made a 75 s soak's learners read as +10.9%, +11.7% or -11.8%. A leak moves
 the whole window, a swing does not."""
 
