@@ -93,6 +93,12 @@ def test_a_presence_lock_dies_with_its_session_or_file(engine):
             pid = first._conn.scalar(text("SELECT pg_backend_pid()"))
             with engine.connect() as conn:
                 assert conn.scalar(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+            # pg_terminate_backend only signals the backend; its locks go when it has exited.
+            def ended() -> bool:
+                with engine.connect() as conn:
+                    return bool(conn.scalar(text("SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}))
+
+            wait_for(ended, 10, "the terminated session to end")
             assert second.hold(0)
         else:
             assert isinstance(first, FilePresence)
