@@ -153,6 +153,27 @@ def test_a_swing_at_either_end_is_not_growth_and_a_climb_is():
     assert grown["us-1"].rss_ratio == pytest.approx((420 + 4 * 10) / (420 + 4)) and grown["us-1"].rss_ratio > 1.08
 
 
+def test_a_learner_is_judged_where_it_was_working_and_a_working_climb_is_growth():
+    def s(at: float, rss: int, step: int | None) -> Sample:
+        return Sample(at, rss, 10, 4, 1, step=step)
+
+    times = [30 + 5 * i for i in range(14)]
+    # us-0, as a suite's soak saw it: held up for 12 s after a heap trim (its step still), then back at work.
+    held = [425, 425, 430, 478, 484, 475, 479, 482, 482, 483, 483, 474, 474, 476]
+    held_steps = [3, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    climbing = [480 + 4 * i for i in range(14)]  # a leak: 4 MiB a step while it trains
+    series = {
+        ("us-0", 1): [s(0, 400, 3)] + [s(t, r, k) for t, r, k in zip(times, held, held_steps)],
+        ("us-1", 2): [s(0, 400, 0)] + [s(t, r, 3 + i) for i, (t, r) in enumerate(zip(times, climbing))],
+        ("eu-0", 3): [s(0, 400, 3)] + [s(t, r, 3) for t, r in zip(times, held)],  # never stepped: judged on every sample
+    }
+    grown = {g.process: g for g in resource_growth(series, warmup_s=30, end_s=95, slack_s=10)}
+    # Every sample's medians read 425 (30-45 s) -> 474 (80-95 s), x1.115 as that soak reported; while working, 478 -> 474.
+    assert grown["us-0"].start.at_s == 45 and grown["us-0"].rss_ratio == pytest.approx(474 / 478)
+    assert grown["us-1"].rss_ratio == pytest.approx((480 + 4 * 11) / (480 + 4)) and grown["us-1"].rss_ratio > 1.08
+    assert grown["eu-0"].start.at_s < 45 and grown["eu-0"].rss_ratio == pytest.approx(474 / 425)
+
+
 def test_an_incarnation_relaunched_mid_soak_is_judged_from_its_own_warm_up_once_it_lived_long_enough():
     def s(at: float, rss: int) -> Sample:
         return Sample(at, rss, 10, 4, 1)
