@@ -789,9 +789,9 @@ class Soak:
             self.start_learner(lid)
         self.start_evaluator()
 
-        # Every learner stepping and every shard merging is a run in progress. Waiting for two merged versions per
-        # fragment on average as well took a suite's paced learners 105 s on loaded cores (each had stepped 6-14
-        # times), with nothing more to judge.
+        # Every learner stepping and every shard merging is a run in progress. Waiting for merged versions as many as
+        # the fragments as well took 118 s of a suite run (its paced learners on loaded cores had stepped 6-14 times;
+        # the rule before it, twice as many, longer still), with nothing more to judge.
         def all_stepping() -> bool:
             rows = [self.learner_row(lid) for lid in self.learners]
             return all(r is not None and r.step > 0 for r in rows) and self.every_shard_merged()
