@@ -85,6 +85,25 @@ def test_the_synchronizer_pass_never_evaluates_and_the_evaluator_records_publish
     assert "eval/val_accuracy" not in series and all(e.val_accuracy is None for e in evals)  # a language model has none
 
 
+def test_with_shards_the_evaluator_waits_for_version_0_of_every_fragment(caplog) -> None:
+    """Each shard's holder publishes version 0 of its own fragments: until both have, there is no whole model to
+    evaluate, which is a wait (said once), not an error."""
+    cfg = in_memory_config(tiny_config(name="evalshards", **{**SECTIONS, "synchronizer": {**SECTIONS["synchronizer"], "shards": 2}}))
+    clock = SimClock()
+    ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
+    assert Synchronizer(ctx, holder="sync-a").poll_once(clock.t).role == "active"  # half the fragments at version 0
+    evaluator = Evaluator(ctx)
+    with caplog.at_level("INFO", logger="ddiloco.evaluator"):
+        assert 0 < len(evaluator.published()) < cfg.fragments.count
+        assert evaluator.evaluate_once(clock.t + 1) is None and evaluator.evaluate_once(clock.t + 2) is None
+    assert [r.getMessage() for r in caplog.records] == [
+        f"waiting for version 0 of every fragment ({len(evaluator.published())} published so far)"]
+    assert Synchronizer(ctx, holder="sync-b").poll_once(clock.t).role == "active"  # the other shard's holder
+    assert len(evaluator.published()) == cfg.fragments.count
+    loss, _ = evaluator.evaluate_once(clock.t + 3)
+    assert loss == pytest.approx(evaluate_global(cfg, newest_params(ctx))[0], rel=1e-6)
+
+
 def test_the_evaluator_refuses_a_cadence_that_is_not_positive_and_a_device_that_is_no_device() -> None:
     cfg = in_memory_config(tiny_config(name="cadence0"))
     ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=SimClock())

@@ -52,17 +52,31 @@ class Evaluator:
         """Built once (on ``device``: auto is the GPU when torch sees one) and overwritten with each evaluated version."""
         self.evaluated: dict[int, int] | None = None
         """The version of every fragment at this evaluator's last evaluation."""
+        self._told_partial = False
 
     def published(self) -> dict[int, int]:
         """The newest published version of every fragment."""
         with self.ctx.reading() as s:
             return runs_q.latest_version_numbers(s, self.ctx.run_id)
 
+    def whole(self, versions: dict[int, int]) -> bool:
+        """Whether every fragment of the run has a published version: with shards, each holder publishes version 0 of
+        its own fragments, and a model assembled before all have is missing rows."""
+        with self.ctx.reading() as s:
+            run = runs_q.get_run(s, self.ctx.run_id)
+        return run is not None and len(versions) >= run.num_fragments
+
     def evaluate_once(self, now: float | None = None) -> tuple[float, float | None] | None:
         """Evaluate and record the newest global model when versions were published since the last
-        evaluation (or none was made yet); returns (loss, accuracy), or None when there was nothing new."""
+        evaluation (or none was made yet); returns (loss, accuracy), or None when there was nothing new, or no whole
+        model yet."""
         versions = self.published()
         if not versions or versions == self.evaluated:
+            return None
+        if not self.whole(versions):
+            if not self._told_partial:
+                log.info("waiting for version 0 of every fragment (%d published so far)", len(versions))
+                self._told_partial = True
             return None
         result = evaluate_and_record(self.ctx, self.ctx.now() if now is None else now, model=self.model, series=self.series)
         self.evaluated = versions
