@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
@@ -154,10 +155,17 @@ class Browser:
         """Navigate and wait until the page shows every text in ``must_show``, its charts are drawn
         and Streamlit has stopped running the script; returns the page's text."""
         self.call("Page.navigate", url=url)
-        deadline = time.monotonic() + timeout_s
-        text, stable_since = "", None
+        started = time.monotonic()
+        deadline = started + timeout_s
+        text, stable_since, renavigated = "", None, False
         while time.monotonic() < deadline:
             text = self.eval("document.body ? document.body.innerText : ''") or ""
+            if not text.strip() and not renavigated and time.monotonic() - started > timeout_s / 2:
+                # Not one character after half the time: the app's page never loaded (seen once in a loaded suite run,
+                # cause unknown). Navigate once more, as a user would reload, and say so.
+                warnings.warn(f"{url}: still blank after {timeout_s / 2:.0f}s ({self.load_state()}); navigating again", stacklevel=2)
+                self.call("Page.navigate", url=url)
+                renavigated = True
             busy = self.eval(
                 '!!document.querySelector(\'[data-testid="stStatusWidget"] button, [data-testid="stSkeleton"], .stSpinner\')'
             )
@@ -174,7 +182,12 @@ class Browser:
                 stable_since = None
             time.sleep(0.25)
         missing = [t for t in must_show if t not in text]
-        raise AssertionError(f"{url} did not render {missing} within {timeout_s:.0f}s; page text:\n{text[:3000]}")
+        raise AssertionError(f"{url} did not render {missing} within {timeout_s:.0f}s ({self.load_state()}); page text:\n{text[:3000]}")
+
+    def load_state(self) -> str:
+        """Where the page's own loading stands, for a failure's message."""
+        return str(self.eval("JSON.stringify({href: location.href, readyState: document.readyState, "
+                             "scripts: document.scripts.length, root: !!document.getElementById('root')})"))
 
     def screenshot(self, path: Path, full_page: bool = True) -> bytes:
         """A PNG of the page; ``full_page`` grows the viewport to the height of Streamlit's scrolling main area."""
