@@ -168,10 +168,15 @@ def test_a_learner_is_judged_where_it_was_working_and_a_working_climb_is_growth(
         ("eu-0", 3): [s(0, 400, 3)] + [s(t, r, 3) for t, r in zip(times, held)],  # never stepped: judged on every sample
     }
     grown = {g.process: g for g in resource_growth(series, warmup_s=30, end_s=95, slack_s=10)}
-    # Every sample's medians read 425 (30-45 s) -> 474 (80-95 s), x1.115 as that soak reported; while working, 478 -> 474.
-    assert grown["us-0"].start.at_s == 45 and grown["us-0"].rss_ratio == pytest.approx(474 / 478)
-    assert grown["us-1"].rss_ratio == pytest.approx((480 + 4 * 11) / (480 + 4)) and grown["us-1"].rss_ratio > 1.08
+    # Every sample's medians read 425 (30-45 s) -> 474 (80-95 s), x1.115 as that soak reported; while working, the
+    # highest of each window: 484 (45-60 s) -> 483 (80-95 s).
+    assert grown["us-0"].start.at_s == 50 and grown["us-0"].rss_ratio == pytest.approx(483 / 484)
+    assert grown["us-1"].rss_ratio == pytest.approx((480 + 4 * 13) / (480 + 4 * 3)) and grown["us-1"].rss_ratio > 1.08
     assert grown["eu-0"].start.at_s < 45 and grown["eu-0"].rss_ratio == pytest.approx(474 / 425)
+    # A trim caught in a working sample (a later suite soak: 474, 420, 472 MiB, each after a step) is not growth either.
+    trimmed = [s(30, 474, 5), s(35, 474, 6), s(40, 420, 7), s(60, 472, 8), s(80, 470, 9), s(85, 473, 10), s(95, 473, 11)]
+    (g,) = resource_growth({("us-0", 4): [s(0, 400, 4), *trimmed]}, warmup_s=30, end_s=95, slack_s=10)
+    assert g.rss_ratio == pytest.approx(473 / 474)
 
 
 def test_an_incarnation_relaunched_mid_soak_is_judged_from_its_own_warm_up_once_it_lived_long_enough():

@@ -283,11 +283,17 @@ def _middle(samples: Sequence[Sample]) -> Sample:
     return sorted(samples, key=lambda s: s.rss)[(len(samples) - 1) // 2]
 
 
+def _highest(samples: Sequence[Sample]) -> Sample:
+    return max(samples, key=lambda s: s.rss)
+
+
 def working(samples: Sequence[Sample]) -> list[Sample]:
     """A learner's samples taken while it trained: its step had moved on since the sample before. Every 30 s the heap
     trimmer hands a process's free pages back (:mod:`ddiloco.platform.memory`) and a learner's RSS drops ~10% until its
     next step touches them again; a learner held up by a fault or starved of CPU sits at that level for seconds (seen:
-    425 MiB for 10 s, then 478-484 MiB once it stepped). A leak raises what a working learner holds."""
+    425 MiB for 10 s, then 478-484 MiB once it stepped). A sample taken after a step may still fall after a trim (seen:
+    474, 420, 472 MiB, each after a step), so a learner's window is judged by its highest working sample: the working
+    set a step touches, which a leak raises and a trim does not lower."""
     return [s for prev, s in zip(samples, samples[1:]) if s.step is not None and prev.step is not None and s.step > prev.step]
 
 
@@ -298,10 +304,10 @@ def resource_growth(series: Mapping[tuple[str, int], Sequence[Sample]], warmup_s
     (a learner relaunched mid-soak is as long-lived as one never killed): from its first sample ``warmup_s`` or more
     after its own first and ``warmup_s`` or more after its last change of role, to its last: the median sample of the
     first ``END_WINDOW_S`` against that of the last (the last sample alone where the stretch is too short for two
-    windows). A learner's samples (they carry its step) are judged only where it was working (:func:`working`), unless
-    it never stepped in the judged stretch. A standby that takes a shard over starts holding its state and merging
-    then: its warm-up begins again, as long as a fresh process's (one that took over less than ``warmup_s`` before its
-    last sample is judged from that sample: not yet warm)."""
+    windows). A learner's samples (they carry its step) are judged only where it was working, by the highest working
+    sample of each window (:func:`working`), unless it never stepped in the judged stretch. A standby that takes a
+    shard over starts holding its state and merging then: its warm-up begins again, as long as a fresh process's (one
+    that took over less than ``warmup_s`` before its last sample is judged from that sample: not yet warm)."""
     out = []
     for (name, pid), samples in sorted(series.items()):
         after = [s for s in samples if s.at_s >= samples[0].at_s + warmup_s]
@@ -314,11 +320,12 @@ def resource_growth(series: Mapping[tuple[str, int], Sequence[Sample]], warmup_s
         changed = [i for i, s in enumerate(samples) if s.role is not None and s.role != role]
         since = samples[changed[-1] + 1].at_s + warmup_s if changed else 0.0
         base = next((s for s in after if s.at_s >= since), after[-1])
-        judged = [s for s in after if s.at_s >= base.at_s]
-        judged = [s for s in working(samples) if s.at_s >= base.at_s] or judged
+        busy = [s for s in working(samples) if s.at_s >= base.at_s]
+        judged = busy or [s for s in after if s.at_s >= base.at_s]
+        pick = _highest if busy else _middle
         head = [s for s in judged if s.at_s <= judged[0].at_s + END_WINDOW_S]
         tail = [s for s in judged[len(head):] if s.at_s >= judged[-1].at_s - END_WINDOW_S] or [judged[-1]]
-        out.append(Growth(name, pid, _middle(head), _middle(tail), after[-1].at_s - samples[0].at_s, whole, trace(judged)))
+        out.append(Growth(name, pid, pick(head), pick(tail), after[-1].at_s - samples[0].at_s, whole, trace(judged)))
     return out
 
 
