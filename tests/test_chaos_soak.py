@@ -83,7 +83,9 @@ def test_no_process_that_lived_through_the_soak_grew_beyond_the_bound(soak):
     run = [g for g in r["growth"] if g["process"] != DRIVER]
     assert len(run) >= 3, [g["process"] for g in r["growth"]]
     for g in run:
-        assert g["rss_ratio"] <= RSS_BOUND, g
+        # The peak (VmHWM), not RSS itself: RSS reads ~10% low after a heap trim until a learner's next step, and the
+        # suite's slowest learner steps a few times a minute (a working sample of 422 MiB against 464-474 read x1.12).
+        assert g["peak_ratio"] <= RSS_BOUND, g
         assert g["end"]["threads"] <= g["start"]["threads"] + 8, g
         assert g["end"]["fds"] <= g["start"]["fds"] + 16, g
     # Ledger connections were counted per process, at the start and at the end.

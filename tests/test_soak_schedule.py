@@ -179,6 +179,21 @@ def test_a_learner_is_judged_where_it_was_working_and_a_working_climb_is_growth(
     assert g.rss_ratio == pytest.approx(473 / 474)
 
 
+def test_growth_of_the_peak_ignores_a_trim_and_follows_a_leak():
+    def s(at: float, rss: int, peak: int) -> Sample:
+        return Sample(at, rss, 10, 4, 1, peak=peak)
+
+    series = {
+        # The suite soak's eu-1: one working sample caught after a trim (422), then 464 and 474; its peak barely moved.
+        ("eu-1", 1): [s(0, 470, 470), s(37, 422, 476), s(57, 464, 476), s(95, 474, 481)],
+        ("us-1", 2): [s(0, 470, 470)] + [s(30 + 5 * i, 470 + 6 * i, 470 + 6 * i) for i in range(14)],  # a leak
+    }
+    grown = {g.process: g for g in resource_growth(series, warmup_s=30, end_s=95, slack_s=10)}
+    assert grown["eu-1"].rss_ratio > 1.1 and grown["eu-1"].peak_ratio == pytest.approx(481 / 476)
+    assert grown["us-1"].peak_ratio == pytest.approx((470 + 6 * 13) / 470) and grown["us-1"].peak_ratio > 1.1
+    assert grown["eu-1"].to_dict()["peak_ratio"] == round(481 / 476, 4)
+
+
 def test_an_incarnation_relaunched_mid_soak_is_judged_from_its_own_warm_up_once_it_lived_long_enough():
     def s(at: float, rss: int) -> Sample:
         return Sample(at, rss, 10, 4, 1)
@@ -235,8 +250,8 @@ def test_a_bad_duration_is_refused_naming_it(text):
 
 
 def test_proc_reads_a_live_process_and_none_for_a_gone_one():
-    rss, fds, threads, anon = read_proc(os.getpid())
-    assert rss > 10 << 20 and fds >= 3 and threads >= 1 and 0 < anon < rss
+    rss, fds, threads, anon, peak = read_proc(os.getpid())
+    assert rss > 10 << 20 and fds >= 3 and threads >= 1 and 0 < anon < rss <= peak
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert read_proc(child.pid) is None

@@ -206,6 +206,8 @@ class Sample:
     libraries the process has touched so far, which a new code path adds to and no leak does."""
     step: int | None = None
     """A learner's inner step as its ledger row said at this look (None: not a learner, or the ledger could not say)."""
+    peak: int = 0
+    """The most RSS the process has held so far (VmHWM, bytes): what a leak raises, and a heap trim does not lower."""
 
 
 class ProcStat(NamedTuple):
@@ -213,11 +215,12 @@ class ProcStat(NamedTuple):
     fds: int
     threads: int
     anon: int
+    peak: int = 0
 
 
 def read_proc(pid: int) -> ProcStat | None:
-    """RSS and its anonymous part (bytes), open file descriptors and threads of ``pid`` from /proc (Linux), or None
-    once it has gone."""
+    """RSS, its anonymous part and its peak so far (bytes), open file descriptors and threads of ``pid`` from /proc
+    (Linux), or None once it has gone."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
         fds = len(os.listdir(f"/proc/{pid}/fd"))
@@ -230,7 +233,7 @@ def read_proc(pid: int) -> ProcStat | None:
     def kib(name: str) -> int:
         return int(fields.get(name, "0 kB").split()[0]) * 1024
 
-    return ProcStat(kib("VmRSS"), fds, int(fields.get("Threads", "0")), kib("RssAnon"))
+    return ProcStat(kib("VmRSS"), fds, int(fields.get("Threads", "0")), kib("RssAnon"), kib("VmHWM"))
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,9 @@ class Growth:
     trace: tuple[tuple[float, int, int], ...] = ()
     """(seconds into the soak, RSS MiB, anonymous MiB) from ``start`` to ``end``, at most ``TRACE_POINTS`` of them:
     the shape tells a leak (a steady climb) from a warm-up (a climb that levels off)."""
+    peak_from: int = 0
+    peak_to: int = 0
+    """The process's peak RSS (VmHWM) at the first and the last sample of the judged stretch."""
 
     @property
     def rss_ratio(self) -> float:
@@ -254,9 +260,17 @@ class Growth:
     def anon_ratio(self) -> float:
         return self.end.anon / self.start.anon if self.start.anon else 1.0
 
+    @property
+    def peak_ratio(self) -> float:
+        """How much higher the process's peak RSS went after warm-up. RSS itself swings with the heap trimmer (a learner
+        sampled after a trim and before its next step reads ~10% low, and a 2x-slowed learner steps a few times a
+        minute); its peak does not, and a leak raises it: RSS at the end is at most this over the peak at warm-up."""
+        return self.peak_to / self.peak_from if self.peak_from else 1.0
+
     def to_dict(self) -> dict[str, Any]:
         return {"process": self.process, "pid": self.pid, "lived_s": round(self.lived_s, 1), "rss_ratio": round(self.rss_ratio, 4),
-                "anon_ratio": round(self.anon_ratio, 4), "whole_soak": self.whole_soak, "start": asdict(self.start),
+                "anon_ratio": round(self.anon_ratio, 4), "peak_ratio": round(self.peak_ratio, 4), "whole_soak": self.whole_soak,
+                "start": asdict(self.start),
                 "end": asdict(self.end), "trace": [list(p) for p in self.trace]}
 
 
@@ -320,12 +334,14 @@ def resource_growth(series: Mapping[tuple[str, int], Sequence[Sample]], warmup_s
         changed = [i for i, s in enumerate(samples) if s.role is not None and s.role != role]
         since = samples[changed[-1] + 1].at_s + warmup_s if changed else 0.0
         base = next((s for s in after if s.at_s >= since), after[-1])
+        stretch = [s for s in after if s.at_s >= base.at_s]
         busy = [s for s in working(samples) if s.at_s >= base.at_s]
-        judged = busy or [s for s in after if s.at_s >= base.at_s]
+        judged = busy or stretch
         pick = _highest if busy else _middle
         head = [s for s in judged if s.at_s <= judged[0].at_s + END_WINDOW_S]
         tail = [s for s in judged[len(head):] if s.at_s >= judged[-1].at_s - END_WINDOW_S] or [judged[-1]]
-        out.append(Growth(name, pid, pick(head), pick(tail), after[-1].at_s - samples[0].at_s, whole, trace(judged)))
+        out.append(Growth(name, pid, pick(head), pick(tail), after[-1].at_s - samples[0].at_s, whole, trace(judged),
+                          stretch[0].peak, stretch[-1].peak))
     return out
 
 
@@ -628,7 +644,7 @@ class Soak:
             role = None if holders is None or not name.startswith("sync") else "active" if name in holders else "standby"
             with self._lock:
                 self.series.setdefault((name, pid), []).append(Sample(round(at, 2), got.rss, got.fds, got.threads, n, role, got.anon,
-                                                                               steps.get(name)))
+                                                                               steps.get(name), got.peak))
 
     def check(self, final: bool = False) -> None:
         at = self.now()
