@@ -321,7 +321,9 @@ def resource_growth(series: Mapping[tuple[str, int], Sequence[Sample]], warmup_s
     windows). A learner's samples (they carry its step) are judged only where it was working, by the highest working
     sample of each window (:func:`working`), unless it never stepped in the judged stretch. A standby that takes a
     shard over starts holding its state and merging then: its warm-up begins again, as long as a fresh process's (one
-    that took over less than ``warmup_s`` before its last sample is judged from that sample: not yet warm)."""
+    that took over less than ``warmup_s`` before its last sample is judged from that sample: not yet warm). Each also
+    carries its peak RSS at the first and the last sample of that stretch (:attr:`Growth.peak_ratio`), which no trim
+    lowers."""
     out = []
     for (name, pid), samples in sorted(series.items()):
         after = [s for s in samples if s.at_s >= samples[0].at_s + warmup_s]
