@@ -204,8 +204,6 @@ class Sample:
     anon: int = 0
     """The anonymous part of RSS (bytes): heap, tensors, stacks. The rest is file-backed: the pages of code and
     libraries the process has touched so far, which a new code path adds to and no leak does."""
-    step: int | None = None
-    """A learner's inner step as its ledger row said at this look (None: not a learner, or the ledger could not say)."""
     peak: int = 0
     """The most RSS the process has held so far (VmHWM, bytes): what a leak raises, and a heap trim does not lower."""
 
@@ -288,27 +286,14 @@ def trace(samples: Sequence[Sample], points: int = TRACE_POINTS) -> tuple[tuple[
 
 END_WINDOW_S = 15.0
 """Growth is judged between the median samples (by RSS) within this long of each end of the judged stretch. A
-learner's RSS swings by about 10% for a sample or two, up and down (the heap trimmer's drops, and the pages the next
-steps touch again: :func:`working`); one sample caught in a swing at either end made a 75 s soak's learners read as
-+10.9%, +11.7% or -11.8%. A leak moves the whole window, a swing does not."""
+learner's RSS swings by about 10% for a sample or two, up and down (every 30 s the heap trimmer hands free pages back,
+:mod:`ddiloco.platform.memory`, and RSS stays low until the learner's next step touches them again); one sample caught
+in a swing at either end made a 75 s soak's learners read as +10.9%, +11.7% or -11.8%. A slow learner can stay low for
+a whole window: :attr:`Growth.peak_ratio` is what a trim does not move."""
 
 
 def _middle(samples: Sequence[Sample]) -> Sample:
     return sorted(samples, key=lambda s: s.rss)[(len(samples) - 1) // 2]
-
-
-def _highest(samples: Sequence[Sample]) -> Sample:
-    return max(samples, key=lambda s: s.rss)
-
-
-def working(samples: Sequence[Sample]) -> list[Sample]:
-    """A learner's samples taken while it trained: its step had moved on since the sample before. Every 30 s the heap
-    trimmer hands a process's free pages back (:mod:`ddiloco.platform.memory`) and a learner's RSS drops ~10% until its
-    next step touches them again; a learner held up by a fault or starved of CPU sits at that level for seconds (seen:
-    425 MiB for 10 s, then 478-484 MiB once it stepped). A sample taken after a step may still fall after a trim (seen:
-    474, 420, 472 MiB, each after a step), so a learner's window is judged by its highest working sample: the working
-    set a step touches, which a leak raises and a trim does not lower."""
-    return [s for prev, s in zip(samples, samples[1:]) if s.step is not None and prev.step is not None and s.step > prev.step]
 
 
 def resource_growth(series: Mapping[tuple[str, int], Sequence[Sample]], warmup_s: float, end_s: float,
@@ -318,12 +303,10 @@ def resource_growth(series: Mapping[tuple[str, int], Sequence[Sample]], warmup_s
     (a learner relaunched mid-soak is as long-lived as one never killed): from its first sample ``warmup_s`` or more
     after its own first and ``warmup_s`` or more after its last change of role, to its last: the median sample of the
     first ``END_WINDOW_S`` against that of the last (the last sample alone where the stretch is too short for two
-    windows). A learner's samples (they carry its step) are judged only where it was working, by the highest working
-    sample of each window (:func:`working`), unless it never stepped in the judged stretch. A standby that takes a
-    shard over starts holding its state and merging then: its warm-up begins again, as long as a fresh process's (one
-    that took over less than ``warmup_s`` before its last sample is judged from that sample: not yet warm). Each also
-    carries its peak RSS at the first and the last sample of that stretch (:attr:`Growth.peak_ratio`), which no trim
-    lowers."""
+    windows). A standby that takes a shard over starts holding its state and merging then: its warm-up begins again,
+    as long as a fresh process's (one that took over less than ``warmup_s`` before its last sample is judged from that
+    sample: not yet warm). Each also carries its peak RSS at the first and the last sample of that stretch
+    (:attr:`Growth.peak_ratio`), which no trim lowers."""
     out = []
     for (name, pid), samples in sorted(series.items()):
         after = [s for s in samples if s.at_s >= samples[0].at_s + warmup_s]
@@ -336,14 +319,11 @@ def resource_growth(series: Mapping[tuple[str, int], Sequence[Sample]], warmup_s
         changed = [i for i, s in enumerate(samples) if s.role is not None and s.role != role]
         since = samples[changed[-1] + 1].at_s + warmup_s if changed else 0.0
         base = next((s for s in after if s.at_s >= since), after[-1])
-        stretch = [s for s in after if s.at_s >= base.at_s]
-        busy = [s for s in working(samples) if s.at_s >= base.at_s]
-        judged = busy or stretch
-        pick = _highest if busy else _middle
+        judged = [s for s in after if s.at_s >= base.at_s]
         head = [s for s in judged if s.at_s <= judged[0].at_s + END_WINDOW_S]
         tail = [s for s in judged[len(head):] if s.at_s >= judged[-1].at_s - END_WINDOW_S] or [judged[-1]]
-        out.append(Growth(name, pid, pick(head), pick(tail), after[-1].at_s - samples[0].at_s, whole, trace(judged),
-                          stretch[0].peak, stretch[-1].peak))
+        out.append(Growth(name, pid, _middle(head), _middle(tail), after[-1].at_s - samples[0].at_s, whole, trace(judged),
+                          judged[0].peak, judged[-1].peak))
     return out
 
 
@@ -622,14 +602,6 @@ class Soak:
         except Exception:  # noqa: BLE001 - the server may be restarting: this sample has no roles
             return None
 
-    def steps(self) -> dict[str, int]:
-        """Each learner's inner step by id, or nothing while the ledger cannot say."""
-        try:
-            with self.ctx.reading() as s:
-                return dict(s.execute(select(Learner.id, Learner.step).where(Learner.run_id == self.run_id)).tuples().all())
-        except Exception:  # noqa: BLE001 - the server may be restarting: this sample has no steps
-            return {}
-
     def sample(self) -> None:
         at = self.now()
         conns = self.connections()
@@ -637,7 +609,6 @@ class Soak:
             self.last_connections = conns
             self.first_connections = self.first_connections or conns
         holders = self.holders()
-        steps = self.steps()
         for name, pid in self.pids().items():
             got = read_proc(pid)
             if got is None:
@@ -646,7 +617,7 @@ class Soak:
             role = None if holders is None or not name.startswith("sync") else "active" if name in holders else "standby"
             with self._lock:
                 self.series.setdefault((name, pid), []).append(Sample(round(at, 2), got.rss, got.fds, got.threads, n, role, got.anon,
-                                                                               steps.get(name), got.peak))
+                                                                               peak=got.peak))
 
     def check(self, final: bool = False) -> None:
         at = self.now()
