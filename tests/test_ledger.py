@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from sqlalchemy import inspect, select, text
+from sqlalchemy import func, inspect, select, text
 from sqlalchemy.exc import StatementError
 
 from ddiloco.platform import liveness
@@ -262,6 +262,24 @@ def test_register_submission_twice_is_a_noop(run):
         assert reports_q.token_accounting(s, RUN).pending == 100
         learner = runs_q.learners(s, RUN)[0]
         assert learner.inc_tokens_submitted == 100
+
+def test_a_registration_larger_than_one_insert_statement_registers_each_once(run):
+    S = run
+    n = learner_q.INSERT_ROWS + 8
+    with S.begin() as s:
+        learner_q.register_learner(s, RUN, "us-0", "us", T0)
+        first = learner_q.register_submissions(s, RUN, "us-0", 0, [sub(f"u{i}", tokens_total=100 * (i + 1)) for i in range(n)], T0)
+    # A retry of the last few beside new ones, across the statement boundary: only the new ones are created.
+    retry = [sub(f"u{i}", tokens_total=100 * (i + 1)) for i in range(n - 3, n)] + [sub(f"v{i}") for i in range(n)]
+    with S.begin() as s:
+        again = learner_q.register_submissions(s, RUN, "us-0", 0, retry, T0)
+    assert [c for _, c in first] == [True] * n and len({i for i, _ in first}) == n
+    assert again[:3] == [(i, False) for i, _ in first[-3:]] and [c for _, c in again[3:]] == [True] * n
+    with S() as s:
+        assert s.scalar(select(func.count()).select_from(Submission)) == 2 * n
+        learner = runs_q.learners(s, RUN)[0]
+        assert (learner.submissions, learner.inc_tokens_submitted, learner.inc_tokens_trained) == (2 * n, 200 * n, 100 * n)
+
 
 
 def test_submission_from_unknown_learner_is_rejected(run):

@@ -1,8 +1,9 @@
 """SQL statements per learner step and per merge, counted on the wire (SQLite and PostgreSQL).
 
 A learner step (H = P: one fragment sent per step) is one transaction of at most 3 statements amortized:
-the registration, the heartbeat and the poll share one round trip (``LearnerLink.exchange``). A merge's
-commit (``publish_version``) is 4 statements. BEGIN/COMMIT are counted as the transaction, not as statements."""
+the registration, the heartbeat and the poll share one round trip (``LearnerLink.exchange``), each statement
+compiled once (SQLAlchemy's compiled cache). A merge's commit (``publish_version``) is 4 statements.
+BEGIN/COMMIT are counted as the transaction, not as statements."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 from sqlalchemy import Engine, event
+from sqlalchemy.engine.interfaces import CacheStats
 from support import tiny_config
 
 from ddiloco.inprocess import SimClock, sim_learner
@@ -35,6 +37,8 @@ class Counter:
     statements: int = 0
     transactions: int = 0
     seen: list[str] = field(default_factory=list)
+    compiled: dict[str, int] = field(default_factory=dict)
+    """Times each statement was compiled (a compiled-cache miss, or a statement SQLAlchemy cannot cache)."""
 
 
 @contextmanager
@@ -46,6 +50,8 @@ def counting():
         if counter.on and not CONTROL.match(statement):
             counter.statements += 1
             counter.seen.append(statement.split()[0])
+            if context.cache_hit in (CacheStats.CACHE_MISS, CacheStats.NO_CACHE_KEY):
+                counter.compiled[statement] = counter.compiled.get(statement, 0) + 1
 
     def on_begin(conn):  # noqa: ANN001
         if counter.on:
@@ -62,7 +68,8 @@ def counting():
 
 def test_a_learner_step_is_one_transaction_of_at_most_three_statements(ledger_url):
     """Two real learners and the real synchronizer (H = P = 4): per learner step, the step's upload
-    registers, heartbeats and polls in one exchange; a heartbeat call between is free."""
+    registers, heartbeats and polls in one exchange; a heartbeat call between is free; and no statement is
+    compiled twice (building or compiling SQL each step was most of the upload thread's work)."""
     cfg = tiny_config(
         ledger={"url": ledger_url}, storage={"url": f"memory://budget-{uuid.uuid4().hex[:8]}"},
         learners={"regions": [{"name": "us", "learners": 2}], "heartbeat_s": 2.0},
@@ -91,6 +98,7 @@ def test_a_learner_step_is_one_transaction_of_at_most_three_statements(ledger_ur
         print(f"learner step: {counter.transactions / steps:.2f} transactions, {counter.statements / steps:.2f} statements")
         assert counter.transactions <= steps, counter
         assert counter.statements <= 3 * steps, (counter.statements / steps, counter.seen[:12])
+        assert counter.compiled and max(counter.compiled.values()) == 1, counter.compiled
     finally:
         ctx.engine.dispose()
 

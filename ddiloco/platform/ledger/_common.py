@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy import BigInteger, Float, Integer, func
+from sqlalchemy import BigInteger, Float, Integer
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -25,10 +25,6 @@ def _insert(session: Session, model: type) -> Any:
 def _inserted(session: Session, stmt: Any) -> bool:
     """Run an insert … on conflict do nothing … returning; True when a row was written."""
     return session.execute(stmt).first() is not None
-
-
-def _greatest(session: Session) -> Any:
-    return func.max if session.get_bind().dialect.name == "sqlite" else func.greatest
 
 
 INT32_MAX, INT64_MAX = 2**31 - 1, 2**63 - 1

@@ -3,19 +3,20 @@ them, beats and reads the fragments' newest versions. Each function takes a Sess
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import Integer, String, Text, bindparam, case, cast, func, insert, literal, select, update
+from sqlalchemy import Integer, String, Text, TextClause, bindparam, case, cast, func, insert, literal, select, text, update
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
 from ddiloco.platform.config import CODECS, world_size_problem
 from ddiloco.platform.ids import validate_id
-from ddiloco.platform.ledger._common import INT64_MAX, _greatest, _insert, check_count, check_seconds, column_problem
+from ddiloco.platform.ledger._common import INT64_MAX, check_count, check_seconds, column_problem
 from ddiloco.platform.ledger.errors import SubmissionConflictError, WorldSizeError
 from ddiloco.platform.ledger.models import (
     PENDING,
@@ -220,19 +221,26 @@ def register_submission(
     return register_submissions(session, run_id, learner_id, incarnation, [sub], now)[0]
 
 
-def _submission_insert(session: Session) -> Any:
-    # Built once per dialect with bound parameters, so SQLAlchemy's compiled cache is hit.
-    dialect = session.get_bind().dialect.name
-    if dialect not in _SUBMISSION_INSERTS:
-        _SUBMISSION_INSERTS[dialect] = (
-            _insert(session, Submission.__table__)
-            .on_conflict_do_nothing(index_elements=["run_id", "learner_id", "uid"])
-            .returning(Submission.__table__.c.id, Submission.__table__.c.uid)
-        )
-    return _SUBMISSION_INSERTS[dialect]
+SUBMISSION_COLUMNS = ("run_id", "learner_id", "uid", "fragment", "base_version", "c_steps", "c_tokens", "tokens_new", "blob_key",
+                      "sha256", "nbytes", "codec", "created_at", "status", "blob_deleted")
+"""What registering a submission writes (the rest of its row is the synchronizer's)."""
+INSERT_ROWS = 32
+"""Most submissions one INSERT statement carries (a larger registration takes several)."""
 
 
-_SUBMISSION_INSERTS: dict[str, Any] = {}
+@functools.cache
+def _submission_insert(rows: int) -> TextClause:
+    """INSERT of ``rows`` submissions, repeats skipped, returning (id, uid) of those written — as text, built once per row
+    count. SQLAlchemy cannot cache the dialects' INSERT … ON CONFLICT (it has no cache key) and compiled it anew at every
+    registration: the upload thread's largest piece of SQL work. The statement is the same on SQLite and PostgreSQL."""
+    table = Submission.__table__
+    values = ", ".join("(" + ", ".join(f":{c}_{i}" for c in SUBMISSION_COLUMNS) + ")" for i in range(rows))
+    return (
+        text(f"INSERT INTO {table.name} ({', '.join(SUBMISSION_COLUMNS)}) VALUES {values} "
+             "ON CONFLICT (run_id, learner_id, uid) DO NOTHING RETURNING id, uid")
+        .bindparams(*(bindparam(f"{c}_{i}", type_=table.c[c].type) for i in range(rows) for c in SUBMISSION_COLUMNS))
+        .columns(table.c.id, table.c.uid)
+    )
 
 
 def _insert_submissions(
@@ -241,27 +249,19 @@ def _insert_submissions(
     """Insert the submissions (repeats are no-ops): (id, created) per submission, the new ones, their ids by uid."""
     if not subs:
         return [], [], {}
-    rows = [
-        {
-            "run_id": run_id,
-            "learner_id": learner_id,
-            "uid": sub.uid,
-            "fragment": sub.fragment,
-            "base_version": sub.base_version,
-            "c_steps": sub.c_steps,
-            "c_tokens": sub.c_tokens,
-            "tokens_new": sub.tokens_new,
-            "blob_key": sub.blob_key,
-            "sha256": sub.sha256,
-            "nbytes": sub.nbytes,
-            "codec": sub.codec,
-            "created_at": now,
-            "status": PENDING,
-            "blob_deleted": False,
-        }
-        for sub in subs
-    ]
-    created = {uid: sub_id for sub_id, uid in session.connection().execute(_submission_insert(session), rows).all()}
+    created: dict[str, int] = {}
+    for first in range(0, len(subs), INSERT_ROWS):
+        chunk = subs[first:first + INSERT_ROWS]
+        params: dict[str, Any] = {}
+        for i, sub in enumerate(chunk):
+            params.update({
+                f"run_id_{i}": run_id, f"learner_id_{i}": learner_id, f"uid_{i}": sub.uid, f"fragment_{i}": sub.fragment,
+                f"base_version_{i}": sub.base_version, f"c_steps_{i}": sub.c_steps, f"c_tokens_{i}": sub.c_tokens,
+                f"tokens_new_{i}": sub.tokens_new, f"blob_key_{i}": sub.blob_key, f"sha256_{i}": sub.sha256,
+                f"nbytes_{i}": sub.nbytes, f"codec_{i}": sub.codec, f"created_at_{i}": now, f"status_{i}": PENDING,
+                f"blob_deleted_{i}": False,
+            })
+        created.update({uid: sub_id for sub_id, uid in session.connection().execute(_submission_insert(len(chunk)), params).all()})
     ids = dict(created)
     missing = [sub for sub in subs if sub.uid not in created]
     if missing:
@@ -279,23 +279,65 @@ def _insert_submissions(
     return [(ids[sub.uid], sub.uid in created) for sub in subs], [sub for sub in subs if sub.uid in created], created
 
 
-def _registration_values(session: Session, new: Sequence[SubmissionIn], now: datetime) -> dict[str, Any]:
-    """What registering ``new`` adds to its learner's row: the incarnation's counts and the learner's totals."""
-    if not new:
-        return {}
-    tokens_new = sum(sub.tokens_new for sub in new)
-    values: dict[str, Any] = {
-        "inc_tokens_submitted": Learner.inc_tokens_submitted + tokens_new,
-        "inc_tokens_trained": _greatest(session)(Learner.inc_tokens_trained, max(sub.tokens_total for sub in new)),
-        "submissions": Learner.submissions + len(new),
-        "tokens_sent": Learner.tokens_sent + tokens_new,
-        "bytes_sent": Learner.bytes_sent + sum(sub.nbytes for sub in new),
-        "last_submission_at": now,
-    }
+def _registration_params(new: Sequence[SubmissionIn], now: datetime) -> dict[str, Any]:
+    """The bound values of what registering ``new`` adds to its learner's row (:func:`_learner_update`)."""
     positions = [sub.data_batches for sub in new if sub.data_batches is not None]
-    if positions:
-        values["data_batches"] = max(positions)
-    return values
+    return {
+        "x_tokens_new": sum(sub.tokens_new for sub in new), "x_trained": max(sub.tokens_total for sub in new),
+        "x_count": len(new), "x_nbytes": sum(sub.nbytes for sub in new), "x_now": now,
+        **({"x_data_batches": max(positions)} if positions else {}),
+    }
+
+
+@functools.cache
+def _learner_update(dialect: str, registers: bool, positions: bool, beats: bool, loss: bool, returns: bool, known: bool) -> Any:
+    """The UPDATE of a learner's row that a registration (``registers``, with a data position: ``positions``) and a beat
+    (``beats``, with a loss: ``loss``) make, optionally returning the run's status and the fragment heads (newer than the
+    bound ``x_known`` when ``known``) — built once per shape with bound parameters, so SQLAlchemy's compiled cache is hit
+    without working out the statement's cache key again each step (see :func:`_bind_values` for the parameters)."""
+    L = Learner.__table__.c
+    greatest = func.max if dialect == "sqlite" else func.greatest
+
+    def bound(name: str, column: str) -> Any:
+        return bindparam(name, type_=L[column].type)
+
+    values: dict[str, Any] = {}
+    if registers:
+        values.update(
+            inc_tokens_submitted=L.inc_tokens_submitted + bound("x_tokens_new", "inc_tokens_submitted"),
+            submissions=L.submissions + bound("x_count", "submissions"),
+            tokens_sent=L.tokens_sent + bound("x_tokens_new", "tokens_sent"),
+            bytes_sent=L.bytes_sent + bound("x_nbytes", "bytes_sent"),
+            last_submission_at=bound("x_now", "last_submission_at"),
+        )
+        if positions:
+            values["data_batches"] = bound("x_data_batches", "data_batches")
+    if registers or beats:
+        values["inc_tokens_trained"] = greatest(L.inc_tokens_trained, bound("x_trained", "inc_tokens_trained"))
+    if beats:
+        values.update(
+            last_heartbeat_at=bound("x_now", "last_heartbeat_at"),
+            busy_s=L.busy_s + bound("x_busy_s", "busy_s"),
+            status=case((L.status == "dead", "recovering"), else_=L.status),
+            **{c: bound(f"x_{c}", c) for c in BEAT_COLUMNS},
+        )
+        if loss:
+            values["loss"] = bound("x_loss", "loss")
+    stmt = (
+        update(Learner.__table__)
+        .where(L.run_id == bindparam("x_run", type_=L.run_id.type), L.id == bindparam("x_learner", type_=L.id.type),
+               L.incarnation == bindparam("x_incarnation", type_=L.incarnation.type))
+        # An update must set something: a bare poll rewrites the incarnation with itself.
+        .values(**(values or {"incarnation": L.incarnation}))
+    )
+    if returns:
+        status = select(Run.status).where(Run.id == bindparam("x_run")).scalar_subquery()
+        stmt = stmt.returning(status, _heads_json(dialect, known))
+    return stmt
+
+
+BEAT_COLUMNS = ("step", "tokens_per_s", "step_time_s", "queue_depth", "oldest_unsent_s", "link_json")
+"""What a beat writes to its learner's row as it is (beside the heartbeat time, tokens trained, busy seconds and loss)."""
 
 
 def _reject_superseded(
@@ -354,11 +396,9 @@ def register_submissions(
     out, new, created = _insert_submissions(session, run_id, learner_id, subs, now)
     if not new:
         return out
-    updated = session.connection().execute(
-        update(Learner.__table__)
-        .where(Learner.run_id == run_id, Learner.id == learner_id, Learner.incarnation == incarnation)
-        .values(**_registration_values(session, new, now))
-    ).rowcount
+    params = {"x_run": run_id, "x_learner": learner_id, "x_incarnation": incarnation, **_registration_params(new, now)}
+    stmt = _learner_update(session.get_bind().dialect.name, True, "x_data_batches" in params, False, False, False, False)
+    updated = session.connection().execute(stmt, params).rowcount
     if updated != 1:
         _reject_superseded(session, run_id, learner_id, incarnation, new, created, now)
     return out
@@ -389,9 +429,10 @@ class Beat:
     def __post_init__(self) -> None:
         check_beat(self.step, self.tokens, self.tokens_per_s, self.step_time_s, self.busy_s)
 
-    def link_values(self) -> dict[str, Any]:
-        """The upload link's columns, as the learner row and a heartbeat row hold them."""
-        return {"queue_depth": self.queue_depth, "oldest_unsent_s": self.oldest_unsent_s, "link_json": self.link_json}
+    def live_values(self) -> dict[str, Any]:
+        """The columns a learner's row and a heartbeat row both take from the beat as they are (:data:`BEAT_COLUMNS`)."""
+        return {"step": self.step, "tokens_per_s": self.tokens_per_s, "step_time_s": self.step_time_s,
+                "queue_depth": self.queue_depth, "oldest_unsent_s": self.oldest_unsent_s, "link_json": self.link_json}
 
 
 class HeadRef(NamedTuple):
@@ -417,20 +458,20 @@ class Exchange:
     """The newest version of every fragment (of those newer than the caller had seen, when it said)."""
 
 
-def _heads_json(session: Session, run_id: str, known: Mapping[int, int] | None = None) -> Any:
-    """The fragment heads newer than ``known`` (fragment -> version the caller has seen; None: every head) as one JSON
-    array, so the learner's row update returns them in the same statement — and a learner polling several times a
-    second is not sent the same heads again each time."""
+def _heads_json(dialect: str, known: bool) -> Any:
+    """The fragment heads of run ``x_run`` (newer than ``x_known`` when ``known``: a JSON object fragment -> version the
+    caller has seen) as one JSON array, so the learner's row update returns them in the same statement — and a learner
+    polling several times a second is not sent the same heads again each time."""
     h = FragmentHead
-    seen = None if known is None else json.dumps({str(int(f)): int(v) for f, v in known.items()})
-    if session.get_bind().dialect.name == "sqlite":
+    seen = bindparam("x_known", type_=Text)
+    if dialect == "sqlite":
         agg = func.json_group_array(func.json_array(h.fragment, h.version, h.blob_key, h.sha256, h.nbytes, h.compact_json))
-        had = func.json_extract(bindparam("known", seen, type_=Text), literal('$."') + cast(h.fragment, String) + literal('"'))
+        had = func.json_extract(seen, literal('$."') + cast(h.fragment, String) + literal('"'))
     else:
         agg = func.json_agg(func.json_build_array(h.fragment, h.version, h.blob_key, h.sha256, h.nbytes, h.compact_json))
-        had = func.jsonb_extract_path_text(cast(bindparam("known", seen, type_=Text), postgresql.JSONB), cast(h.fragment, Text))
-    where = [h.run_id == run_id]
-    if seen is not None:
+        had = func.jsonb_extract_path_text(cast(seen, postgresql.JSONB), cast(h.fragment, Text))
+    where = [h.run_id == bindparam("x_run")]
+    if known:
         where.append(h.version > func.coalesce(cast(had, Integer), -1))
     return select(agg).where(*where).scalar_subquery()
 
@@ -438,6 +479,10 @@ def _heads_json(session: Session, run_id: str, known: Mapping[int, int] | None =
 def _parse_heads(raw: Any) -> dict[int, HeadRef]:
     items = json.loads(raw) if isinstance(raw, str | bytes) else (raw or [])
     return {int(f): HeadRef(int(f), int(v), str(k), str(sha), int(n), None if c is None else str(c)) for f, v, k, sha, n, c in items}
+
+
+_HEARTBEAT_INSERT = insert(Heartbeat.__table__)
+_EVENT_INSERT = insert(Event.__table__)
 
 
 def learner_exchange(
@@ -456,44 +501,32 @@ def learner_exchange(
     (three when the beat is kept as a heartbeat row; one more when the learner has ``events`` to record, (kind,
     detail) each, as when it changes its send cadence)."""
     out, new, created = _insert_submissions(session, run_id, learner_id, subs, now)
-    values = _registration_values(session, new, now)
+    params: dict[str, Any] = {"x_run": run_id, "x_learner": learner_id, "x_incarnation": incarnation}
+    if new:
+        params.update(_registration_params(new, now))
     if beat is not None:
-        trained = max([beat.tokens, *(sub.tokens_total for sub in new)])
-        values.update(
-            last_heartbeat_at=now,
-            step=beat.step,
-            tokens_per_s=beat.tokens_per_s,
-            step_time_s=beat.step_time_s,
-            inc_tokens_trained=_greatest(session)(Learner.inc_tokens_trained, trained),
-            busy_s=Learner.busy_s + beat.busy_s,
-            status=case((Learner.status == "dead", "recovering"), else_=Learner.status),
-            **beat.link_values(),
-        )
+        params.update(x_now=now, x_trained=max([beat.tokens, *(sub.tokens_total for sub in new)]), x_busy_s=beat.busy_s,
+                      **{f"x_{c}": v for c, v in beat.live_values().items()})
         if beat.loss is not None:
-            values["loss"] = beat.loss
-    status = select(Run.status).where(Run.id == run_id).scalar_subquery()
-    stmt = update(Learner.__table__).where(
-        Learner.run_id == run_id, Learner.id == learner_id, Learner.incarnation == incarnation
-    )
-    # An update must set something: a bare poll rewrites the incarnation with itself.
-    row = session.connection().execute(
-        stmt.values(**(values or {"incarnation": Learner.incarnation})).returning(status, _heads_json(session, run_id, known))
-    ).first()
+            params["x_loss"] = beat.loss
+    if known is not None:
+        params["x_known"] = json.dumps({str(int(f)): int(v) for f, v in known.items()})
+    stmt = _learner_update(session.get_bind().dialect.name, bool(new), "x_data_batches" in params, beat is not None,
+                           "x_loss" in params, True, known is not None)
+    row = session.connection().execute(stmt, params).first()
     if row is None:
         if new:
             _reject_superseded(session, run_id, learner_id, incarnation, new, created, now)
         run_status = session.scalar(select(Run.status).where(Run.id == run_id))
         return Exchange(out, False, run_status, read_heads(session, run_id))
     if beat is not None and beat.history:
-        session.connection().execute(
-            insert(Heartbeat.__table__).values(
-                run_id=run_id, learner_id=learner_id, incarnation=incarnation, at=now, step=beat.step, tokens=beat.tokens,
-                loss=beat.loss, tokens_per_s=beat.tokens_per_s, step_time_s=beat.step_time_s, **beat.link_values(),
-            )
-        )
+        session.connection().execute(_HEARTBEAT_INSERT, {
+            "run_id": run_id, "learner_id": learner_id, "incarnation": incarnation, "at": now, "tokens": beat.tokens,
+            "loss": beat.loss, **beat.live_values(),
+        })
     if events:
         session.connection().execute(
-            insert(Event.__table__), [{"run_id": run_id, "at": now, "kind": k, "actor": learner_id, "detail": d} for k, d in events]
+            _EVENT_INSERT, [{"run_id": run_id, "at": now, "kind": k, "actor": learner_id, "detail": d} for k, d in events]
         )
     return Exchange(out, True, row[0], _parse_heads(row[1]))
 
