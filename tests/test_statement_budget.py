@@ -2,7 +2,7 @@
 
 A learner step (H = P: one fragment sent per step) is one transaction of at most 3 statements amortized:
 the registration, the heartbeat and the poll share one round trip (``LearnerLink.exchange``), each statement
-compiled once (SQLAlchemy's compiled cache). A merge's commit (``publish_version``) is 4 statements.
+compiled once (SQLAlchemy's compiled cache). A merge's commit (``publish_version``) is 4 statements, compiled once too.
 BEGIN/COMMIT are counted as the transaction, not as statements."""
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ def test_a_merge_commits_in_four_statements(ledger_url):
                     )
                     counter.on = False
         assert counter.statements <= 4 * merges, counter.seen
+        assert counter.compiled and max(counter.compiled.values()) == 1, counter.compiled
         with S() as s:
             assert reports_q.token_accounting(s, "r").merged == 8 * 100 * merges  # the totals the statements kept
     finally:

@@ -4,6 +4,7 @@ opens one."""
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -268,6 +269,18 @@ def _lease_holds(session: Session, run_id: str, holder: str, token: int, now: da
     return exists(stmt.with_for_update(read=True) if lock else stmt)
 
 
+def _bound_lease_holds() -> Any:
+    """:func:`_lease_holds` (with its share lock) of bound ``x_run``, ``x_shard``, ``x_holder``, ``x_token`` and ``x_now``."""
+    c = SynchronizerLease.__table__.c
+    return exists(
+        select(c.run_id).where(
+            c.run_id == bindparam("x_run", type_=c.run_id.type), c.shard == bindparam("x_shard", type_=c.shard.type),
+            c.holder == bindparam("x_holder", type_=c.holder.type), c.token == bindparam("x_token", type_=c.token.type),
+            c.expires_at > bindparam("x_now", type_=c.expires_at.type),
+        ).with_for_update(read=True)
+    )
+
+
 def _refuse_publish(session: Session, run_id: str, fragment: int, version: int, holder: str, token: int, now: datetime,
                     shard: int) -> None:
     """Why a publish wrote nothing: the lease, else the version (raises; returns when neither is the cause)."""
@@ -281,6 +294,18 @@ def _refuse_publish(session: Session, run_id: str, fragment: int, version: int, 
     expected = 0 if current is None else current + 1
     if version != expected:
         raise VersionConflictError(f"fragment {fragment}: cannot publish v{version}, the next version is v{expected}")
+
+
+_MERGE_INSERT = insert(Merge.__table__).returning(Merge.__table__.c.id)
+_VERSION_INSERT = insert(FragmentVersion.__table__)
+_MERGED_UPDATE = (
+    update(Submission.__table__)
+    .where(Submission.__table__.c.id == bindparam("x_id"), Submission.__table__.c.run_id == bindparam("x_run"),
+           Submission.__table__.c.status == PENDING)
+    .values(status=MERGED, merged_version=bindparam("x_version"), merge_id=bindparam("x_merge"), decided_at=bindparam("x_now"),
+            weight=bindparam("x_weight"), norm=bindparam("x_norm"), staleness=bindparam("x_staleness"))
+)
+"""A merge's statements, built once with bound parameters (see :func:`_head_advance`)."""
 
 
 def publish_version(
@@ -321,33 +346,16 @@ def publish_version(
             _refuse_publish(session, run_id, fragment, version, holder, token, now, shard)
     merge_id = None
     if record is not None:
-        merge_id = conn.execute(
-            insert(Merge.__table__)
-            .values(
-                run_id=run_id, fragment=fragment, version=version, at=now, quorum=record.quorum,
-                live_learners=record.live_learners, included=len(merged), rejected=len(rejected),
-                grace_window_s=record.grace_window_s, grace_waited_s=record.grace_waited_s, merge_s=record.merge_s,
-                reason=record.reason, detail_json=json.dumps(record.detail),
-            )
-            .returning(Merge.__table__.c.id)
-        ).scalar_one()
+        merge_id = conn.execute(_MERGE_INSERT, {
+            "run_id": run_id, "fragment": fragment, "version": version, "at": now, "quorum": record.quorum,
+            "live_learners": record.live_learners, "included": len(merged), "rejected": len(rejected),
+            "grace_window_s": record.grace_window_s, "grace_waited_s": record.grace_waited_s, "merge_s": record.merge_s,
+            "reason": record.reason, "detail_json": json.dumps(record.detail),
+        }).scalar_one()
     if merged:
-        table = Submission.__table__
-        stmt = (
-            update(table)
-            .where(table.c.id == bindparam("sid"), table.c.run_id == run_id, table.c.status == PENDING)
-            .values(
-                status=MERGED,
-                merged_version=version,
-                merge_id=merge_id,
-                decided_at=now,
-                weight=bindparam("w"),
-                norm=bindparam("n"),
-                staleness=bindparam("st"),
-            )
-        )
-        params = [{"sid": m.submission_id, "w": m.weight, "n": m.norm, "st": m.staleness} for m in merged]
-        changed = conn.execute(stmt, params).rowcount
+        params = [{"x_id": m.submission_id, "x_run": run_id, "x_version": version, "x_merge": merge_id, "x_now": now,
+                   "x_weight": m.weight, "x_norm": m.norm, "x_staleness": m.staleness} for m in merged]
+        changed = conn.execute(_MERGED_UPDATE, params).rowcount
         if changed != len(merged):
             _refuse_publish(session, run_id, fragment, version, holder, token, now, shard)
             raise AlreadyDecidedError(
@@ -357,13 +365,11 @@ def publish_version(
         decide_rejected(session, run_id, [sub_id], reason, now)
     if version > 0:
         _advance_head(session, run_id, fragment, version, head_values, holder, token, now, shard)
-    conn.execute(
-        insert(FragmentVersion.__table__).values(
-            run_id=run_id, fragment=fragment, version=version, created_at=now, blob_key=blob.key, sha256=blob.sha256,
-            nbytes=blob.nbytes, state_key=state.key, state_sha256=state.sha256, lease_token=token, synchronizer=holder,
-            blob_deleted=False, gc_done=False, compact_json=compact_json,
-        )
-    )
+    conn.execute(_VERSION_INSERT, {
+        "run_id": run_id, "fragment": fragment, "version": version, "created_at": now, "blob_key": blob.key,
+        "sha256": blob.sha256, "nbytes": blob.nbytes, "state_key": state.key, "state_sha256": state.sha256,
+        "lease_token": token, "synchronizer": holder, "blob_deleted": False, "gc_done": False, "compact_json": compact_json,
+    })
     return merge_id
 
 
@@ -372,31 +378,38 @@ def _advance_head(
     shard: int,
 ) -> None:
     """Move the fragment's head from ``version - 1`` to ``version`` under the lease, adding what this version merged."""
-    heads = FragmentHead.__table__.alias("others")
-    merged_here = (Submission.run_id == run_id) & (Submission.fragment == fragment) & (Submission.merged_version == version) & (
-        Submission.status == MERGED
-    )
-    # The wait since the run's previous merged version, whichever fragment it was (summary: longest downtime).
-    gap = now.timestamp() - select(func.max(heads.c.published_s)).where(heads.c.run_id == run_id, heads.c.version > 0).scalar_subquery()
-    result = session.connection().execute(
-        update(FragmentHead.__table__)
-        .where(
-            FragmentHead.run_id == run_id,
-            FragmentHead.fragment == fragment,
-            FragmentHead.version == version - 1,
-            _lease_holds(session, run_id, holder, token, now, shard),
-        )
-        .values(
-            **values,
-            tokens_merged=FragmentHead.tokens_merged
-            + select(func.coalesce(func.sum(Submission.tokens_new), 0)).where(merged_here).scalar_subquery(),
-            submissions_merged=FragmentHead.submissions_merged + select(func.count()).where(merged_here).scalar_subquery(),
-            longest_gap_s=case((gap > FragmentHead.longest_gap_s, gap), else_=FragmentHead.longest_gap_s),
-        )
-    )
+    params = {"x_run": run_id, "x_fragment": fragment, "x_version": version, "x_previous": version - 1, "x_holder": holder,
+              "x_token": token, "x_now": now, "x_shard": shard, **{f"h_{k}": v for k, v in values.items()}}
+    result = session.connection().execute(_head_advance(tuple(values)), params)
     if result.rowcount != 1:
         _refuse_publish(session, run_id, fragment, version, holder, token, now, shard)
         raise LedgerError(f"fragment {fragment}: v{version} was refused")
+
+
+@functools.cache
+def _head_advance(columns: tuple[str, ...]) -> Any:
+    """The fenced UPDATE of :func:`_advance_head` setting ``columns`` (bound as ``h_<column>``), built once with bound
+    parameters: SQLAlchemy's compiled cache is then hit without working out the statement's cache key at each merge."""
+    h, sub = FragmentHead.__table__.c, Submission.__table__.c
+    heads = FragmentHead.__table__.alias("others")
+    run, version = bindparam("x_run", type_=h.run_id.type), bindparam("x_version", type_=h.version.type)
+    merged_here = (sub.run_id == run) & (sub.fragment == bindparam("x_fragment")) & (sub.merged_version == version) & (
+        sub.status == MERGED
+    )
+    # The wait since the run's previous merged version, whichever fragment it was (summary: longest downtime).
+    gap = bindparam("h_published_s", type_=h.published_s.type) - select(func.max(heads.c.published_s)).where(
+        heads.c.run_id == run, heads.c.version > 0).scalar_subquery()
+    return (
+        update(FragmentHead.__table__)
+        .where(h.run_id == run, h.fragment == bindparam("x_fragment", type_=h.fragment.type),
+               h.version == bindparam("x_previous", type_=h.version.type), _bound_lease_holds())
+        .values(
+            **{c: bindparam(f"h_{c}", type_=h[c].type) for c in columns},
+            tokens_merged=h.tokens_merged + select(func.coalesce(func.sum(sub.tokens_new), 0)).where(merged_here).scalar_subquery(),
+            submissions_merged=h.submissions_merged + select(func.count()).where(merged_here).scalar_subquery(),
+            longest_gap_s=case((gap > h.longest_gap_s, gap), else_=h.longest_gap_s),
+        )
+    )
 
 
 def reject_submissions(
