@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 from sqlalchemy import inspect
 from support import tiny_config
 
@@ -18,6 +17,9 @@ from ddiloco.platform.liveness import LivenessPolicy
 
 @pytest.fixture(scope="module")
 def prefect_harness(tmp_path_factory):
+    # Imported here, not at collection: it loads Prefect's server (~3 s), which every xdist worker would pay for.
+    from prefect.testing.utilities import prefect_test_harness
+
     home = tmp_path_factory.mktemp("prefect-home")
     old = os.environ.get("PREFECT_HOME")
     os.environ["PREFECT_HOME"] = str(home)
