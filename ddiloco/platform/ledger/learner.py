@@ -294,7 +294,8 @@ def _learner_update(dialect: str, registers: bool, positions: bool, beats: bool,
     """The UPDATE of a learner's row that a registration (``registers``, with a data position: ``positions``) and a beat
     (``beats``, with a loss: ``loss``) make, optionally returning the run's status and the fragment heads (newer than the
     bound ``x_known`` when ``known``) — built once per shape with bound parameters, so SQLAlchemy's compiled cache is hit
-    without working out the statement's cache key again each step (see :func:`_bind_values` for the parameters)."""
+    without working out the statement's cache key again each step (its parameters: :func:`_registration_params`,
+    :func:`learner_exchange`)."""
     L = Learner.__table__.c
     greatest = func.max if dialect == "sqlite" else func.greatest
 

@@ -256,29 +256,22 @@ class MergeRecord:
     detail: dict[str, Any]
 
 
-def _lease_holds(session: Session, run_id: str, holder: str, token: int, now: datetime, shard: int, *, lock: bool = True) -> Any:
-    """EXISTS: ``holder`` holds the lease of the run's ``shard`` with ``token`` at ``now``. With ``lock``, on PostgreSQL the lease
-    row is share-locked, so a takeover waits until this transaction has committed (the fence of a publish)."""
-    stmt = select(SynchronizerLease.run_id).where(
-        SynchronizerLease.run_id == run_id,
-        SynchronizerLease.shard == shard,
-        SynchronizerLease.holder == holder,
-        SynchronizerLease.token == token,
-        SynchronizerLease.expires_at > now,
+@functools.cache
+def _lease_holds(lock: bool = True) -> Any:
+    """EXISTS: ``x_holder`` holds the lease of run ``x_run``'s shard ``x_shard`` with ``x_token`` at ``x_now`` (bound
+    parameters: :func:`_lease_params`). With ``lock``, on PostgreSQL the lease row is share-locked, so a takeover waits
+    until this transaction has committed (the fence of a publish)."""
+    c = SynchronizerLease.__table__.c
+    stmt = select(c.run_id).where(
+        c.run_id == bindparam("x_run", type_=c.run_id.type), c.shard == bindparam("x_shard", type_=c.shard.type),
+        c.holder == bindparam("x_holder", type_=c.holder.type), c.token == bindparam("x_token", type_=c.token.type),
+        c.expires_at > bindparam("x_now", type_=c.expires_at.type),
     )
     return exists(stmt.with_for_update(read=True) if lock else stmt)
 
 
-def _bound_lease_holds() -> Any:
-    """:func:`_lease_holds` (with its share lock) of bound ``x_run``, ``x_shard``, ``x_holder``, ``x_token`` and ``x_now``."""
-    c = SynchronizerLease.__table__.c
-    return exists(
-        select(c.run_id).where(
-            c.run_id == bindparam("x_run", type_=c.run_id.type), c.shard == bindparam("x_shard", type_=c.shard.type),
-            c.holder == bindparam("x_holder", type_=c.holder.type), c.token == bindparam("x_token", type_=c.token.type),
-            c.expires_at > bindparam("x_now", type_=c.expires_at.type),
-        ).with_for_update(read=True)
-    )
+def _lease_params(run_id: str, holder: str, token: int, now: datetime, shard: int) -> dict[str, Any]:
+    return {"x_run": run_id, "x_holder": holder, "x_token": token, "x_now": now, "x_shard": shard}
 
 
 def _refuse_publish(session: Session, run_id: str, fragment: int, version: int, holder: str, token: int, now: datetime,
@@ -286,7 +279,7 @@ def _refuse_publish(session: Session, run_id: str, fragment: int, version: int, 
     """Why a publish wrote nothing: the lease, else the version (raises; returns when neither is the cause)."""
     # A plain read: the publish may already share-lock the lease row, and upgrading that lock would deadlock
     # with a concurrent publish that holds one too.
-    if not session.scalar(select(_lease_holds(session, run_id, holder, token, now, shard, lock=False))):
+    if not session.scalar(select(_lease_holds(lock=False)), _lease_params(run_id, holder, token, now, shard)):
         raise LeaseLostError(f"{holder} (token {token}) does not hold the {_shard_label(shard)}lease of run {run_id!r}")
     current = session.scalar(
         select(FragmentHead.version).where(FragmentHead.run_id == run_id, FragmentHead.fragment == fragment)
@@ -378,8 +371,8 @@ def _advance_head(
     shard: int,
 ) -> None:
     """Move the fragment's head from ``version - 1`` to ``version`` under the lease, adding what this version merged."""
-    params = {"x_run": run_id, "x_fragment": fragment, "x_version": version, "x_previous": version - 1, "x_holder": holder,
-              "x_token": token, "x_now": now, "x_shard": shard, **{f"h_{k}": v for k, v in values.items()}}
+    params = {**_lease_params(run_id, holder, token, now, shard), "x_fragment": fragment, "x_version": version,
+              "x_previous": version - 1, **{f"h_{k}": v for k, v in values.items()}}
     result = session.connection().execute(_head_advance(tuple(values)), params)
     if result.rowcount != 1:
         _refuse_publish(session, run_id, fragment, version, holder, token, now, shard)
@@ -402,7 +395,7 @@ def _head_advance(columns: tuple[str, ...]) -> Any:
     return (
         update(FragmentHead.__table__)
         .where(h.run_id == run, h.fragment == bindparam("x_fragment", type_=h.fragment.type),
-               h.version == bindparam("x_previous", type_=h.version.type), _bound_lease_holds())
+               h.version == bindparam("x_previous", type_=h.version.type), _lease_holds())
         .values(
             **{c: bindparam(f"h_{c}", type_=h[c].type) for c in columns},
             tokens_merged=h.tokens_merged + select(func.coalesce(func.sum(sub.tokens_new), 0)).where(merged_here).scalar_subquery(),
