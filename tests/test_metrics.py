@@ -102,3 +102,43 @@ def test_rejection_reasons_lose_their_figures_and_bad_ports_are_refused():
     for bad in ("http", "127.0.0.1:99999", "9100x"):
         with pytest.raises(ValueError, match="DDILOCO_METRICS_PORT"):
             metrics_address(bad)
+
+
+HELD_ONLY = ("ddiloco_region_learners", "ddiloco_region_cut_off", "ddiloco_sync_pending_submissions", "ddiloco_sync_versions",
+             "ddiloco_sync_newest_version_timestamp_seconds")
+
+
+def held_only_series(run_id: str) -> dict[str, float]:
+    """This process's samples of the series only a lease holder knows, for ``run_id``."""
+    from prometheus_client import REGISTRY
+
+    return {f"{s.name}{sorted(s.labels.items())}": s.value for family in REGISTRY.collect() for s in family.samples
+            if s.name in HELD_ONLY and s.labels.get("run") == run_id}
+
+
+def test_a_holder_that_loses_its_lease_stops_serving_what_only_a_holder_knows():
+    """Shard 0's holder serves the regions' series, the pending submissions and the versions. Once another holder has
+    its lease it serves none of them: the max or the sum over synchronizers (the alerts, the dashboard) would read its
+    last values as current, a region cut off for ever or its learners counted twice. Its lease gauge says 0."""
+    from prometheus_client import REGISTRY
+    from support import sim_run
+
+    from ddiloco.inprocess import sim_learner, sim_step
+    from ddiloco.synchronizer.lease import ShardLease
+    from ddiloco.synchronizer.service import STATUS_EVERY_S
+
+    cfg, clock, ctx, sync = sim_run(name="lease-lost-series", learners={"regions": [{"name": "us", "learners": 1}]})
+    learner = sim_learner(ctx, "us-0")
+    learner.start(clock.t)
+    clock.t += STATUS_EVERY_S
+    sim_step(learner, clock.t)
+    assert sync.poll_once(clock.t).role == "active"
+    served = held_only_series(ctx.run_id)
+    assert {name.partition("[")[0] for name in served} == set(HELD_ONLY), served
+    assert any("'us'" in name for name in served if name.startswith("ddiloco_region_learners")), served
+
+    clock.t += cfg.synchronizer.lease_ttl_s + 1.0  # the holder stalled past its lease; another takes it
+    assert ShardLease(ctx, "sync-b", 0).acquire(clock.t) is not None
+    assert sync.poll_once(clock.t).role == "standby"
+    assert held_only_series(ctx.run_id) == {}
+    assert REGISTRY.get_sample_value("ddiloco_sync_lease_held", {"run": ctx.run_id, "holder": sync.holder}) == 0

@@ -15,6 +15,8 @@ plus ``learner`` / ``holder`` / ``reason``):
   ``ddiloco_region_learners{region,status}`` (its learners by liveness status), ``ddiloco_region_cut_off{region}``
   (1 while every learner of the region fell silent together: a partition, ``liveness.region_verdicts``)
 
+A synchronizer that loses its lease stops serving the series only a holder knows (regions, pending, versions).
+
 ``infra/prometheus/alerts.yaml`` and ``infra/grafana/ddiloco.json`` are written over these names (``tests/test_alerts.py``
 holds them to this module), and ``tracking`` copies the same series to TensorBoard, W&B or MLflow.
 """
@@ -83,6 +85,15 @@ def observe_regions(run_id: str, counts: Mapping[str, Mapping[str, int]], verdic
             REGION_LEARNERS.labels(run_id, region, status).set(n)
     for region, v in verdicts.items():
         REGION_CUT_OFF.labels(run_id, region).set(1 if v.status == CUT_OFF else 0)
+
+
+def forget_active(run_id: str) -> None:
+    """Stop serving what only a lease holder knows: the regions' series, the pending submissions, the versions. A
+    holder that lost its lease would otherwise serve its last values for good, and dashboards and alerts that take the
+    max or the sum over synchronizers would read them as current (a region cut off for ever, its learners counted
+    twice)."""
+    for gauge in (REGION_LEARNERS, REGION_CUT_OFF, PENDING, VERSIONS, NEWEST_VERSION_AT):
+        gauge.remove_by_labels({"run": run_id})
 
 
 def observe_merge(run_id: str, merge_s: float, staleness: Iterable[int]) -> None:

@@ -176,6 +176,7 @@ class Synchronizer:
         self.lease.held = None
         self.state.clear()
         self.publisher.bases.clear()
+        metrics.forget_active(self.ctx.run_id)
 
     def _bootstrap(self, now: float) -> None:
         """Publish version 0 of every fragment missing one, from the seeded initial model or model.init_from (once per lease)."""
