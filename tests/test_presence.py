@@ -174,6 +174,35 @@ def test_a_standby_takes_over_at_once_when_the_holders_presence_dies_and_never_f
         b.release()
 
 
+def lease_expiry(lease: ShardLease) -> float:
+    with lease.ctx.reading() as s:
+        return to_timestamp(sync_q.current_lease(s, lease.ctx.run_id).expires_at)
+
+
+def test_a_holder_writes_its_lease_a_third_of_a_ttl_apart_and_notices_a_takeover_at_the_next_write(engine):
+    """Every pass asks for the lease, but only one a third of the TTL after the last renewal writes the row: two thirds
+    of the lease are left meanwhile, and what a holder that lost it writes meanwhile is fenced by its token."""
+    a, b, clock = two_holders(engine, "renew")
+    try:
+        a.held = a.acquire(clock.t)
+        written = lease_expiry(a)
+        clock.t += 0.9
+        assert a.acquire(clock.t) == (0, 1) and lease_expiry(a) == written  # a third of the TTL is 1 s: no write
+        clock.t += 0.2
+        assert a.acquire(clock.t) == (0, 1) and lease_expiry(a) == pytest.approx(written + 1.1, abs=1e-3)
+        a.presence.keep_only(None)  # a's session ends: its presence lock goes, and b takes over at once
+        assert b.acquire(clock.t) == (0, 2)
+        b.held = (0, 2)
+        clock.t += 0.5
+        assert a.acquire(clock.t) == (0, 1)  # not written for 0.5 s: a does not know yet (its writes are fenced)
+        clock.t += 0.5
+        assert a.acquire(clock.t) is None  # its next write finds the lease gone
+        assert lease_row(b) == ("b", 2, True)
+    finally:
+        a.release()
+        b.release()
+
+
 def test_a_lease_taken_by_expiry_from_a_hung_holder_gets_its_presence_once_the_hung_one_lets_go(engine):
     """The hung holder keeps its lock: the standby waits out the lease, takes it without the lock (presence false, so
     nobody steals from it on the strength of that lock), and claims the lock once the old holder stands down."""
@@ -191,3 +220,9 @@ def test_a_lease_taken_by_expiry_from_a_hung_holder_gets_its_presence_once_the_h
     finally:
         a.release()
         b.release()
+
+
+def test_a_renewal_is_due_a_third_of_the_ttl_after_the_last_and_whenever_the_clock_went_back():
+    assert takeover.renewal_due(None, 5.0, 3.0)  # never renewed (or the last renewal did not record the presence lock)
+    assert not takeover.renewal_due(5.0, 5.0, 3.0) and not takeover.renewal_due(5.0, 5.99, 3.0)
+    assert takeover.renewal_due(5.0, 6.0, 3.0) and takeover.renewal_due(5.0, 4.9, 3.0)

@@ -64,3 +64,10 @@ def worth_a_presence_try(lease: LeaseView, holder: str, now: datetime) -> bool:
     """A standby tries the presence lock of a live lease only where getting it would let it take over: someone
     else's lease that says its holder held the lock (an expired or own lease needs no lock)."""
     return decide_lease(lease, holder, now, present=True).kind == GONE
+
+
+def renewal_due(renewed_at: float | None, now: float, ttl_s: float) -> bool:
+    """Must a holder's pass renew its lease in the ledger? Not within a third of the TTL of the last renewal (the
+    previous pass's or the renewer thread's): two thirds of it are still left before a standby may take it by expiry,
+    and whatever a holder writes meanwhile is fenced by its token anyway. A clock that went back counts as due."""
+    return renewed_at is None or not 0 <= now - renewed_at < ttl_s / 3

@@ -52,6 +52,9 @@ class ShardLease:
         self._guard = threading.Lock()
         self._presence_for: int | None = None
         """The one shard whose presence lock may be held or taken (the shard of the lease held or being taken)."""
+        self._renewed_at: float | None = None
+        """When the lease held was last renewed in the ledger (the run's clock), by a pass or the renewer thread, with
+        its presence lock where the ledger has them (until the row says so, every pass tries to claim the lock)."""
 
     @property
     def token(self) -> int | None:
@@ -66,13 +69,17 @@ class ShardLease:
     def acquire(self, now: float) -> tuple[int, int] | None:
         """Take or renew a shard's lease (the pinned one, else the one held, else the first free one): (shard,
         token), or None (``held`` is then None). A new token means someone else may have published that shard's
-        fragments meanwhile: the caller compares with what it held."""
+        fragments meanwhile: the caller compares with what it held. A lease renewed lately is kept without a
+        transaction (``takeover.renewal_due``): a pass would otherwise write the lease row every time."""
+        if self.held is not None and not takeover.renewal_due(self._renewed_at, now, self.ctx.cfg.synchronizer.lease_ttl_s):
+            return self.held
+        self._renewed_at = None
         if self.held is not None:
             self._set_presence_for(self.held[0])
             candidates = [(self.held[0], self._hold_presence(self.held[0]))]
         else:
             candidates = self._candidates(now)
-        got = None
+        got, got_present = None, False
         try:
             if candidates:
                 with self.ctx.transaction() as s:
@@ -80,7 +87,7 @@ class ShardLease:
                         token = sync_q.acquire_lease(s, self.ctx.run_id, self.holder, self.ctx.cfg.synchronizer.lease_ttl_s,
                                                      to_datetime(now), shard=shard, present=present)
                         if token is not None:
-                            got = (shard, token)
+                            got, got_present = (shard, token), present
                             break
         except BaseException:
             # No answer (the ledger failed): a holder keeps its lock, a standby lets go of those it tried.
@@ -88,6 +95,8 @@ class ShardLease:
             raise
         # Only the lease held keeps its presence lock; one tried for a lease not taken is let go at once.
         self._set_presence_for(got[0] if got else None)
+        if got is not None and (got_present or self.presence is None):
+            self._renewed_at = now
         if got is None and self.held is not None:
             log.warning("%s lost the lease of shard %s", self.holder, self.held[0])
         return got
@@ -184,10 +193,12 @@ class ShardLease:
                 continue
             try:
                 present = self._hold_presence(shard)
+                at = self.ctx.now()
                 with self.ctx.transaction() as s:
-                    renewed = sync_q.renew_lease(s, self.ctx.run_id, self.holder, token, ttl, to_datetime(self.ctx.now()), shard=shard,
+                    renewed = sync_q.renew_lease(s, self.ctx.run_id, self.holder, token, ttl, to_datetime(at), shard=shard,
                                                  present=present)
                     fault_point("sync.renew_lease")
+                self._renewed_at = at if renewed and (present or self.presence is None) else None
                 if not renewed:
                     log.warning("%s could not renew its lease of shard %s (token %s)", self.holder, shard, token)
                     self._drop_presence(shard)
