@@ -94,3 +94,53 @@ def test_run_stop_ends_a_running_runs_processes(tmp_path):
         assert merged_and_status(run)[1] == runs_q.STOPPED
     finally:
         run.stop_all()
+
+
+class Unstartable:
+    """A launcher that cannot start a process (as when the image or the node has gone): every start raises, with a
+    credential in its message."""
+
+    closed = False
+
+    def _refuse(self, name: str):  # noqa: ANN202
+        raise OSError(f"cannot start {name}: postgresql://ddiloco:pw-planted-3c1e@db.internal/ddiloco refused\ndetails")
+
+    def start_synchronizer(self, label: str):  # noqa: ANN201
+        self._refuse(label)
+
+    def start_learner(self, learner_id: str, region: str):  # noqa: ANN201
+        self._refuse(learner_id)
+
+    def start_evaluator(self):  # noqa: ANN201
+        self._refuse("evaluator")
+
+    def close(self, timeout_s: float) -> None:
+        self.closed = True
+
+
+def test_a_supervisor_that_fails_ends_its_run_as_failed_saying_why(tmp_path):
+    """With its processes gone, a run whose training flow failed would read as running for good: it ends as failed,
+    with the error in one line and no credential; an end an operator gave first stands."""
+    from ddiloco.flows.runner import register, supervise
+    from ddiloco.platform.runtime import RunContext
+
+    for run_id, ended_first in (("doomed", None), ("stopped-first", runs_q.STOPPED)):
+        cfg = tiny_config(name=run_id, ledger={"url": f"sqlite:///{tmp_path}/{run_id}.db"}, storage={"url": f"file://{tmp_path}/{run_id}"})
+        register(cfg, run_id)
+        ctx = RunContext.open(cfg, run_id)
+        if ended_first:
+            with ctx.transaction() as s:
+                runs_q.set_run_status(s, run_id, ended_first, ctx.now_dt(), detail="by hand: ddiloco run stop")
+        launcher = Unstartable()
+        with pytest.raises(OSError, match="cannot start sync-a"):
+            supervise(cfg, run_id, launcher)
+        assert launcher.closed
+        with ctx.reading() as s:
+            status = runs_q.require_run(s, run_id).status
+            ends = [e.detail for e in runs_q.events(s, run_id) if e.kind in {f"run_{end}" for end in runs_q.RUN_ENDS}]
+        if ended_first:
+            assert (status, ends) == (ended_first, ["by hand: ddiloco run stop"])
+        else:
+            assert status == runs_q.FAILED
+            assert ends == ["the training flow failed: OSError: cannot start sync-a: "
+                            "postgresql://ddiloco:***@db.internal/ddiloco refused"]

@@ -23,6 +23,7 @@ from ddiloco.platform.ledger import reports as reports_q
 from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.liveness import LivenessPolicy
+from ddiloco.platform.redact import redact_url
 from ddiloco.platform.run_state import build_layout, register_run
 from ddiloco.platform.runtime import RunContext, to_timestamp
 from ddiloco.platform.summary import RunSummary, run_summary
@@ -84,8 +85,10 @@ def supervise(
     alerts.emit("ddiloco.run.started", run_resource)
     try:
         _keep_alive(cfg, run_id, launcher, ctx, seconds, progress)
-    except BaseException:
+    except BaseException as err:
         launcher.close(0.0)  # an error or an interrupt (Ctrl-C, a test's timeout) leaves no process of the run behind
+        if isinstance(err, Exception):
+            _mark_failed(ctx, err)
         raise
     with ctx.transaction() as s:
         # The synchronizer may have finished it at its budget already, or an operator stopped it: that end stands.
@@ -94,6 +97,19 @@ def supervise(
     alerts.emit("ddiloco.run.finished", run_resource)  # whatever its status: the event that closes the run's alerts
     launcher.close(STOP_TIMEOUT_S)
     return finish_run(ctx, merge=status == runs_q.FINISHED)
+
+
+def _mark_failed(ctx: RunContext, err: Exception) -> None:
+    """End the run as failed, the error in one line with its credentials masked: with its processes gone it would
+    otherwise read as running for good. An operator's end stands (``set_run_status``); a ledger that is itself what
+    failed gets a log line instead."""
+    first_line = (str(err).splitlines() or [""])[0]
+    detail = redact_url(f"the training flow failed: {type(err).__name__}: {first_line}")[:500]
+    try:
+        with ctx.transaction() as s:
+            runs_q.set_run_status(s, ctx.run_id, runs_q.FAILED, ctx.now_dt(), detail=detail)
+    except Exception:  # noqa: BLE001 - the error being raised is the one to see
+        log.exception("could not mark run %s failed", ctx.run_id)
 
 
 def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext, seconds: float | None, progress: Progress | None) -> None:
