@@ -62,6 +62,7 @@ READS: dict[str, Callable[[Session], Any]] = {
     "loss_samples": lambda s: dash_q.loss_samples(s, RUN, per_learner=10, budget=80),
     "newest_events": lambda s: dash_q.newest_events(s, RUN, limit=20),
     "newest_rejections": lambda s: dash_q.newest_rejections(s, RUN, limit=5),
+    "run_end_detail": lambda s: dash_q.run_end_detail(s, RUN, "failed"),
 }
 
 

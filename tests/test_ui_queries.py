@@ -258,6 +258,23 @@ def test_a_finished_run_is_judged_as_of_its_end(tmp_path, run_ledger):
     }
 
 
+def test_a_failed_run_says_why_on_its_badge(tmp_path, run_ledger):
+    from ui_support import copy_ledger
+
+    ledger = copy_ledger(run_ledger, tmp_path)
+    engine = open_ledger(ledger.url)
+    with session_factory(engine).begin() as s:
+        runs_q.set_run_status(s, ledger.run_id, runs_q.FAILED, ledger.end,
+                              detail="the training flow failed: OSError: cannot start sync-a")
+    engine.dispose()
+    ro = uq.read_only_engine(ledger.url)
+    with Session(ro) as s:
+        snap = uq.health_snapshot(s, ledger.run_id, ledger.end + timedelta(hours=1))
+    ro.dispose()
+    assert snap.health.level == h.FAILED
+    assert snap.health.headline == "failed: the run failed: the training flow failed: OSError: cannot start sync-a"
+
+
 # --- the engine never writes ----------------------------------------------------------------------------
 
 

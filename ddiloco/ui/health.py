@@ -175,13 +175,14 @@ def count_statuses(verdicts: Iterable[Verdict]) -> dict[str, int]:
 
 
 def run_health(run_status: str, verdicts: dict[str, Verdict], sync: SyncVerdict, policy: HealthPolicy,
-               regions: dict[str, Verdict] | None = None) -> RunHealth:
+               regions: dict[str, Verdict] | None = None, failed_why: str | None = None) -> RunHealth:
     """One badge for the run, with every reason that made it so (worst first); a region cut off (``regions``, from
-    ``liveness.region_verdicts``) is named before the dead learners it explains."""
+    ``liveness.region_verdicts``) is named before the dead learners it explains. ``failed_why``: what the event that
+    ended a failed run says."""
     if run_status == "finished":
         return RunHealth(FINISHED, ["the run finished"])
     if run_status == "failed":
-        return RunHealth(FAILED, ["the run is marked failed"])
+        return RunHealth(FAILED, [f"the run failed: {failed_why}" if failed_why else "the run is marked failed"])
     if run_status == "stopped":
         return RunHealth(FINISHED, ["the run was stopped"])
     if run_status != "running":

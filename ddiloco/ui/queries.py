@@ -173,7 +173,9 @@ def health_snapshot(session: Session, run_id: str, now: datetime) -> RunHealthSn
         lease_snapshots(session, run_id), reports_q.last_version_at(session, run_id), as_of, run_running=info.running,
         shards=runs_q.recorded_shards(info.config),
     )
-    return RunHealthSnapshot(info, as_of, verdicts, sync, h.run_health(info.status, verdicts, sync, policy, regions), regions)
+    failed_why = dash_q.run_end_detail(session, run_id, info.status) if info.status == runs_q.FAILED else None
+    health = h.run_health(info.status, verdicts, sync, policy, regions, failed_why=failed_why)
+    return RunHealthSnapshot(info, as_of, verdicts, sync, health, regions)
 
 
 # --- runs overview ------------------------------------------------------------------------------------

@@ -411,6 +411,13 @@ def newest_events(session: Session, run_id: str, limit: int = EVENTS_SHOWN) -> l
     )]
 
 
+def run_end_detail(session: Session, run_id: str, status: str) -> str | None:
+    """What the event that ended the run as ``status`` says (``run_failed``: the error), or None."""
+    return session.connection().execute(
+        select(Event.detail).where(Event.run_id == run_id, Event.kind == f"run_{status}").order_by(Event.at.desc()).limit(1)
+    ).scalar()
+
+
 def newest_rejections(session: Session, run_id: str, limit: int = REJECTIONS_SHOWN) -> list[tuple]:
     """The newest rejected submissions (decided_at, learner, fragment, base_version, id, reason), newest first."""
     return [tuple(r) for r in session.connection().execute(
