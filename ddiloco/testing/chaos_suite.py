@@ -508,33 +508,40 @@ class Suite:
         tps = tokens_per_step(self.cfg.model, self.cfg.learners.batch_size)
         H = self.cfg.fragments.period
         before = self.versions_total()
+        # Blobs first, rows after, in one short transaction (as in bad_submissions): store I/O inside it
+        # could outlast the ledger's idle-in-transaction timeout on a loaded machine.
+        planned: list[tuple[str, list[tuple[str, object]], int, int, int | None]] = []  # (case, [(uid, blob)], steps, tokens, base)
+
+        def lie(name: str, value: float, c_steps: int, c_tokens: int, *, copies: int = 1, base_version: int | None = None) -> None:
+            enc, meta = encode_delta({n: torch.full(sh, value) for n, sh in shapes.items()}, "none")
+            blobs = []
+            for i in range(copies):
+                uid = f"hostile-{len(planned)}-{i}"
+                blobs.append((uid, store.put(submission_key(self.run_id, fragment, "us-0", uid), enc, meta)))
+            planned.append((name, blobs, c_steps, c_tokens, base_version))
+
+        lie("weight 2^62", 1e-4, 3, 2**62)
+        lie("the step turned around (2^40 tokens in 1 step)", -1e-4, 1, 2**40)
+        lie("a huge update claiming 10^9 steps", 30.0, 10**9, 10**9 * tps)
+        lie("a huge update with plausible counts", 1e3, H, H * tps)
+        lie("20 updates of plausible counts, outsized together", 0.5, H, H * tps, copies=20)
+        lie("base version -1", 1e-4, H, H * tps, base_version=-1)
         cases: dict[str, tuple[list[int], str]] = {}
         refused = 0
         with self.ctx.transaction() as s:
             base = runs_q.latest_version_numbers(s, self.run_id)[fragment]
-
-            def lie(name: str, value: float, c_steps: int, c_tokens: int, *, copies: int = 1, base_version: int | None = None) -> None:
-                nonlocal refused
-                enc, meta = encode_delta({n: torch.full(sh, value) for n, sh in shapes.items()}, "none")
+            for name, blobs, c_steps, c_tokens, base_version in planned:
                 ids = []
-                for i in range(copies):
-                    uid = f"hostile-{len(cases)}-{i}"
-                    blob = store.put(submission_key(self.run_id, fragment, "us-0", uid), enc, meta)
+                for uid, blob in blobs:
                     try:
                         sub = learner_q.SubmissionIn(uid, fragment, base if base_version is None else base_version, c_steps, c_tokens, 0,
-                                             learner.inc_tokens_trained, blob.key, blob.sha256, blob.nbytes, "none")
+                                                     learner.inc_tokens_trained, blob.key, blob.sha256, blob.nbytes, "none")
                     except ValueError:
                         refused += 1  # refused before it reaches the ledger
-                        return
+                        break
                     ids.append(learner_q.register_submission(s, self.run_id, "us-0", learner.incarnation, sub, now)[0])
-                cases[name] = (ids, "")
-
-            lie("weight 2^62", 1e-4, 3, 2**62)
-            lie("the step turned around (2^40 tokens in 1 step)", -1e-4, 1, 2**40)
-            lie("a huge update claiming 10^9 steps", 30.0, 10**9, 10**9 * tps)
-            lie("a huge update with plausible counts", 1e3, H, H * tps)
-            lie("20 updates of plausible counts, outsized together", 0.5, H, H * tps, copies=20)
-            lie("base version -1", 1e-4, H, H * tps, base_version=-1)
+                else:
+                    cases[name] = (ids, "")
 
         def decided() -> bool:
             with self.ctx.reading() as s:
