@@ -16,8 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from support import TINY_LLAMA, tiny_config
-from test_ddp_learner import STEPS, B, _full, run_two_ranks
+from test_ddp_learner import STEPS, B, _concat, _drive, _full, _ledger_view, _open_run, _submission_blobs, run_two_ranks
 
+from ddiloco.inprocess import sim_learner
 from ddiloco.learner_worker.parallel import Layout, blocks, gather_sizes, local_pieces, shard_rows
 from ddiloco.platform.fragments import Fragment, Piece, piece_key
 from ddiloco.platform.models import build_model
@@ -114,21 +115,40 @@ def test_a_one_process_learner_and_a_two_rank_fsdp_learner_merge_together(tmp_pa
 
 
 @pytest.mark.slow
-def test_four_rank_hsdp_of_two_groups_sends_what_four_rank_ddp_sends(tmp_path):
-    """HSDP: 2 replica groups of 2 shards. Only rank 0's group gathers; the other group keeps its snapshots in step."""
-    ddp = run_two_ranks(tmp_path / "ddp4", _config("ddp"), world=4)
-    hsdp = run_two_ranks(tmp_path / "hsdp", _config("hsdp", shard_size=2), world=4)
-    assert [r["shards"] for r in hsdp] == [2, 2, 2, 2] and ddp[0]["shards"] == 1
+def test_four_rank_hsdp_of_two_groups_sends_what_one_rank_with_four_times_the_batch_sends(tmp_path):
+    """HSDP: 2 replica groups of 2 shards. Only rank 0's group gathers; the other group keeps its snapshots in step.
+
+    The reference is one process training the four ranks' batches as one (as DDP does: ``test_ddp_learner``
+    holds two DDP ranks to one rank with twice the batch), so three more rank processes are not needed for it."""
+    cfg = _config("hsdp", shard_size=2)
+    hsdp = run_two_ranks(tmp_path / "hsdp", cfg, world=4)
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    _, clock, ctx, sync = _open_run(ref_dir, cfg.model_copy(update={"learners": cfg.learners.model_copy(
+        update={"batch_size": 4 * B, "parallelism": "ddp", "shard_size": None})}))
+    ref = sim_learner(ctx, "us-0", index=0, num_learners=1)
+    ref.start(clock.t)
+    seed = cfg.seed * 1_000_003 + ref.incarnation
+    ref._batches = _concat(*(ref.dataset.train_batches(r, 4, B, seed=seed) for r in range(4)))
+    ref_losses = _drive(ref, sync, clock, STEPS)
+    ref_ledger, ref_blobs = _ledger_view(ctx), _submission_blobs(ctx)
+
+    assert [r["shards"] for r in hsdp] == [2, 2, 2, 2]
     # Ranks 0 and 2 hold the same rows (shard 0 of each group), 1 and 3 the rest.
     assert hsdp[0]["local_numel"] == hsdp[2]["local_numel"] and hsdp[1]["local_numel"] == hsdp[3]["local_numel"]
     assert hsdp[0]["local_numel"] + hsdp[1]["local_numel"] == hsdp[0]["numel"]
-    assert ddp[0]["ledger"]["submissions"] == hsdp[0]["ledger"]["submissions"]
-    assert ddp[0]["ledger"]["versions"] == hsdp[0]["ledger"]["versions"] and sum(hsdp[0]["base"]) >= 3
-    for uid, values in ddp[0]["blobs"].items():
+    assert hsdp[0]["ledger"]["submissions"] == ref_ledger["submissions"] and len(ref_ledger["submissions"]) == STEPS
+    assert hsdp[0]["ledger"]["versions"] == ref_ledger["versions"] and sum(hsdp[0]["base"]) >= 3
+    assert [r["base"] for r in hsdp] == [ref.base] * 4
+    assert [r["tokens_total"] for r in hsdp] == [ref.tokens_total] * 4 == [STEPS * 4 * B * cfg.model.seq_len] * 4
+    torch.testing.assert_close(torch.tensor(hsdp[0]["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert ref_blobs.keys() == hsdp[0]["blobs"].keys()
+    for uid, values in ref_blobs.items():
         torch.testing.assert_close(torch.tensor(hsdp[0]["blobs"][uid]), torch.tensor(values), rtol=1e-4, atol=1e-6)
-    want = load_file(str(tmp_path / "ddp4" / "params-0.safetensors"))
+    want = {n: p.detach() for n, p in ref.model.named_parameters()}
     for r in range(4):
         got = load_file(str(tmp_path / "hsdp" / f"params-{r}.safetensors"))
+        assert got.keys() == want.keys()
         for name, t in want.items():
             torch.testing.assert_close(got[name], t, rtol=1e-4, atol=1e-5, msg=lambda m, n=name, r=r: f"rank {r} {n}: {m}")
 
@@ -147,7 +167,7 @@ def kinds_main(out: Path) -> None:
     of its own: FSDP needs a process group, which a test process must not be left holding)."""
     from support import sim_run
 
-    from ddiloco.inprocess import sim_learner, sim_step
+    from ddiloco.inprocess import sim_step
 
     torch.set_num_threads(1)
     report = {}
