@@ -42,6 +42,7 @@ from ddiloco.platform.ledger import errors as errors_q
 from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger import synchronizer as sync_q
+from ddiloco.platform.ledger.engine import open_ledger
 from ddiloco.platform.ledger.models import Base, FragmentSpec, FragmentVersion, Learner, Submission
 from ddiloco.platform.redact import redact_url
 from ddiloco.platform.runtime import RunContext, to_datetime
@@ -191,7 +192,10 @@ class Suite:
         self.s3 = self._stack.enter_context(S3Server())
         self._stack.enter_context(environment(self.s3.env(secret=self.secrets[0])))
         self.cfg = suite_config(self.run_id, url.render_as_string(hide_password=False), self.s3.bucket("chaos"), self.shards)
-        self.ctx = RunContext.open(self.cfg, self.run_id)
+        # The suite's own sessions go without the run's idle-in-transaction limit: that limit is for
+        # processes frozen mid-transaction, and the suite is not one of them. On a starved CI machine it
+        # ended the suite's own short transactions between two statements (a failed fault, no fault of the run's).
+        self.ctx = RunContext.open(self.cfg, self.run_id, engine=open_ledger(self.cfg.ledger.url))
         self._stack.callback(self.ctx.engine.dispose)
         self.monitor = ProgressMonitor(self.versions_total, every_s=0.25)
         self._stack.callback(self.monitor.stop)
@@ -436,8 +440,8 @@ class Suite:
             enc, meta = encode_delta(tensors, "none")
             return store.put(submission_key(self.run_id, fragment, lid, uid), enc, meta)
 
-        # Blobs first, rows after, in one short transaction: store I/O inside it could outlast the
-        # ledger's idle-in-transaction timeout on a loaded machine.
+        # Blobs first, rows after, in one short transaction: store I/O inside it would hold us-0's row
+        # lock, and stall that learner's own exchanges, for as long as the store takes.
         planned: list[tuple[str, str, object, dict, str]] = []  # (case, uid, blob, register kwargs, reason needle)
         b = put(good, "bad-corrupt")
         store.fs.pipe_file(store.path(b.key), b"\x00" * 64)
@@ -508,8 +512,7 @@ class Suite:
         tps = tokens_per_step(self.cfg.model, self.cfg.learners.batch_size)
         H = self.cfg.fragments.period
         before = self.versions_total()
-        # Blobs first, rows after, in one short transaction (as in bad_submissions): store I/O inside it
-        # could outlast the ledger's idle-in-transaction timeout on a loaded machine.
+        # Blobs first, rows after, in one short transaction (as in bad_submissions).
         planned: list[tuple[str, list[tuple[str, object]], int, int, int | None]] = []  # (case, [(uid, blob)], steps, tokens, base)
 
         def lie(name: str, value: float, c_steps: int, c_tokens: int, *, copies: int = 1, base_version: int | None = None) -> None:
