@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -98,3 +99,32 @@ def test_a_relay_that_has_said_more_than_its_pipe_holds_still_relays():
             wait_for(lambda: len(relay.output) == relay.output.maxlen and "closed" in relay.output[-1], 30, "the relay's lines")
         finally:
             relay.stop()
+
+
+def test_a_drivers_ledger_sessions_outlast_a_pause_that_ends_a_run_process_session(fresh_postgres_database, tmp_path):
+    """The chaos suite's and the soak's driver are not processes under test: a pause of theirs inside a
+    transaction must not end it, while the run's processes keep the idle-in-transaction limit."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import DBAPIError
+
+    from ddiloco.platform.config import build_config
+    from ddiloco.platform.runtime import RunContext
+    from ddiloco.testing.processes import watcher_context
+
+    cfg = build_config({"name": "watched", "ledger": {"url": fresh_postgres_database, "idle_in_transaction_timeout_s": 0.3},
+                        "storage": {"url": f"file://{tmp_path}"}})
+    run, driver = RunContext.open(cfg), watcher_context(cfg, "watched")
+    try:
+        with driver.reading() as s:
+            assert s.scalar(text("SHOW idle_in_transaction_session_timeout")) == "0"
+            time.sleep(0.8)  # the pause under test, not a wait for anything
+            assert s.scalar(text("SELECT 1")) == 1
+        # psycopg reports the server's end as IdleInTransactionSessionTimeout or, when it lands mid-read, as an
+        # OperationalError ("consuming input failed"): both are what failed the chaos suite's faults in CI.
+        with pytest.raises(DBAPIError, match="idle-in-transaction|consuming input"), run.reading() as s:
+            assert s.scalar(text("SHOW idle_in_transaction_session_timeout")) == "300ms"
+            time.sleep(0.8)
+            s.scalar(text("SELECT 1"))
+    finally:
+        run.engine.dispose()
+        driver.engine.dispose()

@@ -42,15 +42,14 @@ from ddiloco.platform.ledger import errors as errors_q
 from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger import synchronizer as sync_q
-from ddiloco.platform.ledger.engine import open_ledger
 from ddiloco.platform.ledger.models import Base, FragmentSpec, FragmentVersion, Learner, Submission
 from ddiloco.platform.redact import redact_url
-from ddiloco.platform.runtime import RunContext, to_datetime
+from ddiloco.platform.runtime import to_datetime
 from ddiloco.platform.store import FragmentStore
 from ddiloco.testing.environ import environment
 from ddiloco.testing.net import poll_until
 from ddiloco.testing.postgres import ThrowawayCluster, scratch_database, server_url
-from ddiloco.testing.processes import ProcessCluster, write_config
+from ddiloco.testing.processes import ProcessCluster, watcher_context, write_config
 from ddiloco.testing.progress import ProgressMonitor
 from ddiloco.testing.s3 import S3Server
 
@@ -192,10 +191,7 @@ class Suite:
         self.s3 = self._stack.enter_context(S3Server())
         self._stack.enter_context(environment(self.s3.env(secret=self.secrets[0])))
         self.cfg = suite_config(self.run_id, url.render_as_string(hide_password=False), self.s3.bucket("chaos"), self.shards)
-        # The suite's own sessions go without the run's idle-in-transaction limit: that limit is for
-        # processes frozen mid-transaction, and the suite is not one of them. On a starved CI machine it
-        # ended the suite's own short transactions between two statements (a failed fault, no fault of the run's).
-        self.ctx = RunContext.open(self.cfg, self.run_id, engine=open_ledger(self.cfg.ledger.url))
+        self.ctx = watcher_context(self.cfg, self.run_id)
         self._stack.callback(self.ctx.engine.dispose)
         self.monitor = ProgressMonitor(self.versions_total, every_s=0.25)
         self._stack.callback(self.monitor.stop)

@@ -28,6 +28,17 @@ def write_config(cfg: RunConfig, path: Path) -> Path:
     return path
 
 
+def watcher_context(cfg: RunConfig, run_id: str) -> RunContext:
+    """The ledger handles of a driver that watches a run of real processes and injects its faults.
+
+    Its sessions go without the run's idle-in-transaction limit: that limit is there so a frozen
+    learner or synchronizer releases its row locks, and the driver is not a process under test. On a
+    starved machine a pause of the driver between two statements outlasted it (soak checks skipped;
+    a chaos fault failed through no fault of the run's); the run's own processes keep it."""
+    ledger = cfg.ledger.model_copy(update={"idle_in_transaction_timeout_s": None})
+    return RunContext.open(cfg.model_copy(update={"ledger": ledger}), run_id)
+
+
 def stop_processes(procs: Iterable[subprocess.Popen | WarmProcess], grace_s: float = 30.0) -> None:
     """SIGTERM every process still running (after SIGCONT: a stopped one cannot act on it), then
     SIGKILL whatever is left after ``grace_s``."""

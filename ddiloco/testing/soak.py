@@ -38,13 +38,13 @@ from ddiloco.platform.invariants import check_run
 from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import FragmentSpec, FragmentVersion, Learner
-from ddiloco.platform.runtime import RunContext, to_datetime
+from ddiloco.platform.runtime import to_datetime
 from ddiloco.platform.store import FragmentStore
 from ddiloco.platform.summary import RunSummary, run_summary
 from ddiloco.testing.environ import environment
 from ddiloco.testing.net import free_port, poll_until, port_open
 from ddiloco.testing.postgres import ThrowawayCluster, scratch_database, server_url
-from ddiloco.testing.processes import ProcessCluster, write_config
+from ddiloco.testing.processes import ProcessCluster, watcher_context, write_config
 from ddiloco.testing.progress import longest_gap
 from ddiloco.testing.relay import Relay
 from ddiloco.testing.s3 import S3Server
@@ -516,11 +516,9 @@ class Soak:
         self._stack.enter_context(environment({**self.s3.env(), "PGAPPNAME": DRIVER}))
         self.cfg = soak_config(self.run_id, self.db_url.render_as_string(hide_password=False), self.s3.bucket("soak"), self.shards,
                                self.speed)
-        # The driver only watches: its invariant checks hold a read transaction open while they verify blobs from the
-        # S3 server in this same interpreter, which on a loaded machine outlasted the run's 2 s idle-in-transaction
-        # limit (2 of 28 checks were skipped for it). The limit is there for dead learners' sessions, not the observer's.
-        watcher = self.cfg.ledger.model_copy(update={"idle_in_transaction_timeout_s": None})
-        self.ctx = RunContext.open(self.cfg.model_copy(update={"ledger": watcher}), self.run_id)
+        # Its invariant checks hold a read transaction open while they verify blobs from the S3 server in this same
+        # interpreter: under the run's 2 s limit, 2 of 28 checks were once skipped on a loaded machine.
+        self.ctx = watcher_context(self.cfg, self.run_id)
         self._stack.callback(self.ctx.engine.dispose)
         self.admin = create_engine(self.db_url, poolclass=NullPool, connect_args={"connect_timeout": 3})
         self._stack.callback(self.admin.dispose)
