@@ -144,4 +144,4 @@ class ProcessRun(ProcessCluster):
         super().__init__(write_config(cfg, workdir / "config.yaml"), cfg.name, workdir, warm=warm)
         self.cfg = cfg
         self.dir = workdir
-        self.ctx = RunContext.open(cfg, cfg.name)
+        self.ctx = watcher_context(cfg, cfg.name)
