@@ -34,8 +34,7 @@ from ddiloco.platform.ledger import reports as reports_q
 from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.models import FragmentVersion, Learner
-from ddiloco.platform.runtime import RunContext
-from ddiloco.testing.processes import write_config
+from ddiloco.testing.processes import watcher_context, write_config
 
 NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -131,7 +130,8 @@ class Run:
         self.cfg = tiny_config(name="inv", ledger={"url": ledger_url}, storage={"url": f"file://{tmp_path}/store"},
                                fragments={"count": 2})
         self.config_path = write_config(self.cfg, tmp_path / "config.yaml")
-        self.ctx = RunContext.open(self.cfg)
+        # The test writes the run itself; a pause of its own mid-transaction must not end the session (it once did, 5 s).
+        self.ctx = watcher_context(self.cfg, self.cfg.name)
         self.store = self.ctx.store()
         self.token = 0
         with self.ctx.transaction() as s:

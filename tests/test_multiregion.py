@@ -221,9 +221,8 @@ def test_learner_in_a_region_namespace_submits_through_the_shaped_link(postgres_
     from ddiloco.platform.config import build_config
     from ddiloco.platform.ledger import runs as runs_q
     from ddiloco.platform.ledger.models import Submission
-    from ddiloco.platform.runtime import RunContext
     from ddiloco.platform.store import FragmentStore
-    from ddiloco.testing.processes import ProcessCluster, write_config
+    from ddiloco.testing.processes import ProcessCluster, watcher_context, write_config
 
     with tempfile.TemporaryDirectory(prefix="mr-test-") as tmp, mr.Lab(["us"], postgres_url, Path(tmp)) as lab:
         lab.set_network(20.0, [40.0])
@@ -233,7 +232,7 @@ def test_learner_in_a_region_namespace_submits_through_the_shaped_link(postgres_
         data["synchronizer"]["retention"] = {"keep_submission_blobs": True}  # so the test can read them back
         cfg = build_config(data)
         cfg_path = write_config(cfg, Path(tmp) / "cfg.yaml")
-        ctx = RunContext.open(cfg, run_id)
+        ctx = watcher_context(cfg, run_id)
         before = lab.topo.counters()["us"]
         cluster = ProcessCluster(
             cfg_path, run_id, Path(tmp), env={k: v for k, v in os.environ.items() if not k.startswith(("DDILOCO_", "AWS_"))}

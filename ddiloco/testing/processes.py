@@ -29,7 +29,7 @@ def write_config(cfg: RunConfig, path: Path) -> Path:
 
 
 def watcher_context(cfg: RunConfig, run_id: str) -> RunContext:
-    """The ledger handles of a driver that watches a run of real processes and injects its faults.
+    """The ledger handles of a driver: the test or suite that writes or watches a run, and injects its faults.
 
     Its sessions go without the run's idle-in-transaction limit: that limit is there so a frozen
     learner or synchronizer releases its row locks, and the driver is not a process under test. On a
