@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import base_parser, exit_on_sigterm, header, median, verdict, write_results
 
-from ddiloco.learner_worker.device import autocast, resolve_device
+from ddiloco.learner_worker.device import LateRead, autocast, resolve_device
 from ddiloco.learner_worker.learner import _LossModule
 from ddiloco.learner_worker.schedule import param_groups
 from ddiloco.platform.config import build_config
@@ -127,6 +127,7 @@ def try_size(cfg, parallelism: str, device: torch.device, steps: int, batch: int
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         n_tokens = inputs.numel()
         step_s: list[float] = []
+        loss_read, loss_value = LateRead(late=device.type == "cuda"), float("nan")
         phase = "train"
         for i in range(steps + 1):  # the first step (AdamW's state allocated, kernels chosen) is not timed
             t = time.perf_counter()
@@ -136,7 +137,8 @@ def try_size(cfg, parallelism: str, device: torch.device, steps: int, batch: int
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), inner.grad_clip)
             optimizer.step()
-            loss_value = float(loss.detach())  # the learner's per-step host sync
+            read = loss_read.put(loss.detach())  # as the learner reads it: on a GPU one step late
+            loss_value = read if read is not None else loss_value
             if i:
                 step_s.append(time.perf_counter() - t)
         med = median(step_s)

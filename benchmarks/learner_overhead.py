@@ -1,7 +1,9 @@
 """Learner overhead: tokens/s of a learner inside the platform vs a bare torch loop, same model and batch.
 
   * bare: build_model + AdamW + the same data stream (build_dataset(...).train_batches) and the same
-    step (training_loss, zero_grad, backward, clip_grad_norm_, step) — nothing else.
+    step (training_loss, zero_grad, backward, clip_grad_norm_, step) — nothing else. It reads each step's
+    loss as the learner does (``LateRead``: on a GPU one step late, so that neither loop makes the host wait for
+    the step it just queued and the ratio charges the platform only for its own work).
   * platform: a real ``Learner`` with its link's background threads on a file:// store and a SQLite ledger in a temp
     dir, trading fragments with a real synchronizer running as its own OS process
     (``python -m ddiloco synchronizer``), default fragments (P = 24, one sent per step) and int8
@@ -73,7 +75,7 @@ from common import (
 )
 from sync_sustain import LLAMA_100M
 
-from ddiloco.learner_worker.device import autocast, resolve_device
+from ddiloco.learner_worker.device import LateRead, autocast, resolve_device
 from ddiloco.learner_worker.dist import Dist, ensure_process_group
 from ddiloco.learner_worker.learner import Learner
 from ddiloco.learner_worker.link import LearnerLink
@@ -157,6 +159,7 @@ class Bare:
             self.model.parameters(), lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2), weight_decay=cfg.inner.weight_decay
         )
         self.batches = build_dataset(cfg.data, cfg.model).train_batches(0, 1, cfg.learners.batch_size, seed=cfg.seed * 1_000_003)
+        self.loss_read = LateRead(late=self.device.type == "cuda")
         self.steps = 0
 
     def step(self) -> int:
@@ -173,7 +176,7 @@ class Bare:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.inner.grad_clip)
         self.optimizer.step()
-        float(loss.detach())
+        self.loss_read.put(loss.detach())
         self.steps += 1
         return batch.tokens
 

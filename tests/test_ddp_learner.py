@@ -32,6 +32,7 @@ from ddiloco.entry import ProcessSpec
 from ddiloco.inprocess import SimClock, sim_learner
 from ddiloco.learner_worker.device import (
     Increment,
+    LateRead,
     autocast,
     backend_for,
     resolve_device,
@@ -253,6 +254,8 @@ def rank_main(workdir: Path, rank: int, world: int) -> None:
         else:
             clock, ctx, sync, link = SimClock(), None, None, None
         learner = Learner(cfg, "us-0", index=0, num_learners=cfg.learners.count, link=link, dist=d, clock=clock)
+        if (workdir / LATE_LOSS).exists():
+            learner.loss_read = LateRead(late=True)  # as on a GPU: each step's loss read one step late
         learner.start(clock.t)
         if other is not None:
             other.start(clock.t)
@@ -289,9 +292,15 @@ def _submission_blobs(ctx) -> dict[str, list[float]]:
     return out
 
 
-def run_two_ranks(workdir: Path, cfg, world: int = 2) -> list[dict]:
+LATE_LOSS = "late-loss"
+"""A marker file in a job's folder: its ranks read each step's loss one step late, as a GPU learner's do."""
+
+
+def run_two_ranks(workdir: Path, cfg, world: int = 2, *, late_loss: bool = False) -> list[dict]:
     """The ``world``-rank learner us-0 of ``cfg`` (rank 0 here, the others subprocesses); what each rank reported."""
     workdir.mkdir()
+    if late_loss:
+        (workdir / LATE_LOSS).touch()
     (workdir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
     run_ranks(__file__, workdir, world, rank_main)
     return [json.loads((workdir / f"rank-{r}.json").read_text()) for r in range(world)]
@@ -301,7 +310,8 @@ def test_two_gloo_ranks_equal_one_rank_with_twice_the_batch(tmp_path):
     cfg = one_learner_config()
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
-    ranks = run_two_ranks(tmp_path / "ddp", cfg)
+    # Its ranks read each step's loss one step late, as on GPUs: the loss of the previous step, summed over the ranks.
+    ranks = run_two_ranks(tmp_path / "ddp", cfg, late_loss=True)
     # The reference: one process, batch 2B = rank 0's batch followed by rank 1's, from the same shards and seeds.
     _, clock, ctx, sync = _open_run(
         ref_dir, cfg.model_copy(update={"learners": cfg.learners.model_copy(update={"batch_size": 2 * B})})
@@ -323,7 +333,8 @@ def test_two_gloo_ranks_equal_one_rank_with_twice_the_batch(tmp_path):
     # Token counts are sums over ranks; both ranks received the same fragments.
     assert ranks[0]["tokens_total"] == ranks[1]["tokens_total"] == ref.tokens_total == STEPS * 2 * B * cfg.model.seq_len
     assert ranks[0]["base"] == ranks[1]["base"] == ref.base and sum(ref.base) >= 3
-    torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    assert ranks[0]["losses"][0] is None and None not in ref_losses
+    torch.testing.assert_close(torch.tensor(ranks[0]["losses"][1:]), torch.tensor(ref_losses[:-1]), rtol=1e-5, atol=1e-6)
     assert ranks[0]["losses"] == ranks[1]["losses"]
     got = [load_file(str(tmp_path / "ddp" / f"params-{r}.safetensors")) for r in range(2)]
     for name, p in ref.model.named_parameters():

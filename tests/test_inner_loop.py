@@ -119,6 +119,33 @@ def test_a_new_incarnation_goes_on_where_its_last_registered_submission_left_off
     assert not torch.equal(expected.inputs, fresh.inputs)
 
 
+def test_a_loss_read_one_step_late_trains_the_same_and_reports_each_loss_one_step_later():
+    """A GPU learner reads a step's loss one step late (``LateRead``); the same code made late on the CPU trains the
+    very same parameters and reports the prompt learner's losses, moving average and tokens one step later."""
+    from ddiloco.learner_worker.device import LateRead
+
+    seen = {}
+    for late in (False, True):
+        _, clock, ctx, sync = sim_run(learners={"regions": [{"name": "us", "learners": 1}]}, inner={"grad_accum_steps": 2})
+        learner = sim_learner(ctx, "us-0")
+        learner.loss_read = LateRead(late)
+        learner.start(clock.t)
+        losses, averages, tokens = [], [], []
+        for _ in range(6):
+            clock.t += 1.0
+            report = sim_step(learner, clock.t)
+            losses.append(report.loss)
+            averages.append(learner.last_loss)
+            tokens.append(report.tokens)
+            sync.poll_once(clock.t)
+        seen[late] = losses, averages, tokens, [p.detach().clone() for p in learner.model.parameters()]
+    (losses, averages, tokens, params), (late_losses, late_averages, late_tokens, late_params) = seen[False], seen[True]
+    assert all(isinstance(x, float) and math.isfinite(x) for x in losses) and len(set(losses)) > 1
+    assert late_losses == [None, *losses[:-1]] and late_averages == [None, *averages[:-1]]
+    assert late_tokens == tokens and all(t > 0 for t in tokens)
+    assert all(torch.equal(a, b) for a, b in zip(params, late_params))
+
+
 def test_compiled_learner_trains():
     _, clock, ctx, sync = sim_run(learners={"compile": True, "regions": [{"name": "us", "learners": 1}]})
     learner = sim_learner(ctx, "us-0")
@@ -165,7 +192,8 @@ def _train_on_the_gpu(ctx, clock, sync) -> None:
         received += len(report.received)
         lrs.append(learner.lr)
         sync.poll_once(clock.t)
-    assert all(math.isfinite(x) for x in losses)
+    # A GPU learner reads each step's loss one step late (the host never waits for the step it just queued).
+    assert learner.loss_read.late and losses[0] is None and all(math.isfinite(x) for x in losses[1:])
     assert lrs[-1] < lrs[1]  # the cosine decays after its warm-up step
     with ctx.transaction() as s:
         versions = runs_q.latest_version_numbers(s, ctx.run_id)

@@ -80,3 +80,34 @@ class Increment:
     def stream_context(self) -> AbstractContextManager:
         """Where to encode it: its side stream on a GPU, nowhere special on a CPU."""
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()  # type: ignore[arg-type]
+
+
+class LateRead:
+    """A step's scalar (its loss sum) read without making the host wait for that step.
+
+    Late (a GPU learner): the value is copied to pinned host memory behind the step's kernels and read at the next
+    :meth:`put`, by when its step is done, so the host stays one step ahead of the GPU and its own work between steps
+    (the platform's sends, receipts, bookkeeping) overlaps the GPU's instead of leaving it idle. A read at once
+    would make the host wait for the whole step it just queued. Not late (a CPU, where nothing is queued): at once."""
+
+    def __init__(self, late: bool) -> None:
+        self.late = late
+        self._pending: tuple[torch.Tensor, object | None] | None = None
+
+    def put(self, value: torch.Tensor) -> float | None:
+        """Hand over this step's value; the value read now: this step's, or when late the step before's (None at
+        the first step)."""
+        if not self.late:
+            return float(value)
+        host = value.detach().to("cpu", non_blocking=True)
+        done = None
+        if value.is_cuda:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(value.device))
+        previous, self._pending = self._pending, (host, done)
+        if previous is None:
+            return None
+        host, done = previous
+        if done is not None:
+            done.synchronize()  # type: ignore[attr-defined]
+        return float(host)

@@ -15,7 +15,8 @@ same step, stop at the same step and skip the same steps:
    the send period in force (``fragments.adaptive``: its link's choice, see ``cadence.py``).
 2. *receive* — rank 0 broadcasts the arrived global tensors (one flat buffer); every rank folds its
    rows of them into its parameters (``merge.on_receipt``: overwrite, blend or rebase).
-3. *train* — one step on this rank's batch; loss and tokens are summed over ranks.
+3. *train* — one step on this rank's batch; loss and tokens are summed over ranks. On a GPU a step's loss
+   is read one step late (``LateRead``): the host never waits for the step it just queued.
 4. *send* — for each due fragment every rank takes the increment of its rows since the previous send
    (tensor ops on the training device, against a snapshot kept there), rank 0 gathers its shard
    group's rows and hands the increment to the link, which encodes it where it lives (a side stream
@@ -30,6 +31,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -39,7 +41,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddiloco.learner_worker.cadence import Cadence, CadencePolicy, initial_cadence
-from ddiloco.learner_worker.device import Increment, autocast, resolve_device
+from ddiloco.learner_worker.device import Increment, LateRead, autocast, resolve_device
 from ddiloco.learner_worker.dist import Dist, ensure_process_group
 from ddiloco.learner_worker.downloader import Arrival
 from ddiloco.learner_worker.link import HeartbeatStats, LearnerLink, Resume
@@ -151,6 +153,8 @@ class FragmentState:
 class StepReport:
     step: int
     loss: float | None
+    """The learner's loss of the step read at this one: this step's, or on a GPU the step before's (``LateRead``);
+    None when no step's loss was read (the first step on a GPU, a step that did not train)."""
     tokens: int
     submitted: list[int] = field(default_factory=list)
     received: list[int] = field(default_factory=list)
@@ -284,6 +288,10 @@ class Learner:
         self._tokens_unsubmitted = 0
         self.last_loss: float | None = None
         """Moving average of the finite step losses (None before the first)."""
+        self.loss_read = LateRead(late=self.device.type == "cuda")
+        """How a step's loss reaches the host: one step late on a GPU, at once on a CPU."""
+        self._unread_tokens: deque[float] = deque()
+        """The learner's tokens of each trained step whose loss is not read yet (one on a GPU, none on a CPU)."""
         self.nonfinite_losses = 0
         """Steps whose loss was NaN or infinite."""
         self.last_step_s = 0.0
@@ -417,9 +425,9 @@ class Learner:
         self.tokens_total += tokens
         self._tokens_unsubmitted += tokens
         self.last_tokens = tokens
-        if math.isfinite(loss):
+        if loss is not None and math.isfinite(loss):
             self.last_loss = loss if self.last_loss is None else 0.9 * self.last_loss + 0.1 * loss
-        else:
+        elif loss is not None:
             self._nonfinite_loss(loss)
         self.last_step_s = step_s if self.last_step_s == 0 else 0.8 * self.last_step_s + 0.2 * step_s
         self._busy_s += step_s
@@ -442,7 +450,7 @@ class Learner:
         n = self.nonfinite_losses
         if self.link is not None and n & (n - 1) == 0:
             log.error("learner %s step %s: loss is %s (%s non-finite step loss%s so far; the synchronizer rejects "
-                      "non-finite sends)", self.id, self.step_count, loss, n, "" if n == 1 else "es")
+                      "non-finite sends)", self.id, self.step_count - int(self.loss_read.late), loss, n, "" if n == 1 else "es")
 
     def due(self, every: int) -> list[int]:
         """Fragments to send after this step: each every ``every`` steps (a multiple of H, the sends spread
@@ -452,14 +460,15 @@ class Learner:
         due = due_fragments(self.step_count, len(self.fragments), k * H, stride=k)
         return [p for p in due if self.fragments[p].last_sent is None or self.step_count - self.fragments[p].last_sent >= H]
 
-    def train_step(self) -> tuple[float, int]:
-        """One (DDP or FSDP) AdamW step over ``grad_accum_steps`` micro-batches of this rank's stream:
-        (learner loss, learner tokens), summed over ranks and micro-batches."""
+    def train_step(self) -> tuple[float | None, int]:
+        """One (DDP or FSDP) AdamW step over ``grad_accum_steps`` micro-batches of this rank's stream: (the learner
+        loss of the step read now, see ``StepReport.loss``; the learner tokens of this step), summed over ranks and
+        micro-batches."""
         accum = self.cfg.inner.grad_accum_steps
         with span("learner.train_step", into=self.timings):
             self.optimizer.zero_grad(set_to_none=True)
-            # The token-weighted loss is summed on the device and read once, after the step is queued: a read per
-            # micro-batch would make the host wait for each backward before queueing the next forward.
+            # The token-weighted loss is summed on the device and read after the step is queued (on a GPU one step
+            # later): a read per micro-batch would make the host wait for each backward before queueing the next forward.
             loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
             tokens = 0.0
             for micro in range(accum):
@@ -483,9 +492,12 @@ class Learner:
             self._await_staging()
             self.optimizer.step()
             self.scheduler.step()
-            stats = torch.tensor([float(loss_sum), tokens], dtype=torch.float64)
+            read = self.loss_read.put(loss_sum)
+            # Every rank reads late or at once alike, so the sums always pair the same step's losses.
+            stats = torch.tensor([0.0 if read is None else read, tokens], dtype=torch.float64)
             total, tokens = self.dist.all_reduce_sum(stats).tolist()
-        return total / tokens, int(tokens)
+        self._unread_tokens.append(tokens)
+        return (None if read is None else total / self._unread_tokens.popleft()), int(tokens)
 
     @property
     def lr(self) -> float:
