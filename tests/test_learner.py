@@ -95,6 +95,48 @@ def test_a_background_save_holds_its_steps_state_while_the_copy_is_still_being_m
         torch.testing.assert_close(restored[key], value)
 
 
+def test_a_save_written_before_its_callback_is_set_is_recorded_off_the_training_thread(monkeypatch):
+    """A process records its saves (a ledger transaction; the replaced state deleted from the store) on a thread of
+    their own. A write that is done before its callback is added would otherwise run the record on the training
+    thread, between two steps (it did, in the overhead benchmark)."""
+    from concurrent.futures import Future
+
+    from ddiloco.learner_worker import learner as learner_module
+
+    cfg, clock, ctx, sync = sim_run(learners={"save_optimizer_every": 2, "regions": [{"name": "us", "learners": 1}]})
+    learner = sim_learner(ctx, "us-0", index=0, num_learners=1)
+    learner.start(clock.t)
+    write = learner_module.save_state
+
+    def written_at_once(*args, background, stager, **kwargs):
+        assert background and write(*args, **kwargs) is None  # written in line: both futures are done when returned
+        staged, written = Future(), Future()
+        staged.set_result(None), written.set_result(None)
+        return staged, written
+
+    monkeypatch.setattr(learner_module, "save_state", written_at_once)
+    record = learner.link.state_saved
+    recorded_on = []
+    monkeypatch.setattr(learner.link, "state_saved", lambda url: (recorded_on.append(threading.current_thread()), record(url)))
+    # start_background_io's saves, without the link's threads (the simulated clock drives the link).
+    learner._background = True
+    learner._recorder = learner_module.ThreadPoolExecutor(max_workers=1, thread_name_prefix="us-0-state")
+    for _ in range(4):
+        # The simulation's ledger is one SQLite connection, for one thread at a time: the recorder waits for the step.
+        step_done = threading.Event()
+        learner._recorder.submit(step_done.wait, 60)
+        clock.t += 1.0
+        sim_step(learner, clock.t)
+        step_done.set()
+        assert learner.finish_saves(60)
+    assert len(recorded_on) == 2 and all(t.name.startswith("us-0-state") for t in recorded_on), recorded_on
+    with ctx.transaction() as s:
+        row = runs_q.learners(s, ctx.run_id)[0]
+    assert row.optimizer_state_key and row.optimizer_state_key.endswith("-s4")
+    learner.stop()
+    assert learner._recorder is None
+
+
 def test_late_joiner_starts_from_the_newest_global_state():
     cfg, clock, ctx, sync = sim_run()
     early = sim_learner(ctx, "us-0", index=0, num_learners=2)

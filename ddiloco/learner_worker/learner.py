@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -275,6 +275,8 @@ class Learner:
         """Whether the last due save was skipped because the one before was still being written."""
         self._stager: object | None = None
         """DCP's stager (a process's saves): copies the state to host memory on its own thread."""
+        self._recorder: ThreadPoolExecutor | None = None
+        """A process's saves are recorded (ledger row, old state deleted) on this thread of their own."""
         self._staged: Future | None = None
         """The copy of the state being saved: the parameters and AdamW's state change only once it is done."""
         self.encode_stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
@@ -358,14 +360,19 @@ class Learner:
         its saved state in the background."""
         self._background = True
         self._stager = make_stager(self.device)
+        self._recorder = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{self.id}-state")
         if self.link is not None:
             self.link.start_threads(self.heartbeat_stats)
 
     def stop(self) -> None:
         """Finish writing the state and the queued uploads, and send a last heartbeat (rank 0)."""
-        if self.finish_saves(STATE_WRITE_TIMEOUT_S) and self._stager is not None:
-            self._stager.close()
-            self._stager = None
+        if self.finish_saves(STATE_WRITE_TIMEOUT_S):
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            if self._recorder is not None:
+                self._recorder.shutdown()
+                self._recorder = None
         if self.link is not None:
             self.link.stop(self.heartbeat_stats)
 
@@ -641,7 +648,7 @@ class Learner:
             writing.set_result(None)
         else:
             self._staged, writing = futures
-        writing.add_done_callback(lambda done: self._saved(url, done))
+        writing.add_done_callback(lambda done: self._written(url, done))
 
     def _await_staging(self) -> None:
         """Before the parameters or AdamW's state change: the copy of a state being saved must be done (a failed copy
@@ -659,8 +666,17 @@ class Learner:
         self.finish_saves(STATE_WRITE_TIMEOUT_S)
         self.save_state()
 
+    def _written(self, url: str, done: Future) -> None:
+        """A save's write ended: in a process it is recorded on the recorder thread, never on the training thread
+        (where a write already done when its callback is added would run it: a ledger transaction and a delete in
+        the store between two steps) nor on DCP's; a simulation records it in line."""
+        if self._recorder is None:
+            self._saved(url, done)
+        else:
+            self._recorder.submit(self._saved, url, done)
+
     def _saved(self, url: str, done: Future) -> None:
-        """A background save ended (on DCP's thread): rank 0 records it, or every rank logs why it failed."""
+        """A save ended: rank 0 records it, or every rank logs why it failed."""
         try:
             err = done.exception()
             if err is not None:
