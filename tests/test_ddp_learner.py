@@ -118,6 +118,17 @@ def test_cuda_increment_is_encoded_on_a_side_stream_after_the_training_stream():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_a_late_read_on_cuda_gives_each_value_at_the_next_put():
+    late = LateRead(late=True)
+    x = torch.randn(2048, 2048, device="cuda")
+    got = []
+    for k in range(1, 4):
+        y = (x @ x).sum() * 0.0 + k  # the value is ready only once the matmul queued before it is done
+        got.append(late.put(y.double()))
+    assert got == [None, 1.0, 2.0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 def test_cuda_autocast_is_bf16():
     a = torch.randn(8, 8, device="cuda")
     with autocast(torch.device("cuda", 0)):
