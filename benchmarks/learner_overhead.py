@@ -39,12 +39,17 @@ wraps nothing either, so for fsdp the ratio includes what the wrapper costs). Re
 ``learner_overhead[_cuda][_<model>_<parallelism>].json``: the suffix only when --model or
 --parallelism is given (``--model demo`` without --parallelism keeps the published names).
 
+``--batch-size B --seq-len S`` shrink the step (results: ``..._b<B>s<S>.json``). On a CPU, ``--batch-size 1
+--seq-len 32`` steps the demo model in about the time an H100 steps it at batch 16 (6-7 ms, mostly host work:
+launching small ops): a CPU stand-in for a host-bound GPU learner, where what the link's threads take from the
+training thread (the GIL) weighs as it does there and one fragment goes out every few milliseconds.
+
 Host copies are counted per platform step: the float32 bytes of the fragment increments sent beside
 the encoded bytes uploaded, received fragments handed to the main thread (host tensors, copied to the
 device on a GPU) and the learner's state saves (model and AdamW, every learners.save_optimizer_every steps).
 
     python benchmarks/learner_overhead.py [--quick] [--windows 6] [--window-s 8] [--device cpu|cuda]
-        [--model demo|llama100m] [--parallelism ddp|fsdp|hsdp]
+        [--model demo|llama100m] [--parallelism ddp|fsdp|hsdp] [--batch-size B --seq-len S]
 """
 
 from __future__ import annotations
@@ -103,7 +108,8 @@ LLAMA_BATCH = 8
 """Sequences a step for llama100m: 8 x 1024 = 8,192 tokens, sync_sustain's step."""
 
 
-def bench_config(name: str, quick: bool = False, device: str = "cpu", model: str = "demo", parallelism: str | None = None):
+def bench_config(name: str, quick: bool = False, device: str = "cpu", model: str = "demo", parallelism: str | None = None,
+                 batch_size: int | None = None, seq_len: int | None = None):
     learners: dict = {"regions": [{"name": "us", "learners": 1}], "device": device}
     data: dict = {"name": name, "learners": learners}
     if quick:
@@ -120,14 +126,21 @@ def bench_config(name: str, quick: bool = False, device: str = "cpu", model: str
     if parallelism is not None and parallelism != "ddp":
         # ddp is LearnersConfig's default: a ddp run is the default config, left as it is.
         learners["parallelism"] = parallelism
+    if batch_size is not None:
+        learners["batch_size"] = batch_size
+    if seq_len is not None:
+        data["model"] = {**data.get("model", {}), "seq_len": seq_len}
     return build_config(data)
 
 
-def result_name(device: str, model: str | None, parallelism: str | None) -> str:
-    """learner_overhead[_cuda][_<model>_<parallelism>]: the published demo-model names stay as they were."""
+def result_name(device: str, model: str | None, parallelism: str | None, batch_size: int | None = None,
+                seq_len: int | None = None) -> str:
+    """learner_overhead[_cuda][_<model>_<parallelism>][_b<batch>s<seq>]: the published demo-model names stay as they were."""
     name = NAME if device == "cpu" else f"{NAME}_{device}"
     if model not in (None, "demo") or parallelism is not None:
         name += f"_{model or 'demo'}_{parallelism or 'ddp'}"
+    if batch_size is not None or seq_len is not None:
+        name += f"_b{batch_size or 'default'}s{seq_len or 'default'}"
     return name
 
 
@@ -347,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=MODELS, default=None, help="demo (the default ModelConfig) or llama100m (Hugging Face Llama)")
     ap.add_argument("--parallelism", choices=("ddp", "fsdp", "hsdp"), default=None,
                     help="learners.parallelism of the learner (default: the config's, ddp)")
+    ap.add_argument("--batch-size", type=int, default=None, help="sequences a step (default: the model's benchmark batch)")
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens a sequence (default: the model's)")
     args = ap.parse_args(argv)
     exit_on_sigterm()
     if args.quick:
@@ -354,9 +369,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
 
     tmp = Path(tempfile.mkdtemp(prefix="learner-overhead-"))
-    run = ProcessRun(tmp, bench_config("overhead", args.quick, args.device, args.model or "demo", args.parallelism))
+    run = ProcessRun(tmp, bench_config("overhead", args.quick, args.device, args.model or "demo", args.parallelism,
+                                       args.batch_size, args.seq_len))
     cfg = run.cfg
-    name = result_name(args.device, args.model, args.parallelism)
+    name = result_name(args.device, args.model, args.parallelism, args.batch_size, args.seq_len)
     results = header(name, args)
     platform = None
     try:

@@ -172,9 +172,12 @@ def test_learner_overhead_names_its_results_by_device_model_and_parallelism():
     assert lo.result_name("cpu", None, None) == "learner_overhead"  # the published names stay
     assert lo.result_name("cuda", "demo", None) == "learner_overhead_cuda"
     assert lo.result_name("cuda", "llama100m", "ddp") == "learner_overhead_cuda_llama100m_ddp"
+    assert lo.result_name("cpu", None, None, 1, 32) == "learner_overhead_b1s32"
     cfg = lo.bench_config("x", model="llama100m", parallelism="fsdp")
     assert (cfg.model.kind, cfg.model.seq_len, cfg.learners.batch_size, cfg.learners.parallelism) == ("hf", 1024, 8, "fsdp")
     assert lo.bench_config("x", quick=True, model="llama100m", parallelism="ddp").learners.parallelism == "ddp"
+    small = lo.bench_config("x", batch_size=1, seq_len=32)
+    assert (small.learners.batch_size, small.model.seq_len, small.model.d_model) == (1, 32, lo.bench_config("x").model.d_model)
 
 
 def test_gpu_suite_plan_fits_ten_minutes():
