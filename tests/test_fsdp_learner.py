@@ -19,7 +19,7 @@ from support import TINY_LLAMA, tiny_config
 from test_ddp_learner import STEPS, B, _concat, _drive, _full, _ledger_view, _open_run, _submission_blobs, run_two_ranks
 
 from ddiloco.inprocess import sim_learner
-from ddiloco.learner_worker.parallel import Layout, blocks, gather_sizes, local_pieces, shard_rows
+from ddiloco.learner_worker.parallel import Layout, blocks, gather_pieces, gather_sizes, local_pieces, shard_rows
 from ddiloco.platform.fragments import Fragment, Piece, piece_key
 from ddiloco.platform.models import build_model
 
@@ -56,6 +56,18 @@ def test_local_pieces_hold_this_ranks_rows_of_each_piece():
         assert torch.equal(pc.view, w[rows[0] : rows[-1] + 1])
     sizes = gather_sizes(frag, shapes, Layout("fsdp", shards=2, shard=0))
     assert sizes == [[2 * 3], [2 * 3]] and sum(map(sum, sizes)) == 4 * 3
+
+
+def test_an_unsharded_send_hands_its_increment_over_without_copying_it():
+    """One process (or DDP): the increment's tensors themselves go to the link, with no device op on the way."""
+    rows = [torch.randn(4, 3), torch.randn(5)]
+    shapes = [torch.Size([4, 3]), torch.Size([5])]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        whole = gather_pieces(rows, ["a", "b"], shapes, [[12, 5]], Layout("ddp"), True)
+    assert whole is not None and [t.data_ptr() for t in whole.values()] == [t.data_ptr() for t in rows]
+    copies = sorted({e.name for e in prof.events() if e.name in ("aten::cat", "aten::copy_", "aten::clone", "aten::empty")})
+    assert copies == [], copies
+    assert gather_pieces(rows, ["a", "b"], shapes, [[12, 5]], Layout("ddp"), False) is None
 
 
 def test_blocks_are_the_models_repeated_layers():

@@ -123,9 +123,9 @@ def gather_pieces(
 ) -> Tensors | None:
     """Rank 0: whole piece tensors from every shard's rows of them (``local``: this rank's, in piece order);
     other ranks of the group send theirs and get None. One padded gather, on the ranks' device."""
-    flat = torch.cat([t.reshape(-1) for t in local]) if local else torch.empty(0)
     if not layout.sharded:
         return {k: t.reshape(s) for k, t, s in zip(keys, local, piece_shapes)} if is_rank0 else None
+    flat = torch.cat([t.reshape(-1) for t in local]) if local else torch.empty(0)
     longest = max(sum(s) for s in sizes)
     padded = torch.zeros(longest, dtype=flat.dtype, device=flat.device)
     padded[: flat.numel()].copy_(flat)
