@@ -263,3 +263,20 @@ def test_a_slow_link_queues_one_blob_per_fragment_and_loses_no_token():
     got = decode_delta(*store.get_with_metadata(r0.blob_key, r0.sha256, r0.nbytes))
     for n, t in learner.fragments[0].tensors.items():
         assert torch.allclose(got[n].float(), before[0][n] - t.detach(), atol=1e-5), n
+
+
+def test_a_learners_spans_mark_its_steps_in_a_torch_profiler_trace_and_count_without_one():
+    from ddiloco.platform import spans
+
+    cfg, clock, ctx, sync = sim_run(learners={"regions": [{"name": "us", "learners": 1}]})
+    learner = sim_learner(ctx, "us-0", index=0, num_learners=1)
+    learner.start(clock.t)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        clock.t += 1.0
+        sim_step(learner, clock.t)
+    names = {e.name for e in prof.events()}
+    assert {"learner.train_step", "learner.agree", "learner.send"} <= names, sorted(n for n in names if "." in n)
+    with spans.collecting() as totals:
+        clock.t += 1.0
+        sim_step(learner, clock.t)
+    assert totals["learner.train_step.calls"] == 1 and totals["learner.train_step"] > 0
