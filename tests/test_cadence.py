@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 from sqlalchemy import select
@@ -154,6 +155,38 @@ def test_the_meter_measures_rates_while_transferring_and_the_busy_share_of_its_w
     assert m.rates(40.0, 1.0).up_bps == math.inf
     # Before anything: None.
     assert LinkMeter(start=0.0).rates(1.0, 10.0).up_bps is None
+
+
+def _rates_by_hand(transfers: list[tuple[float, float, int]], keep: int, now: float, window_s: float) -> tuple:
+    """What a meter of the newest ``keep`` completed transfers (end, seconds, bytes) says of one direction, summed
+    transfer by transfer: bytes/s while transferring, and the share of the window spent transferring."""
+    kept = sorted(transfers)[-keep:]
+    window_s = min(window_s, now)  # a meter started at 0 has no longer window
+    opens = now - window_s
+    recent = [t for t in kept if t[0] >= opens] or kept[-4:]
+    busy = sum(min(sec, end - opens) for end, sec, _ in kept if end >= opens)
+    seconds, nbytes = sum(t[1] for t in recent), sum(t[2] for t in recent)
+    return (None if not recent else nbytes / seconds if seconds else math.inf), min(1.0, busy / window_s)
+
+
+def test_the_meters_running_totals_give_what_summing_every_transfer_gives():
+    rng = random.Random(7)
+    for trial in range(200):
+        keep = rng.choice([4, 16, 256])
+        m, fed, t = LinkMeter(start=0.0, keep=keep), [], 0.0
+        for _ in range(rng.randint(1, 400)):
+            sec = rng.choice([0.0, rng.random() * 0.01, rng.random() * 3])
+            t += sec + rng.random() * 0.05
+            # Now and then a clock steps back a little: the meter keeps its transfers in the order they ended.
+            end = t - rng.random() * 0.02 if rng.random() < 0.05 else t
+            nbytes = rng.randint(1, 10**6)
+            m.end(m.begin("up", end - sec), nbytes, sec, end)
+            fed.append((end, sec, nbytes))
+        now, window = t + rng.random(), rng.choice([0.5, 5.0, 20.0])
+        want_bps, want_busy = _rates_by_hand(fed, keep, now, window)
+        got = m.rates(now, window)
+        assert got.up_bps == pytest.approx(want_bps, rel=1e-6), trial
+        assert got.up_busy == pytest.approx(want_busy, rel=1e-6, abs=1e-9), trial
 
 
 # --- configuration -----------------------------------------------------------------------------------
