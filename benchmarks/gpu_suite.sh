@@ -11,7 +11,8 @@
 # Steps, in order, each under `timeout` (the cap in the plan), each run whatever the previous ones did:
 #   1. cuda_tests           the tests written for a GPU (no marker: those whose skipif reason names CUDA or a GPU,
 #                           selected by the plugin benchmarks/cuda_tests.py) -> gpu_suite_cuda_tests.json
-#   2. overhead_demo        learner_overhead.py --device cuda, the demo model -> learner_overhead_cuda.json
+#   2. overhead_demo        learner_overhead.py --device cuda, the demo model, then 2 pairs with the link's I/O off
+#                           -> learner_overhead_cuda.json
 #   3. overhead_llama_ddp   the same on the 100 M-parameter Llama, learners.parallelism ddp
 #                           -> learner_overhead_cuda_llama100m_ddp.json
 #   4. overhead_llama_fsdp  ... and fsdp (at world 1) -> learner_overhead_cuda_llama100m_fsdp.json
@@ -81,7 +82,7 @@ NPROC="$(nproc 2>/dev/null || echo 1)"
 STEPS=(
   "setup|40|-|(python environment: see the header)|(python environment)"
   "cuda_tests|75|gpu_suite_cuda_tests.json|{TESTS}|{TESTS}"
-  "overhead_demo|50|learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --device cuda --windows 4 --window-s 2.5 --warmup-s 4 --json {OUT}/learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --quick --json {OUT}/learner_overhead_cuda.json"
+  "overhead_demo|60|learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --device cuda --windows 4 --window-s 2.5 --warmup-s 4 --io-off-pairs 2 --json {OUT}/learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --quick --json {OUT}/learner_overhead_cuda.json"
   "overhead_llama_ddp|80|learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --json {OUT}/learner_overhead_cuda_llama100m_ddp.json"
   "overhead_llama_fsdp|80|learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism fsdp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism fsdp --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json"
   "largest_model|90|largest_model_cuda.json|{PY} benchmarks/largest_model.py --device cuda --parallelism ddp,fsdp --budget-s 50 --json {OUT}/largest_model_cuda.json|{PY} benchmarks/largest_model.py --quick --device cpu --json {OUT}/largest_model_cuda.json"

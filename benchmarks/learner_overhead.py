@@ -44,6 +44,10 @@ wraps nothing either, so for fsdp the ratio includes what the wrapper costs). Re
 launching small ops): a CPU stand-in for a host-bound GPU learner, where what the link's threads take from the
 training thread (the GIL) weighs as it does there and one fragment goes out every few milliseconds.
 
+``--io-off-pairs N`` ends with N more pairs in which the learner's link does no I/O (its uploads dropped before
+they are encoded, its polls stopped): what is left is the training thread's own work (the step's bookkeeping, the
+increments handed over), so ``link_io_off.ratio_median_of_pairs`` says how much of the gap the link's threads make.
+
 Host copies are counted per platform step: the float32 bytes of the fragment increments sent beside
 the encoded bytes uploaded, received fragments handed to the main thread (host tensors, copied to the
 device on a GPU) and the learner's state saves (model and AdamW, every learners.save_optimizer_every steps).
@@ -249,6 +253,7 @@ class Platform:
         self.counts = {"sent": 0, "received": 0}
         self.running = threading.Event()
         self.running.set()
+        self.io_off = False
         self.in_flight = 0
         self._lock = threading.Lock()
         poll, beat = link.poll, link.heartbeat
@@ -324,7 +329,14 @@ class Platform:
         return time.perf_counter() - t0
 
     def resume(self) -> None:
-        self.running.set()
+        if not self.io_off:
+            self.running.set()
+
+    def stop_io(self) -> None:
+        """From now on the link does no I/O: uploads are dropped before they are encoded, polls stay gated."""
+        self.pause()
+        self.io_off = True
+        self.link.uploader.upload = lambda outs, registered=None: None
 
     def window(self, seconds: float) -> dict:
         self.resume()
@@ -362,10 +374,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="learners.parallelism of the learner (default: the config's, ddp)")
     ap.add_argument("--batch-size", type=int, default=None, help="sequences a step (default: the model's benchmark batch)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens a sequence (default: the model's)")
+    ap.add_argument("--io-off-pairs", type=int, default=None,
+                    help="pairs at the end with the link's I/O off (default 0; 1 with --quick)")
     args = ap.parse_args(argv)
     exit_on_sigterm()
     if args.quick:
         args.windows, args.window_s, args.warmup_s = 2, 1.5, 1.0
+    if args.io_off_pairs is None:
+        args.io_off_pairs = 1 if args.quick else 0
     torch.set_num_threads(1)
 
     tmp = Path(tempfile.mkdtemp(prefix="learner-overhead-"))
@@ -423,6 +439,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"platform {pair['platform_tokens_per_s']:7.0f} tok/s ({p['steps']} steps, sent {p['sent']}, received {p['received']}), "
                 f"ratio {pair['ratio']:.3f}; send {mt.get('learner.send', 0) * 1e3:.0f} ms, apply {mt.get('learner.apply', 0) * 1e3:.0f} ms"
             )
+
+        io_off = []
+        if args.io_off_pairs:
+            platform.stop_io()
+            for i in range(args.io_off_pairs):
+                order = ("bare", "platform") if i % 2 == 0 else ("platform", "bare")
+                pair = {kind: run_window(bare.step, args.window_s) if kind == "bare" else platform.window(args.window_s)
+                        for kind in order}
+                ratio = (pair["platform"]["tokens"] / pair["platform"]["elapsed_s"]) / (pair["bare"]["tokens"] / pair["bare"]["elapsed_s"])
+                io_off.append({"order": list(order), "ratio": ratio, "bare_steps": pair["bare"]["steps"],
+                               "platform_steps": pair["platform"]["steps"],
+                               "train_step_s": pair["platform"]["main_thread_s"].get("learner.train_step", 0.0),
+                               "bare_s": pair["bare"]["elapsed_s"]})
+                print(f"link I/O off, pair {i + 1}/{args.io_off_pairs} ({'/'.join(order)}): ratio {ratio:.3f}")
 
         bare_tok = sum(p["bare"]["tokens"] for p in pairs)
         bare_s = sum(p["bare"]["elapsed_s"] for p in pairs)
@@ -545,6 +575,16 @@ def main(argv: list[str] | None = None) -> int:
                 "main_thread_blocked_ms_per_step": {k: split[k].get("blocked_ms") for k in split},
                 "fragments_sent": sent,
                 "fragments_received": received,
+                "link_io_off": {
+                    "pairs": len(io_off),
+                    "ratios": [round(p["ratio"], 4) for p in io_off],
+                    "ratio_median_of_pairs": round(median([p["ratio"] for p in io_off]), 4) if io_off else None,
+                    "train_step_slowdown_vs_bare": round(
+                        (sum(p["train_step_s"] for p in io_off) / sum(p["platform_steps"] for p in io_off))
+                        / (sum(p["bare_s"] for p in io_off) / sum(p["bare_steps"] for p in io_off)), 4) if io_off else None,
+                    "note": "extra pairs at the end with the learner's link doing no I/O (uploads dropped before they are "
+                    "encoded, polls stopped): the training thread's own work alone, against the same bare loop",
+                },
                 "goal": {"ratio_min": GOAL_RATIO, "measure": "median of per-pair ratios", "pass": ok},
             }
         )
@@ -575,6 +615,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"synchronizer {sp.get('synchronizer_cpu_share', float('nan')):.1%}; "
                     f"machine busy {sp.get('machine_busy_cores', float('nan')):.2f} cores"
                 )
+        if io_off:
+            lio = results["link_io_off"]
+            print(f"with the link's I/O off ({len(io_off)} pairs): ratio {lio['ratio_median_of_pairs']:.3f}, "
+                  f"train_step x{lio['train_step_slowdown_vs_bare']:.3f} of the bare step")
         print(f"goal: platform >= {GOAL_RATIO} x bare tokens/s: {verdict(ok)}")
     finally:
         if platform is not None:

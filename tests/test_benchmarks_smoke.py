@@ -102,6 +102,8 @@ def test_learner_overhead_quick(quick_runs):
     assert abs(sum(share.values()) - 1.0) < 1e-3
     assert d["fragments_sent"] > 0  # the platform really traded fragments
     assert d["goal"]["ratio_min"] == 0.95
+    io_off = d["link_io_off"]
+    assert io_off["pairs"] == 1 and 0.2 < io_off["ratio_median_of_pairs"] < 5 and positive(io_off["train_step_slowdown_vs_bare"])
 
 
 def test_merge_throughput_quick(quick_runs):
