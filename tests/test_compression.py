@@ -261,3 +261,45 @@ def test_encoding_where_the_increment_lives_gives_todays_blob_byte_for_byte(code
         ).numpy().tobytes(), k
     # safetensors orders the header's metadata map as it likes: the blobs are compared past it, as stored tensors.
     assert st_load(encode_tensors(tensors, meta)).keys() == st_load(encode_tensors(ref, meta)).keys()
+
+
+def _codes_by_hand(x: torch.Tensor, block: int, levels: int) -> tuple[list[int], list[float]]:
+    """Each block's scale absmax / levels, each value's code round-half-even(v / scale) within +-levels (0 where the
+    scale is 0 or the value not a number), value by value in Python."""
+    flat = [float(v) for v in x.detach().to(torch.float32).flatten()]
+    codes, scales = [], []
+    for a in range(0, len(flat), block):
+        vals = torch.tensor(flat[a : a + block], dtype=torch.float32)
+        s = (vals.abs().max() / levels).item() if len(vals) else 0.0
+        scales.append(s)
+        d = torch.tensor(s if s > 0 else 1.0, dtype=torch.float32)
+        for v in vals:
+            c = torch.round(v / d).item()
+            codes.append(0 if c != c else int(max(-levels, min(levels, c))))
+    return codes, scales
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("block", [1, 3, 8, 64])
+def test_the_codes_and_scales_are_the_blockwise_quantization_value_by_value(codec: str, block: int) -> None:
+    g = torch.Generator().manual_seed(block)
+    tensors = {
+        "a": torch.randn(5, 7, generator=g) * 1e-3,
+        "b": torch.zeros(9),
+        "c": torch.randn(11, generator=g).to(torch.bfloat16),
+        "d": torch.randn(130, generator=g, dtype=torch.float64),
+        "e": torch.tensor(2.5),
+    }
+    tensors["a"][1, 2] = float("nan")
+    tensors["d"][7] = float("inf")
+    levels = {"int8": 127, "int4": 7}[codec]
+    enc, _ = encode_delta(tensors, codec, block)
+    for name, x in tensors.items():
+        codes, scales = _codes_by_hand(x, block, levels)
+        assert enc[name + "::scale"].tolist() == pytest.approx(scales, rel=0, abs=0, nan_ok=True), name
+        got = enc[name + "::q"]
+        if codec == "int4":
+            u = [c + 8 for c in codes] + ([8] if len(codes) % 2 else [])
+            assert got.tolist() == [lo | (hi << 4) for lo, hi in zip(u[0::2], u[1::2])], name
+        else:
+            assert got.tolist() == codes, name

@@ -55,12 +55,12 @@ def _quantize(flat: torch.Tensor, block_size: int, levels: int) -> tuple[torch.T
     """Flat float32 -> (int8 codes in [-levels, levels] of the same length, float32 scale per block)."""
     n = flat.numel()
     blocks = _blocks(flat, block_size)
-    scale = blocks.abs().amax(dim=1) / levels
+    scale = blocks.abs().amax(dim=1).div_(levels)
     # An all-zero block has scale 0: divide by 1 instead so its codes are 0, not NaN.
-    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(blocks / divisor.unsqueeze(1)).clamp_(-levels, levels)
-    q = torch.nan_to_num(q, nan=0.0)  # defined cast; the block's NaN/inf scale still poisons its decode
-    return q.flatten()[:n].to(torch.int8), scale
+    divisor = torch.where(scale > 0, scale, 1.0)
+    q = torch.div(blocks, divisor.unsqueeze(1)).round_().clamp_(-levels, levels)
+    q = q.nan_to_num_(nan=0.0)  # defined cast; the block's NaN/inf scale still poisons its decode
+    return q.view(-1)[:n].to(torch.int8), scale
 
 
 def _pack4(q: torch.Tensor) -> torch.Tensor:
@@ -94,11 +94,12 @@ def encode_delta(
         if codec == "none":
             out[name + "::q"] = x.to("cpu", copy=True)
         elif codec == "bf16":
-            out[name + "::q"] = x.to(torch.bfloat16).to("cpu", copy=True).contiguous()
+            out[name + "::q"] = x.to(torch.bfloat16).to("cpu")
         else:
-            q, scale = _quantize(x.flatten(), block_size, _LEVELS[codec])
-            out[name + "::q"] = (_pack4(q) if codec == "int4" else q).to("cpu", copy=True).contiguous()
-            out[name + "::scale"] = scale.to("cpu", copy=True).contiguous()
+            # Codes and scales are new tensors (never views of x): on a CPU they are the result, not copied again.
+            q, scale = _quantize(x.view(-1), block_size, _LEVELS[codec])
+            out[name + "::q"] = (_pack4(q) if codec == "int4" else q).to("cpu")
+            out[name + "::scale"] = scale.to("cpu")
     metadata = {
         "format": FORMAT,
         "codec": codec,
