@@ -303,3 +303,19 @@ def test_the_codes_and_scales_are_the_blockwise_quantization_value_by_value(code
             assert got.tolist() == [lo | (hi << 4) for lo, hi in zip(u[0::2], u[1::2])], name
         else:
             assert got.tolist() == codes, name
+
+
+def test_a_compact_step_is_the_base_plus_the_decoded_delta_in_new_memory() -> None:
+    from ddiloco.platform.compression import apply_encoded
+
+    g = torch.Generator().manual_seed(3)
+    base = {"w": torch.randn(33, 7, generator=g), "b": torch.randn(5, generator=g), "s": torch.tensor(0.5)}
+    delta = {n: torch.randn(t.shape, generator=g) * 1e-2 for n, t in base.items()}
+    for codec in ("int8", "int4", "bf16", "none"):
+        enc, meta = encode_delta(delta, codec, 16)
+        decoded = decode_delta(enc, meta)
+        got = apply_encoded(base, enc, meta)
+        assert list(got) == list(base)
+        for n in base:
+            assert torch.equal(got[n], base[n] + decoded[n]) and got[n].shape == base[n].shape, (codec, n)
+            assert got[n].untyped_storage().data_ptr() != base[n].untyped_storage().data_ptr()

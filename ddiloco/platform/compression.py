@@ -169,7 +169,7 @@ def decode_delta(
         _check_against(shapes, expected)
     layout = list(shapes.items())
     out = torch.empty(sum(math.prod(s) for _, s in layout), dtype=torch.float32)
-    decode_delta_into(tensors, metadata, layout, out)
+    decode_delta_into(tensors, metadata, layout, out, norms=False)
     views, offset = {}, 0
     for name, shape in layout:
         numel = math.prod(shape)
@@ -194,9 +194,11 @@ def decode_delta_into(
     metadata: dict[str, str],
     layout: Sequence[tuple[str, tuple[int, ...]]],
     out: torch.Tensor,
-) -> torch.Tensor:
+    *,
+    norms: bool = True,
+) -> torch.Tensor | None:
     """Decode into ``out``, the flat float32 vector holding ``layout``'s tensors back to back, in order
-    (on any device); returns each tensor's squared L2 norm (float64, in layout order).
+    (on any device); returns each tensor's squared L2 norm (float64, in layout order), unless not asked for ``norms``.
 
     The blob must hold exactly the layout's tensors and shapes. Nothing the size of the delta is
     allocated: each tensor is decoded chunk by chunk straight into its slice of ``out``."""
@@ -217,7 +219,7 @@ def decode_delta_into(
     # Never more than the largest tensor: a blob's block_size is its sender's claim, not a size to allocate.
     step = max(1, largest if out.device.type != "cpu" else min(largest, -(-DECODE_CHUNK // unit) * unit))
     scratch = _Scratch(step, out.device) if codec == "int4" else None
-    sq = torch.empty(len(layout), dtype=torch.float64, device=out.device)
+    sq = torch.empty(len(layout), dtype=torch.float64, device=out.device) if norms else None
     offset = 0
     for i, (name, shape) in enumerate(layout):
         numel = math.prod(shape)
@@ -235,7 +237,9 @@ def decode_delta_into(
                 q = _take(tensors, name + "::q", torch.uint8, (_num_blocks(numel, 2),))
                 # Codes come out times 16 (see _unpack4); a power of two, so (16 c) (s / 16) == c s exactly.
                 scale = scale / 16
-        sq[i] = _decode_tensor(codec, block_size, q.to(out.device), scale, dst, step, name, scratch)
+        norm = _decode_tensor(codec, block_size, q.to(out.device), scale, dst, step, name, scratch, norms)
+        if sq is not None:
+            sq[i] = norm
     return sq
 
 
@@ -270,11 +274,12 @@ def _unpack4(packed: torch.Tensor, s: _Scratch) -> torch.Tensor:
 
 def _decode_tensor(
     codec: str, block_size: int, q: torch.Tensor, scale: torch.Tensor | None, dst: torch.Tensor, step: int, name: str,
-    scratch: _Scratch | None,
-) -> torch.Tensor:
-    """Decode one tensor's codes ``q`` into ``dst`` chunk by chunk; returns its squared norm (0-d float64)."""
+    scratch: _Scratch | None, norm: bool = True,
+) -> torch.Tensor | None:
+    """Decode one tensor's codes ``q`` into ``dst`` chunk by chunk; returns its squared norm (0-d float64; None
+    unless ``norm``)."""
     numel = dst.numel()
-    sq = torch.zeros((), dtype=torch.float64, device=dst.device)
+    sq = torch.zeros((), dtype=torch.float64, device=dst.device) if norm else None
     levels = _LEVELS.get(codec)
     # The smallest valid code, as it is read below (int4 codes come out times 16).
     lowest = None if levels is None else -levels * (16 if codec == "int4" else 1)
@@ -295,7 +300,8 @@ def _decode_tensor(
                 d[full * block_size :].mul_(scale[first + full])
         else:
             d.copy_(codes)
-        sq += torch.dot(d, d)
+        if sq is not None:
+            sq += torch.dot(d, d)
     return sq
 
 
@@ -319,7 +325,10 @@ def apply_encoded(base: Tensors, tensors: Tensors, metadata: dict[str, str]) -> 
     """base + deq(blob): new tensors (never views of ``base``). The same float32 operations on either side, so the
     synchronizer's next base and a learner's are the same bits."""
     decoded = decode_delta(tensors, metadata, {n: tuple(t.shape) for n, t in base.items()})
-    return {n: base[n] + decoded[n] for n in base}
+    # The sum lands in the decoded buffer (one op for all tensors): new memory all the same.
+    out = [decoded[n] for n in base]
+    torch._foreach_add_(out, [base[n] for n in base])
+    return dict(zip(base, out))
 
 
 def error_bound(diff: Tensors, codec: str, block_size: int) -> float:
