@@ -362,6 +362,19 @@ class Platform:
         self.learner.stop()
 
 
+def run_pair(i: int, bare: Bare, platform: Platform, window_s: float) -> dict:
+    """One bare and one platform window, in ABBA order by ``i``, with their tokens/s and ratio."""
+    order = ("bare", "platform") if i % 2 == 0 else ("platform", "bare")
+    pair: dict = {"order": list(order)}
+    for kind in order:
+        pair[kind] = run_window(bare.step, window_s) if kind == "bare" else platform.window(window_s)
+    b, p = pair["bare"], pair["platform"]
+    pair["bare_tokens_per_s"] = b["tokens"] / b["elapsed_s"]
+    pair["platform_tokens_per_s"] = p["tokens"] / p["elapsed_s"]
+    pair["ratio"] = pair["platform_tokens_per_s"] / pair["bare_tokens_per_s"]
+    return pair
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = base_parser(__doc__)
     ap.add_argument("--windows", type=int, default=16, help="window pairs (bare + platform)")
@@ -420,19 +433,9 @@ def main(argv: list[str] | None = None) -> int:
 
         pairs = []
         for i in range(args.windows):
-            order = ("bare", "platform") if i % 2 == 0 else ("platform", "bare")
-            pair = {}
-            for kind in order:
-                if kind == "bare":
-                    pair["bare"] = run_window(bare.step, args.window_s)
-                else:
-                    pair["platform"] = platform.window(args.window_s)
-            b, p = pair["bare"], pair["platform"]
-            pair["bare_tokens_per_s"] = b["tokens"] / b["elapsed_s"]
-            pair["platform_tokens_per_s"] = p["tokens"] / p["elapsed_s"]
-            pair["ratio"] = pair["platform_tokens_per_s"] / pair["bare_tokens_per_s"]
-            pair["order"] = list(order)
+            pair = run_pair(i, bare, platform, args.window_s)
             pairs.append(pair)
+            b, p, order = pair["bare"], pair["platform"], pair["order"]
             mt = p["main_thread_s"]
             print(
                 f"pair {i + 1}/{args.windows} ({'/'.join(order)}): bare {pair['bare_tokens_per_s']:7.0f} tok/s ({b['steps']} steps), "
@@ -444,15 +447,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.io_off_pairs:
             platform.stop_io()
             for i in range(args.io_off_pairs):
-                order = ("bare", "platform") if i % 2 == 0 else ("platform", "bare")
-                pair = {kind: run_window(bare.step, args.window_s) if kind == "bare" else platform.window(args.window_s)
-                        for kind in order}
-                ratio = (pair["platform"]["tokens"] / pair["platform"]["elapsed_s"]) / (pair["bare"]["tokens"] / pair["bare"]["elapsed_s"])
-                io_off.append({"order": list(order), "ratio": ratio, "bare_steps": pair["bare"]["steps"],
-                               "platform_steps": pair["platform"]["steps"],
-                               "train_step_s": pair["platform"]["main_thread_s"].get("learner.train_step", 0.0),
-                               "bare_s": pair["bare"]["elapsed_s"]})
-                print(f"link I/O off, pair {i + 1}/{args.io_off_pairs} ({'/'.join(order)}): ratio {ratio:.3f}")
+                io_off.append(run_pair(i, bare, platform, args.window_s))
+                print(f"link I/O off, pair {i + 1}/{args.io_off_pairs} ({'/'.join(io_off[-1]['order'])}): "
+                      f"ratio {io_off[-1]['ratio']:.3f}")
 
         bare_tok = sum(p["bare"]["tokens"] for p in pairs)
         bare_s = sum(p["bare"]["elapsed_s"] for p in pairs)
@@ -580,8 +577,10 @@ def main(argv: list[str] | None = None) -> int:
                     "ratios": [round(p["ratio"], 4) for p in io_off],
                     "ratio_median_of_pairs": round(median([p["ratio"] for p in io_off]), 4) if io_off else None,
                     "train_step_slowdown_vs_bare": round(
-                        (sum(p["train_step_s"] for p in io_off) / sum(p["platform_steps"] for p in io_off))
-                        / (sum(p["bare_s"] for p in io_off) / sum(p["bare_steps"] for p in io_off)), 4) if io_off else None,
+                        (sum(p["platform"]["main_thread_s"].get("learner.train_step", 0.0) for p in io_off)
+                         / sum(p["platform"]["steps"] for p in io_off))
+                        / (sum(p["bare"]["elapsed_s"] for p in io_off) / sum(p["bare"]["steps"] for p in io_off)), 4)
+                    if io_off else None,
                     "note": "extra pairs at the end with the learner's link doing no I/O (uploads dropped before they are "
                     "encoded, polls stopped): the training thread's own work alone, against the same bare loop",
                 },

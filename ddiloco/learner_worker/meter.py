@@ -77,7 +77,7 @@ class _Done:
 
     def newest(self, n: int) -> tuple[float, int, int]:
         """(seconds, bytes, how many) of the newest ``n`` transfers."""
-        sample = list(self.items)[-n:] if n < len(self.items) else list(self.items)
+        sample = list(self.items)[-n:]
         return sum(t.seconds for t in sample), sum(t.nbytes for t in sample), len(sample)
 
 
