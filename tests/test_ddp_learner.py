@@ -51,6 +51,7 @@ from ddiloco.platform.ledger.models import Learner as LearnerRow
 from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.store import FragmentStore
 from ddiloco.synchronizer.service import Synchronizer
+from ddiloco.testing.processes import ProcessCluster
 
 NO_CUDA = "needs a CUDA device (torch.cuda.is_available() is False on this machine): the CPU fallback is tested instead"
 B = 4  # per-rank batch
@@ -452,7 +453,14 @@ def test_sigkill_of_one_rank_ends_the_job_and_a_relaunch_rejoins(tmp_path):
 
         # The supervisor's move: relaunch the job (it rejoins from the newest global state and, with
         # --max-steps, ends cleanly). While it starts, check what the failed job left in the ledger.
-        relaunch = run.start("us-0-relaunch", ProcessSpec.learner("us-0", nproc_per_node=2, max_steps=12))
+        # Started as by hand: a store secret in its config file (the file store is given it and ignores it) and none
+        # in its environment. The launcher hands its ranks a saved config, which holds the secret masked; a rank given
+        # only the mask would refuse to open the run.
+        by_hand = run.cfg.model_dump(mode="json")
+        by_hand["storage"]["secrets"] = {"key": "planted-for-the-ranks"}
+        (tmp_path / "by-hand.yaml").write_text(yaml.safe_dump(by_hand))
+        relaunch = ProcessCluster(tmp_path / "by-hand.yaml", run.run_id, run.logdir).start(
+            "us-0-relaunch", ProcessSpec.learner("us-0", nproc_per_node=2, max_steps=12))
         jobs.append(relaunch)
         store = FragmentStore(run.cfg.storage.url)
         tokens_per_step = 2 * B * cfg.model.seq_len  # two ranks

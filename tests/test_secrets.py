@@ -99,3 +99,30 @@ def test_deploy_refuses_credentials_in_storage_options_and_passwords_in_store_ur
     for bad in ("DDILOCO_LEDGER__URL", "lower=block", "DDILOCO_X=Bad_Block", "=x"):
         with pytest.raises(ValueError, match="expected ENV_VAR=block-name"):
             parse_secret_blocks([bad])
+
+
+def test_a_saved_config_without_its_secrets_is_refused_and_the_environment_restores_them(tmp_path, monkeypatch):
+    """A saved config holds its secrets masked; loaded without the environment that gives them, the ledger and the
+    store would be opened with the masks for passwords: refused in one line naming the field and the variable."""
+    from ddiloco.platform.config import ConfigError, load_config, secret_env
+    from ddiloco.testing.processes import write_config
+
+    for name in [k for k in os.environ if k.startswith("DDILOCO_")]:
+        monkeypatch.delenv(name)
+    cfg = tiny_config(ledger={"url": f"sqlite:///{tmp_path / 'ledger.db'}"},
+                      storage={"url": f"file://{tmp_path / 'store'}", "secrets": {"key": STORE_KEY}})
+    saved = write_config(cfg, tmp_path / "config.yaml")
+    assert not leaks(saved.read_text())
+    with pytest.raises(ConfigError, match=r"^storage.secrets.key holds the mask .*DDILOCO_STORAGE__SECRETS__KEY\)$") as err:
+        RunContext.open(load_config(saved))
+    assert not leaks(str(err.value))
+    for name, value in secret_env(cfg).items():
+        monkeypatch.setenv(name, value)
+    assert RunContext.open(load_config(saved)).cfg.storage.fsspec_options() == {"key": STORE_KEY}
+
+    for name in secret_env(cfg):
+        monkeypatch.delenv(name)
+    pg = tiny_config(ledger={"url": f"postgresql+psycopg://ddiloco:{PASSWORD}@db.internal:5432/ddiloco"})
+    write_config(pg, saved)
+    with pytest.raises(ConfigError, match=r"^ledger.url holds the mask '\*\*\*' in place of its password .*DDILOCO_LEDGER__URL\)$"):
+        RunContext.open(load_config(saved))

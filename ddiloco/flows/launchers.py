@@ -25,15 +25,6 @@ EVALUATOR_DEPLOYMENT = "ddiloco-evaluate/evaluate"
 FINAL_STATES = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED", "CANCELLING"}
 
 
-def secret_env(cfg: RunConfig) -> dict[str, str]:
-    """The config's secrets as the environment variables that override it: how they reach a child
-    process, since a saved config holds them masked."""
-    env = {"DDILOCO_LEDGER__URL": cfg.ledger.url.get_secret_value()}
-    for key, value in cfg.storage.secrets.items():
-        env[f"DDILOCO_STORAGE__SECRETS__{key.upper()}"] = value.get_secret_value()
-    return env
-
-
 WARM_PRELOAD = "ddiloco.flows._forkserver_preload"
 
 

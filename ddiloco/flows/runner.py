@@ -16,9 +16,9 @@ import yaml
 
 from ddiloco.flows import alerts
 from ddiloco.flows.chaos import apply_event, seeded_schedule
-from ddiloco.flows.launchers import Handle, Launcher, SubprocessLauncher, secret_env
+from ddiloco.flows.launchers import Handle, Launcher, SubprocessLauncher
 from ddiloco.flows.supervise import LearnerView, relaunch_decisions
-from ddiloco.platform.config import RunConfig
+from ddiloco.platform.config import RunConfig, secret_env
 from ddiloco.platform.ledger import reports as reports_q
 from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger import synchronizer as sync_q

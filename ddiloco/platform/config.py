@@ -14,6 +14,7 @@ import tomllib
 import typing
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -31,7 +32,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from pydantic_settings.exceptions import SettingsError
 
 from ddiloco.platform.ids import validate_id
-from ddiloco.platform.redact import mask_tree, redact_url
+from ddiloco.platform.redact import MASK, mask_tree, redact_url
 
 
 class ConfigError(ValueError):
@@ -580,7 +581,7 @@ class StorageConfig(_Section):
 
     def fsspec_options(self) -> dict[str, Any]:
         """storage_options with the secrets' values, for opening the store."""
-        return {**self.storage_options, **{k: v.get_secret_value() for k, v in self.secrets.items()}}
+        return {**self.storage_options, **{k: secret_value(v) for k, v in self.secrets.items()}}
 
 
 class LedgerConfig(_Section):
@@ -591,7 +592,7 @@ class LedgerConfig(_Section):
     @field_serializer("url", when_used="json")
     def _masked_url(self, url: SecretStr | str) -> str:
         # model_copy(update=...) does not validate: a copy may hold the URL as a plain string.
-        return redact_url(url.get_secret_value() if isinstance(url, SecretStr) else url)
+        return redact_url(secret_value(url))
     idle_in_transaction_timeout_s: float | None = Field(5.0, gt=0, le=LONGEST_S)
     """PostgreSQL ends a session idle inside a transaction this long, so a frozen process's row
     locks cannot stall the run (null: never). Keep it under learners.dead_after_s."""
@@ -750,7 +751,7 @@ class RunConfig(BaseSettings):
             if why:
                 raise ValueError(f"{where}: {why}")
         ledger = self.ledger.url
-        ledger = ledger.get_secret_value() if hasattr(ledger, "get_secret_value") else ledger
+        ledger = secret_value(ledger)
         why = ledger_url_problem(ledger)
         if why:
             raise ValueError(f"ledger.url: {why}")
@@ -1031,6 +1032,40 @@ def load_config(path: str | os.PathLike[str] | None = None, **overrides: Any) ->
     """Load a RunConfig from a YAML/TOML file (or defaults), then apply env and keyword overrides."""
     data = read_config_file(path) if path else {}
     return build_config(data, **overrides)
+
+
+def secret_value(value: SecretStr | str) -> str:
+    """A secret's value (``model_copy(update=...)`` does not validate: a copy may hold a secret as a plain string)."""
+    return value.get_secret_value() if isinstance(value, SecretStr) else value
+
+
+SECRET_MASK = str(SecretStr("secret"))
+"""What a saved config holds in place of a secret's value (pydantic's mask; a URL's password is masked as ``MASK``)."""
+
+
+def masked_secret_problem(cfg: RunConfig) -> str | None:
+    """Which secret of ``cfg`` holds a mask in place of its value, or None: a saved config loaded without the
+    environment that gives its secrets would open the ledger and the store with the mask for a password."""
+    try:
+        password = urlsplit(secret_value(cfg.ledger.url)).password
+    except ValueError:
+        password = None
+    how = "a saved config holds its secrets masked; pass the real value through the environment"
+    if password in (MASK, SECRET_MASK):
+        return f"ledger.url holds the mask {password!r} in place of its password ({how}: DDILOCO_LEDGER__URL)"
+    for key, value in cfg.storage.secrets.items():
+        if secret_value(value) in (MASK, SECRET_MASK):
+            return f"storage.secrets.{key} holds the mask {secret_value(value)!r} ({how}: DDILOCO_STORAGE__SECRETS__{key.upper()})"
+    return None
+
+
+def secret_env(cfg: RunConfig) -> dict[str, str]:
+    """The config's secrets as the environment variables that override it: how they reach a child process or a rank,
+    since a saved config holds them masked."""
+    env = {"DDILOCO_LEDGER__URL": secret_value(cfg.ledger.url)}
+    for key, value in cfg.storage.secrets.items():
+        env[f"DDILOCO_STORAGE__SECRETS__{key.upper()}"] = secret_value(value)
+    return env
 
 
 def world_size_problem(world: int, limit: int) -> str | None:

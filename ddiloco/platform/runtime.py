@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from tenacity import before_sleep_log, retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 import ddiloco
-from ddiloco.platform.config import RunConfig
+from ddiloco.platform.config import ConfigError, RunConfig, masked_secret_problem
 from ddiloco.platform.ledger.engine import open_ledger, reader_of, session_factory
 from ddiloco.platform.store import FragmentStore, open_store
 
@@ -84,6 +84,9 @@ class RunContext:
 
     @classmethod
     def open(cls, cfg: RunConfig, run_id: str | None = None, clock: Clock = time.time, engine: Engine | None = None) -> RunContext:
+        why = masked_secret_problem(cfg)
+        if why:
+            raise ConfigError(why)
         engine = engine or _open_ledger_retrying(cfg)
         return cls(cfg=cfg, run_id=run_id or cfg.name, engine=engine, clock=clock)
 
