@@ -7,6 +7,9 @@
 #     bash benchmarks/gpu_suite.sh --dry-run    # (or GPU_SUITE_DRY_RUN=1) every step in its --quick CPU form, results in
 #                                               # a temp dir: a smoke check of the suite on a machine without a GPU
 #     bash benchmarks/gpu_suite.sh --fetch-wheels [DIR]   # on a machine WITH a package registry: see "Python" below
+#     bash benchmarks/gpu_suite.sh --only cuda_tests,overhead_demo   # those steps only (with --plan or --dry-run too): a
+#                                               # device lease of 15 minutes holds the whole suite or a part of it and a
+#                                               # quality regime (benchmarks/quality_gpu.sh), not both whole
 #
 # Steps, in order, each under `timeout` (the cap in the plan), each run whatever the previous ones did:
 #   1. cuda_tests           the tests written for a GPU (no marker: those whose skipif reason names CUDA or a GPU,
@@ -54,13 +57,18 @@ SUITE_BUDGET_S=600
 DEADLINE_S=590            # the last step is cut short here, leaving time for the summary
 DRY_RUN="${GPU_SUITE_DRY_RUN:-0}"
 PLAN_ONLY=0
-case "${1:-}" in
-  --dry-run) DRY_RUN=1 ;;
-  --plan) PLAN_ONLY=1 ;;
-  --fetch-wheels) FETCH_DIR="${2:-.whl}" ;;
-  "") ;;
-  *) echo "usage: $0 [--dry-run | --plan | --fetch-wheels [DIR]]" >&2; exit 2 ;;
-esac
+ONLY=""
+usage="usage: $0 [--dry-run | --plan] [--only STEP[,STEP...]] | --fetch-wheels [DIR]"
+while (( $# )); do
+  case "$1" in
+    --dry-run) DRY_RUN=1 ;;
+    --plan) PLAN_ONLY=1 ;;
+    --only) [[ -n "${2:-}" ]] || { echo "$usage" >&2; exit 2; }; ONLY="$2"; shift ;;
+    --fetch-wheels) FETCH_DIR="${2:-.whl}"; break ;;
+    *) echo "$usage" >&2; exit 2 ;;
+  esac
+  shift
+done
 
 # MISSING_ON_IMAGE, gpu_name and setup_python: the Python of a GPU machine, shared with benchmarks/quality_gpu.sh.
 source "$ROOT/benchmarks/gpu_env.sh"
@@ -94,14 +102,29 @@ CAP_FACTOR=1; [[ "$DRY_RUN" == 1 ]] && CAP_FACTOR=3
 
 field() { local IFS='|'; read -r -a f <<<"$1"; echo "${f[$2]}"; }
 
-TOTAL_CAPS=0
-for s in "${STEPS[@]}"; do TOTAL_CAPS=$((TOTAL_CAPS + $(field "$s" 1))); done
+# --only: the steps a short device lease runs (setup always runs); the others are recorded as not asked for.
+asked() { [[ -z "$ONLY" || "$1" == setup || ",$ONLY," == *",$1,"* ]]; }
+if [[ -n "$ONLY" ]]; then
+  names=" $(for s in "${STEPS[@]}"; do printf '%s ' "$(field "$s" 0)"; done)"
+  IFS=',' read -r -a wanted <<<"$ONLY"
+  for w in "${wanted[@]}"; do
+    [[ "$names" == *" $w "* && "$w" != setup ]] || { echo "--only: no step '$w' (steps:${names% })" >&2; exit 2; }
+  done
+fi
+
+TOTAL_CAPS=0; ASKED_CAPS=0
+for s in "${STEPS[@]}"; do
+  TOTAL_CAPS=$((TOTAL_CAPS + $(field "$s" 1)))
+  asked "$(field "$s" 0)" && ASKED_CAPS=$((ASKED_CAPS + $(field "$s" 1)))
+done
 echo "== GPU suite: $([[ $DRY_RUN == 1 ]] && echo "DRY RUN (--quick CPU forms, caps x$CAP_FACTOR)" || echo "GPU run") on $(hostname), $NPROC cores"
 echo "   budget plan (caps are ceilings; the suite's deadline is ${DEADLINE_S} s of ${SUITE_BUDGET_S} s):"
 for s in "${STEPS[@]}"; do
-  printf '   %-20s cap %4d s  -> %s\n' "$(field "$s" 0)" "$(( $(field "$s" 1) * CAP_FACTOR ))" "$(field "$s" 2)"
+  printf '   %-20s cap %4d s  -> %s%s\n' "$(field "$s" 0)" "$(( $(field "$s" 1) * CAP_FACTOR ))" "$(field "$s" 2)" \
+    "$(asked "$(field "$s" 0)" || echo "  (not in --only)")"
 done
 printf '   %-20s      %4d s  (must be <= %d)\n' "sum of caps" "$TOTAL_CAPS" "$SUITE_BUDGET_S"
+[[ -n "$ONLY" ]] && printf '   %-20s      %4d s  (--only %s)\n' "of the steps asked" "$ASKED_CAPS" "$ONLY"
 if (( TOTAL_CAPS > SUITE_BUDGET_S )); then echo "the plan's caps exceed the budget" >&2; exit 2; fi
 [[ "$PLAN_ONLY" == 1 ]] && exit 0
 
@@ -169,6 +192,9 @@ for s in "${STEPS[@]}"; do
   if [[ "$DRY_RUN" == 1 ]]; then cmd="$(field "$s" 4)"; else cmd="$(field "$s" 3)"; fi
   cmd="${cmd//\{TESTS\}/$TESTS_CMD}"
   cmd="${cmd//\{PY\}/$PY}"; cmd="${cmd//\{OUT\}/$OUT}"
+  if ! asked "$name"; then
+    record_step "$name" -1 "not run (not in --only)" 0 - - "$cmd"; continue
+  fi
   if [[ "$name" != setup && -z "$PY" ]]; then
     record_step "$name" -1 "not run (setup failed)" 0 - - "$cmd"; continue
   fi

@@ -190,6 +190,26 @@ def test_gpu_suite_plan_fits_ten_minutes():
     assert len(caps) == 8 and sum(caps) == total <= 600
 
 
+def test_gpu_suite_runs_only_the_steps_asked_for(tmp_path):
+    """--only: a short device lease runs part of the suite; the record says which steps were not asked for."""
+    suite = ["bash", str(BENCH / "gpu_suite.sh")]
+    plan = subprocess.run([*suite, "--plan", "--only", "overhead_demo,merge_cuda"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    assert re.search(r"of the steps asked\s+130 s", plan.stdout) and plan.stdout.count("(not in --only)") == 5
+    bad = subprocess.run([*suite, "--plan", "--only", "overhead_demo,bogus"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "no step 'bogus'" in bad.stderr
+    env = {**os.environ, "GPU_SUITE_OUT": str(tmp_path / "out"), "GPU_SUITE_LOGS": str(tmp_path / "logs")}
+    run = subprocess.run([*suite, "--dry-run", "--only", "merge_cuda"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    record = json.loads((tmp_path / "out" / "gpu_suite.json").read_text())
+    status = {step["step"]: step["status"] for step in record["steps"]}
+    assert status.pop("setup") == "passed" and status.pop("merge_cuda") == "passed"
+    assert len(status) == 6 and set(status.values()) == {"not run (not in --only)"}
+    assert (tmp_path / "out" / "merge_throughput_cuda.json").exists()
+
+
 def test_quality_gpu_script_refuses_what_it_cannot_run():
     """The GPU quality plan's script (its --dry-run is the --quick plan that test_quality_smoke.py runs): a bad option, and
     a machine without a GPU unless --dry-run, are told at once."""
