@@ -88,6 +88,7 @@ from ddiloco.learner_worker.device import LateRead, autocast, resolve_device
 from ddiloco.learner_worker.dist import Dist, ensure_process_group
 from ddiloco.learner_worker.learner import Learner
 from ddiloco.learner_worker.link import LearnerLink
+from ddiloco.learner_worker.linkio import IOProcess
 from ddiloco.learner_worker.parallel import shard_replica
 from ddiloco.platform.config import build_config
 from ddiloco.platform.data import Batch, build_dataset
@@ -113,8 +114,10 @@ LLAMA_BATCH = 8
 
 
 def bench_config(name: str, quick: bool = False, device: str = "cpu", model: str = "demo", parallelism: str | None = None,
-                 batch_size: int | None = None, seq_len: int | None = None):
+                 batch_size: int | None = None, seq_len: int | None = None, link_process: bool = False):
     learners: dict = {"regions": [{"name": "us", "learners": 1}], "device": device}
+    if link_process:
+        learners["link_process"] = True
     data: dict = {"name": name, "learners": learners}
     if quick:
         # --quick only checks the benchmark works: a small model and P = 4 start in a few seconds.
@@ -138,13 +141,16 @@ def bench_config(name: str, quick: bool = False, device: str = "cpu", model: str
 
 
 def result_name(device: str, model: str | None, parallelism: str | None, batch_size: int | None = None,
-                seq_len: int | None = None) -> str:
-    """learner_overhead[_cuda][_<model>_<parallelism>][_b<batch>s<seq>]: the published demo-model names stay as they were."""
+                seq_len: int | None = None, link_process: bool = False) -> str:
+    """learner_overhead[_cuda][_<model>_<parallelism>][_b<batch>s<seq>][_linkproc]: the published demo-model names stay
+    as they were."""
     name = NAME if device == "cpu" else f"{NAME}_{device}"
     if model not in (None, "demo") or parallelism is not None:
         name += f"_{model or 'demo'}_{parallelism or 'ddp'}"
     if batch_size is not None or seq_len is not None:
         name += f"_b{batch_size or 'default'}s{seq_len or 'default'}"
+    if link_process:
+        name += "_linkproc"
     return name
 
 
@@ -199,6 +205,8 @@ class Bare:
 
 
 SYNC_PID: int | None = None
+LINKIO_PID: int | None = None
+"""The learner's link I/O process, with --link-process."""
 
 
 def _snapshot(bg_threads: list[int]) -> dict:
@@ -207,6 +215,7 @@ def _snapshot(bg_threads: list[int]) -> dict:
         "main": thread_sched(),
         "bg_cpu": sum(b[0] for b in bg if b is not None),
         "sync_cpu": process_cpu_s(SYNC_PID) if SYNC_PID else None,
+        "linkio_cpu": process_cpu_s(LINKIO_PID) if LINKIO_PID else None,
         "machine": machine_busy(),
     }
 
@@ -231,6 +240,8 @@ def run_window(step, seconds: float, bg_threads: list[int] | None = None) -> dic
     out["background_threads_cpu_s"] = b["bg_cpu"] - a["bg_cpu"]
     if a["sync_cpu"] is not None and b["sync_cpu"] is not None:
         out["synchronizer_cpu_s"] = b["sync_cpu"] - a["sync_cpu"]
+    if a["linkio_cpu"] is not None and b["linkio_cpu"] is not None:
+        out["link_process_cpu_s"] = b["linkio_cpu"] - a["linkio_cpu"]
     if a["machine"] and b["machine"]:
         busy, total = b["machine"][0] - a["machine"][0], b["machine"][1] - a["machine"][1]
         out["machine_busy_cores"] = (os.cpu_count() or 1) * busy / total if total else None
@@ -387,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="learners.parallelism of the learner (default: the config's, ddp)")
     ap.add_argument("--batch-size", type=int, default=None, help="sequences a step (default: the model's benchmark batch)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens a sequence (default: the model's)")
+    ap.add_argument("--link-process", action="store_true",
+                    help="learners.link_process: the link's ledger and store I/O in a process of its own")
     ap.add_argument("--io-off-pairs", type=int, default=None,
                     help="pairs at the end with the link's I/O off (default 0; 1 with --quick)")
     args = ap.parse_args(argv)
@@ -399,9 +412,9 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="learner-overhead-"))
     run = ProcessRun(tmp, bench_config("overhead", args.quick, args.device, args.model or "demo", args.parallelism,
-                                       args.batch_size, args.seq_len))
+                                       args.batch_size, args.seq_len, args.link_process))
     cfg = run.cfg
-    name = result_name(args.device, args.model, args.parallelism, args.batch_size, args.seq_len)
+    name = result_name(args.device, args.model, args.parallelism, args.batch_size, args.seq_len, args.link_process)
     results = header(name, args)
     platform = None
     try:
@@ -425,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         platform = Platform(run)
+        if isinstance(platform.link.io, IOProcess):
+            global LINKIO_PID
+            LINKIO_PID = platform.link.io.pid
         # Untimed: the synchronizer's first merge is slow (its first torch.optim.SGD imports
         # torch._dynamo), and the learner side warms up; later windows see the steady state.
         warm = platform.window(args.warmup_s)
@@ -491,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
             out["background_threads_cpu_share"] = round(sum(w["background_threads_cpu_s"] for w in ws) / wall, 4)
             if all("synchronizer_cpu_s" in w for w in ws):
                 out["synchronizer_cpu_share"] = round(sum(w["synchronizer_cpu_s"] for w in ws) / wall, 4)
+            if all("link_process_cpu_s" in w for w in ws):
+                out["link_process_cpu_share"] = round(sum(w["link_process_cpu_s"] for w in ws) / wall, 4)
             busy = [w.get("machine_busy_cores") for w in ws if w.get("machine_busy_cores") is not None]
             if busy:
                 out["machine_busy_cores"] = round(sum(busy) / len(busy), 2)
@@ -612,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{kind:8} main thread per step: cpu {sp['cpu_ms']:.1f} ms, run-queue wait {sp['runqueue_wait_ms']:.1f} ms, "
                     f"blocked {sp['blocked_ms']:.1f} ms; learner bg threads {sp['background_threads_cpu_share']:.1%} of a core, "
                     f"synchronizer {sp.get('synchronizer_cpu_share', float('nan')):.1%}; "
+                    + (f"link I/O process {sp['link_process_cpu_share']:.1%}; " if "link_process_cpu_share" in sp else "") +
                     f"machine busy {sp.get('machine_busy_cores', float('nan')):.2f} cores"
                 )
         if io_off:

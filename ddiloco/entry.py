@@ -185,6 +185,17 @@ def synchronizer_main(
         raise EntryError(str(err)) from None
 
 
+def link_io_main() -> None:
+    """A learner's link I/O process (``learners.link_process``), started by its learner: its spec (the run's config,
+    its secrets masked, and the learner it serves) comes as a line on stdin, and it lives until stdin closes."""
+    import json
+
+    setup_logging()
+    from ddiloco.learner_worker.linkio import serve
+
+    serve(json.loads(sys.stdin.readline()))
+
+
 def evaluator_main(
     cfg: RunConfig, run_id: str | None = None, *, device: str = "auto", wait_s: float = WAIT_S, verbose: bool = False
 ) -> int:

@@ -175,6 +175,8 @@ def test_learner_overhead_names_its_results_by_device_model_and_parallelism():
     assert lo.result_name("cuda", "demo", None) == "learner_overhead_cuda"
     assert lo.result_name("cuda", "llama100m", "ddp") == "learner_overhead_cuda_llama100m_ddp"
     assert lo.result_name("cpu", None, None, 1, 32) == "learner_overhead_b1s32"
+    assert lo.result_name("cpu", None, None, 1, 32, link_process=True) == "learner_overhead_b1s32_linkproc"
+    assert lo.bench_config("x", link_process=True).learners.link_process and not lo.bench_config("x").learners.link_process
     cfg = lo.bench_config("x", model="llama100m", parallelism="fsdp")
     assert (cfg.model.kind, cfg.model.seq_len, cfg.learners.batch_size, cfg.learners.parallelism) == ("hf", 1024, 8, "fsdp")
     assert lo.bench_config("x", quick=True, model="llama100m", parallelism="ddp").learners.parallelism == "ddp"

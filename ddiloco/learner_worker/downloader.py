@@ -14,15 +14,15 @@ from collections.abc import Callable
 
 import torch
 
+from ddiloco.learner_worker.linkio import LinkIO, LocalIO
 from ddiloco.learner_worker.meter import LinkMeter
 from ddiloco.platform.compact import CompactError, CompactRef, Ref, plan_download
 from ddiloco.platform.compression import CompactBase, CompressionError, Tensors, apply_encoded
 from ddiloco.platform.faults import fault_point
 from ddiloco.platform.ledger import learner as learner_q
-from ddiloco.platform.run_state import read_version
 from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.spans import span
-from ddiloco.platform.store import FragmentStore, StoreError
+from ddiloco.platform.store import StoreError, decode_tensors
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -64,6 +64,8 @@ class Downloader:
         """Per fragment, the base of the compact downloads this learner holds (as the synchronizer does)."""
         self.delta_codecs: dict[str, int] = {}
         """Compact downloads by the codec of their delta."""
+        self.io: LinkIO = LocalIO(ctx)
+        """Where blobs are read (the link points it at its I/O process when it has one)."""
 
     def receive(self, heads: dict[int, learner_q.HeadRef], fragments: int, *, once_per_send: bool, prefer: str | None) -> list[int]:
         """Download every head of the learner's ``fragments`` newer than what it holds into the inbox; returns them.
@@ -71,7 +73,6 @@ class Downloader:
         ``once_per_send``: the learner's link holds it to a longer send period than H, so it takes a fragment's
         newer version once per send of it (and whenever it waits for one): versions in between would cost its link
         bytes its sends need. ``prefer``: the delta codec to take when the run offers it (its upload codec)."""
-        store = self.ctx.store()
         got = []
         # One thread downloads at a time: the bases change with each download, and a version is fetched once.
         with span("learner.poll"), self._receive_lock:
@@ -80,7 +81,7 @@ class Downloader:
                     continue
                 t0, token = self.elapsed(), self.meter.begin("down", self.ctx.now())
                 try:
-                    tensors, nbytes = self._download(store, row, prefer)
+                    tensors, nbytes = self._download(row, prefer)
                     self.meter.end(token, nbytes, self.elapsed() - t0, self.ctx.now())
                 except BaseException as err:
                     self.meter.end(token, 0, 0.0, self.ctx.now())
@@ -110,7 +111,11 @@ class Downloader:
         with self._lock:
             return p in self._delivered and p not in self._awaiting and p not in self._sent_since
 
-    def _download(self, store: FragmentStore, row: learner_q.HeadRef, prefer: str | None) -> tuple[Tensors, int]:
+    def _read(self, key: str, sha256: str, nbytes: int | None = None) -> tuple[Tensors, dict[str, str]]:
+        """A blob's tensors and metadata, its bytes read through the link's I/O and checked against the ledger's hash."""
+        return decode_tensors(self.io.get_blob(key, sha256, nbytes), key)
+
+    def _download(self, row: learner_q.HeadRef, prefer: str | None) -> tuple[Tensors, int]:
         """A version's tensors and the bytes fetched for them: by its compact form when the run publishes one (the
         blobs :func:`plan_download` picks; within the download codec's bound of the full blob), else the full blob."""
         try:
@@ -119,14 +124,14 @@ class Downloader:
             log.warning("fragment %s v%s: %s; downloading it whole", row.fragment, row.version, err)
             ref = None
         if ref is None:
-            return read_version(store, row), row.nbytes
+            return self._read(row.blob_key, row.sha256)[0], row.nbytes
         held = self._bases.get(row.fragment)
         plan = plan_download(held.version if held else None, ref)
         fetched = 0
 
         def get(blob: Ref) -> tuple[Tensors, dict[str, str]]:
             nonlocal fetched
-            tensors, meta = store.get_with_metadata(blob.key, blob.sha256, blob.nbytes)
+            tensors, meta = self._read(blob.key, blob.sha256, blob.nbytes)
             fetched += blob.nbytes
             return tensors, meta
 
@@ -148,7 +153,7 @@ class Downloader:
             # drop the base and take the full blob, which never depends on one.
             log.warning("fragment %s v%s: compact form unusable (%s); downloading it whole", row.fragment, row.version, err)
             self._bases.pop(row.fragment, None)
-            return read_version(store, row), fetched + row.nbytes
+            return self._read(row.blob_key, row.sha256)[0], fetched + row.nbytes
         self._bases[row.fragment] = base
         return tensors, fetched
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from ddiloco.learner_worker.cadence import Cadence, CadencePolicy, choose_cadence, link_report, measure_window_s
 from ddiloco.learner_worker.downloader import Arrival, Downloader
+from ddiloco.learner_worker.linkio import IOProcess, LinkIO, LocalIO
 from ddiloco.learner_worker.meter import LinkMeter
 from ddiloco.learner_worker.outbox import Outbox, Outgoing
 from ddiloco.learner_worker.uploader import Uploader
@@ -28,7 +29,7 @@ from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger.models import Learner as LearnerRow
 from ddiloco.platform.redact import redact_url
-from ddiloco.platform.runtime import RunContext, ledger_retry, to_datetime
+from ddiloco.platform.runtime import RunContext, to_datetime
 from ddiloco.platform.spans import span
 
 log = logging.getLogger("ddiloco.learner")
@@ -114,6 +115,9 @@ class LearnerLink:
         self._events_lock = threading.Lock()
         self._events: list[tuple[str, str]] = []
         """Events for the next exchange to record (cadence changes)."""
+        self.io: LinkIO = LocalIO(self.ctx)
+        """The exchanges', uploads' and downloads' ledger and store I/O: in this process, or from :meth:`start_threads`
+        on in a process of its own when ``learners.link_process`` says so."""
 
     def configure(self, num_fragments: int, cadence_policy: CadencePolicy | None, world_size: int = 1,
                   pin_arrivals: bool = False) -> None:
@@ -220,7 +224,8 @@ class LearnerLink:
             with self._events_lock:
                 events, self._events = self._events, []
             try:
-                now, result = self._commit_exchange(subs or [], beat, events, {p: h.version for p, h in self._heads.items()})
+                now, result = self.io.exchange(self.learner_id, self.incarnation, subs or [], beat, events,
+                                               {p: h.version for p, h in self._heads.items()})
             except BaseException:
                 with self._events_lock:
                     self._events[:0] = events
@@ -234,19 +239,6 @@ class LearnerLink:
                 # Until the first loss exists a heartbeat row is not yet the one charts need: the next exchange writes one.
                 self._last_heartbeat = now
         return self._receive(result.run_status, heads)
-
-    @ledger_retry
-    def _commit_exchange(self, subs: list[learner_q.SubmissionIn], beat: learner_q.Beat | None,
-                         events: list[tuple[str, str]], known: dict[int, int]) -> tuple[float, learner_q.Exchange]:
-        """(the time it was written at, the exchange)."""
-        with self.ctx.transaction() as s:
-            # The clock is read once the connection is checked out (and pinged), at every attempt: an exchange that
-            # waited out a partition must not write the time it began, or the heartbeat that ends the partition reads
-            # as one from before it, and the submissions it brings as a dead learner's.
-            s.connection()
-            now = self.ctx.now()
-            return now, learner_q.learner_exchange(s, self.ctx.run_id, self.learner_id, self.incarnation, subs, beat,
-                                                   to_datetime(now), events=events, known=known)
 
     def _receive(self, status: str | None, heads: dict[int, learner_q.HeadRef]) -> list[int]:
         """Note the run's end; download every head newer than what the learner holds into the inbox."""
@@ -337,6 +329,8 @@ class LearnerLink:
         self._stats = stats
         if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        if self.ctx.cfg.learners.link_process:
+            self.io = self.uploader.io = self.downloader.io = IOProcess(self.ctx, self.learner_id, self.incarnation, self.region)
         for target, name in ((self.uploader.serve, "upload"), (lambda: self._poll_loop(stats), "poll")):
             t = threading.Thread(target=target, name=f"{self.learner_id}-{name}", daemon=True)
             t.start()
@@ -351,7 +345,11 @@ class LearnerLink:
             t.join(timeout=timeout_s)
         if not self._threads:
             self.uploader.pump()
-        self.heartbeat(self.ctx.now(), stats, force=True)
+        try:
+            self.heartbeat(self.ctx.now(), stats, force=True)
+        finally:
+            self.io.close()
+            self.io = self.uploader.io = self.downloader.io = LocalIO(self.ctx)
 
     def _poll_loop(self, stats: Callable[[], HeartbeatStats]) -> None:
         while not self._stop.is_set():

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ddiloco.learner_worker.linkio import LinkIO, LocalIO
 from ddiloco.learner_worker.meter import LinkMeter
 from ddiloco.learner_worker.outbox import Item, Outbox, Outgoing
 from ddiloco.platform.compression import encode_delta
@@ -19,6 +20,7 @@ from ddiloco.platform.ids import submission_key
 from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.spans import span
+from ddiloco.platform.store import encode_tensors
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -76,6 +78,8 @@ class Uploader:
         """What transfers are timed with; a simulation times them on its own clock."""
         self.bytes_sent = 0
         self.upload_s = 0.0
+        self.io: LinkIO = LocalIO(ctx)
+        """Where blobs are written (the link points it at its I/O process when it has one)."""
 
     def serve(self) -> None:
         """Upload until the outbox's stop marker: the upload thread."""
@@ -129,13 +133,13 @@ class Uploader:
     def put_blobs(self, outs: list[Outgoing]) -> list[learner_q.SubmissionIn]:
         """Encode each submission with the codec in force and write its blob; what to register."""
         codec = self.codec()
-        store = self.ctx.store(self.region)
         subs = []
         for out in outs:
             with out.stream_context():
                 tensors, meta = encode_delta(out.delta(), codec, self.ctx.cfg.compression.block_size)
             uid = f"i{self.incarnation()}-s{out.step}-f{out.fragment}"
-            blob = store.put(submission_key(self.ctx.run_id, out.fragment, self.learner_id, uid), tensors, meta)
+            key = submission_key(self.ctx.run_id, out.fragment, self.learner_id, uid)
+            blob = self.io.put_blob(self.region, key, encode_tensors(tensors, meta))
             fault_point("learner.after_blob")
             subs.append(
                 learner_q.SubmissionIn(

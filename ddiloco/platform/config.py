@@ -334,6 +334,10 @@ class LearnersConfig(_Section):
     rarely won back on small models)."""
     log_every: int = Field(100, ge=0, le=1 << 30)
     """Inner steps between two progress lines in a learner's log (step, tokens, loss, tokens/s); 0: none."""
+    link_process: bool = False
+    """Run a learner's ledger and store I/O in a child process of its own, so that its link's threads do not take the
+    GIL from the training thread at each SQL statement and file call (a learner whose steps take milliseconds loses
+    most to that; see docs/ddp.md). Off by default until a GPU run measures it."""
     parallelism: Literal["ddp", "fsdp", "hsdp"] = "ddp"
     """How a learner's replica is spread over its ranks: ``ddp`` (a whole copy per rank), ``fsdp`` (FSDP2: each
     parameter cut into row shards, one per rank; bf16 compute with fp32 shards and reduction on GPUs) or ``hsdp``
