@@ -16,6 +16,8 @@
 #                           selected by the plugin benchmarks/cuda_tests.py) -> gpu_suite_cuda_tests.json
 #   2. overhead_demo        learner_overhead.py --device cuda, the demo model, then 2 pairs with the link's I/O off
 #                           -> learner_overhead_cuda.json
+#   2b. overhead_demo_linkproc  the same with learners.link_process (the link's I/O in a process of its own)
+#                           -> learner_overhead_cuda_linkproc.json
 #   3. overhead_llama_ddp   the same on the 100 M-parameter Llama, learners.parallelism ddp
 #                           -> learner_overhead_cuda_llama100m_ddp.json
 #   4. overhead_llama_fsdp  ... and fsdp (at world 1) -> learner_overhead_cuda_llama100m_fsdp.json
@@ -91,11 +93,12 @@ STEPS=(
   "setup|40|-|(python environment: see the header)|(python environment)"
   "cuda_tests|75|gpu_suite_cuda_tests.json|{TESTS}|{TESTS}"
   "overhead_demo|60|learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --device cuda --windows 4 --window-s 2.5 --warmup-s 4 --io-off-pairs 2 --json {OUT}/learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --quick --json {OUT}/learner_overhead_cuda.json"
+  "overhead_demo_linkproc|50|learner_overhead_cuda_linkproc.json|{PY} benchmarks/learner_overhead.py --device cuda --link-process --windows 4 --window-s 2.5 --warmup-s 4 --json {OUT}/learner_overhead_cuda_linkproc.json|{PY} benchmarks/learner_overhead.py --quick --link-process --json {OUT}/learner_overhead_cuda_linkproc.json"
   "overhead_llama_ddp|80|learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --json {OUT}/learner_overhead_cuda_llama100m_ddp.json"
   "overhead_llama_fsdp|80|learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism fsdp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism fsdp --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json"
-  "largest_model|90|largest_model_cuda.json|{PY} benchmarks/largest_model.py --device cuda --parallelism ddp,fsdp --budget-s 50 --json {OUT}/largest_model_cuda.json|{PY} benchmarks/largest_model.py --quick --device cpu --json {OUT}/largest_model_cuda.json"
+  "largest_model|60|largest_model_cuda.json|{PY} benchmarks/largest_model.py --device cuda --parallelism ddp,fsdp --budget-s 50 --json {OUT}/largest_model_cuda.json|{PY} benchmarks/largest_model.py --quick --device cpu --json {OUT}/largest_model_cuda.json"
   "merge_cuda|30|merge_throughput_cuda.json|{PY} benchmarks/merge_throughput.py --device cuda --rounds 3 --json {OUT}/merge_throughput_cuda.json|{PY} benchmarks/merge_throughput.py --quick --device cpu --json {OUT}/merge_throughput_cuda.json"
-  "sync_sustain|125|sync_sustain_${NPROC}cores.json|{PY} benchmarks/sync_sustain.py --learners 32 --shards 1,2 --minutes 0.4 --warmup-s 8 --quiet --json {OUT}/sync_sustain_${NPROC}cores.json|{PY} benchmarks/sync_sustain.py --quick --shards 1,2 --json {OUT}/sync_sustain_${NPROC}cores.json"
+  "sync_sustain|120|sync_sustain_${NPROC}cores.json|{PY} benchmarks/sync_sustain.py --learners 32 --shards 1,2 --minutes 0.4 --warmup-s 8 --quiet --json {OUT}/sync_sustain_${NPROC}cores.json|{PY} benchmarks/sync_sustain.py --quick --shards 1,2 --json {OUT}/sync_sustain_${NPROC}cores.json"
 )
 # A dry run on a small shared CPU machine is slower than the GPU run: its caps are stretched, never its commands.
 CAP_FACTOR=1; [[ "$DRY_RUN" == 1 ]] && CAP_FACTOR=3
@@ -120,11 +123,11 @@ done
 echo "== GPU suite: $([[ $DRY_RUN == 1 ]] && echo "DRY RUN (--quick CPU forms, caps x$CAP_FACTOR)" || echo "GPU run") on $(hostname), $NPROC cores"
 echo "   budget plan (caps are ceilings; the suite's deadline is ${DEADLINE_S} s of ${SUITE_BUDGET_S} s):"
 for s in "${STEPS[@]}"; do
-  printf '   %-20s cap %4d s  -> %s%s\n' "$(field "$s" 0)" "$(( $(field "$s" 1) * CAP_FACTOR ))" "$(field "$s" 2)" \
+  printf '   %-24s cap %4d s  -> %s%s\n' "$(field "$s" 0)" "$(( $(field "$s" 1) * CAP_FACTOR ))" "$(field "$s" 2)" \
     "$(asked "$(field "$s" 0)" || echo "  (not in --only)")"
 done
-printf '   %-20s      %4d s  (must be <= %d)\n' "sum of caps" "$TOTAL_CAPS" "$SUITE_BUDGET_S"
-[[ -n "$ONLY" ]] && printf '   %-20s      %4d s  (--only %s)\n' "of the steps asked" "$ASKED_CAPS" "$ONLY"
+printf '   %-24s      %4d s  (must be <= %d)\n' "sum of caps" "$TOTAL_CAPS" "$SUITE_BUDGET_S"
+[[ -n "$ONLY" ]] && printf '   %-24s      %4d s  (--only %s)\n' "of the steps asked" "$ASKED_CAPS" "$ONLY"
 if (( TOTAL_CAPS > SUITE_BUDGET_S )); then echo "the plan's caps exceed the budget" >&2; exit 2; fi
 [[ "$PLAN_ONLY" == 1 ]] && exit 0
 
@@ -150,7 +153,7 @@ fi
 summary_lines=()
 record_step() {   # name rc status seconds result log command
   printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$@" >>"$ROWS"
-  summary_lines+=("$(printf '%-20s %-30s rc %-4s %4d s  %s' "$1" "$3" "$2" "$4" "$5")")
+  summary_lines+=("$(printf '%-24s %-30s rc %-4s %4d s  %s' "$1" "$3" "$2" "$4" "$5")")
 }
 
 run_step() {   # name cap result command

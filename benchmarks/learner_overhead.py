@@ -48,6 +48,9 @@ training thread (the GIL) weighs as it does there and one fragment goes out ever
 they are encoded, its polls stopped): what is left is the training thread's own work (the step's bookkeeping, the
 increments handed over), so ``link_io_off.ratio_median_of_pairs`` says how much of the gap the link's threads make.
 
+``--link-process`` runs the learner with ``learners.link_process`` (its link's ledger and store I/O in a child
+process of its own; results: ``..._linkproc.json``) and counts that process's CPU beside the synchronizer's.
+
 Host copies are counted per platform step: the float32 bytes of the fragment increments sent beside
 the encoded bytes uploaded, received fragments handed to the main thread (host tensors, copied to the
 device on a GPU) and the learner's state saves (model and AdamW, every learners.save_optimizer_every steps).
