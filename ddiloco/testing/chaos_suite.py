@@ -34,7 +34,7 @@ from sqlalchemy.engine import make_url
 
 from ddiloco.entry import ProcessSpec
 from ddiloco.platform.compression import encode_delta
-from ddiloco.platform.config import RunConfig, build_config, tokens_per_step
+from ddiloco.platform.config import RunConfig, build_config, secret_env, tokens_per_step
 from ddiloco.platform.fragments import shard_fragments
 from ddiloco.platform.ids import submission_key
 from ddiloco.platform.invariants import check_run
@@ -198,7 +198,7 @@ class Suite:
         self.config_path = write_config(self.cfg, self.workdir / "config.yaml")
         # Warm, as the flows' launcher starts them: a restarted learner or a spare synchronizer costs a fork, not
         # seconds of imports (the bad-input launches stay cold: they must fail before torch is imported).
-        self.cluster = ProcessCluster(self.config_path, self.run_id, self.workdir, warm=True)
+        self.cluster = ProcessCluster(self.config_path, self.run_id, self.workdir, warm=True, secrets=secret_env(self.cfg))
         self._stack.callback(self.cluster.stop_all)
 
     def __exit__(self, *exc: object) -> None:
@@ -579,9 +579,9 @@ class Suite:
                 base[k] = {**base[k], **v} if isinstance(base.get(k), dict) and isinstance(v, dict) else v
             path = bad / f"{field_name}.yaml"
             path.write_text(yaml.safe_dump(base))
-            cluster = ProcessCluster(path, self.run_id, bad)
+            cluster = ProcessCluster(path, self.run_id, bad, secrets=secret_env(self.cfg))
             launched[field_name] = cluster, cluster.start(field_name, ProcessSpec.learner("us-0"))
-        cluster = ProcessCluster(self.config_path, self.run_id, bad)
+        cluster = ProcessCluster(self.config_path, self.run_id, bad, secrets=secret_env(self.cfg))
         launched["../x"] = cluster, cluster.start("bad-id", ProcessSpec.learner("../x"))
         survived = 0
         details = []

@@ -15,7 +15,7 @@ import yaml
 
 from ddiloco.entry import ProcessSpec
 from ddiloco.flows.launchers import SubprocessLauncher, WarmProcess
-from ddiloco.platform.config import RunConfig
+from ddiloco.platform.config import RunConfig, secret_env
 from ddiloco.platform.faults import ARMED_BY_FILE, arm_file
 from ddiloco.platform.runtime import RunContext
 
@@ -63,10 +63,13 @@ class ProcessCluster:
     server (:func:`~ddiloco.flows.launchers.warm_up`), so a start or a restart costs a fork, not seconds of imports."""
 
     def __init__(self, config_path: Path, run_id: str, logdir: Path, env: Mapping[str, str] | None = None,
-                 warm: bool = False) -> None:
+                 warm: bool = False, secrets: Mapping[str, str] | None = None) -> None:
+        """``secrets``: the config's secrets as environment variables (``secret_env``), which the saved config at
+        ``config_path`` holds masked: every process gets them, as the flows' launcher gives them."""
         self.launcher = SubprocessLauncher(config_path, run_id, logdir)
         self.config_path, self.run_id, self.logdir, self.warm = config_path, run_id, logdir, warm
         self.env = {k: v for k, v in (os.environ if env is None else env).items() if k not in FAULT_ENV}
+        self.env.update(secrets or {})
         self.procs: dict[str, subprocess.Popen | WarmProcess] = {}
 
     def start(
@@ -141,7 +144,7 @@ class ProcessRun(ProcessCluster):
                 "storage": cfg.storage.model_copy(update={"url": f"file://{workdir / 'store'}"}),
             }
         )
-        super().__init__(write_config(cfg, workdir / "config.yaml"), cfg.name, workdir, warm=warm)
+        super().__init__(write_config(cfg, workdir / "config.yaml"), cfg.name, workdir, warm=warm, secrets=secret_env(cfg))
         self.cfg = cfg
         self.dir = workdir
         self.ctx = watcher_context(cfg, cfg.name)

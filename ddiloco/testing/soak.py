@@ -32,7 +32,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 from ddiloco.entry import ProcessSpec
-from ddiloco.platform.config import LearnersConfig, RunConfig, build_config
+from ddiloco.platform.config import LearnersConfig, RunConfig, build_config, secret_env
 from ddiloco.platform.fragments import shard_fragments
 from ddiloco.platform.invariants import check_run
 from ddiloco.platform.ledger import runs as runs_q
@@ -535,7 +535,7 @@ class Soak:
             ledger = self.db_url.set(host="127.0.0.1", port=pg_port).render_as_string(hide_password=False)
             self.region_env[region] = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3_port}", "DDILOCO_LEDGER__URL": ledger}
         self.config_path = write_config(self.cfg, self.workdir / "config.yaml")
-        self.cluster = ProcessCluster(self.config_path, self.run_id, self.workdir, warm=True)
+        self.cluster = ProcessCluster(self.config_path, self.run_id, self.workdir, warm=True, secrets=secret_env(self.cfg))
         self._stack.callback(self.cluster.stop_all)
         self._stack.callback(self._halt.set)  # the watcher stops before the processes
 
