@@ -153,8 +153,8 @@ def test_learners_download_compact_versions_within_the_bound_and_fewer_bytes():
     assert all(r.compact_json for r in rows)
     assert max(h.version for h in heads.values()) > 8, "the base must have moved on at least twice"
     for learner in run.learners.values():
-        assert learner.link.downloader._bases, "a learner must hold bases"
-        for p, base in learner.link.downloader._bases.items():
+        assert learner.link.downloader.io.bases, "a learner must hold bases"
+        for p, base in learner.link.downloader.io.bases.items():
             assert base.version <= CompactRef.parse(heads[p].compact_json).base
     store = ctx.store()
     for head in heads.values():
@@ -224,7 +224,7 @@ def test_full_downloads_only_when_the_download_codec_is_none():
     with run.ctx.reading() as s:
         rows = s.scalars(select(FragmentVersion).where(FragmentVersion.run_id == run.ctx.run_id)).all()
     assert rows and all(r.compact_json is None for r in rows)
-    assert all(not lr.link.downloader._bases for lr in run.learners.values())
+    assert all(not lr.link.downloader.io.bases for lr in run.learners.values())
 
 
 def test_a_link_limited_learner_takes_each_fragment_once_per_send():

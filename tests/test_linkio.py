@@ -1,5 +1,6 @@
-"""The link's I/O in a process of its own (``learners.link_process``): the same answers as in the learner's process,
-the same errors, a child that dies is started again, and none outlives its learner."""
+"""The link's I/O in a process of its own (``learners.link_process``): the same answers as in the learner's process
+(blobs, exchanges, versions decoded from their compact form), the same errors, a child that dies is started again, and
+none outlives its learner."""
 
 from __future__ import annotations
 
@@ -73,6 +74,11 @@ def test_the_io_process_answers_as_the_learners_own_io_and_is_started_again_when
         assert abs(now - time.time()) < 60 and ex.current and ex.run_status == "running"
         assert len(ex.registered) == 1 and ex.registered[0][1] is True
         assert sorted(ex.heads) == list(range(cfg.fragments.count)) and all(h.version == 0 for h in ex.heads.values())
+        # A version fetched through the child comes back as the learner's own I/O reads it.
+        head = ex.heads[1]
+        (mine, n_mine, c_mine), (theirs, n_theirs, c_theirs) = local.fetch(head, None), remote.fetch(head, None)
+        assert (n_mine, c_mine) == (n_theirs, c_theirs) and mine.keys() == theirs.keys() and mine
+        assert all(torch.equal(mine[k], theirs[k]) and theirs[k].dtype == torch.float32 for k in mine)
         # Asked again with the heads it knows, the answer is the learner's own I/O's: a repeat, and nothing newer.
         known = {f: h.version for f, h in ex.heads.items()}
         assert remote.exchange("us-0", 0, [sub], beat, [], known)[1] == local.exchange("us-0", 0, [sub], beat, [], known)[1]
@@ -133,6 +139,7 @@ def test_a_learner_with_its_io_in_a_process_of_its_own_sends_receives_and_accoun
         sync.join(timeout=30)
     assert not _alive(child) and isinstance(link.io, LocalIO), "the I/O process ends with the link"
     assert link.downloader.downloads >= cfg.fragments.count + 6, "merged versions came back through the I/O process"
+    assert link.downloader.delta_codecs.get("int8", 0) > 0, "as compact downloads, decoded in the I/O process"
     with ctx.reading() as s:
         subs = s.query(Submission).filter_by(run_id="linkio", learner_id="us-0").all()
         # (Not that none is rejected: an early send held back by a stall of the test's own synchronizer thread

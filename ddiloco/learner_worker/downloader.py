@@ -1,9 +1,9 @@
 """A learner's downloads: the newer global versions its link's exchanges show, fetched into the inbox the
 training thread takes them from.
 
-A version is fetched by its compact form against the base this learner holds when the run publishes one,
-else whole; a link-limited learner takes a fragment's newer version once per send of it. Overlap 0: the
-fragments sent whose merged version has not arrived yet are awaited here."""
+A version is fetched by its link's I/O (``linkio.py``: by its compact form against the base the learner holds when
+the run publishes one, else whole); a link-limited learner takes a fragment's newer version once per send of it.
+Overlap 0: the fragments sent whose merged version has not arrived yet are awaited here."""
 
 from __future__ import annotations
 
@@ -12,17 +12,14 @@ import threading
 import time
 from collections.abc import Callable
 
-import torch
-
 from ddiloco.learner_worker.linkio import LinkIO, LocalIO
 from ddiloco.learner_worker.meter import LinkMeter
-from ddiloco.platform.compact import CompactError, CompactRef, Ref, plan_download
-from ddiloco.platform.compression import CompactBase, CompressionError, Tensors, apply_encoded
+from ddiloco.platform.compression import Tensors
 from ddiloco.platform.faults import fault_point
 from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.spans import span
-from ddiloco.platform.store import StoreError, decode_tensors
+from ddiloco.platform.store import StoreError
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -35,7 +32,7 @@ class Downloader:
 
     ``_lock`` (a condition: waiters wake on arrivals) guards ``_inbox``, ``_delivered``, ``_awaiting``,
     ``_sent_since``, ``_closed`` and the byte counts; ``_receive_lock`` lets one thread download at a time
-    and guards ``_bases`` and ``delta_codecs``. The second is never taken while holding the first."""
+    and guards ``delta_codecs``. The second is never taken while holding the first."""
 
     def __init__(self, ctx: RunContext, meter: LinkMeter, elapsed: Callable[[], float]) -> None:
         self.ctx = ctx
@@ -60,12 +57,11 @@ class Downloader:
         self.bytes_if_whole = 0
         """What the versions received would have cost downloaded whole (float32): ``bytes_received``'s baseline."""
         self._receive_lock = threading.Lock()
-        self._bases: dict[int, CompactBase] = {}
-        """Per fragment, the base of the compact downloads this learner holds (as the synchronizer does)."""
         self.delta_codecs: dict[str, int] = {}
         """Compact downloads by the codec of their delta."""
         self.io: LinkIO = LocalIO(ctx)
-        """Where blobs are read (the link points it at its I/O process when it has one)."""
+        """What fetches versions, and holds the bases of compact downloads (the link points it at its I/O process when
+        it has one)."""
 
     def receive(self, heads: dict[int, learner_q.HeadRef], fragments: int, *, once_per_send: bool, prefer: str | None) -> list[int]:
         """Download every head of the learner's ``fragments`` newer than what it holds into the inbox; returns them.
@@ -74,15 +70,17 @@ class Downloader:
         newer version once per send of it (and whenever it waits for one): versions in between would cost its link
         bytes its sends need. ``prefer``: the delta codec to take when the run offers it (its upload codec)."""
         got = []
-        # One thread downloads at a time: the bases change with each download, and a version is fetched once.
+        # One thread downloads at a time: the I/O's bases change with each download, and a version is fetched once.
         with span("learner.poll"), self._receive_lock:
             for p, row in sorted(heads.items()):
                 if p >= fragments or row.version <= self._delivered.get(p, -1) or (once_per_send and self._skips(p)):
                     continue
                 t0, token = self.elapsed(), self.meter.begin("down", self.ctx.now())
                 try:
-                    tensors, nbytes = self._download(row, prefer)
+                    tensors, nbytes, codec = self.io.fetch(row, prefer)
                     self.meter.end(token, nbytes, self.elapsed() - t0, self.ctx.now())
+                    if codec is not None:
+                        self.delta_codecs[codec] = self.delta_codecs.get(codec, 0) + 1
                 except BaseException as err:
                     self.meter.end(token, 0, 0.0, self.ctx.now())
                     if not isinstance(err, StoreError):
@@ -110,52 +108,6 @@ class Downloader:
         """A link-limited learner's fragment it holds, neither awaited nor sent since its last download."""
         with self._lock:
             return p in self._delivered and p not in self._awaiting and p not in self._sent_since
-
-    def _read(self, key: str, sha256: str, nbytes: int | None = None) -> tuple[Tensors, dict[str, str]]:
-        """A blob's tensors and metadata, its bytes read through the link's I/O and checked against the ledger's hash."""
-        return decode_tensors(self.io.get_blob(key, sha256, nbytes), key)
-
-    def _download(self, row: learner_q.HeadRef, prefer: str | None) -> tuple[Tensors, int]:
-        """A version's tensors and the bytes fetched for them: by its compact form when the run publishes one (the
-        blobs :func:`plan_download` picks; within the download codec's bound of the full blob), else the full blob."""
-        try:
-            ref = CompactRef.parse(row.compact_json)
-        except CompactError as err:
-            log.warning("fragment %s v%s: %s; downloading it whole", row.fragment, row.version, err)
-            ref = None
-        if ref is None:
-            return self._read(row.blob_key, row.sha256)[0], row.nbytes
-        held = self._bases.get(row.fragment)
-        plan = plan_download(held.version if held else None, ref)
-        fetched = 0
-
-        def get(blob: Ref) -> tuple[Tensors, dict[str, str]]:
-            nonlocal fetched
-            tensors, meta = self._read(blob.key, blob.sha256, blob.nbytes)
-            fetched += blob.nbytes
-            return tensors, meta
-
-        try:
-            if plan[0] == "base":
-                base = CompactBase(ref.base, {n: t.to(torch.float32) for n, t in get(ref.base_blob)[0].items()})
-            elif plan[0] == "step":
-                assert held is not None and ref.step is not None
-                base = CompactBase(ref.base, apply_encoded(held.tensors, *get(ref.step)))
-            else:
-                assert held is not None
-                base = held
-            delta = ref.delta_for(prefer)
-            tensors = apply_encoded(base.tensors, *get(delta))
-            codec = ref.codec if delta is ref.delta else str(prefer)
-            self.delta_codecs[codec] = self.delta_codecs.get(codec, 0) + 1
-        except CompressionError as err:
-            # The synchronizer wrote these blobs and their hashes matched; a form that does not fit is a bug there:
-            # drop the base and take the full blob, which never depends on one.
-            log.warning("fragment %s v%s: compact form unusable (%s); downloading it whole", row.fragment, row.version, err)
-            self._bases.pop(row.fragment, None)
-            return self._read(row.blob_key, row.sha256)[0], fetched + row.nbytes
-        self._bases[row.fragment] = base
-        return tensors, fetched
 
     def sent(self, fragment: int, *, await_merge: bool) -> None:
         """The learner sent ``fragment``; with ``await_merge`` (overlap 0) it waits for the merged version."""

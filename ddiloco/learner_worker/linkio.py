@@ -5,7 +5,8 @@ A learner whose steps take milliseconds (a small model on a GPU) loses time to i
 work is small: each time one of them takes the GIL back (every SQL statement, every file call) the training thread,
 which gives the GIL up in every torch op, waits for it. The I/O process holds the ledger engine and the stores, so the
 learner's threads only send a request over a socket and wait without the GIL: a registration's SQL, the blob writes
-and reads and their hashes run there. Encoding and decoding stay in the learner (on its device, where it has one).
+and reads and their hashes run there, and so does the decoding of a received version (it holds the compact
+downloads' bases), which comes back whole. Encoding stays in the learner, where the increment lives (on its device).
 
 Requests and replies are JSON headers (``send_bytes``) with the blob bytes as a second message: nothing is pickled."""
 
@@ -24,12 +25,24 @@ import threading
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Protocol
 
+import torch
+
+from ddiloco.platform.compact import CompactError, CompactRef, Ref, plan_download
+from ddiloco.platform.compression import CompactBase, CompressionError, Tensors, apply_encoded
 from ddiloco.platform.config import build_config, secret_env
 from ddiloco.platform.ledger import errors as errors_q
 from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.redact import redact_url
 from ddiloco.platform.runtime import RunContext, ledger_retry, to_datetime
-from ddiloco.platform.store import BlobCorruptError, BlobExistsError, BlobInfo, BlobMissingError, StoreError
+from ddiloco.platform.store import (
+    BlobCorruptError,
+    BlobExistsError,
+    BlobInfo,
+    BlobMissingError,
+    StoreError,
+    decode_tensors,
+    encode_tensors,
+)
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -60,6 +73,8 @@ class LinkIO(Protocol):
 
     def get_blob(self, key: str, sha256: str | None, nbytes: int | None) -> bytes: ...
 
+    def fetch(self, row: learner_q.HeadRef, prefer: str | None) -> tuple[Tensors, int, str | None]: ...
+
     def exchange(self, learner_id: str, incarnation: int, subs: list[learner_q.SubmissionIn], beat: learner_q.Beat | None,
                  events: list[tuple[str, str]], known: dict[int, int]) -> tuple[float, learner_q.Exchange]: ...
 
@@ -71,12 +86,65 @@ class LocalIO:
 
     def __init__(self, ctx: RunContext) -> None:
         self.ctx = ctx
+        self.bases: dict[int, CompactBase] = {}
+        """Per fragment, the base of the compact downloads this learner holds (as the synchronizer does)."""
+        self._fetch_lock = threading.Lock()
+        """One fetch at a time: the bases change with each."""
 
     def put_blob(self, region: str, key: str, data: bytes) -> BlobInfo:
         return self.ctx.store(region).put_bytes(key, data)
 
     def get_blob(self, key: str, sha256: str | None, nbytes: int | None) -> bytes:
         return self.ctx.store().get_bytes(key, sha256, nbytes)
+
+    def fetch(self, row: learner_q.HeadRef, prefer: str | None) -> tuple[Tensors, int, str | None]:
+        """A version's tensors, the bytes fetched for them and the codec of the delta it came as (None: whole): by its
+        compact form when the run publishes one (the blobs :func:`plan_download` picks; within the download codec's
+        bound of the full blob), else the full blob. ``prefer``: the delta codec to take when the run offers it."""
+        with self._fetch_lock:
+            return self._fetch(row, prefer)
+
+    def _read(self, key: str, sha256: str, nbytes: int | None = None) -> tuple[Tensors, dict[str, str]]:
+        return decode_tensors(self.get_blob(key, sha256, nbytes), key)
+
+    def _fetch(self, row: learner_q.HeadRef, prefer: str | None) -> tuple[Tensors, int, str | None]:
+        try:
+            ref = CompactRef.parse(row.compact_json)
+        except CompactError as err:
+            log.warning("fragment %s v%s: %s; downloading it whole", row.fragment, row.version, err)
+            ref = None
+        if ref is None:
+            return self._read(row.blob_key, row.sha256)[0], row.nbytes, None
+        held = self.bases.get(row.fragment)
+        plan = plan_download(held.version if held else None, ref)
+        fetched = 0
+
+        def get(blob: Ref) -> tuple[Tensors, dict[str, str]]:
+            nonlocal fetched
+            tensors, meta = self._read(blob.key, blob.sha256, blob.nbytes)
+            fetched += blob.nbytes
+            return tensors, meta
+
+        try:
+            if plan[0] == "base":
+                base = CompactBase(ref.base, {n: t.to(torch.float32) for n, t in get(ref.base_blob)[0].items()})
+            elif plan[0] == "step":
+                assert held is not None and ref.step is not None
+                base = CompactBase(ref.base, apply_encoded(held.tensors, *get(ref.step)))
+            else:
+                assert held is not None
+                base = held
+            delta = ref.delta_for(prefer)
+            tensors = apply_encoded(base.tensors, *get(delta))
+            codec = ref.codec if delta is ref.delta else str(prefer)
+        except CompressionError as err:
+            # The synchronizer wrote these blobs and their hashes matched; a form that does not fit is a bug there:
+            # drop the base and take the full blob, which never depends on one.
+            log.warning("fragment %s v%s: compact form unusable (%s); downloading it whole", row.fragment, row.version, err)
+            self.bases.pop(row.fragment, None)
+            return self._read(row.blob_key, row.sha256)[0], fetched + row.nbytes, None
+        self.bases[row.fragment] = base
+        return tensors, fetched, codec
 
     @ledger_retry
     def exchange(self, learner_id: str, incarnation: int, subs: list[learner_q.SubmissionIn], beat: learner_q.Beat | None,
@@ -125,6 +193,9 @@ def _handle(io: LocalIO, req: dict[str, Any], payload: bytes | None) -> tuple[di
         return {"ok": True, "key": blob.key, "sha256": blob.sha256, "nbytes": blob.nbytes}, None
     if op == "get":
         return {"ok": True, "payload": True}, io.get_blob(req["key"], req["sha256"], req["nbytes"])
+    if op == "fetch":
+        tensors, nbytes, codec = io.fetch(learner_q.HeadRef(*req["row"]), req["prefer"])
+        return {"ok": True, "payload": True, "nbytes": nbytes, "codec": codec}, encode_tensors(tensors)
     if op == "exchange":
         beat = learner_q.Beat(**req["beat"]) if req["beat"] else None
         subs = [learner_q.SubmissionIn(**sub) for sub in req["subs"]]
@@ -299,6 +370,12 @@ class IOProcess:
         _, data = self._call({"op": "get", "key": key, "sha256": sha256, "nbytes": nbytes})
         assert data is not None
         return data
+
+    def fetch(self, row: learner_q.HeadRef, prefer: str | None) -> tuple[Tensors, int, str | None]:
+        """The version decoded in the child (which holds the compact bases), its float32 tensors sent back whole."""
+        reply, data = self._call({"op": "fetch", "row": list(row), "prefer": prefer})
+        assert data is not None
+        return decode_tensors(data, row.blob_key)[0], int(reply["nbytes"]), reply["codec"]
 
     def exchange(self, learner_id: str, incarnation: int, subs: list[learner_q.SubmissionIn], beat: learner_q.Beat | None,
                  events: list[tuple[str, str]], known: dict[int, int]) -> tuple[float, learner_q.Exchange]:
