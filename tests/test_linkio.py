@@ -119,32 +119,55 @@ def test_the_io_process_ends_with_its_learner_when_the_learner_is_sigkilled(tmp_
     wait_for(lambda: not _alive(child), 20, "the I/O process of a SIGKILLed learner to end")
 
 
+def _recording(fetch, fetched: list[tuple[int, int]]):  # noqa: ANN001, ANN202
+    """``fetch`` noting (bytes fetched, the version's float32 size) of each version."""
+
+    def recorded(row, prefer):  # noqa: ANN001, ANN202
+        tensors, nbytes, codec = fetch(row, prefer)
+        fetched.append((nbytes, row.nbytes))
+        return tensors, nbytes, codec
+
+    return recorded
+
+
 def test_a_learner_with_its_io_in_a_process_of_its_own_sends_receives_and_accounts_for_every_token(tmp_path):
     cfg, ctx = _run(tmp_path, link_process=True)
     stop = threading.Event()
     sync = threading.Thread(target=Synchronizer(ctx, holder="sync").run, args=(stop,), daemon=True)
-    link = LearnerLink(ctx, "us-0", "us")
-    learner = Learner(cfg, "us-0", index=0, num_learners=1, link=link, clock=ctx.now)
+    fetched: list[tuple[int, int]] = []
     try:
         sync.start()
-        learner.start()
-        learner.start_background_io()
-        assert isinstance(link.io, IOProcess) and link.uploader.io is link.io and link.downloader.io is link.io
-        child = link.io.pid
-        assert _alive(child)
-        learner.run(lambda: link.downloader.downloads >= cfg.fragments.count + 6, max_steps=400)
+        for incarnation in range(2):
+            link = LearnerLink(ctx, "us-0", "us")
+            learner = Learner(cfg, "us-0", index=0, num_learners=1, link=link, clock=ctx.now)
+            try:
+                learner.start()
+                held = dict(link.downloader.io.bases)
+                learner.start_background_io()
+                assert isinstance(link.io, IOProcess) and link.uploader.io is link.io and link.downloader.io is link.io
+                child = link.io.pid
+                assert _alive(child)
+                if incarnation == 1:
+                    # Rejoined, it holds compact bases (taken in the learner's process before the threads start).
+                    assert len(held) == cfg.fragments.count
+                    link.io.fetch = _recording(link.io.fetch, fetched)
+                downloads = link.downloader
+                learner.run(lambda: downloads.downloads >= cfg.fragments.count + 6, max_steps=400)  # noqa: B023
+            finally:
+                learner.stop()
+            assert not _alive(child) and isinstance(link.io, LocalIO), "the I/O process ends with the link"
+            assert link.downloader.downloads >= cfg.fragments.count + 6, "merged versions came back through the I/O process"
+            assert link.downloader.delta_codecs.get("int8", 0) > 0, "as compact downloads, decoded in the I/O process"
     finally:
-        learner.stop()
         stop.set()
         sync.join(timeout=30)
-    assert not _alive(child) and isinstance(link.io, LocalIO), "the I/O process ends with the link"
-    assert link.downloader.downloads >= cfg.fragments.count + 6, "merged versions came back through the I/O process"
-    assert link.downloader.delta_codecs.get("int8", 0) > 0, "as compact downloads, decoded in the I/O process"
+    # The child was given the bases the learner held: no download through it fetched a float32 base again.
+    assert len(fetched) >= 6 and all(nbytes < whole for nbytes, whole in fetched), fetched
     with ctx.reading() as s:
         subs = s.query(Submission).filter_by(run_id="linkio", learner_id="us-0").all()
         # (Not that none is rejected: an early send held back by a stall of the test's own synchronizer thread
         # coalesces many steps and can be judged a norm outlier, as with the I/O in the learner's process.)
         # Every row is a send of the learner's (the I/O process's warm-up registration was rolled back).
-        assert len(subs) >= 6 and all(sub.uid.startswith("i0-") and sub.sha256 and sub.nbytes > 0 for sub in subs)
+        assert len(subs) >= 12 and all(sub.uid[:3] in ("i0-", "i1-") and sub.sha256 and sub.nbytes > 0 for sub in subs)
         assert any(sub.status == "merged" for sub in subs)
         assert reports_q.token_accounting(s, "linkio").balanced

@@ -330,7 +330,10 @@ class LearnerLink:
         if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
             sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         if self.ctx.cfg.learners.link_process:
-            self.io = self.uploader.io = self.downloader.io = IOProcess(self.ctx, self.learner_id, self.incarnation, self.region)
+            proc = IOProcess(self.ctx, self.learner_id, self.incarnation, self.region)
+            if isinstance(self.downloader.io, LocalIO):
+                proc.seed(self.downloader.io.bases)
+            self.io = self.uploader.io = self.downloader.io = proc
         for target, name in ((self.uploader.serve, "upload"), (lambda: self._poll_loop(stats), "poll")):
             t = threading.Thread(target=target, name=f"{self.learner_id}-{name}", daemon=True)
             t.start()

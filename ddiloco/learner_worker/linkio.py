@@ -193,6 +193,11 @@ def _handle(io: LocalIO, req: dict[str, Any], payload: bytes | None) -> tuple[di
         return {"ok": True, "key": blob.key, "sha256": blob.sha256, "nbytes": blob.nbytes}, None
     if op == "get":
         return {"ok": True, "payload": True}, io.get_blob(req["key"], req["sha256"], req["nbytes"])
+    if op == "seed":
+        if payload is None:
+            raise ValueError("a seed carries its base")
+        io.bases[int(req["fragment"])] = CompactBase(int(req["version"]), decode_tensors(payload)[0])
+        return {"ok": True}, None
     if op == "fetch":
         tensors, nbytes, codec = io.fetch(learner_q.HeadRef(*req["row"]), req["prefer"])
         return {"ok": True, "payload": True, "nbytes": nbytes, "codec": codec}, encode_tensors(tensors)
@@ -370,6 +375,12 @@ class IOProcess:
         _, data = self._call({"op": "get", "key": key, "sha256": sha256, "nbytes": nbytes})
         assert data is not None
         return data
+
+    def seed(self, bases: dict[int, CompactBase]) -> None:
+        """Give the child the compact downloads' bases the learner holds already: without them its first download of
+        each fragment would fetch a float32 base again (the whole model, once more, over the learner's link)."""
+        for fragment, base in bases.items():
+            self._call({"op": "seed", "fragment": fragment, "version": base.version}, encode_tensors(base.tensors))
 
     def fetch(self, row: learner_q.HeadRef, prefer: str | None) -> tuple[Tensors, int, str | None]:
         """The version decoded in the child (which holds the compact bases), its float32 tensors sent back whole."""
