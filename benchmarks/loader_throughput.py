@@ -141,7 +141,7 @@ def main() -> None:
         train = training_rate(local, cfg, seconds)
         file_rate = loader_rate(local, model, batch, seconds)
 
-        from ddiloco.testing.environ import environment
+        from ddiloco.platform.config import environment
         from ddiloco.testing.s3 import S3Server
 
         with S3Server() as server, environment(server.env()):

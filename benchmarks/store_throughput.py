@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bench_s3(frags: list[dict[str, torch.Tensor]], repeats: int) -> dict:
-    from ddiloco.testing.environ import environment
+    from ddiloco.platform.config import environment
     from ddiloco.testing.s3 import S3Server
 
     with S3Server() as server, environment(server.env()):

@@ -480,10 +480,10 @@ def run_point(args, learners: int, shards: int, stack_env: dict[str, str]) -> di
     from common import machine_busy
 
     from ddiloco.bench.provenance import git_state, load_average
+    from ddiloco.platform.config import environment
     from ddiloco.platform.ledger import learner as learner_q
     from ddiloco.platform.ledger import synchronizer as sync_q
     from ddiloco.platform.runtime import RunContext
-    from ddiloco.testing.environ import environment
     from ddiloco.testing.postgres import scratch_database, server_url
     from ddiloco.testing.processes import ProcessCluster, write_config
 
@@ -863,8 +863,8 @@ def main(argv: list[str] | None = None) -> int:
 def postgres_server(stack: ExitStack) -> str | None:
     """None when the ledger's server is usable: $DDILOCO_TEST_POSTGRES_URL, the local one, or else (no URL set) a
     throwaway cluster started here and stopped with ``stack`` (a GPU machine has no server); else why not."""
+    from ddiloco.platform.config import environment
     from ddiloco.testing import postgres
-    from ddiloco.testing.environ import environment
 
     url = postgres.server_url()
     reason = postgres.unreachable(url)

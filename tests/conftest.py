@@ -81,7 +81,7 @@ def ledger_url(request, tmp_path):
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """An in-process moto S3 server; the AWS_* env points plain s3fs / boto clients (and subprocesses) at it."""
-    from ddiloco.testing.environ import environment
+    from ddiloco.platform.config import environment
     from ddiloco.testing.s3 import S3Server
 
     with S3Server() as server, environment(server.env()):

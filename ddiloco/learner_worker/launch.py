@@ -21,8 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from ddiloco.learner_worker.device import resolve_device
 from ddiloco.learner_worker.dist import Dist, collective_timeout_s, init_dist, rank_env, set_parent_death_signal, shutdown_dist
 from ddiloco.learner_worker.learner import Learner, StepReport
 from ddiloco.learner_worker.link import LearnerLink
-from ddiloco.platform.config import ConfigError, RunConfig, secret_env, world_size_problem
+from ddiloco.platform.config import ConfigError, RunConfig, environment, secret_env, world_size_problem
 from ddiloco.platform.metrics import LearnerFigures, serve_learner
 from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.tracking import Reporter, open_run_tracker, tracking_every_s
@@ -218,21 +217,6 @@ def torchrun_command(
     return args
 
 
-@contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """``values`` in this process's environment, which torchrun's ranks inherit, for the block; then as before."""
-    before = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in before.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def launch_learner_job(
     cfg: RunConfig,
     run_id: str,
@@ -253,7 +237,7 @@ def launch_learner_job(
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser
 
-    with tempfile.TemporaryDirectory(prefix="ddiloco-learner-") as tmp, _environ(secret_env(cfg)):
+    with tempfile.TemporaryDirectory(prefix="ddiloco-learner-") as tmp, environment(secret_env(cfg)):
         # The effective config (file + env overrides) goes to every rank, whoever built it; the file holds its secrets
         # masked, and the ranks take them from the environment, which beats the file (else a rank's ledger and store
         # would be opened with the masks for passwords).

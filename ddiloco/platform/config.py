@@ -12,6 +12,8 @@ import os
 import re
 import tomllib
 import typing
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -1061,6 +1063,22 @@ def masked_secret_problem(cfg: RunConfig) -> str | None:
         if secret_value(value) in (MASK, SECRET_MASK):
             return f"storage.secrets.{key} holds the mask {secret_value(value)!r} ({how}: DDILOCO_STORAGE__SECRETS__{key.upper()})"
     return None
+
+
+@contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables for the block (child processes started in it inherit them); restore the previous
+    values after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def secret_env(cfg: RunConfig) -> dict[str, str]:

@@ -34,7 +34,7 @@ from sqlalchemy.engine import make_url
 
 from ddiloco.entry import ProcessSpec
 from ddiloco.platform.compression import encode_delta
-from ddiloco.platform.config import RunConfig, build_config, secret_env, tokens_per_step
+from ddiloco.platform.config import RunConfig, build_config, environment, secret_env, tokens_per_step
 from ddiloco.platform.fragments import shard_fragments
 from ddiloco.platform.ids import submission_key
 from ddiloco.platform.invariants import check_run
@@ -46,7 +46,6 @@ from ddiloco.platform.ledger.models import Base, FragmentSpec, FragmentVersion, 
 from ddiloco.platform.redact import redact_url
 from ddiloco.platform.runtime import to_datetime
 from ddiloco.platform.store import FragmentStore
-from ddiloco.testing.environ import environment
 from ddiloco.testing.net import poll_until
 from ddiloco.testing.postgres import ThrowawayCluster, scratch_database, server_url
 from ddiloco.testing.processes import ProcessCluster, watcher_context, write_config

@@ -32,7 +32,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 from ddiloco.entry import ProcessSpec
-from ddiloco.platform.config import LearnersConfig, RunConfig, build_config, secret_env
+from ddiloco.platform.config import LearnersConfig, RunConfig, build_config, environment, secret_env
 from ddiloco.platform.fragments import shard_fragments
 from ddiloco.platform.invariants import check_run
 from ddiloco.platform.ledger import runs as runs_q
@@ -41,7 +41,6 @@ from ddiloco.platform.ledger.models import FragmentSpec, FragmentVersion, Learne
 from ddiloco.platform.runtime import to_datetime
 from ddiloco.platform.store import FragmentStore
 from ddiloco.platform.summary import RunSummary, run_summary
-from ddiloco.testing.environ import environment
 from ddiloco.testing.net import free_port, poll_until, port_open
 from ddiloco.testing.postgres import ThrowawayCluster, scratch_database, server_url
 from ddiloco.testing.processes import ProcessCluster, watcher_context, write_config
