@@ -42,7 +42,7 @@ def test_claims_are_judged_against_the_runs_config():
     honest = pol.token_weight(*pol.capped_counts(H, H * TPS, cap))
     liar = pol.token_weight(*pol.capped_counts(100 * H, 100 * H * TPS, cap))  # 100 updates at once
     assert liar == 8 * honest  # weighs like 8 periods of honest work, not 100
-    assert pol.norm_steps(10**9, H) == H and pol.norm_steps(1, H) == 1  # claiming more buys no room
+    assert pol.norm_steps(10**9, cap) == cap and pol.norm_steps(1, cap) == 1  # claiming more buys no room
 
 
 def test_the_norm_check_holds_from_a_fragments_first_merge():
@@ -61,6 +61,29 @@ def test_an_outlier_must_stand_out_per_step_and_whole():
     assert pol.check_norm(0.62, per_step, 10.0) is not None  # what the per-step rule alone said
     # Large per step and whole: refused, with both figures.
     assert "in all" in pol.check_norm(0.62, per_step, 10.0, raw=(14.9, whole))
+
+
+def test_an_honest_learner_whose_uploads_stalled_loses_no_work():
+    """Sends queued behind a stalled upload fold into one increment of many periods; AdamW moved it further with each
+    step, so it must be judged over its steps (up to merge.max_periods periods), not over one period's: once before
+    the fragments have a norm history (the optimizer's bound judged a 36-step increment over 4 steps and refused
+    it), once after (both bars, per step and whole, over 4 of 148 steps)."""
+    from ddiloco.inprocess import sim_step
+
+    for before, stalled in ((0, 40), (30, 150)):
+        cfg, clock, ctx, sync, honest = setup_run()
+        drive(clock, sync, honest, before)
+        for _ in range(stalled):  # the learner trains on, its uploads held back
+            clock.t += 1.0
+            sim_step(honest, clock.t, pump=False)
+            sync.poll_once(clock.t)
+        drive(clock, sync, honest, 3 * H)
+        with ctx.reading() as s:
+            rows = s.query(Submission).filter(Submission.learner_id == "us-0").all()
+            acct = reports_q.token_accounting(s, ctx.run_id)
+        assert max(r.c_steps for r in rows) > 8 * H, [r.c_steps for r in rows]  # the stall folded many sends together
+        assert [(r.c_steps, r.reject_reason) for r in rows if r.status == "rejected"] == [], (before, stalled)
+        assert acct.balanced and acct.rejected == 0, acct
 
 
 def attacked_run():  # noqa: ANN201

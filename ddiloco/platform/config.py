@@ -532,7 +532,8 @@ class MergeConfig(_Section):
     """The most send periods (``fragments.every`` steps) that one learner's pending updates of a
     fragment weigh as in a merge: more steps are not rejected (a learner carries the increments of
     failed uploads, and folds sends into one still queued, so a store outage or a slow link makes
-    honest updates long), but their weight is that of this many periods, so a claim is no lever."""
+    honest updates long), but their weight is that of this many periods, and their norm is judged over at most as many
+    steps, so a claim is no lever."""
     plain_mean_fragments: list[str] = Field(default_factory=lambda: ["embed"])
     """Tensors whose name contains one of these are merged with the plain weighted mean, the rest of
     their fragment with ``method`` (the rule is per tensor, despite the key's name)."""

@@ -60,7 +60,7 @@ class Fetcher:
         rows = self.workspace.rows(layout, len(subs))
         with self.ctx.reading() as s:
             history = sync_q.recent_merged_norm_steps(s, self.ctx.run_id, fragment, limit=NORM_HISTORY)
-        recent = recent_norms(history, self.validation.period)
+        recent = recent_norms(history, self.validation.max_steps)
         # Only a fragment without a norm history is judged by the optimizer's bound (a pass over its parameters).
         plausible = self._plausible_step_norm(fragment, layout.numel) if len(history) < pol.MIN_NORM_HISTORY else None
         # Blob reads dominate on object stores: fetch and decode them concurrently (order is kept),

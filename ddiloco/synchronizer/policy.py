@@ -236,10 +236,11 @@ def capped_counts(c_steps: int, c_tokens: int, max_steps: int | None) -> tuple[i
     return max(1, c_tokens * max_steps // c_steps), max_steps
 
 
-def norm_steps(c_steps: int, period: int) -> int:
-    """The steps a norm is judged over: the claim, but never more than one send period (claiming
-    more buys no room under the outlier bar)."""
-    return max(1, min(c_steps, period))
+def norm_steps(c_steps: int, max_steps: int) -> int:
+    """The steps a norm is judged over: the claim, but never more than ``max_steps``, the most a learner's steps weigh
+    in the merge (``merge.max_periods`` periods: claiming more buys no room under the norm bars). Not one period: a
+    learner whose uploads stalled sends the sum of several periods' steps, and AdamW moves it further with each."""
+    return max(1, min(c_steps, max_steps))
 
 
 def check_staleness(current_version: int, base_version: int, max_staleness: int) -> str | None:

@@ -34,11 +34,18 @@ class ValidationPolicy:
     outlier_factor: float
     max_staleness: int
     clip_factor: float | None = None
+    max_periods: int = 8
+    """``merge.max_periods``: a learner's steps weigh at most this many periods in the merge, and its norm is judged
+    over at most as many steps."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> ValidationPolicy:
         m = cfg.merge
-        return cls(cfg.fragments.period, m.norm_outlier_factor, m.max_staleness, m.clip_factor)
+        return cls(cfg.fragments.period, m.norm_outlier_factor, m.max_staleness, m.clip_factor, m.max_periods)
+
+    @property
+    def max_steps(self) -> int:
+        return self.period * self.max_periods
 
 
 @dataclass(frozen=True)
@@ -49,9 +56,10 @@ class Norms:
     whole: list[float]
 
 
-def recent_norms(history: Sequence[tuple[float, int]], period: int) -> Norms:
-    """The yardstick from (norm, c_steps) of a fragment's latest merged submissions."""
-    return Norms([n / pol.norm_steps(c, period) for n, c in history], [n for n, _ in history])
+def recent_norms(history: Sequence[tuple[float, int]], max_steps: int) -> Norms:
+    """The yardstick from (norm, c_steps) of a fragment's latest merged submissions (``max_steps``: as judged,
+    ``ValidationPolicy.max_steps``)."""
+    return Norms([n / pol.norm_steps(c, max_steps) for n, c in history], [n for n, _ in history])
 
 
 class LearnerFacts(NamedTuple):
@@ -114,7 +122,7 @@ def judge_norm(norm: float, c_steps: int, recent: Norms, policy: ValidationPolic
 
     Judged per inner step and whole (see ``policy.check_norm``): increments of one fragment cover different
     numbers of steps, and one sent soon after a blended receipt carries more than its steps."""
-    return pol.check_finite(norm) or pol.check_norm(norm / pol.norm_steps(c_steps, policy.period), recent.per_step,
+    return pol.check_finite(norm) or pol.check_norm(norm / pol.norm_steps(c_steps, policy.max_steps), recent.per_step,
                                                     policy.outlier_factor, plausible=plausible, raw=(norm, recent.whole))
 
 
