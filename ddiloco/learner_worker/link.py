@@ -100,7 +100,7 @@ class LearnerLink:
         self.uploader = Uploader(
             self.ctx, self.learner_id, self.region, self.outbox, self.meter,
             incarnation=lambda: self.incarnation, codec=self._upload_codec, register=self.exchange,
-            failed=self._carry_over, elapsed=self.elapsed, newest=self.newest_seen,
+            failed=self._carry_over, elapsed=self.elapsed,
         )
         self.cadence_changes = 0
         """Times an adaptive learner changed its send period or codec."""
@@ -272,11 +272,6 @@ class LearnerLink:
     def wait_for_awaited(self, timeout_s: float) -> bool:
         """Overlap 0: block until every awaited fragment has arrived (True) or time runs out."""
         return self.downloader.wait_for_awaited(timeout_s)
-
-    def newest_seen(self, fragment: int) -> int:
-        """The newest version of ``fragment`` an exchange has reported (-1: none yet)."""
-        head = self._heads.get(fragment)
-        return -1 if head is None else head.version
 
     def _carry_over(self, outs: list[Outgoing]) -> None:
         """Failed uploads: their next sends carry them, and their merges are no longer awaited."""

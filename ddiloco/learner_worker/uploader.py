@@ -60,7 +60,6 @@ class Uploader:
         register: Callable[[list[learner_q.SubmissionIn]], object],
         failed: Callable[[list[Outgoing]], None],
         elapsed: Callable[[], float],
-        newest: Callable[[int], int] = lambda fragment: -1,
     ) -> None:
         self.ctx = ctx
         self.learner_id = learner_id
@@ -77,10 +76,6 @@ class Uploader:
         """Takes the submissions whose upload failed (the link carries them over)."""
         self.elapsed = elapsed
         """What transfers are timed with; a simulation times them on its own clock."""
-        self.newest = newest
-        """The newest version of a fragment its link has seen published (-1: none yet)."""
-        self.stale_carried = 0
-        """Queued increments carried by their fragment's next send because they would have been rejected as stale."""
         self.bytes_sent = 0
         self.upload_s = 0.0
         self.io: LinkIO = LocalIO(ctx)
@@ -100,7 +95,7 @@ class Uploader:
 
     def handle(self, items: list[Item]) -> bool:
         """Upload submissions; True when the stop marker was among them."""
-        outs = self.current([item for item in items if isinstance(item, Outgoing)])
+        outs = [item for item in items if isinstance(item, Outgoing)]
         if outs:
             registered: list[Outgoing] = []
             try:
@@ -109,22 +104,6 @@ class Uploader:
                 log.exception("upload of fragments %s failed after retries", [o.fragment for o in outs])
                 self.failed([o for o in outs if not any(o is r for r in registered)])
         return any(item is None for item in items)
-
-    def current(self, outs: list[Outgoing]) -> list[Outgoing]:
-        """The submissions worth uploading. One based on a version more than ``merge.max_staleness`` behind the newest
-        its link has seen of its fragment would be rejected as stale (a slow link, a queue that backed up before an
-        adaptive cadence eased it): it is not uploaded but carried by the next send of its fragment, as the increments
-        of a failed upload are, and goes out with that send's newer base."""
-        limit = self.ctx.cfg.merge.max_staleness
-        stale = [o for o in outs if self.newest(o.fragment) - o.base_version > limit]
-        if not stale:
-            return outs
-        log.info("learner %s: fragments %s would be stale (based on %s, newest %s): carried by their next sends",
-                 self.learner_id, [o.fragment for o in stale], [o.base_version for o in stale],
-                 [self.newest(o.fragment) for o in stale])
-        self.stale_carried += len(stale)
-        self.failed(stale)
-        return [o for o in outs if not any(o is t for t in stale)]
 
     def upload(self, outs: list[Outgoing], registered: list[Outgoing] | None = None) -> None:
         """Write the blobs and register them: a row never points to a missing blob. A fast batch is one
@@ -177,15 +156,10 @@ class Uploader:
         whose transfer a simulation times on its own clock, then ends with :meth:`finish_upload` (None: nothing
         queued). One blob at a time: a blob whose transfer takes :data:`REGISTER_WITHIN_S` or longer is registered
         on its own by the upload thread too."""
-        while True:
-            items = self.outbox.take_submission()
-            if not items:
-                return None
-            taken = [item for item in items if isinstance(item, Outgoing)]
-            outs = self.current(taken)
-            if taken and not outs:
-                continue  # every one taken was stale and is carried: take the next
-            break
+        items = self.outbox.take_submission()
+        if not items:
+            return None
+        outs = [item for item in items if isinstance(item, Outgoing)]
         token = self.meter.begin("up", self.ctx.now())
         try:
             return Upload(outs, self.put_blobs(outs) if outs else [], token)
