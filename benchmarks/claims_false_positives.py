@@ -68,18 +68,21 @@ def one_run(args: tuple[int, int, bool, bool]) -> dict:
     run = run_inprocess(cfg, total_tokens=total, step_time_s=1.0, outages=outages, upload_bps=links)
     with run.ctx.reading() as s:
         rows = list(s.execute(select(Submission.status, Submission.reject_reason, Submission.learner_id, Submission.fragment,
-                                     Submission.c_steps, Submission.base_version, Submission.created_at)).all())
+                                     Submission.c_steps, Submission.base_version, Submission.created_at,
+                                     Submission.tokens_new)).all())
         acct = reports_q.token_accounting(s, run.ctx.run_id)
     fates = Counter(r[0] for r in rows)
     reasons = Counter((r[1] or "").split(":")[0] for r in rows if r[0] == "rejected")
     details = [{"learner": r[2], "fragment": r[3], "c_steps": r[4], "base": r[5], "at_s": round((r[6] - rows[0][6]).total_seconds(), 1),
                 "reason": r[1]} for r in rows if r[0] == "rejected"]
     slow_steps = [r[4] for r in rows if r[2] == slow]
+    slow_merged = sum(r[7] for r in rows if r[2] == slow and r[0] == "merged")
     return {"seed": seed, "submissions": len(rows), "fates": dict(fates), "rejected": fates.get("rejected", 0),
             "reasons": dict(reasons), "rejections": details, "victim": victim, "outage_s": [0.3 * steps, 0.5 * steps],
             "slow_link": None if links is None else {
                 "learner": slow, "upload_bps": round(slow_bps), "submissions": len(slow_steps),
                 "most_steps": max(slow_steps, default=0), "coalesced": run.links[slow].coalesced,
+                "tokens_trained": run.learners[slow].tokens_total, "tokens_merged": slow_merged,
                 "cadence_changes": run.links[slow].cadence_changes, "cadences": run.links[slow].cadences},
             "tokens_balanced": acct.balanced, "real_s": round(time.perf_counter() - t0, 1)}
 
