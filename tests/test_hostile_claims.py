@@ -154,7 +154,7 @@ def test_clipping_scales_an_update_under_the_outlier_bar_to_what_an_honest_one_c
     from ddiloco.synchronizer.merge import FlatDelta, FlatLayout, Member
     from ddiloco.synchronizer.validate import Norms, ValidationPolicy, clip
 
-    policy = ValidationPolicy(period=H, outlier_factor=10.0, max_staleness=4, clip_factor=2.0)
+    policy = ValidationPolicy(period=H, outlier_factor=10.0, max_staleness=4, max_periods=8, clip_factor=2.0)
     layout = FlatLayout.of({"w": (10,)})
 
     def member(lid: str, value: float, c_steps: int) -> Member:

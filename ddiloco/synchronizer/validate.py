@@ -33,15 +33,15 @@ class ValidationPolicy:
     """Inner steps between two sends of a fragment (``fragments.period``)."""
     outlier_factor: float
     max_staleness: int
-    clip_factor: float | None = None
-    max_periods: int = 8
+    max_periods: int
     """``merge.max_periods``: a learner's steps weigh at most this many periods in the merge, and its norm is judged
     over at most as many steps."""
+    clip_factor: float | None = None
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> ValidationPolicy:
         m = cfg.merge
-        return cls(cfg.fragments.period, m.norm_outlier_factor, m.max_staleness, m.clip_factor, m.max_periods)
+        return cls(cfg.fragments.period, m.norm_outlier_factor, m.max_staleness, m.max_periods, m.clip_factor)
 
     @property
     def max_steps(self) -> int:
