@@ -101,6 +101,29 @@ def test_deploy_refuses_credentials_in_storage_options_and_passwords_in_store_ur
             parse_secret_blocks([bad])
 
 
+def test_a_store_secret_name_the_environment_cannot_carry_is_refused_naming_it(tmp_path, monkeypatch):
+    """Secrets reach a run's processes as DDILOCO_STORAGE__SECRETS__<NAME>, read back lower-cased and split at '__':
+    a name that comes back as another key would leave the child with the saved mask under the name it was given."""
+    from ddiloco.platform.config import ConfigError, build_config, load_config, secret_env
+    from ddiloco.testing.processes import write_config
+
+    for name in [k for k in os.environ if k.startswith("DDILOCO_")]:
+        monkeypatch.delenv(name)
+    for bad in ("accountKey", "KEY", "sas__token", "account-key", "_key", ""):
+        with pytest.raises(ConfigError, match=rf"^invalid configuration:\n  storage.secrets: secret name {bad!r} cannot travel as an "
+                                              r"environment variable to the run's processes: use lower-case") as err:
+            build_config({"storage": {"secrets": {bad: STORE_SECRET}}})
+        assert not leaks(str(err.value))
+    # Every name it accepts arrives in a child as the key it was given.
+    good = {"key": STORE_KEY, "secret": STORE_SECRET, "account_key": STORE_KEY, "sas_token": STORE_SECRET, "v2_token": PASSWORD}
+    cfg = tiny_config(ledger={"url": f"sqlite:///{tmp_path / 'ledger.db'}"},
+                      storage={"url": f"file://{tmp_path / 'store'}", "secrets": good})
+    saved = write_config(cfg, tmp_path / "config.yaml")
+    for name, value in secret_env(cfg).items():
+        monkeypatch.setenv(name, value)
+    assert load_config(saved).storage.fsspec_options() == good
+
+
 def test_a_saved_config_without_its_secrets_is_refused_and_the_environment_restores_them(tmp_path, monkeypatch):
     """A saved config holds its secrets masked; loaded without the environment that gives them, the ledger and the
     store would be opened with the masks for passwords: refused in one line naming the field and the variable."""

@@ -207,6 +207,7 @@ _K8S_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)
 _K8S_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 _POOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 _IMAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,254}$")
+_SECRET_NAME = re.compile(r"^[a-z][a-z0-9_]{0,99}$")
 
 
 class Toleration(_Section):
@@ -585,6 +586,17 @@ class StorageConfig(_Section):
     secrets: dict[str, SecretStr] = Field(default_factory=dict)
     """Credentials added to storage_options (s3fs: key, secret, token); masked wherever the config is
     shown or recorded. Set them through the environment (``DDILOCO_STORAGE__SECRETS__SECRET=…``)."""
+
+    @field_validator("secrets")
+    @classmethod
+    def _secret_names(cls, v: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        # A secret reaches each child process as DDILOCO_STORAGE__SECRETS__<NAME> (``secret_env``), read back
+        # lower-cased and split at '__': any other name would arrive as another key, and the child would refuse its mask.
+        for name in v:
+            if not _SECRET_NAME.match(name) or "__" in name:
+                raise ValueError(f"secret name {name!r} cannot travel as an environment variable to the run's processes: "
+                                 "use lower-case letters, digits and single '_' (fsspec's own names, e.g. key, secret, token)")
+        return v
 
     def fsspec_options(self) -> dict[str, Any]:
         """storage_options with the secrets' values, for opening the store."""
