@@ -63,6 +63,29 @@ def test_an_outlier_must_stand_out_per_step_and_whole():
     assert "in all" in pol.check_norm(0.62, per_step, 10.0, raw=(14.9, whole))
 
 
+def test_no_yardstick_counts_above_what_the_optimizer_can_move():
+    """Sends soon after a blended receipt (one step, a period's distance) and a stall's long increment raise a fragment's
+    recent maxima above what inner steps can move. Updates outsized together (one learner's 20 increments, each 4x an
+    honest one, summed and judged over merge.max_periods periods) stood under bars 10x those maxima, and under a loaded
+    machine the quick chaos suite's merged them; the optimizer's bound caps each yardstick."""
+    p = pol.plausible_step_norm(lr=3e-3, weight_decay=0.1, numel=17_000, param_norm=20.0)
+    max_steps = 32
+    inflated_per_step, whole = [0.3 * p, 0.5 * p, 2.0 * p, 2.6 * p], [2.0 * p, 2.2 * p, 3.0 * p, 10.0 * p]
+    together = (15.0 * p, 480.0 * p)  # per step over 32 of its 80 claimed steps, and whole
+    assert pol.check_norm(together[0], inflated_per_step, 10.0, raw=(together[1], whole)) is None  # what the bare maxima said
+    why = pol.check_norm(together[0], inflated_per_step, 10.0, plausible=p, raw=(together[1], whole), plausible_whole=p * max_steps)
+    assert why.startswith(f"norm outlier: {together[0]:.4g} per step > 10 x recent max {p:.4g}, and ")
+    # A whole yardstick raised past the most the merge weighs (max_steps at the optimizer's bound) is capped too.
+    stalled_whole = [2.0 * p, 2.2 * p, 3.0 * p, 45.0 * p]
+    assert pol.check_norm(15.0 * p, [0.5 * p] * 4, 10.0, raw=(400.0 * p, stalled_whole)) is None
+    assert "in all > 10 x" in pol.check_norm(15.0 * p, [0.5 * p] * 4, 10.0, plausible=p, raw=(400.0 * p, stalled_whole),
+                                             plausible_whole=p * max_steps)
+    # Honest sends still pass: one step after a blended receipt (large per step, ordinary whole), and a 148-step
+    # increment judged over 32 steps.
+    assert pol.check_norm(3.0 * p, inflated_per_step, 10.0, plausible=p, raw=(3.0 * p, whole), plausible_whole=p * max_steps) is None
+    assert pol.check_norm(0.8 * p, [0.2 * p] * 4, 10.0, plausible=p, raw=(25.6 * p, whole), plausible_whole=p * max_steps) is None
+
+
 def test_an_honest_learner_whose_uploads_stalled_loses_no_work():
     """Sends queued behind a stalled upload fold into one increment of many periods; AdamW moved it further with each
     step, so it must be judged over its steps (up to merge.max_periods periods), not over one period's: once before

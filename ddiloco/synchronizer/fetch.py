@@ -61,8 +61,8 @@ class Fetcher:
         with self.ctx.reading() as s:
             history = sync_q.recent_merged_norm_steps(s, self.ctx.run_id, fragment, limit=NORM_HISTORY)
         recent = recent_norms(history, self.validation.max_steps)
-        # Only a fragment without a norm history is judged by the optimizer's bound (a pass over its parameters).
-        plausible = self._plausible_step_norm(fragment, layout.numel) if len(history) < pol.MIN_NORM_HISTORY else None
+        # The optimizer's bound judges a fragment without a norm history, and caps the yardstick of one with it.
+        plausible = self._plausible_step_norm(fragment, layout.numel)
         # Blob reads dominate on object stores: fetch and decode them concurrently (order is kept),
         # each straight into its own row of the workspace.
         checked = self._pool.map(lambda sb, row: self._validate(sb, version, layout, row, recent, regions, learners, plausible),

@@ -263,7 +263,8 @@ MIN_NORM_HISTORY = 4
 
 
 def check_norm(norm: float, recent_norms: Sequence[float], factor: float, min_history: int = MIN_NORM_HISTORY,
-               plausible: float | None = None, raw: tuple[float, Sequence[float]] | None = None) -> str | None:
+               plausible: float | None = None, raw: tuple[float, Sequence[float]] | None = None,
+               plausible_whole: float | None = None) -> str | None:
     """Reject a per-step norm far above every recently merged one, or, until there is a history,
     above what the inner optimizer can make (``plausible``, from :func:`plausible_step_norm`).
 
@@ -272,16 +273,20 @@ def check_norm(norm: float, recent_norms: Sequence[float], factor: float, min_hi
     update's own norm and the recent ones'), an outlier must stand out both per step and whole: a
     send soon after a blended receipt has a small c_steps yet carries part of the distance to the
     new version (large per step, ordinary whole), and a fragment's first sends cover fewer steps
-    than the later ones (ordinary per step, larger whole)."""
+    than the later ones (ordinary per step, larger whole).
+
+    Such sends, and a long stall's increment, raise the recent maxima above what any inner step can move; no yardstick
+    counts above ``plausible`` per step or ``plausible_whole`` in all (the most steps the merge weighs), so that
+    updates outsized together cannot ride on them."""
     if len(recent_norms) < min_history:
         if plausible is not None and norm > plausible:
             return f"norm outlier: {norm:.4g} per step > {plausible:.4g}, the most an inner step at this run's lr can move"
         return None
-    largest = max(recent_norms)
+    largest = max(recent_norms) if plausible is None else min(max(recent_norms), plausible)
     if not (largest > 0 and norm > factor * largest):
         return None
     if raw is not None and raw[1]:
-        whole, recent_whole = raw[0], max(raw[1])
+        whole, recent_whole = raw[0], max(raw[1]) if plausible_whole is None else min(max(raw[1]), plausible_whole)
         if recent_whole > 0 and whole <= factor * recent_whole:
             return None
         return (f"norm outlier: {norm:.4g} per step > {factor:g} x recent max {largest:.4g}, "
