@@ -74,12 +74,13 @@ def test_no_yardstick_counts_above_what_the_optimizer_can_move():
     together = (15.0 * p, 480.0 * p)  # per step over 32 of its 80 claimed steps, and whole
     assert pol.check_norm(together[0], inflated_per_step, 10.0, raw=(together[1], whole)) is None  # what the bare maxima said
     why = pol.check_norm(together[0], inflated_per_step, 10.0, plausible=p, raw=(together[1], whole), plausible_whole=p * max_steps)
-    assert why.startswith(f"norm outlier: {together[0]:.4g} per step > 10 x recent max {p:.4g}, and ")
+    assert why == (f"norm outlier: {together[0]:.4g} per step > 10 x the optimizer's bound {p:.4g}, "
+                   f"and {together[1]:.4g} in all > 10 x recent max {10 * p:.4g}")
     # A whole yardstick raised past the most the merge weighs (max_steps at the optimizer's bound) is capped too.
     stalled_whole = [2.0 * p, 2.2 * p, 3.0 * p, 45.0 * p]
     assert pol.check_norm(15.0 * p, [0.5 * p] * 4, 10.0, raw=(400.0 * p, stalled_whole)) is None
-    assert "in all > 10 x" in pol.check_norm(15.0 * p, [0.5 * p] * 4, 10.0, plausible=p, raw=(400.0 * p, stalled_whole),
-                                             plausible_whole=p * max_steps)
+    why = pol.check_norm(15.0 * p, [0.5 * p] * 4, 10.0, plausible=p, raw=(400.0 * p, stalled_whole), plausible_whole=p * max_steps)
+    assert why.endswith(f"in all > 10 x the optimizer's bound {p * max_steps:.4g}")
     # Honest sends still pass: one step after a blended receipt (large per step, ordinary whole), and a 148-step
     # increment judged over 32 steps.
     assert pol.check_norm(3.0 * p, inflated_per_step, 10.0, plausible=p, raw=(3.0 * p, whole), plausible_whole=p * max_steps) is None

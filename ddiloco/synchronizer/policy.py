@@ -282,13 +282,20 @@ def check_norm(norm: float, recent_norms: Sequence[float], factor: float, min_hi
         if plausible is not None and norm > plausible:
             return f"norm outlier: {norm:.4g} per step > {plausible:.4g}, the most an inner step at this run's lr can move"
         return None
-    largest = max(recent_norms) if plausible is None else min(max(recent_norms), plausible)
+    largest, name = _yardstick(max(recent_norms), plausible)
     if not (largest > 0 and norm > factor * largest):
         return None
     if raw is not None and raw[1]:
-        whole, recent_whole = raw[0], max(raw[1]) if plausible_whole is None else min(max(raw[1]), plausible_whole)
+        whole, (recent_whole, whole_name) = raw[0], _yardstick(max(raw[1]), plausible_whole)
         if recent_whole > 0 and whole <= factor * recent_whole:
             return None
-        return (f"norm outlier: {norm:.4g} per step > {factor:g} x recent max {largest:.4g}, "
-                f"and {whole:.4g} in all > {factor:g} x {recent_whole:.4g}")
-    return f"norm outlier: {norm:.4g} > {factor:g} x recent max {largest:.4g}"
+        return (f"norm outlier: {norm:.4g} per step > {factor:g} x {name} {largest:.4g}, "
+                f"and {whole:.4g} in all > {factor:g} x {whole_name} {recent_whole:.4g}")
+    return f"norm outlier: {norm:.4g} > {factor:g} x {name} {largest:.4g}"
+
+
+def _yardstick(recent_max: float, bound: float | None) -> tuple[float, str]:
+    """The recent maximum, or the optimizer's bound where that is lower; named as the rejection reason says it."""
+    if bound is not None and bound < recent_max:
+        return bound, "the optimizer's bound"
+    return recent_max, "recent max"
