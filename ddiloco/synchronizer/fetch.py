@@ -4,10 +4,10 @@ row of the merge workspace, concurrently, and judged (``validate``) as it arrive
 from __future__ import annotations
 
 import logging
-import math
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from torch.nn.utils import get_total_norm
 
 from ddiloco.platform.compression import CompressionError, decode_delta_into
 from ddiloco.platform.ledger import synchronizer as sync_q
@@ -83,7 +83,8 @@ class Fetcher:
     def _plausible_step_norm(self, fragment: int, numel: int) -> float:
         """What one inner step can move this fragment, by the run's optimizer settings."""
         cached = self.state.get(fragment)
-        param_norm = math.sqrt(sum(float(t.float().pow(2).sum()) for t in cached.params.values())) if cached else 0.0
+        # Every merge pass asks (it caps the norm yardstick): one fused norm and one read back, not one per tensor.
+        param_norm = float(get_total_norm([t.float() for t in cached.params.values()])) if cached else 0.0
         return pol.plausible_step_norm(self.cfg.inner.lr, self.cfg.inner.weight_decay, numel, param_norm)
 
     def _validate(
