@@ -55,7 +55,10 @@ def _quantize(flat: torch.Tensor, block_size: int, levels: int) -> tuple[torch.T
     """Flat float32 -> (int8 codes in [-levels, levels] of the same length, float32 scale per block)."""
     n = flat.numel()
     blocks = _blocks(flat, block_size)
-    scale = blocks.abs().amax(dim=1).div_(levels)
+    amax = blocks.abs().amax(dim=1)
+    # Divided by a tensor, not a Python number: CUDA turns division by a host scalar into a multiplication by its
+    # reciprocal (one bit off at times), and a device's codes must be the CPU's byte for byte.
+    scale = amax.div_(torch.full_like(amax, levels))
     # An all-zero block has scale 0: divide by 1 instead so its codes are 0, not NaN.
     divisor = torch.where(scale > 0, scale, 1.0)
     q = torch.div(blocks, divisor.unsqueeze(1)).round_().clamp_(-levels, levels)
