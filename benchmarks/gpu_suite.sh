@@ -228,7 +228,7 @@ except Exception:
     torch_v = None
 record = {
     "benchmark": "gpu_suite", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "ddiloco", "benchmarks")),
+    "commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--", "ddiloco", "benchmarks", ":(exclude)benchmarks/results")),
     "mode": "dry-run (--quick CPU forms)" if dry == "1" else "gpu",
     "machine": {"gpu": gpu or None, "nproc": int(nproc), "load_avg_start": load_start,
                 "load_avg_end": " ".join(open("/proc/loadavg").read().split()[:3]), "python": sys.executable, "torch": torch_v},

@@ -184,6 +184,26 @@ def test_learner_overhead_names_its_results_by_device_model_and_parallelism():
     assert (small.learners.batch_size, small.model.seq_len, small.model.d_model) == (1, 32, lo.bench_config("x").model.d_model)
 
 
+def test_a_benchmarks_own_results_do_not_make_the_next_one_dirty(tmp_path):
+    """A GPU suite's first step writes benchmarks/results/: the next step measured the same code, not a dirty tree."""
+    from ddiloco.bench.provenance import git_state
+
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    for d in ("ddiloco", "benchmarks/results", "docs"):
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / "f").write_text("a")
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "x"], check=True)
+    assert git_state(tmp_path)["dirty"] is False
+    (tmp_path / "benchmarks/results/f").write_text("b")
+    (tmp_path / "docs/f").write_text("b")
+    state = git_state(tmp_path)
+    assert state["dirty"] is False and len(state["commit"]) == 40
+    (tmp_path / "ddiloco/f").write_text("b")
+    assert git_state(tmp_path)["dirty"] is True
+
+
 def test_gpu_suite_plan_fits_ten_minutes():
     out = subprocess.run(["bash", str(BENCH / "gpu_suite.sh"), "--plan"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr

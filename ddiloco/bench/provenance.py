@@ -14,15 +14,21 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
+WRITTEN_BY_BENCHMARKS = ("benchmarks/results", "docs")
+"""Tracked folders that benchmarks write into (results, published docs blocks): a change there is not a change of the
+code that measured, so it does not make a later benchmark of the same run (a GPU suite's next step) 'dirty'."""
+
+
 def git_state(root: Path = ROOT) -> dict[str, Any]:
-    """HEAD of the checkout and whether the tree has uncommitted changes (read-only git calls)."""
+    """HEAD of the checkout and whether the tree has uncommitted changes outside ``WRITTEN_BY_BENCHMARKS``."""
     out: dict[str, Any] = {"commit": None, "dirty": None}
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=5, check=False)
         if head.returncode == 0:
             out["commit"] = head.stdout.strip() or None
         status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, timeout=5, check=False
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", *(f":(exclude){p}" for p in WRITTEN_BY_BENCHMARKS)],
+            cwd=root, capture_output=True, text=True, timeout=5, check=False,
         )
         if status.returncode == 0:
             out["dirty"] = bool(status.stdout.strip())
