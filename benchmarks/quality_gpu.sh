@@ -15,15 +15,17 @@
 #
 # On the device machine, with the wheels the image lacks in .whl/ (made here by `bash benchmarks/gpu_suite.sh
 # --fetch-wheels`, see that script's header):
-#     run(command="bash benchmarks/quality_gpu.sh decoupled; cp benchmarks/results/quality_gpu.json docs/quality.md \
-#                  docs/quality-gpu-llama.png $OUT/", carry=[".whl"], timeout_s=600)
+#     run(command="bash benchmarks/quality_gpu.sh decoupled 2>&1 | tee $OUT/quality_gpu.log; cp benchmarks/results/quality_gpu.json \
+#                  docs/quality.md docs/quality-gpu-llama.png $OUT/", carry=[".whl"], timeout_s=600)
+# The log goes to $OUT as it is written: a command that its time limit kills returns no output, but $OUT comes back.
 #
 # The four rows compare only at one code (the sha256 of ddiloco/**/*.py), and a GPU session's device time holds the suite
 # and one regime or two: to go on with a plan whose first rows were trained at an older commit while the code moves on,
 # freeze that commit's code here and carry it:
 #     bash benchmarks/quality_gpu.sh --pin eda46b7          # here (needs git): that commit's ddiloco/ in .quality-pin/
-#     run(command="bash benchmarks/quality_gpu.sh --pinned diloco; cp benchmarks/results/quality_gpu.json docs/quality.md \
-#                  docs/quality-gpu-llama.png $OUT/", carry=[".whl", ".quality-pin"], timeout_s=600)
+#     run(command="bash benchmarks/quality_gpu.sh --pinned diloco 2>&1 | tee $OUT/quality_gpu.log; cp \
+#                  benchmarks/results/quality_gpu.json docs/quality.md docs/quality-gpu-llama.png $OUT/",
+#         carry=[".whl", ".quality-pin"], timeout_s=600)
 # --pinned trains with the code in .quality-pin/ (this script, its Python setup and the corpus are this checkout's) and
 # publishes into this checkout (--repo): the rows and the docs block say which code trained them.
 #
@@ -80,4 +82,14 @@ else
   ARGS+=(--device cuda --publish)
 fi
 echo "== $(date -u +%FT%TZ) ${GPU:-CPU}, $(nproc) cores: $PY ${CODE#"$ROOT"/}/benchmarks/quality.py ${ARGS[*]}"
+# A row prints nothing until it ends (4-10 minutes): a line every 30 s says, in a log that a device call's time limit
+# cut short, how far the command got and whether the GPU was busy.
+T0=$(date +%s)
+if [[ "$DRY_RUN" != 1 ]]; then
+  ( while sleep 30 </dev/null >/dev/null 2>&1; do
+      echo "   .. $(( $(date +%s) - T0 )) s: GPU $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null | head -1), load $(cut -d' ' -f1 /proc/loadavg)"
+    done ) &
+  BEAT=$!
+  trap 'kill "$BEAT" 2>/dev/null' EXIT
+fi
 PYTHONUNBUFFERED=1 "$PY" "$CODE/benchmarks/quality.py" "${ARGS[@]}"
