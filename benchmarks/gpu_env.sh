@@ -7,6 +7,39 @@
 # prometheus-client: the synchronizer (and so ddiloco.inprocess, which the GPU tests import) needs it.
 MISSING_ON_IMAGE=(pydantic pydantic-settings "sqlalchemy>=2.0,<2.1" alembic tenacity "psycopg[binary]>=3.1" prometheus-client)
 
+# PostgreSQL 16 binaries in a manylinux wheel (they need glibc and zlib only), for sync_sustain's ledger where the image
+# has no server and no initdb: --fetch-wheels puts it in .whl/, setup_postgres unpacks it. Never pip-installed.
+PG_WHEEL="pgserver==0.1.4"
+
+setup_postgres() {   # puts an initdb on PATH where none is installed (the benchmarks' throwaway cluster needs one)
+  local wheels="${GPU_SUITE_WHEELS:-$ROOT/.whl}" dest="${GPU_SUITE_PG:-/tmp/ddiloco-pg-bin}"
+  local system="${GPU_SUITE_SYSTEM_PG:-/usr/lib/postgresql}" whl
+  if command -v initdb >/dev/null || compgen -G "$system/*/bin/initdb" >/dev/null; then
+    echo "postgresql: installed"; return 0
+  fi
+  whl="$(compgen -G "$wheels/pgserver-*.whl" | head -1)"
+  [[ -n "$whl" ]] || { echo "postgresql: none installed and no pgserver wheel in $wheels (--fetch-wheels makes one)"; return 1; }
+  rm -rf "$dest" && mkdir -p "$dest" || return 1
+  # The binaries find their libraries (pgserver.libs/) and share/ by relative paths: both are unpacked, modes kept.
+  python3 - "$whl" "$dest" <<'PYEOF' || return 1
+import os, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z:
+    for info in z.infolist():
+        if info.filename.startswith(("pgserver/pginstall/", "pgserver.libs/")):
+            path = z.extract(info, sys.argv[2])
+            mode = (info.external_attr >> 16) & 0o777
+            if mode and not info.is_dir():
+                os.chmod(path, mode | 0o444)
+PYEOF
+  chmod -R a+rX "$dest"
+  export PATH="$dest/pgserver/pginstall/bin:$PATH"
+  # initdb and pg_ctl refuse to run as root: the cluster runs them as 'postgres' (ddiloco/testing/postgres.py).
+  if [[ "$(id -u)" == 0 ]] && ! id postgres >/dev/null 2>&1; then
+    useradd --system --no-create-home --shell /usr/sbin/nologin postgres || { echo "postgresql: cannot add the postgres user"; return 1; }
+  fi
+  echo "postgresql: $(initdb --version) from $(basename "$whl")"
+}
+
 gpu_name() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1; }
 
 setup_python() {   # sets PY (and PYTHONPATH on the GPU machine); $1: seconds it may take

@@ -43,12 +43,16 @@
 # apply without their torch pin, and torch is in no requirement of that list. The packages come from the registry
 # where one answers, else from a wheel folder .whl/ in the repository root (pip --no-index --find-links). Make that
 # folder here, where a registry answers, with `bash benchmarks/gpu_suite.sh --fetch-wheels` (cp312 manylinux
-# x86-64 wheels, ~12 MB), keep it out of git (`echo /.whl/ >> .git/info/exclude`) and carry it to the machine:
-#     run(command="bash benchmarks/gpu_suite.sh; tar czf $OUT/gpu_suite.tgz benchmarks/results", carry=[".whl"])
+# x86-64 wheels, ~23 MB: 11 of them pgserver's PostgreSQL 16 binaries, unpacked by setup for sync_sustain's ledger
+# where the image has no PostgreSQL, see gpu_env.sh), keep it out of git (`echo /.whl/ >> .git/info/exclude`) and
+# carry it to the machine, with the logs in $OUT (a command its time limit kills returns no output; $OUT comes back):
+#     run(command="export GPU_SUITE_LOGS=/tmp/gslogs; bash benchmarks/gpu_suite.sh 2>&1 | tee $OUT/gpu_suite.log;
+#                  tar czf $OUT/gpu_suite.tgz benchmarks/results /tmp/gslogs", carry=[".whl"])
 # With --dry-run (or no GPU) the suite uses .venv, made by the README's install when missing.
 #
 # Knobs (environment): GPU_SUITE_OUT (results folder), GPU_SUITE_LOGS (per-step logs; default a temp dir),
 # GPU_SUITE_PYTHON, GPU_SUITE_SITE (default /tmp/ddiloco-site), GPU_SUITE_WHEELS (default .whl), GPU_SUITE_DRY_RUN=1,
+# GPU_SUITE_PG (where setup unpacks PostgreSQL, default /tmp/ddiloco-pg-bin), GPU_SUITE_SYSTEM_PG (an installed one's root),
 # GPU_SUITE_WHEEL_PY (--fetch-wheels' Python version, default 3.12: the GPU image's).
 set -uo pipefail
 
@@ -81,6 +85,9 @@ if [[ -n "${FETCH_DIR:-}" ]]; then
   "${PIP[@]}" download -q --only-binary=:all: --python-version "${GPU_SUITE_WHEEL_PY:-3.12}" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d "$FETCH_DIR" "${MISSING_ON_IMAGE[@]}" || exit 1
+  # Unpacked there for its PostgreSQL binaries, not installed: its own Python needs are not fetched.
+  "${PIP[@]}" download -q --no-deps --only-binary=:all: --python-version "${GPU_SUITE_WHEEL_PY:-3.12}" --implementation cp \
+    --platform manylinux2014_x86_64 -d "$FETCH_DIR" "$PG_WHEEL" || exit 1
   echo "wheels in $FETCH_DIR ($(du -sh "$FETCH_DIR" | cut -f1)): $(ls "$FETCH_DIR" | tr '\n' ' ')"
   echo "carry it to the GPU machine as .whl in the repository root; keep it out of git: echo /.whl/ >> .git/info/exclude"
   exit 0
@@ -168,6 +175,8 @@ run_step() {   # name cap result command
   if [[ "$name" == setup ]]; then
     setup_python "$left" >"$log" 2>&1; rc=$?
     [[ $rc -eq 0 && -z "$PY" ]] && rc=1
+    # sync_sustain's ledger: without it that step says why and fails; the other steps need no PostgreSQL.
+    [[ "$DRY_RUN" != 1 ]] && { setup_postgres >>"$log" 2>&1 || true; }
   else
     PYTHONUNBUFFERED=1 timeout --signal=TERM --kill-after=15 "$left" bash -c "$cmd" >"$log" 2>&1
     rc=$?

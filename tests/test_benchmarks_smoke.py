@@ -204,6 +204,38 @@ def test_a_benchmarks_own_results_do_not_make_the_next_one_dirty(tmp_path):
     assert git_state(tmp_path)["dirty"] is True
 
 
+def test_gpu_setup_puts_the_carried_postgresql_on_path(tmp_path):
+    """A GPU image without PostgreSQL: setup unpacks the carried pgserver wheel's binaries (modes kept, libraries
+    beside them) and puts its initdb first on PATH; without the wheel it says what is missing and fails."""
+    import stat
+    import zipfile
+
+    wheels = tmp_path / "whl"
+    wheels.mkdir()
+    # A stand-in for the wheel's layout, no download: a shell initdb that says its version, and a library folder.
+    with zipfile.ZipFile(wheels / "pgserver-0.1.4-cp312-cp312-manylinux2014_x86_64.whl", "w") as z:
+        exe = zipfile.ZipInfo("pgserver/pginstall/bin/initdb")
+        exe.external_attr = (stat.S_IFREG | 0o755) << 16
+        z.writestr(exe, "#!/bin/sh\necho 'initdb (PostgreSQL) 99.1'\n")
+        z.writestr("pgserver.libs/libpq-x.so.5", b"\0")
+        z.writestr("pgserver/__init__.py", "")  # not unpacked: only the binaries, libraries and share/ are
+    dest = tmp_path / "pg"
+    path = ":".join(p for p in os.environ["PATH"].split(":") if p and not (Path(p) / "initdb").exists())
+    script = f"source {BENCH / 'gpu_env.sh'}; setup_postgres && command -v initdb"
+    env = {**os.environ, "ROOT": str(ROOT), "PATH": path, "GPU_SUITE_SYSTEM_PG": str(tmp_path / "none"),
+           "GPU_SUITE_PG": str(dest), "GPU_SUITE_WHEELS": str(wheels)}
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "postgresql: initdb (PostgreSQL) 99.1 from pgserver-0.1.4" in out.stdout
+    initdb = dest / "pgserver/pginstall/bin/initdb"
+    assert out.stdout.strip().splitlines()[-1] == str(initdb) and os.access(initdb, os.X_OK)
+    assert (dest / "pgserver.libs/libpq-x.so.5").exists() and not (dest / "pgserver/__init__.py").exists()
+
+    (wheels / "pgserver-0.1.4-cp312-cp312-manylinux2014_x86_64.whl").unlink()
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "no pgserver wheel in" in out.stdout
+
+
 def test_gpu_suite_plan_fits_ten_minutes():
     out = subprocess.run(["bash", str(BENCH / "gpu_suite.sh"), "--plan"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
