@@ -20,6 +20,7 @@
 #                           -> learner_overhead_cuda_linkproc.json
 #   3. overhead_llama_ddp   the same on the 100 M-parameter Llama, learners.parallelism ddp
 #                           -> learner_overhead_cuda_llama100m_ddp.json
+#   3b. overhead_llama_linkproc  ... with learners.link_process -> learner_overhead_cuda_llama100m_ddp_linkproc.json
 #   4. overhead_llama_fsdp  ... and fsdp (at world 1) -> learner_overhead_cuda_llama100m_fsdp.json
 #   5. largest_model        the largest Llama one learner trains on the GPU, ddp then fsdp -> largest_model_cuda.json
 #   6. merge_cuda           merge_throughput.py --device cuda -> merge_throughput_cuda.json
@@ -28,7 +29,9 @@
 # then benchmarks/results/gpu_suite.json: per step its rc, status (passed / failed / timed out / not run), seconds,
 # result file, and the machine (GPU name, nproc, load). A one-line-per-step summary ends the output. Every cap is a
 # ceiling, not an estimate; their sum stays under SUITE_BUDGET_S (600 s, setup included), and a step never runs past
-# the suite's deadline (its cap is cut to what is left). GPU time is short: the rest of a 15-minute device lease is
+# the suite's deadline (its cap is cut to what is left). The caps stand 1.3-1.6x over what each step took on an H100
+# (2026-11-27: setup 24 s, cuda_tests 42, overhead_demo 43, its link-process form 36, each Llama step 55, merge_cuda 20;
+# largest_model 34 on 2026-11-26). GPU time is short: the rest of a 15-minute device lease is
 # for the quality plan.
 #
 # Python. The GPU machine has no package registry and its own CUDA build of torch: its python3 (Python 3.12, itself
@@ -97,15 +100,16 @@ fi
 # name | cap (s) | result file (relative to the results folder) | GPU command | dry-run command ({PY} and {OUT} filled in)
 NPROC="$(nproc 2>/dev/null || echo 1)"
 STEPS=(
-  "setup|40|-|(python environment: see the header)|(python environment)"
-  "cuda_tests|75|gpu_suite_cuda_tests.json|{TESTS}|{TESTS}"
-  "overhead_demo|60|learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --device cuda --windows 4 --window-s 2.5 --warmup-s 4 --io-off-pairs 2 --json {OUT}/learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --quick --json {OUT}/learner_overhead_cuda.json"
-  "overhead_demo_linkproc|50|learner_overhead_cuda_linkproc.json|{PY} benchmarks/learner_overhead.py --device cuda --link-process --windows 4 --window-s 2.5 --warmup-s 4 --json {OUT}/learner_overhead_cuda_linkproc.json|{PY} benchmarks/learner_overhead.py --quick --link-process --json {OUT}/learner_overhead_cuda_linkproc.json"
-  "overhead_llama_ddp|80|learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --json {OUT}/learner_overhead_cuda_llama100m_ddp.json"
-  "overhead_llama_fsdp|80|learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism fsdp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism fsdp --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json"
-  "largest_model|60|largest_model_cuda.json|{PY} benchmarks/largest_model.py --device cuda --parallelism ddp,fsdp --budget-s 50 --json {OUT}/largest_model_cuda.json|{PY} benchmarks/largest_model.py --quick --device cpu --json {OUT}/largest_model_cuda.json"
-  "merge_cuda|30|merge_throughput_cuda.json|{PY} benchmarks/merge_throughput.py --device cuda --rounds 3 --json {OUT}/merge_throughput_cuda.json|{PY} benchmarks/merge_throughput.py --quick --device cpu --json {OUT}/merge_throughput_cuda.json"
-  "sync_sustain|120|sync_sustain_${NPROC}cores.json|{PY} benchmarks/sync_sustain.py --learners 32 --shards 1,2 --minutes 0.4 --warmup-s 8 --quiet --json {OUT}/sync_sustain_${NPROC}cores.json|{PY} benchmarks/sync_sustain.py --quick --shards 1,2 --json {OUT}/sync_sustain_${NPROC}cores.json"
+  "setup|35|-|(python environment: see the header)|(python environment)"
+  "cuda_tests|60|gpu_suite_cuda_tests.json|{TESTS}|{TESTS}"
+  "overhead_demo|55|learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --device cuda --windows 4 --window-s 2.5 --warmup-s 4 --io-off-pairs 2 --json {OUT}/learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --quick --json {OUT}/learner_overhead_cuda.json"
+  "overhead_demo_linkproc|45|learner_overhead_cuda_linkproc.json|{PY} benchmarks/learner_overhead.py --device cuda --link-process --windows 4 --window-s 2.5 --warmup-s 4 --json {OUT}/learner_overhead_cuda_linkproc.json|{PY} benchmarks/learner_overhead.py --quick --link-process --json {OUT}/learner_overhead_cuda_linkproc.json"
+  "overhead_llama_ddp|75|learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --json {OUT}/learner_overhead_cuda_llama100m_ddp.json"
+  "overhead_llama_linkproc|70|learner_overhead_cuda_llama100m_ddp_linkproc.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --link-process --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp_linkproc.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --link-process --json {OUT}/learner_overhead_cuda_llama100m_ddp_linkproc.json"
+  "overhead_llama_fsdp|75|learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism fsdp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism fsdp --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json"
+  "largest_model|55|largest_model_cuda.json|{PY} benchmarks/largest_model.py --device cuda --parallelism ddp,fsdp --budget-s 45 --json {OUT}/largest_model_cuda.json|{PY} benchmarks/largest_model.py --quick --device cpu --json {OUT}/largest_model_cuda.json"
+  "merge_cuda|25|merge_throughput_cuda.json|{PY} benchmarks/merge_throughput.py --device cuda --rounds 3 --json {OUT}/merge_throughput_cuda.json|{PY} benchmarks/merge_throughput.py --quick --device cpu --json {OUT}/merge_throughput_cuda.json"
+  "sync_sustain|105|sync_sustain_${NPROC}cores.json|{PY} benchmarks/sync_sustain.py --learners 32 --shards 1,2 --minutes 0.35 --warmup-s 8 --quiet --json {OUT}/sync_sustain_${NPROC}cores.json|{PY} benchmarks/sync_sustain.py --quick --shards 1,2 --json {OUT}/sync_sustain_${NPROC}cores.json"
 )
 # A dry run on a small shared CPU machine is slower than the GPU run: its caps are stretched, never its commands.
 CAP_FACTOR=1; [[ "$DRY_RUN" == 1 ]] && CAP_FACTOR=3

@@ -241,7 +241,7 @@ def test_gpu_suite_plan_fits_ten_minutes():
     assert out.returncode == 0, out.stdout + out.stderr
     caps = [int(c) for c in re.findall(r"cap\s+(\d+) s", out.stdout)]
     total = int(re.search(r"sum of caps\s+(\d+) s", out.stdout).group(1))
-    assert len(caps) == 9 and sum(caps) == total <= 600
+    assert len(caps) == 10 and sum(caps) == total <= 600
 
 
 def test_gpu_suite_runs_only_the_steps_asked_for(tmp_path):
