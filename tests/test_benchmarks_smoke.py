@@ -250,7 +250,7 @@ def test_gpu_suite_runs_only_the_steps_asked_for(tmp_path):
     plan = subprocess.run([*suite, "--plan", "--only", "overhead_demo,merge_cuda"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert plan.returncode == 0, plan.stdout + plan.stderr
-    assert re.search(r"of the steps asked\s+130 s", plan.stdout) and plan.stdout.count("(not in --only)") == 6
+    assert re.search(r"of the steps asked\s+115 s", plan.stdout) and plan.stdout.count("(not in --only)") == 7
     bad = subprocess.run([*suite, "--plan", "--only", "overhead_demo,bogus"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no step 'bogus'" in bad.stderr
     env = {**os.environ, "GPU_SUITE_OUT": str(tmp_path / "out"), "GPU_SUITE_LOGS": str(tmp_path / "logs")}
@@ -260,7 +260,7 @@ def test_gpu_suite_runs_only_the_steps_asked_for(tmp_path):
     record = json.loads((tmp_path / "out" / "gpu_suite.json").read_text())
     status = {step["step"]: step["status"] for step in record["steps"]}
     assert status.pop("setup") == "passed" and status.pop("merge_cuda") == "passed"
-    assert len(status) == 7 and set(status.values()) == {"not run (not in --only)"}
+    assert len(status) == 8 and set(status.values()) == {"not run (not in --only)"}
     assert (tmp_path / "out" / "merge_throughput_cuda.json").exists()
 
 
