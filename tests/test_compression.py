@@ -319,3 +319,38 @@ def test_a_compact_step_is_the_base_plus_the_decoded_delta_in_new_memory() -> No
         for n in base:
             assert torch.equal(got[n], base[n] + decoded[n]) and got[n].shape == base[n].shape, (codec, n)
             assert got[n].untyped_storage().data_ptr() != base[n].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("block", [1, 3, 8, 64])
+def test_a_fragment_quantized_as_one_buffer_gives_each_tensors_own_bytes(codec: str, block: int) -> None:
+    """A GPU fragment of several tensors is quantized as one buffer (one set of kernels): run here on the CPU, each
+    tensor's codes and scales must be what encoding it alone gives, NaN and inf blocks, a zero tensor and an odd last
+    tensor included, whenever no block or int4 byte pair straddles two tensors."""
+    from ddiloco.platform import compression as c
+
+    g = torch.Generator().manual_seed(block)
+    whole = 2 * block * (2 if codec == "int4" and block % 2 else 1)  # sizes that fill their blocks and pairs
+    xs = [torch.randn(3 * whole, generator=g), torch.zeros(whole), torch.randn(whole, generator=g) * 1e-30,
+          torch.randn(5 * whole + 3, generator=g)]
+    xs[0][block + 1] = float("nan")
+    xs[2][0] = float("inf")
+    assert c._straddle_free([x.numel() for x in xs], codec, block)
+    together = c._quantize_together(xs, codec, block)
+    for i, (x, (q, scale)) in enumerate(zip(xs, together, strict=True)):
+        alone = c._encode_one("t", x, codec, block)
+        assert torch.equal(q, alone["t::q"]) and q.dtype == alone["t::q"].dtype, i
+        assert scale.view(torch.int32).tolist() == alone["t::scale"].view(torch.int32).tolist(), i
+        # Copies of their own, not views of the buffer: a blob's tensors must not share memory.
+        assert q.untyped_storage().nbytes() == q.numel() * q.element_size(), i
+
+
+def test_only_tensors_that_fill_their_blocks_are_laid_end_to_end() -> None:
+    from ddiloco.platform import compression as c
+
+    assert c._straddle_free([128, 64, 7], "int8", 64) and not c._straddle_free([128, 65, 64], "int8", 64)
+    assert c._straddle_free([6, 3], "int8", 3) and not c._straddle_free([3, 6], "int4", 3)  # int4: 3 codes end mid-byte
+    assert c._straddle_free([5], "int4", 64)  # one tensor: nothing to straddle
+    # A CPU fragment is encoded a tensor at a time (one buffer leaves the cache there), as are unquantized codecs.
+    cpu = [torch.randn(64), torch.randn(64)]
+    assert not c._fusable(cpu, "int8", 64) and not c._fusable(cpu, "bf16", 64)

@@ -119,6 +119,16 @@ def test_cuda_increment_is_encoded_on_a_side_stream_after_the_training_stream():
         assert tensors["w::q"].device.type == "cpu" and tensors["w::q"].dtype == dtype
         ref, ref_meta = encode_delta({"w": (x * 3.0).cpu()}, codec, 64)
         assert meta == ref_meta and all(torch.equal(tensors[k], ref[k]) for k in ref), codec
+    # A fragment of several tensors: quantized on the GPU as one buffer where no block straddles two of them (the
+    # first), a tensor at a time where one would (the second); the CPU's bytes either way.
+    g = torch.Generator(device=device).manual_seed(0)
+    for sizes in ((64 * 300, 64 * 7, 1000 + 3), (64 * 300, 1000 + 3, 64 * 7)):
+        frag = {f"t{i}": torch.randn(n, device=device, generator=g) for i, n in enumerate(sizes)}
+        for codec in ("int8", "int4"):
+            tensors, meta = encode_delta(frag, codec, 64)
+            ref, ref_meta = encode_delta({k: v.cpu() for k, v in frag.items()}, codec, 64)
+            assert meta == ref_meta and tensors.keys() == ref.keys(), (sizes, codec)
+            assert all(torch.equal(tensors[k], ref[k]) for k in ref), (sizes, codec)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
