@@ -162,6 +162,7 @@ def run_inprocess(
     adversaries: Mapping[str, float] | None = None,
     upload_bps: Mapping[str, float] | None = None,
     device: torch.device | None = None,
+    on_eval: Callable[[EvalPoint], None] | None = None,
 ) -> InProcessRun:
     """Train until the learners together have trained ``total_tokens``; returns the run's handles.
 
@@ -170,7 +171,8 @@ def run_inprocess(
 
     ``adversaries``: learner -> k; that learner sends -k times what it learned, with honest counts (an
     attack the outlier check cannot see for small k, see ``merge.clip_factor``). ``upload_bps``: learner ->
-    bytes per simulated second of its upload link (a learner not named uploads in no time)."""
+    bytes per simulated second of its upload link (a learner not named uploads in no time). ``on_eval``: called with
+    each evaluation as it is made (a long run's progress)."""
     cfg = in_memory_config(cfg)
     clock = SimClock()
     ctx = RunContext(cfg=cfg, run_id=cfg.name, engine=open_ledger(cfg.ledger.url), clock=clock)
@@ -238,7 +240,7 @@ def run_inprocess(
     trained = 0
     next_eval = eval_every_tokens or 0
     if eval_every_tokens:
-        run.evals.append(_evaluate(run, 0))
+        _record_eval(run, 0, on_eval)
     while events and trained < total_tokens:
         t, _, kind, lid = heapq.heappop(events)
         clock.t = t
@@ -283,7 +285,7 @@ def run_inprocess(
             push(t + step_time_s / speeds[lid], "step", lid)
             if eval_every_tokens and trained >= next_eval:
                 next_eval += eval_every_tokens
-                run.evals.append(_evaluate(run, trained))
+                _record_eval(run, trained, on_eval)
     for since in down.values():
         run.down_s += clock.t - since
     for lid in run.learners:
@@ -294,7 +296,7 @@ def run_inprocess(
     run.bytes_sent += sum(learner.link.uploader.bytes_sent for learner in run.learners.values())
     run.tokens_trained = trained
     if eval_every_tokens:
-        run.evals.append(_evaluate(run, trained))
+        _record_eval(run, trained, on_eval)
     return run
 
 
@@ -307,7 +309,9 @@ def flip(k: float) -> Callable[[Outgoing], None]:
     return tamper
 
 
-def _evaluate(run: InProcessRun, tokens: int) -> EvalPoint:
+def _record_eval(run: InProcessRun, tokens: int, on_eval: Callable[[EvalPoint], None] | None) -> None:
     model = run.eval_model if run.eval_model is not None else run.sync.layout.model
     loss, acc = evaluate_and_record(run.ctx, run.clock.t, cache=run.sync.state, model=model)
-    return EvalPoint(run.clock.t - run.t0, tokens, loss, acc)
+    run.evals.append(EvalPoint(run.clock.t - run.t0, tokens, loss, acc))
+    if on_eval is not None:
+        on_eval(run.evals[-1])

@@ -234,6 +234,11 @@ def test_gpu_plan_rows_corpus_and_plot(gpu_quick):
     assert all(isinstance(g["pass"], bool) for g in data["goals"])
     png = out / f"{O.GPU_PLOT_STEM}-{P.GPU_MODEL}.png"
     assert png.stat().st_size > 1000 and f"wrote {png}" in stdout
+    # A GPU row trains for minutes: it says how far it is at every evaluation, as its curve records them.
+    for regime, r in rows.items():
+        said = re.findall(rf"^   {regime}: +(\d+)% of [\d.]+M tokens, val loss ([\d.]+), \d+ s$", stdout, re.M)
+        assert [float(loss) for _, loss in said] == pytest.approx([c[2] for c in r["curve"]], abs=1e-4), regime
+        assert said[0][0] == "0" and said[-1][0] == "100", regime
 
 
 @pytest.mark.slow

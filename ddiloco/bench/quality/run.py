@@ -152,7 +152,10 @@ def run_spec(spec: RunSpec, scale: Scale, quick: bool, device: str = "auto") -> 
     t0 = time.perf_counter()
     with spans.collecting() as totals, counting_sql():
         dp = spec.regime.startswith("data_parallel")
-        row = _run_data_parallel(spec, cfg, scale, where) if dp else _run_decoupled(spec, cfg, scale, where)
+        # A GPU row trains for minutes alone: it says how far it is at each evaluation. The CPU plan's rows run many
+        # at a time in pool workers and stay quiet.
+        say = progress_printer(spec.regime, scale, cfg) if gpu else None
+        row = _run_data_parallel(spec, cfg, scale, where, say) if dp else _run_decoupled(spec, cfg, scale, where, say)
     row.real_s = round(time.perf_counter() - t0, 2)
     row.profile = profile_of(totals)
     row.bytes_per_val_token = bytes_per_val_token(cfg)
@@ -276,7 +279,22 @@ def _knobs(cfg: RunConfig, spec: RunSpec, scale: Scale) -> dict[str, Any]:
     }
 
 
-def _run_decoupled(spec: RunSpec, cfg: RunConfig, scale: Scale, device: torch.device) -> Row:
+def progress_printer(regime: str, scale: Scale, cfg: RunConfig) -> Callable[[int, float], None]:
+    """A line for each evaluation of a row: the share of its tokens trained, the validation loss, the real seconds."""
+    from ddiloco.platform.config import tokens_per_step
+
+    total = scale.learners * scale.steps * tokens_per_step(cfg.model, cfg.learners.batch_size)
+    t0 = time.perf_counter()
+
+    def say(tokens: int, val_loss: float) -> None:
+        print(f"   {regime}: {tokens / total:4.0%} of {total / 1e6:.1f}M tokens, val loss {val_loss:.4f}, "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
+
+    return say
+
+
+def _run_decoupled(spec: RunSpec, cfg: RunConfig, scale: Scale, device: torch.device,
+                   say: Callable[[int, float], None] | None = None) -> Row:
     from sqlalchemy import select
 
     from ddiloco.inprocess import run_inprocess
@@ -295,7 +313,8 @@ def _run_decoupled(spec: RunSpec, cfg: RunConfig, scale: Scale, device: torch.de
         demand = upload_demand(cfg)
         upload_bps = {lid: share * demand for lid, share in zip(ids, spec.upload_shares, strict=True)}
     run = run_inprocess(cfg, total_tokens=total, step_time_s=1.0, outages=outages, eval_every_tokens=max(1, total // scale.evals),
-                        upload_bps=upload_bps, adversaries=adversaries, device=device)
+                        upload_bps=upload_bps, adversaries=adversaries, device=device,
+                        on_eval=None if say is None else lambda e: say(e.tokens, e.val_loss))
     final = run.evals[-1]
     elapsed = run.elapsed_s
     speeds = [s for _, _, s in cfg.learners.learner_ids()]
@@ -356,7 +375,8 @@ def _link_json(f: Any, bandwidth: float) -> dict[str, Any]:
             "cadence_changes": f.cadence_changes, "steps_per_cadence": dict(sorted(f.cadences.items()))}
 
 
-def _run_data_parallel(spec: RunSpec, cfg: RunConfig, scale: Scale, device: torch.device) -> Row:
+def _run_data_parallel(spec: RunSpec, cfg: RunConfig, scale: Scale, device: torch.device,
+                       say: Callable[[int, float], None] | None = None) -> Row:
     """M replicas' gradients averaged every step: one model, M micro-batches (one per learner shard,
     the same streams the DiLoCo learners read), each loss / M, one AdamW step. The forward and loss are
     the learners' own (bf16 autocast on a GPU, torch.compile when ``learners.compile``)."""
@@ -390,6 +410,8 @@ def _run_data_parallel(spec: RunSpec, cfg: RunConfig, scale: Scale, device: torc
         with span("sync.eval"):
             loss, acc = evaluate_global(cfg, {}, model=model)
         curve.append([tokens, t, loss, acc])
+        if say is not None:
+            say(tokens, loss)
 
     ev(0, 0.0)
     trained, next_eval = 0, every
