@@ -83,6 +83,13 @@ def test_a_presence_lock_is_exclusive_per_run_and_shard_and_freed_when_its_holde
             p.close()
 
 
+def backend_ended(engine, pid: int) -> bool:
+    """Whether PostgreSQL's backend process ``pid`` has exited: a session's advisory locks are released only then,
+    some time after its client closed the connection or the server was told to terminate it."""
+    with engine.connect() as conn:
+        return bool(conn.scalar(text("SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}))
+
+
 def test_a_presence_lock_dies_with_its_session_or_file(engine):
     """What a SIGKILL does, in one process: the PostgreSQL session ends (terminated by the server), or the lock
     file's descriptor closes. The other taker gets the lock at once; the first finds it lost."""
@@ -94,11 +101,7 @@ def test_a_presence_lock_dies_with_its_session_or_file(engine):
             with engine.connect() as conn:
                 assert conn.scalar(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
             # pg_terminate_backend only signals the backend; its locks go when it has exited.
-            def ended() -> bool:
-                with engine.connect() as conn:
-                    return bool(conn.scalar(text("SELECT count(*) = 0 FROM pg_stat_activity WHERE pid = :pid"), {"pid": pid}))
-
-            wait_for(ended, 10, "the terminated session to end")
+            wait_for(lambda: backend_ended(engine, pid), 10, "the terminated session to end")
             assert second.hold(0)
         else:
             assert isinstance(first, FilePresence)
@@ -163,7 +166,12 @@ def test_a_standby_takes_over_at_once_when_the_holders_presence_dies_and_never_f
         clock.t += 1.0
         assert b.acquire(clock.t) is None  # a holds the lease and its lock
         assert b.presence.held == frozenset()  # the lock b tried is not kept
+        pid = a.presence._conn.scalar(text("SELECT pg_backend_pid()")) if isinstance(a.presence, PostgresPresence) else None
         a.presence.close()  # a's process dies: its lock goes with it; its lease has 2 s to run
+        if pid is not None:
+            # Its lock goes when the server's backend of that session has exited, which closing the connection only
+            # starts: a loaded suite run tried the lock in between and failed.
+            wait_for(lambda: backend_ended(engine, pid), 10, "the closed session's backend to exit")
         assert b.acquire(clock.t) == (0, 2)
         assert lease_row(b) == ("b", 2, True)
         with b.ctx.reading() as s:
