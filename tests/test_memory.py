@@ -4,6 +4,7 @@ would otherwise keep every burst's high-water mark resident."""
 from __future__ import annotations
 
 import json
+import resource
 import subprocess
 import sys
 
@@ -61,3 +62,30 @@ def test_the_process_trimmer_is_one_daemon_thread_that_gives_a_freed_burst_back(
     got = json.loads(out)
     assert got["after"] < got["freed"] - 80, got  # no call from this code: the thread gave the burst back
     assert got["started"] == [True, False] and got["trimmers"] == [True], got  # once per process, a daemon
+
+
+REUSE = """
+import resource, sys
+from ddiloco.platform.memory import keep_freed_memory
+
+kept = keep_freed_memory() if sys.argv[1] == "keep" else None
+faults = []
+for i in range(5):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blob = bytes([i + 1]) * (64 << 20)  # a float32 blob's worth, written page by page
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    del blob
+print(kept, sum(faults[1:]))
+"""
+
+
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and HAVE_MALLOC_TRIM), reason="needs Linux and glibc's mallopt")
+def test_a_benchmark_process_reuses_a_freed_large_block_instead_of_faulting_in_fresh_pages():
+    def faults(mode: str) -> tuple[str, int]:
+        out = subprocess.run([sys.executable, "-c", REUSE, mode], capture_output=True, text=True, check=True, timeout=60).stdout.split()
+        return out[0], int(out[1])
+
+    pages = (64 << 20) // resource.getpagesize()
+    plain, kept = faults("plain"), faults("keep")
+    assert plain[1] > 3 * pages // 2, plain  # glibc's default: each 64 MiB block is a fresh mmap, faulted in again
+    assert kept[0] == "True" and kept[1] < pages // 8, kept  # the freed block came back from the heap, already resident
