@@ -138,16 +138,28 @@ def sim_step(learner: Learner, now: float, tamper: Callable[[Outgoing], None] | 
 
     ``tamper`` rewrites this step's queued submissions before they are uploaded (a hostile learner);
     without ``pump`` the sends stay queued (the caller models the upload's time)."""
+    report = sim_train(learner, now)
+    sim_hand_off(learner, now, tamper, pump=pump)
+    return report
+
+
+def sim_train(learner: Learner, now: float) -> StepReport:
+    """The first half of :func:`sim_step`: fetch newer versions and step (on a GPU: queue the step's kernels)."""
     assert learner.link is not None
     learner.link.poll()
-    report = learner.step(now)
+    return learner.step(now)
+
+
+def sim_hand_off(learner: Learner, now: float, tamper: Callable[[Outgoing], None] | None = None, *, pump: bool = True) -> None:
+    """The second half: upload what the step sent (its encoded bytes come back to host memory: on a GPU the host
+    waits for the step) and heartbeat."""
+    assert learner.link is not None
     if tamper is not None:
         for out in learner.link.outbox.queued():
             tamper(out)
     if pump:
         learner.link.uploader.pump()
     learner.heartbeat(now)
-    return report
 
 
 def run_inprocess(
@@ -241,9 +253,29 @@ def run_inprocess(
     next_eval = eval_every_tokens or 0
     if eval_every_tokens:
         _record_eval(run, 0, on_eval)
+    # A step's hand-off (its upload and heartbeat) waits until the next learner's step is queued, so that on a GPU the
+    # host's upload work overlaps that step's kernels instead of leaving the GPU idle: the upload's encoded bytes are
+    # the one thing a step makes the host wait for. Nothing another learner's poll or step reads depends on it (they
+    # read the versions, which only a synchronizer pass publishes), it runs at its own simulated time, and every
+    # other event takes it first: the run is the same, event for event.
+    pending: tuple[str, float, Callable[[Outgoing], None] | None] | None = None
+
+    def hand_off() -> None:
+        nonlocal pending
+        if pending is None:
+            return
+        (who, at, tamper), pending = pending, None
+        now, clock.t = clock.t, at
+        sim_hand_off(run.learners[who], at, tamper)
+        run.links[who].observe(run.learners[who].link, at)
+        clock.t = now
+
     while events and trained < total_tokens:
         t, _, kind, lid = heapq.heappop(events)
         clock.t = t
+        overlaps = kind == "step" and pending is not None and lid != pending[0] and lid not in down and lid not in bandwidth
+        if not overlaps:
+            hand_off()
         if kind == "sync":
             for each in syncs:
                 each.poll_once(t)
@@ -273,10 +305,17 @@ def run_inprocess(
             if max_steps_per_learner is not None and learner.step_count >= max_steps_per_learner:
                 continue
             k = (adversaries or {}).get(lid)
-            report = sim_step(learner, t, None if k is None else flip(k), pump=lid not in bandwidth)
-            run.links[lid].observe(learner.link, t)
-            if lid in bandwidth and lid not in in_flight:
-                start_upload(lid, t)
+            tamper = None if k is None else flip(k)
+            if lid in bandwidth:
+                report = sim_step(learner, t, tamper, pump=False)
+            else:
+                report = sim_train(learner, t)
+                hand_off()  # the step before's, now that this one is queued
+                pending = (lid, t, tamper)
+            if lid in bandwidth:
+                run.links[lid].observe(learner.link, t)
+                if lid not in in_flight:
+                    start_upload(lid, t)
             if report.waiting:
                 push(t + poll_s, "step", lid)  # overlap 0: wait for the merge
                 continue
@@ -286,6 +325,7 @@ def run_inprocess(
             if eval_every_tokens and trained >= next_eval:
                 next_eval += eval_every_tokens
                 _record_eval(run, trained, on_eval)
+    hand_off()
     for since in down.values():
         run.down_s += clock.t - since
     for lid in run.learners:
