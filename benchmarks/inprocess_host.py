@@ -13,7 +13,8 @@ rows at the plan's full width (model, fragments, learners, codecs) with tiny ari
   * minor page faults per step call (4 KiB pages the kernel had to fault in: fresh memory);
   * the final validation loss, which the loop's scheduling must not change.
 
-It calls ``keep_freed_memory`` as a quality row does (``--plain-malloc``: glibc's defaults, for the comparison).
+It calls ``keep_freed_memory`` as a quality row does (``--plain-malloc``: glibc's defaults, for the comparison; it also
+runs against older code, ``PYTHONPATH=<a checkout of it>``, which has no such call).
 
     python benchmarks/inprocess_host.py [--quick] [--regimes diloco,decoupled] [--steps 48] [--plain-malloc]
 """
@@ -92,6 +93,17 @@ def measure(regime: str, steps: int, seq_len: int, batch_size: int, manifest: st
     }
 
 
+def imported_code() -> str | None:
+    """The commit of the checkout the imported ``ddiloco`` comes from (with PYTHONPATH, not this one's)."""
+    import subprocess
+
+    import ddiloco
+
+    where = Path(ddiloco.__file__).resolve().parent
+    out = subprocess.run(["git", "-C", str(where), "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
 def main() -> None:
     ap = base_parser(__doc__)
     ap.add_argument("--regimes", default="diloco,decoupled", help="comma-separated rows of the GPU plan")
@@ -106,16 +118,20 @@ def main() -> None:
             args.json = str(Path(tempfile.gettempdir()) / f"ddiloco-{NAME}.quick.json")  # never the published figures
     from ddiloco.bench.quality.plan import GPU_REGIMES
     from ddiloco.bench.quality.run import prepare_gpu_data
-    from ddiloco.platform.memory import keep_freed_memory
 
     regimes = [r for r in args.regimes.split(",") if r]
     bad = [r for r in regimes if r not in GPU_REGIMES or r == "data_parallel"]
     if bad or not regimes:
         ap.error(f"--regimes: choose among {', '.join(r for r in GPU_REGIMES if r != 'data_parallel')}, got {args.regimes!r}")
     torch.set_num_threads(1)
-    kept = False if args.plain_malloc else keep_freed_memory()
+    kept = False
+    if not args.plain_malloc:
+        from ddiloco.platform.memory import keep_freed_memory
+
+        kept = keep_freed_memory()
     manifest, _, _ = prepare_gpu_data(True)  # the quick corpus: tokens < 512 are valid ids of the 8,192-token model
     results = header(NAME, args)
+    results["ddiloco_code"] = imported_code()
     results["keep_freed_memory"] = kept
     results["rows"] = []
     for regime in regimes:

@@ -22,7 +22,7 @@
 # The four rows compare only at one code (the sha256 of ddiloco/**/*.py), and a GPU session's 15 minutes of device time
 # hold the suite or one regime: to go on with a plan whose first rows were trained at an older commit while the code moves on,
 # freeze that commit's code here and carry it:
-#     bash benchmarks/quality_gpu.sh --pin eda46b7          # here (needs git): that commit's ddiloco/ in .quality-pin/
+#     bash benchmarks/quality_gpu.sh --pin 878a4a6          # here (needs git): that commit's ddiloco/ in .quality-pin/
 #     run(command="bash benchmarks/quality_gpu.sh --pinned diloco 2>&1 | tee $OUT/quality_gpu.log; cp \
 #                  benchmarks/results/quality_gpu.json docs/quality.md docs/quality-gpu-llama.png $OUT/",
 #         carry=[".whl", ".quality-pin"], timeout_s=600)
