@@ -23,8 +23,8 @@ def test_every_send_is_registered_once_at_the_simulated_time_of_the_step_that_ma
 
     monkeypatch.setattr(Learner, "send", recorded)
     # Unequal speeds: the learner whose hand-off waits steps at other times than the one that takes it over.
-    cfg = tiny_config(learners={"batch_size": 4, "heartbeat_s": 1.0, "regions": [{"name": "us", "learners": 3, "speeds": [1.0, 0.5, 0.75]}]},
-                      fragments={"count": 2})
+    region = {"name": "us", "learners": 3, "speeds": [1.0, 0.5, 0.75]}
+    cfg = tiny_config(learners={"batch_size": 4, "heartbeat_s": 1.0, "regions": [region]}, fragments={"count": 2})
     run = run_inprocess(cfg, total_tokens=3 * 12 * 4 * 32)
     with run.ctx.reading() as s:
         subs = list(s.scalars(select(Submission).where(Submission.run_id == run.ctx.run_id)))
