@@ -3,7 +3,9 @@
 glibc's malloc returns memory to the system only from the top of its heaps. A burst (a partition's coalesced
 fragments, a catch-up download after an outage, a takeover's state) raises a heap's high-water mark, and what is
 freed below a chunk still in use stays resident: RSS then keeps every peak the process ever had, a step at a time.
-``malloc_trim(0)`` releases every free page inside the heaps. Where there is no glibc (musl, macOS) nothing is done."""
+``malloc_trim(0)`` releases every free page inside the heaps. Where there is no glibc (musl, macOS) nothing is done.
+
+A benchmark process of minutes wants the opposite, freed memory kept for its next allocation: :func:`keep_freed_memory`."""
 
 from __future__ import annotations
 
