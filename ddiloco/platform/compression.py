@@ -70,7 +70,7 @@ def _pack4(q: torch.Tensor) -> torch.Tensor:
     """int8 codes in [-7, 7] -> uint8, two codes a byte (low nibble first), offset by 8."""
     u = (q.to(torch.int16) + 8).to(torch.uint8)
     if u.numel() % 2:
-        u = torch.cat([u, torch.full((1,), 8, dtype=torch.uint8)])
+        u = torch.cat([u, torch.full((1,), 8, dtype=torch.uint8, device=u.device)])
     return u[0::2] | (u[1::2] << 4)
 
 
