@@ -308,14 +308,13 @@ def run_inprocess(
             tamper = None if k is None else flip(k)
             if lid in bandwidth:
                 report = sim_step(learner, t, tamper, pump=False)
+                run.links[lid].observe(learner.link, t)
+                if lid not in in_flight:
+                    start_upload(lid, t)
             else:
                 report = sim_train(learner, t)
                 hand_off()  # the step before's, now that this one is queued
                 pending = (lid, t, tamper)
-            if lid in bandwidth:
-                run.links[lid].observe(learner.link, t)
-                if lid not in in_flight:
-                    start_upload(lid, t)
             if report.waiting:
                 push(t + poll_s, "step", lid)  # overlap 0: wait for the merge
                 continue
