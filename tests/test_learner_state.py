@@ -139,6 +139,41 @@ def test_model_only_save_and_load(tmp_path):
         load_state(url, *fresh_plain(1))
 
 
+class TiedLM(nn.Module):
+    """An embedding whose matrix is also the output layer's (as in GPT-2 and small Llamas): one parameter, two names."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(256, 16)
+        self.mix = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 256, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.embed(tokens))))
+
+
+def test_a_tied_weight_is_saved_once_and_loaded_under_both_names(tmp_path):
+    model = TiedLM(0)
+    opt = adamw(model)
+    train(model, opt, steps=2, seed=0)
+    want = full_state(model, opt)
+    url = f"file://{tmp_path}/tied"
+
+    save_state(url, model, opt, EXTRAS)
+
+    model2 = TiedLM(1)
+    opt2 = adamw(model2)
+    assert not torch.equal(model2.embed.weight, model.embed.weight)
+    assert_extras(load_state(url, model2, opt2))
+    assert_same_state(full_state(model2, opt2), want)
+    assert model2.head.weight is model2.embed.weight, "loading untied the weight"
+    train(model, opt, steps=1, seed=9)
+    train(model2, opt2, steps=1, seed=9)
+    assert_same_state(full_state(model2, opt2), full_state(model, opt))
+
+
 def test_incomplete_and_missing_states(tmp_path):
     model, opt = fresh_plain(0)
     train(model, opt, steps=1, seed=0)

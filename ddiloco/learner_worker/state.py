@@ -8,7 +8,8 @@ reshards: a checkpoint saved by two FSDP2 ranks loads into one plain rank and ba
 
 What is saved, all of it tensors:
 
-- ``model.<fqn>``: the parameters and buffers, as ``get_state_dict`` gives them (sharded for FSDP2);
+- ``model.<fqn>``: the parameters and buffers, as ``get_state_dict`` gives them (sharded for FSDP2); a tied
+  weight once, under its first name (loading gives it to every name it has);
 - ``optim.state.<fqn>.<exp_avg|exp_avg_sq|step>``: the optimizer's per-parameter state. Not its
   ``param_groups``: those are hyperparameters (lr, betas, weight decay), which the config and the lr
   schedule own, and DCP would store them as pickles;
@@ -140,7 +141,7 @@ def save_state(
         # old .metadata indexing half-rewritten data files until the new one lands.
         raise FileExistsError(f"a complete learner state is already at {redact_url(url)}; a saved state is never overwritten")
     model_state, optim_state = _model_state(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "extra": encoded}
+    state: dict[str, Any] = {"model": _without_aliases(model_state)[0], "extra": encoded}
     if optimizer is not None:
         state["optim"] = {"state": optim_state["state"]}
     writer = _writer(url, storage_options)
@@ -197,11 +198,13 @@ def load_state(
         except Exception as err:  # a file that is not safetensors, or a header that does not parse
             raise StateRefused(f"{redact_url(url)}: unreadable data file ({type(err).__name__}: {err})") from None
         model_state, optim_state = _model_state(model, optimizer)
-        state: dict[str, Any] = {"model": model_state, "extra": extras}
+        kept, aliases = _without_aliases(model_state)
+        state: dict[str, Any] = {"model": kept, "extra": extras}
         if optimizer is not None:
             state["optim"] = {"state": optim_state["state"]}
         with _dcp_errors("loading", url):
             load(state, storage_reader=reader, process_group=process_group)
+    state["model"].update({alias: state["model"][name] for alias, name in aliases.items()})
     # A tensor the model or optimizer has and the checkpoint lacks is an error (DCP's default planner),
     # not a silent skip; set_*_state_dict are strict by default as well.
     if optimizer is None:
@@ -225,6 +228,31 @@ def _model_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> t
     if optimizer is None:
         return get_model_state_dict(model), {}
     return get_state_dict(model, optimizer)
+
+
+def _without_aliases(model_state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The model state with each tensor once, and the names left out mapped to the name kept.
+
+    A tied weight (a language model's output layer sharing its embedding's matrix) is one parameter under two
+    names, and safetensors refuses to write one memory twice; the optimizer already keeps one state for it."""
+    from torch.distributed.tensor import DTensor
+
+    kept: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, value in model_state.items():
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if not isinstance(local, torch.Tensor) or local.numel() == 0:
+            kept[name] = value
+            continue
+        where = (local.device, local.dtype, local.untyped_storage().data_ptr(), local.storage_offset(),
+                 tuple(local.shape), tuple(local.stride()))
+        if where in seen:
+            aliases[name] = seen[where]
+        else:
+            seen[where] = name
+            kept[name] = value
+    return kept, aliases
 
 
 def _encode_extras(extras: Extras) -> dict[str, dict[str, torch.Tensor]]:
