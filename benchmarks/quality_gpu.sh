@@ -29,6 +29,12 @@
 # --pinned trains with the code in .quality-pin/ (this script, its Python setup and the corpus are this checkout's) and
 # publishes into this checkout (--repo): the rows and the docs block say which code trained them.
 #
+# --reference [ARGS] runs benchmarks/diloco_reference.py instead (its header says what), with the same Python and corpus:
+# the diloco row against the same DiLoCo in plain torch and one learner alone. On the device machine:
+#     run(command="bash benchmarks/quality_gpu.sh --reference --steps 480 --rows reference,single --json \
+#                  $OUT/diloco_reference.json 2>&1 | tee $OUT/diloco_reference.log", carry=[".whl"], timeout_s=600)
+# (--steps 96 with every row: the platform against the reference in ~3 minutes.) --dry-run --reference: its --quick form.
+#
 # Knobs (environment): QUALITY_GPU_OUT (--dry-run's results folder), GPU_SUITE_PYTHON, GPU_SUITE_SITE, GPU_SUITE_WHEELS
 # (as for gpu_suite.sh).
 set -uo pipefail
@@ -40,7 +46,8 @@ DRY_RUN=0
 ONLY=""
 PIN="$ROOT/.quality-pin"
 CODE="$ROOT"
-usage="usage: $0 [--dry-run] [--pinned] [REGIME[,REGIME...]] | --pin COMMIT"
+REFERENCE=0
+usage="usage: $0 [--dry-run] [--pinned] [REGIME[,REGIME...] | --reference [ARGS]] | --pin COMMIT"
 if [[ "${1:-}" == --pin ]]; then
   [[ -n "${2:-}" ]] || { echo "$usage" >&2; exit 2; }
   commit="$(git rev-parse --verify "$2^{commit}")" || exit 2
@@ -56,6 +63,7 @@ if [[ "${1:-}" == --pinned ]]; then
   CODE="$PIN"; shift
 fi
 case "${1:-}" in
+  --reference) REFERENCE=1; shift ;;
   -*) echo "$usage" >&2; exit 2 ;;
   *) ONLY="${1:-}" ;;
 esac
@@ -73,6 +81,11 @@ if [[ "$CODE" != "$ROOT" ]]; then
   # Ahead of the checkout's own package (PYTHONPATH or an editable install): the pinned ddiloco trains and is hashed.
   export PYTHONPATH="$CODE${PYTHONPATH:+:$PYTHONPATH}"
   echo "code: .quality-pin/ at $(cat "$PIN/COMMIT"), publishing into this checkout"
+fi
+if [[ "$REFERENCE" == 1 ]]; then
+  REF=(--device cuda); [[ "$DRY_RUN" == 1 ]] && REF=(--device cpu --quick)
+  echo "== $(date -u +%FT%TZ) ${GPU:-CPU}, $(nproc) cores: $PY benchmarks/diloco_reference.py ${REF[*]} $*"
+  PYTHONUNBUFFERED=1 exec "$PY" "$ROOT/benchmarks/diloco_reference.py" "${REF[@]}" "$@"
 fi
 ARGS=(--scale gpu --repo "$ROOT")
 [[ -n "$ONLY" ]] && ARGS+=(--only "$ONLY")

@@ -277,6 +277,24 @@ def test_quality_gpu_script_refuses_what_it_cannot_run():
     assert nogpu.returncode == 2 and "--dry-run" in nogpu.stderr
 
 
+def test_the_gpu_plans_diloco_row_is_textbook_diloco(tmp_path):
+    """diloco_reference.py --quick: the GPU plan's diloco row (tiny, on the CPU) ends where the same DiLoCo written in
+    plain torch does, and the quality script runs it with --reference."""
+    out = tmp_path / "ref.json"
+    run = subprocess.run(["bash", str(BENCH / "quality_gpu.sh"), "--dry-run", "--reference", "--json", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    got = json.loads(out.read_text())
+    rows = got["rows"]
+    assert set(rows) == {"platform", "reference", "single"}
+    start = rows["reference"]["curve"][0][1]
+    assert rows["platform"]["curve"][0][1] == pytest.approx(start)
+    assert abs(rows["reference"]["val_loss"] - start) > 1e-2, "the reference did not train: the comparison would be vacuous"
+    assert rows["single"]["val_loss"] < start
+    assert got["platform_over_reference"] == pytest.approx(1.0, abs=1e-4)
+    assert rows["platform"]["tokens"] == rows["reference"]["tokens"] == 8 * rows["single"]["tokens"]
+
+
 def test_the_cuda_tests_plugin_keeps_only_the_gpu_tests():
     env = {**os.environ, "PYTHONPATH": str(BENCH)}
     out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "cuda_tests", "tests/test_merge_math.py"],
