@@ -6,6 +6,10 @@ does: not on norms, biases or embeddings), outer gradient = global - local, aver
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import replace
+
+import pytest
 import torch
 from support import tiny_config
 
@@ -16,9 +20,10 @@ from ddiloco.platform.models import build_model, compute_loss
 M, H, ROUNDS = 3, 4, 3
 
 
-def reference_diloco(cfg) -> dict[str, torch.Tensor]:
-    global_model = build_model(cfg.model, seed=cfg.seed)
-    replicas = [build_model(cfg.model, seed=cfg.seed) for _ in range(M)]
+def reference_diloco(cfg, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """On a GPU with bf16 autocast around the loss, as a GPU learner computes it; the outer step in float32 either way."""
+    global_model = build_model(cfg.model, seed=cfg.seed).to(device)
+    replicas = [build_model(cfg.model, seed=cfg.seed).to(device) for _ in range(M)]
     for r in replicas:
         r.load_state_dict(global_model.state_dict())
     def groups(model: torch.nn.Module) -> list[dict]:
@@ -39,7 +44,10 @@ def reference_diloco(cfg) -> dict[str, torch.Tensor]:
                 lr = cfg.inner.lr * min(1.0, (s + 1) / cfg.inner.warmup_steps)
                 for g in inner[m].param_groups:
                     g["lr"] = lr
-                loss, _ = compute_loss(replicas[m], next(streams[m]))
+                batch = next(streams[m])
+                batch = replace(batch, inputs=batch.inputs.to(device), targets=batch.targets.to(device))
+                with torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext():
+                    loss, _ = compute_loss(replicas[m], batch)
                 inner[m].zero_grad()
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(replicas[m].parameters(), cfg.inner.grad_clip)
@@ -54,11 +62,11 @@ def reference_diloco(cfg) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             for r in replicas:
                 r.load_state_dict(global_model.state_dict())
-    return {n: p.detach().clone() for n, p in global_model.named_parameters()}
+    return {n: p.detach().cpu().clone() for n, p in global_model.named_parameters()}
 
 
-def test_decoupled_reduces_exactly_to_synchronous_diloco():
-    cfg = tiny_config(
+def sync_config():
+    return tiny_config(
         learners={"regions": [{"name": "us", "learners": M}]},
         fragments={"count": 1, "every": H, "overlap": 0},
         quorum={"min_count": M},
@@ -67,6 +75,10 @@ def test_decoupled_reduces_exactly_to_synchronous_diloco():
         outer={"lr": 0.7, "momentum": 0.9},
         compression={"codec": "none"},
     )
+
+
+def test_decoupled_reduces_exactly_to_synchronous_diloco():
+    cfg = sync_config()
     tokens = M * H * ROUNDS * cfg.learners.batch_size * cfg.model.seq_len
     run = run_inprocess(cfg, total_tokens=tokens)
     expected = reference_diloco(cfg)
@@ -79,6 +91,23 @@ def test_decoupled_reduces_exactly_to_synchronous_diloco():
     assert moved > 1e-3, "the reference did not train: the comparison would be vacuous"
     for name, tensor in expected.items():
         torch.testing.assert_close(got[name], tensor, rtol=1e-4, atol=2e-5, msg=f"parameter {name} differs")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False here)")
+def test_on_a_gpu_the_platform_trains_synchronous_diloco_as_written():
+    """The GPU path (bf16 autocast, increments encoded on a side stream, receipts through pinned memory, the in-process
+    hand-off) gives the reference's global model. bf16 and atomics make the two differ a little: the difference is held
+    to a small share of how far the parameters moved, which a lost or stale fragment would exceed many times."""
+    cfg = sync_config()
+    tokens = M * H * ROUNDS * cfg.learners.batch_size * cfg.model.seq_len
+    run = run_inprocess(cfg, total_tokens=tokens, device=torch.device("cuda"))
+    expected = reference_diloco(cfg, "cuda")
+    got = {n: p.detach().cpu() for n, p in run.sync.global_model().named_parameters()}
+    init = build_model(cfg.model, seed=cfg.seed).state_dict()
+    moved = torch.cat([(expected[n] - init[n]).flatten() for n in expected]).norm()
+    off = torch.cat([(got[n] - expected[n]).flatten() for n in expected]).norm()
+    assert float(moved) > 1e-2, "the reference did not train: the comparison would be vacuous"
+    assert float(off) <= 0.02 * float(moved), (float(off), float(moved))
 
 
 def test_reduction_breaks_when_a_merge_rule_changes():
