@@ -50,14 +50,16 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def train(name: str, size: str, steps: int, evals: int) -> dict[str, Any]:
-    """One row, on the CPU (in a pool worker or here)."""
+def train(name: str, size: str, steps: int, evals: int, batch: int | None = None) -> dict[str, Any]:
+    """One row, on the CPU (in a pool worker or here); ``batch``: sequences a learner step, if not the size's."""
     from ddiloco.bench.quality import plan as P
     from ddiloco.bench.quality.run import _run_one
 
     regime, change = ROWS[name]
     # The full plan's inner schedule and fragments (P = H = 24) on the --quick plan's model and corpus, resized.
     base = P.deep_merge({"inner": {"lr": 2e-3, "warmup_steps": H}, "fragments": {"count": H, "every": H}}, SIZES[size])
+    if batch is not None:
+        base = P.deep_merge(base, {"learners": {"batch_size": batch}})
     plan_spec = next(s for s in P.gpu_specs(P.GPU_QUICK) if s.regime == regime)
     spec = P.RunSpec(plan_spec.model, regime, "regime", P.deep_merge(P.deep_merge(base, plan_spec.overrides), change))
     scale = P.Scale(P.GPU_QUICK.name, steps=steps, learners=1 if name == "single" else M, evals=evals)
@@ -71,14 +73,16 @@ def main() -> None:
     ap.add_argument("--size", choices=sorted(SIZES), default="mid")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, among {', '.join(ROWS)}")
     ap.add_argument("--steps", type=int, default=STEPS, help="inner steps a learner (a round every H = 24)")
+    ap.add_argument("--batch", type=int, default=None, help="sequences a learner step (default: the size's; the global "
+                    "batch is 8 of them): with --steps, more rounds at the same tokens")
     ap.add_argument("--evals", type=int, default=10, help="evaluations a row, besides the one at 0 tokens")
     ap.add_argument("--jobs", type=int, default=1, help="rows trained at once (one core each)")
     args = ap.parse_args()
     rows = [r for r in args.rows.split(",") if r]
     if not rows or any(r not in ROWS for r in rows):
         ap.error(f"--rows: choose among {', '.join(ROWS)}, got {args.rows!r}")
-    if args.steps < 1 or args.evals < 1 or args.jobs < 1:
-        ap.error("--steps, --evals and --jobs must be at least 1")
+    if args.steps < 1 or args.evals < 1 or args.jobs < 1 or (args.batch is not None and args.batch < 1):
+        ap.error("--steps, --evals, --jobs and --batch must be at least 1")
     if args.quick:
         args.size, args.steps, args.evals = "tiny", 48, 2
         rows = [r for r in rows if r in ("data_parallel", "single", "diloco", "decoupled")]
@@ -91,15 +95,15 @@ def main() -> None:
 
     prepare_gpu_data(True)  # the quick corpus, made once; the workers find it
     results = header(NAME, args)
-    results.update(size=args.size, learners=M, period=H, rows={})
+    results.update(size=args.size, learners=M, period=H, rows={})  # each row's knobs hold its batch and outer step
     t0 = time.perf_counter()
     if args.jobs == 1:
-        done = {r: train(r, args.size, args.steps, args.evals) for r in rows}
+        done = {r: train(r, args.size, args.steps, args.evals, args.batch) for r in rows}
     else:
         import multiprocessing as mp
 
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=mp.get_context("spawn")) as pool:
-            futures = {r: pool.submit(train, r, args.size, args.steps, args.evals) for r in rows}
+            futures = {r: pool.submit(train, r, args.size, args.steps, args.evals, args.batch) for r in rows}
             done = {r: f.result() for r, f in futures.items()}
     results["wall_s"] = round(time.perf_counter() - t0, 1)
     dp = done.get("data_parallel", {}).get("val_loss")
