@@ -4,8 +4,9 @@ The GPU plan (``ddiloco bench quality --scale gpu``, docs/quality.md) gives each
 DiLoCo regimes take 20 outer rounds of H = 24 (each of its P = 24 fragments, 20 merges). On an H200 its synchronous
 DiLoCo row ended 77% above data-parallel. This trains the same plan (8 learners, 480 steps, H = P = 24, the inner lr
 2e-3 with 24 warm-up steps and the cosine to 10%, the quick corpus) on a model a CPU can train 30,720 steps of, and
-varies what the issue asks to vary when a goal is missed: the outer lr and momentum, H, plain averaging. Each row's
-final validation loss is divided by data-parallel's and by one learner's alone, both trained in the same run.
+varies what the issue asks to vary when a goal is missed: the outer lr and momentum, H, plain averaging, overwrite
+instead of blend on receipt. Each row's final validation loss is divided by data-parallel's and by one learner's
+alone, both trained in the same run.
 
 Sizes: ``tiny`` (the ``--quick`` plan's Llama: d 32, 1 layer, sequences of 32, 2 a step) and ``mid`` (d 128, 2
 layers, sequences of 64, 8 a step). Seeded: ``--jobs`` changes the time taken, not the figures.
@@ -47,6 +48,8 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "decoupled_m0.5": ("decoupled", {"outer": {"momentum": 0.5}}),
     "decoupled_lr1.0_m0.5": ("decoupled", {"outer": {"lr": 1.0, "momentum": 0.5}}),
     "decoupled_average": ("decoupled", {"outer": {"lr": 1.0, "momentum": 0.0}}),
+    "decoupled_overwrite": ("decoupled", {"merge": {"on_receipt": "overwrite"}}),
+    "decoupled_h12": ("decoupled", {"fragments": {"every": 12}}),
 }
 
 
