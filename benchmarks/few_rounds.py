@@ -51,6 +51,7 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "decoupled_average": ("decoupled", {"outer": {"lr": 1.0, "momentum": 0.0}}),
     "decoupled_overwrite": ("decoupled", {"merge": {"on_receipt": "overwrite"}}),
     "decoupled_h12": ("decoupled", {"fragments": {"every": 12}}),
+    "decoupled_h6": ("decoupled", {"fragments": {"every": 6}}),
     "decoupled_chaos": ("decoupled_chaos", {}),
 }
 
