@@ -87,6 +87,28 @@ def test_no_yardstick_counts_above_what_the_optimizer_can_move():
     assert pol.check_norm(0.8 * p, [0.2 * p] * 4, 10.0, plausible=p, raw=(25.6 * p, whole), plausible_whole=p * max_steps) is None
 
 
+def test_the_synchronizers_judgement_caps_both_yardsticks_and_lets_a_blended_send_through_from_the_first_merge():
+    """What the synchronizer calls (``judge_norm``) passes the bound in all, ``max_steps`` steps at the optimizer's bound.
+
+    Before a fragment has a norm history, a send one step after a blended receipt carries part of the outer step
+    (several periods long under Nesterov's momentum) on one step: over the per-step bound, within the bound in all. One
+    such honest send was rejected (1.282 per step > 1.087) by the link-process test on a loaded machine. After the
+    history exists, a whole yardstick a stall inflated no longer lifts the bar above 10 x the bound in all."""
+    from ddiloco.synchronizer.validate import Norms, ValidationPolicy, judge_norm
+
+    policy = ValidationPolicy(period=4, outlier_factor=10.0, max_staleness=4, max_periods=8)
+    p, none = 1.0, Norms([], [])
+    assert policy.max_steps == 32
+    assert judge_norm(1.2 * p, 1, none, policy, plausible=p) is None  # one step, a blended receipt's share of the outer step
+    assert judge_norm(0.9 * p, 1, none, policy, plausible=p) is None
+    assert "most an inner step" in judge_norm(33.0 * p, 1, none, policy, plausible=p)  # over the bound in all too
+    assert "most an inner step" in judge_norm(40.0 * p, 2, none, policy, plausible=p)
+    stalled = Norms([0.5 * p] * 4, [2.0 * p, 2.2 * p, 3.0 * p, 45.0 * p])
+    why = judge_norm(400.0 * p, 40, stalled, policy, plausible=p)  # 12.5 per step over 32 steps; 400 in all
+    assert why is not None and why.endswith(f"in all > 10 x the optimizer's bound {32 * p:.4g}"), why
+    assert judge_norm(300.0 * p, 40, stalled, policy, plausible=p) is None  # under 10 x the bound in all
+
+
 def test_an_honest_learner_whose_uploads_stalled_loses_no_work():
     """Sends queued behind a stalled upload fold into one increment of many periods; AdamW moved it further with each
     step, so it must be judged over its steps (up to merge.max_periods periods), not over one period's: once before

@@ -122,8 +122,10 @@ def judge_norm(norm: float, c_steps: int, recent: Norms, policy: ValidationPolic
 
     Judged per inner step and whole (see ``policy.check_norm``): increments of one fragment cover different
     numbers of steps, and one sent soon after a blended receipt carries more than its steps."""
+    whole = None if plausible is None else plausible * policy.max_steps
     return pol.check_finite(norm) or pol.check_norm(norm / pol.norm_steps(c_steps, policy.max_steps), recent.per_step,
-                                                    policy.outlier_factor, plausible=plausible, raw=(norm, recent.whole))
+                                                    policy.outlier_factor, plausible=plausible, raw=(norm, recent.whole),
+                                                    plausible_whole=whole)
 
 
 def learner_groups(learners: Sequence[str]) -> dict[str, list[int]]:
