@@ -59,7 +59,8 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
 def train(name: str, size: str, steps: int, evals: int, batch: int | None = None) -> dict[str, Any]:
     """One row, on the CPU (in a pool worker or here); ``batch``: sequences a learner step, if not the size's."""
     from ddiloco.bench.quality import plan as P
-    from ddiloco.bench.quality.run import _run_one
+    from ddiloco.bench.quality.run import run_spec
+    from ddiloco.platform.memory import keep_freed_memory
 
     regime, change = ROWS[name]
     # The full plan's inner schedule and fragments (P = H = 24) on the --quick plan's model and corpus, resized.
@@ -70,7 +71,8 @@ def train(name: str, size: str, steps: int, evals: int, batch: int | None = None
     # The plan's row with its stragglers and outages (decoupled_chaos), its config resized and changed.
     spec = replace(plan_spec, overrides=P.deep_merge(P.deep_merge(base, plan_spec.overrides), change))
     scale = P.Scale(P.GPU_QUICK.name, steps=steps, learners=1 if name == "single" else M, evals=evals)
-    row = _run_one((spec, scale, True, "cpu"))
+    keep_freed_memory()  # as a quality row's process does
+    row = run_spec(spec, scale, True, "cpu")
     return {"val_loss": row.val_loss, "tokens": row.tokens, "merges": row.merges, "real_s": row.real_s,
             "knobs": row.knobs, "curve": [[c[0], c[2]] for c in row.curve]}
 
