@@ -53,6 +53,13 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "decoupled_h12": ("decoupled", {"fragments": {"every": 12}}),
     "decoupled_h6": ("decoupled", {"fragments": {"every": 6}}),
     "decoupled_chaos": ("decoupled_chaos", {}),
+    # The outer lr's warm-up over each fragment's first 5 (or 10) of its 20 outer steps.
+    "diloco_warmup5": ("diloco", {"outer": {"warmup_versions": 5}}),
+    "diloco_warmup10": ("diloco", {"outer": {"warmup_versions": 10}}),
+    "decoupled_warmup5": ("decoupled", {"outer": {"warmup_versions": 5}}),
+    "decoupled_warmup10": ("decoupled", {"outer": {"warmup_versions": 10}}),
+    "decoupled_warmup5_lr0.7": ("decoupled", {"outer": {"warmup_versions": 5, "lr": 0.7}}),
+    "decoupled_h12_warmup10": ("decoupled", {"fragments": {"every": 12}, "outer": {"warmup_versions": 10}}),
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ddiloco.platform.config import RunConfig
 from ddiloco.synchronizer.merge import (
     FlatDelta,
     FlatLayout,
@@ -143,6 +144,32 @@ def test_merge_fragment_matches_synchronous_diloco():
             current = GlobalFragment(out.version, out.params, out.momentum)
             torch.testing.assert_close(current.params["w"], g.detach())
         assert current.version == len(rounds)
+
+
+def test_an_outer_warm_up_is_torch_nesterov_under_a_linear_lr_ramp_per_fragment_version():
+    # Reference: torch's SGD with LinearLR from 1/3 to 1 over 3 steps, the ramp outer.warmup_versions = 3 names.
+    g = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    opt = torch.optim.SGD([g], lr=0.7, momentum=0.9, nesterov=True)
+    ramp = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1 / 3, total_iters=2)
+    policy = MergePolicy.from_config(RunConfig.model_validate({"outer": {"lr": 0.7, "warmup_versions": 3},
+                                                               "merge": {"method": "mean", "weighting": "equal"}}))
+    assert policy.warmup == 3
+    current = GlobalFragment(0, {"w": g.detach().clone()}, None)
+    lrs = []
+    for r in range(5):
+        delta = torch.tensor([0.3, 0.1 * r - 0.2])
+        g.grad = delta.clone()
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        ramp.step()
+        out = merge_fragment(current, [member(r, "a", {"w": delta}, base_version=r)], policy, live_learners=1)
+        assert out.detail.get("outer_lr", policy.lr) == pytest.approx(lrs[-1])
+        current = GlobalFragment(out.version, out.params, out.momentum)
+        torch.testing.assert_close(current.params["w"], g.detach())
+    assert lrs == pytest.approx([0.7 / 3, 1.4 / 3, 0.7, 0.7, 0.7])
+    # Past the ramp a merge records no lr of its own; without one every step is at the full lr.
+    assert "outer_lr" not in out.detail
+    assert MergePolicy.from_config(RunConfig()).warmup == 0
 
 
 def test_merge_fragment_sums_increments_then_weights_learners_by_tokens():

@@ -547,6 +547,9 @@ class OuterOptimizerConfig(_Section):
     Synchronous DiLoCo at the paper's settings uses 0.7."""
     momentum: float = Field(0.9, ge=0, lt=1)
     nesterov: bool = True
+    warmup_versions: int = Field(0, ge=0, le=1 << 20)
+    """Each fragment's outer lr rises linearly over its first this many outer steps (lr/W, 2·lr/W, …, lr), so
+    that the early outer gradients, the largest of the run, are not amplified by the momentum in full. 0: none."""
 
 
 CODECS = ("none", "bf16", "int8", "int4")

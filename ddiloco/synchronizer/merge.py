@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ddiloco.platform.fragments import param_name
-from ddiloco.synchronizer.outer import outer_step_
+from ddiloco.synchronizer.outer import outer_lr, outer_step_
 from ddiloco.synchronizer.policy import capped_counts, participation_scale, token_weight
 from ddiloco.synchronizer.validate import learner_groups
 
@@ -347,6 +347,8 @@ class MergePolicy:
     lr: float = 0.5
     momentum: float = 0.9
     nesterov: bool = True
+    warmup: int = 0
+    """``outer.warmup_versions``: the outer lr rises linearly over a fragment's first this many versions."""
     max_steps: int | None = None
     """A learner's steps weigh at most this many (``merge.max_periods`` send periods); None: no cap."""
     robust: str = "none"
@@ -362,8 +364,8 @@ class MergePolicy:
         return cls(
             method=m.method, weighting=m.weighting, plain_mean=tuple(m.plain_mean_fragments),
             participation_scaling=m.participation_scaling, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
-            max_steps=cfg.fragments.period * m.max_periods, robust=m.robust, trim_fraction=m.trim_fraction,
-            clip_factor=m.clip_factor,
+            warmup=o.warmup_versions, max_steps=cfg.fragments.period * m.max_periods, robust=m.robust,
+            trim_fraction=m.trim_fraction, clip_factor=m.clip_factor,
         )
 
 
@@ -464,6 +466,7 @@ def merge_fragment(
     src_m = [None if current.momentum is None or n not in current.momentum else current.momentum[n].detach().reshape(-1)
              for n in layout.names]
     offsets = layout.offsets
+    lr = outer_lr(policy.lr, current.version, policy.warmup)
     for i, a, b in _chunks(layout, ws.chunk):
         lo, hi = a - offsets[i], b - offsets[i]
         params[a:b].copy_(src_p[i][lo:hi])
@@ -475,7 +478,7 @@ def merge_fragment(
         if factor[group_of[i]] != 1.0:
             grad[a:b].mul_(factor[group_of[i]])
         outer_step_(params[a:b], grad[a:b], None if momentum is None else momentum[a:b],
-                    lr=policy.lr, beta=policy.momentum, nesterov=policy.nesterov)
+                    lr=lr, beta=policy.momentum, nesterov=policy.nesterov)
     new_params = layout.views(params)
     new_momentum = {} if momentum is None else layout.views(momentum)
     detail = {
@@ -491,6 +494,8 @@ def merge_fragment(
             for i in idx
         ],
     }
+    if lr != policy.lr:
+        detail["outer_lr"] = lr  # warming up
     if policy.robust != "none":
         detail["robust"] = robust_detail(policy, len(by_learner), count, dropped)
     return MergeOutcome(current.version + 1, new_params, new_momentum, detail)

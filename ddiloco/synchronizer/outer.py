@@ -8,6 +8,11 @@ from torch.optim.sgd import sgd
 MOMENTUM_PREFIX = "momentum::"
 
 
+def outer_lr(lr: float, version: int, warmup: int) -> float:
+    """The outer lr of the step from ``version`` to ``version + 1``: linear warm-up over the first ``warmup`` steps."""
+    return lr if warmup <= 0 else lr * min(1.0, (version + 1) / warmup)
+
+
 def outer_step_(
     params: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor | None, *, lr: float, beta: float, nesterov: bool = True
 ) -> None:

@@ -268,6 +268,7 @@ def _knobs(cfg: RunConfig, spec: RunSpec, scale: Scale) -> dict[str, Any]:
         "codec": cfg.compression.codec,
         "outer_lr": cfg.outer.lr,
         "outer_momentum": cfg.outer.momentum,
+        "outer_warmup": cfg.outer.warmup_versions,
         "speeds": list(spec.speeds) if spec.speeds else None,
         "failures": spec.failures,
         "clip_factor": cfg.merge.clip_factor,
