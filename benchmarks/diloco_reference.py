@@ -15,6 +15,7 @@ Platform / reference near 1 says the platform trains DiLoCo as written; referenc
 loss then says what the method gives at this budget. Not a timing benchmark: each row's seconds are for orientation.
 
     python benchmarks/diloco_reference.py [--quick] [--steps 96] [--rows platform,reference,single] [--device auto]
+                                          [--outer-warmup 5]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +38,11 @@ ROWS = ("platform", "reference", "single")
 
 
 def reference(cfg: Any, steps: int, evals: int, device: torch.device, *, replicas: int, shards: int,
-              outer_lr: float, outer_momentum: float, say: Callable[[str], None]) -> dict[str, Any]:
+              outer_lr: float, outer_momentum: float, outer_warmup: int = 0,
+              say: Callable[[str], None]) -> dict[str, Any]:
     """DiLoCo in plain torch: ``replicas`` models on streams 0.. of ``shards``, a round every H steps. One replica with
-    outer lr 1 and no momentum is that replica trained alone (the global model becomes it at every round)."""
+    outer lr 1 and no momentum is that replica trained alone (the global model becomes it at every round).
+    ``outer_warmup``: the outer lr ramps linearly over the first that many rounds (torch's LinearLR)."""
     from ddiloco.learner_worker.learner import _LossModule
     from ddiloco.learner_worker.schedule import lr_factor, param_groups, schedule_steps
     from ddiloco.platform.config import tokens_per_step
@@ -50,6 +54,8 @@ def reference(cfg: Any, steps: int, evals: int, device: torch.device, *, replica
     t0 = time.perf_counter()
     glob = build_model(cfg.model, seed=cfg.seed).to(device)
     outer = torch.optim.SGD(glob.parameters(), lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+    ramp = (torch.optim.lr_scheduler.LinearLR(outer, start_factor=1 / outer_warmup, total_iters=outer_warmup - 1)
+            if outer_warmup > 1 else None)
     models = [build_model(cfg.model, seed=cfg.seed).to(device) for _ in range(replicas)]
     nets = [_LossModule(m, device) for m in models]
     if cfg.learners.compile:
@@ -94,6 +100,8 @@ def reference(cfg: Any, steps: int, evals: int, device: torch.device, *, replica
                 g.grad = torch.stack([g - ps[k] for ps in local]).mean(0)
         outer.step()
         outer.zero_grad(set_to_none=True)
+        if ramp is not None:
+            ramp.step()
         with torch.no_grad():
             for ps in local:
                 torch._foreach_copy_(ps, gparams)
@@ -101,7 +109,7 @@ def reference(cfg: Any, steps: int, evals: int, device: torch.device, *, replica
             next_eval += every
             ev(trained)
     return {"val_loss": curve[-1][1], "tokens": trained, "curve": curve, "real_s": round(time.perf_counter() - t0, 2),
-            "replicas": replicas, "outer_lr": outer_lr, "outer_momentum": outer_momentum}
+            "replicas": replicas, "outer_lr": outer_lr, "outer_momentum": outer_momentum, "outer_warmup": outer_warmup}
 
 
 def main() -> None:
@@ -110,12 +118,14 @@ def main() -> None:
     ap.add_argument("--evals", type=int, default=4, help="evaluations a row, besides the one at 0 tokens")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, among {', '.join(ROWS)}")
     ap.add_argument("--device", default="auto", help="auto (a GPU when there is one), cuda or cpu")
+    ap.add_argument("--outer-warmup", type=int, default=0, help="platform and reference rows: the outer lr ramps over the "
+                    "first this many rounds (outer.warmup_versions; the plan's row: 0)")
     args = ap.parse_args()
     rows = [r for r in args.rows.split(",") if r]
     if not rows or any(r not in ROWS for r in rows):
         ap.error(f"--rows: choose among {', '.join(ROWS)}, got {args.rows!r}")
-    if args.steps < 1 or args.evals < 1:
-        ap.error("--steps and --evals must be at least 1")
+    if args.steps < 1 or args.evals < 1 or args.outer_warmup < 0:
+        ap.error("--steps and --evals must be at least 1, --outer-warmup at least 0")
     if args.quick:
         args.steps = min(args.steps, 48)
         if args.json is None:
@@ -130,12 +140,15 @@ def main() -> None:
     prepare_gpu_data(args.quick)
     scale = P.Scale(P.GPU_QUICK.name if args.quick else P.GPU.name, steps=args.steps, learners=P.GPU.learners, evals=args.evals)
     spec = next(s for s in P.gpu_specs(scale) if s.regime == "diloco")
+    if args.outer_warmup:
+        spec = replace(spec, overrides=P.deep_merge(spec.overrides, {"outer": {"warmup_versions": args.outer_warmup}}))
     cfg = P.build_run_config(spec, scale, args.quick, args.device)
     device = resolve_device(cfg.learners.device)
     torch.set_num_threads(min(8, torch.get_num_threads()) if device.type == "cuda" else 1)
     results = header(NAME, args)
     results.update(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", scale=scale.name,
-                   learners=scale.learners, period=cfg.fragments.period, outer={"lr": cfg.outer.lr, "momentum": cfg.outer.momentum},
+                   learners=scale.learners, period=cfg.fragments.period, outer={"lr": cfg.outer.lr, "momentum": cfg.outer.momentum,
+                                                                             "warmup_versions": cfg.outer.warmup_versions},
                    rows={})
     for row in rows:
         def say(line: str, row: str = row) -> None:
@@ -147,7 +160,8 @@ def main() -> None:
                    "code": r.code}
         elif row == "reference":
             out = reference(cfg, scale.steps, scale.evals, device, replicas=scale.learners, shards=scale.learners,
-                            outer_lr=cfg.outer.lr, outer_momentum=cfg.outer.momentum, say=say)
+                            outer_lr=cfg.outer.lr, outer_momentum=cfg.outer.momentum,
+                            outer_warmup=cfg.outer.warmup_versions, say=say)
         else:
             out = reference(cfg, scale.steps, scale.evals, device, replicas=1, shards=scale.learners, outer_lr=1.0,
                             outer_momentum=0.0, say=say)
