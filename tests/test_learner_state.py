@@ -279,6 +279,19 @@ def rank_main(workdir: Path, rank: int, world: int) -> None:
         train(model, opt, steps=2, seed=200 + rank)
         save_state(f"file://{workdir}/ddp", model, opt)
         save_file(full_state(model, opt), str(workdir / f"saved-ddp-{rank}.safetensors"))
+        # FSDP2, 2 ranks, with a tied weight: saved once, loaded into fresh FSDP2 ranks under both names.
+        from torch.distributed.fsdp import fully_shard
+
+        model = fully_shard(TiedLM(0))
+        opt = adamw(model)
+        train(model, opt, steps=2, seed=300 + rank)
+        save_state(f"file://{workdir}/tied", model, opt, EXTRAS)
+        save_file(full_state(model, opt), str(workdir / f"saved-tied-{rank}.safetensors"))
+        model = fully_shard(TiedLM(1))
+        opt = adamw(model)
+        load_state(f"file://{workdir}/tied", model, opt)
+        save_file(full_state(model, opt), str(workdir / f"tied-into-fsdp2-{rank}.safetensors"))
+        out["tied_kept"] = model.head.weight is model.embed.weight
         (workdir / f"rank-{rank}.json").write_text(json.dumps(out))
     finally:
         dist.destroy_process_group()
@@ -323,6 +336,20 @@ def test_two_and_one_rank_saves_load_into_two_fsdp2_ranks(job, name):
         assert_same_state(load_file(str(job / f"{name}-into-fsdp2-{rank}.safetensors")), want)
         extras = json.loads((job / f"rank-{rank}.json").read_text())[f"{name}_extras"]
         assert extras == {"step": 3, "data_position": 123_456_789_012, "rng": [7, 11, 13]}
+
+
+@pytest.mark.slow
+def test_a_two_rank_fsdp2_learner_with_a_tied_weight_saves_and_loads_it(job):
+    want = _saved(job, "tied")
+    assert "head.weight" not in want, "one parameter, named once by named_parameters"
+    for rank in range(2):
+        assert_same_state(load_file(str(job / f"tied-into-fsdp2-{rank}.safetensors")), want)
+        assert json.loads((job / f"rank-{rank}.json").read_text())["tied_kept"], "loading untied the weight"
+    model = TiedLM(2)
+    opt = adamw(model)
+    load_state(f"file://{job}/tied", model, opt)  # and into one plain rank
+    assert_same_state(full_state(model, opt), want)
+    assert model.head.weight is model.embed.weight
 
 
 @pytest.mark.slow
