@@ -34,6 +34,7 @@
 #     run(command="bash benchmarks/quality_gpu.sh --reference --steps 480 --rows reference,single --json \
 #                  $OUT/diloco_reference.json 2>&1 | tee $OUT/diloco_reference.log", carry=[".whl"], timeout_s=600)
 # (--steps 96 with every row: the platform against the reference in ~3 minutes.) --dry-run --reference: its --quick form.
+# --reference --steps 480 --rows platform --outer-warmup 5: the plan's diloco row with the outer lr warmed up (~6 min).
 #
 # Knobs (environment): QUALITY_GPU_OUT (--dry-run's results folder), GPU_SUITE_PYTHON, GPU_SUITE_SITE, GPU_SUITE_WHEELS
 # (as for gpu_suite.sh).
