@@ -86,7 +86,8 @@ def train(name: str, size: str, steps: int, evals: int, batch: int | None = None
     keep_freed_memory()  # as a quality row's process does
     row = run_spec(spec, scale, True, "cpu")
     return {"val_loss": row.val_loss, "tokens": row.tokens, "merges": row.merges, "real_s": row.real_s,
-            "knobs": row.knobs, "curve": [[c[0], c[2]] for c in row.curve]}
+            "mean_learners_per_merge": row.mean_learners_per_merge, "tokens_merged": row.tokens_merged,
+            "goodput": row.goodput, "knobs": row.knobs, "curve": [[c[0], c[2]] for c in row.curve]}
 
 
 def main() -> None:
