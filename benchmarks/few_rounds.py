@@ -64,6 +64,9 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     # Plain averaging at the shorter periods: is the outer step what makes H = 6 end above H = 12?
     "decoupled_h12_average": ("decoupled", {"fragments": {"every": 12}, "outer": {"lr": 1.0, "momentum": 0.0}}),
     "decoupled_h6_average": ("decoupled", {"fragments": {"every": 6}, "outer": {"lr": 1.0, "momentum": 0.0}}),
+    # ... and a smaller outer lr where each fragment takes more outer steps (the run's: 0.5).
+    "decoupled_h12_lr0.3": ("decoupled", {"fragments": {"every": 12}, "outer": {"lr": 0.3}}),
+    "decoupled_h6_lr0.25": ("decoupled", {"fragments": {"every": 6}, "outer": {"lr": 0.25}}),
     # The inner lr (the plan's 2e-3) halved and doubled, for data-parallel as for Decoupled: each against its best.
     "data_parallel_lr1e-3": ("data_parallel", {"inner": {"lr": 1e-3}}),
     "data_parallel_lr4e-3": ("data_parallel", {"inner": {"lr": 4e-3}}),
