@@ -70,6 +70,9 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "decoupled_lr0.3": ("decoupled", {"outer": {"lr": 0.3}}),
     "decoupled_h12_lr0.2": ("decoupled", {"fragments": {"every": 12}, "outer": {"lr": 0.2}}),
     "decoupled_h6_lr0.15": ("decoupled", {"fragments": {"every": 6}, "outer": {"lr": 0.15}}),
+    # The best outer lr of each period with the warm-up over a quarter of a fragment's versions.
+    "decoupled_lr0.3_warmup5": ("decoupled", {"outer": {"lr": 0.3, "warmup_versions": 5}}),
+    "decoupled_h12_lr0.3_warmup10": ("decoupled", {"fragments": {"every": 12}, "outer": {"lr": 0.3, "warmup_versions": 10}}),
     # The inner lr (the plan's 2e-3) halved and doubled, for data-parallel as for Decoupled: each against its best.
     "data_parallel_lr1e-3": ("data_parallel", {"inner": {"lr": 1e-3}}),
     "data_parallel_lr4e-3": ("data_parallel", {"inner": {"lr": 4e-3}}),
