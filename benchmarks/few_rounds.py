@@ -73,6 +73,11 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     # The best outer lr of each period with the warm-up over a quarter of a fragment's versions.
     "decoupled_lr0.3_warmup5": ("decoupled", {"outer": {"lr": 0.3, "warmup_versions": 5}}),
     "decoupled_h12_lr0.3_warmup10": ("decoupled", {"fragments": {"every": 12}, "outer": {"lr": 0.3, "warmup_versions": 10}}),
+    # At the best outer step found (H = 12, lr 0.3): the chaos row, and the outer momentum.
+    "decoupled_chaos_h12_lr0.3": ("decoupled_chaos", {"fragments": {"every": 12}, "outer": {"lr": 0.3}}),
+    "decoupled_h12_lr0.3_m0.8": ("decoupled", {"fragments": {"every": 12}, "outer": {"lr": 0.3, "momentum": 0.8}}),
+    "decoupled_h12_lr0.3_m0.95": ("decoupled", {"fragments": {"every": 12}, "outer": {"lr": 0.3, "momentum": 0.95}}),
+    "decoupled_h12_lr0.5_m0.8": ("decoupled", {"fragments": {"every": 12}, "outer": {"lr": 0.5, "momentum": 0.8}}),
     # The inner lr (the plan's 2e-3) halved and doubled, for data-parallel as for Decoupled: each against its best.
     "data_parallel_lr1e-3": ("data_parallel", {"inner": {"lr": 1e-3}}),
     "data_parallel_lr4e-3": ("data_parallel", {"inner": {"lr": 4e-3}}),
