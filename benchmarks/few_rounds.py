@@ -78,6 +78,11 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "decoupled_h12_lr0.3_m0.8": ("decoupled", {"fragments": {"every": 12}, "outer": {"lr": 0.3, "momentum": 0.8}}),
     "decoupled_h12_lr0.3_m0.95": ("decoupled", {"fragments": {"every": 12}, "outer": {"lr": 0.3, "momentum": 0.95}}),
     "decoupled_h12_lr0.5_m0.8": ("decoupled", {"fragments": {"every": 12}, "outer": {"lr": 0.5, "momentum": 0.8}}),
+    # Around the best of those (momentum 0.95): its lr, a heavier momentum, the plan's H = 24, and its chaos row.
+    "decoupled_h12_lr0.2_m0.95": ("decoupled", {"fragments": {"every": 12}, "outer": {"lr": 0.2, "momentum": 0.95}}),
+    "decoupled_h12_lr0.3_m0.98": ("decoupled", {"fragments": {"every": 12}, "outer": {"lr": 0.3, "momentum": 0.98}}),
+    "decoupled_lr0.3_m0.95": ("decoupled", {"outer": {"lr": 0.3, "momentum": 0.95}}),
+    "decoupled_chaos_h12_lr0.3_m0.95": ("decoupled_chaos", {"fragments": {"every": 12}, "outer": {"lr": 0.3, "momentum": 0.95}}),
     # The inner lr (the plan's 2e-3) halved and doubled, for data-parallel as for Decoupled: each against its best.
     "data_parallel_lr1e-3": ("data_parallel", {"inner": {"lr": 1e-3}}),
     "data_parallel_lr4e-3": ("data_parallel", {"inner": {"lr": 4e-3}}),
