@@ -83,6 +83,15 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "decoupled_h12_lr0.3_m0.98": ("decoupled", {"fragments": {"every": 12}, "outer": {"lr": 0.3, "momentum": 0.98}}),
     "decoupled_lr0.3_m0.95": ("decoupled", {"outer": {"lr": 0.3, "momentum": 0.95}}),
     "decoupled_chaos_h12_lr0.3_m0.95": ("decoupled_chaos", {"fragments": {"every": 12}, "outer": {"lr": 0.3, "momentum": 0.95}}),
+    # At that outer step: rebase on receipt, a larger lr, and the chaos row merging more learners at once (a quorum of
+    # half the live learners, or a grace window of up to H steps instead of 5).
+    "decoupled_h12_lr0.3_m0.95_rebase": ("decoupled", {"fragments": {"every": 12}, "outer": {"lr": 0.3, "momentum": 0.95},
+                                                       "merge": {"on_receipt": "rebase"}}),
+    "decoupled_h12_lr0.4_m0.95": ("decoupled", {"fragments": {"every": 12}, "outer": {"lr": 0.4, "momentum": 0.95}}),
+    "decoupled_chaos_h12_lr0.3_m0.95_q0.5": ("decoupled_chaos", {"fragments": {"every": 12}, "outer": {"lr": 0.3, "momentum": 0.95},
+                                                                 "quorum": {"min_fraction": 0.5}}),
+    "decoupled_chaos_h12_lr0.3_m0.95_grace12": ("decoupled_chaos", {"fragments": {"every": 12},
+                                                                    "outer": {"lr": 0.3, "momentum": 0.95}, "grace": {"max_s": 12.0}}),
     # The inner lr (the plan's 2e-3) halved and doubled, for data-parallel as for Decoupled: each against its best.
     "data_parallel_lr1e-3": ("data_parallel", {"inner": {"lr": 1e-3}}),
     "data_parallel_lr4e-3": ("data_parallel", {"inner": {"lr": 4e-3}}),
