@@ -29,6 +29,15 @@
 # --pinned trains with the code in .quality-pin/ (this script, its Python setup and the corpus are this checkout's) and
 # publishes into this checkout (--repo): the rows and the docs block say which code trained them.
 #
+# Follow-up rows, trained only when named (`ddiloco bench quality --help` lists them): the decoupled row with the best
+# outer steps the plan's shape found on a CPU (benchmarks/few_rounds.py). The pin predates them, so they train at this
+# checkout's code, beside a data-parallel row of the same code, into a folder of their own (QUALITY_GPU_OUT: on a GPU it
+# replaces the published files, which stay as they are). One row a command; carry the folder to the next one:
+#     run(command="QUALITY_GPU_OUT=ddiloco-runs/follow-up bash benchmarks/quality_gpu.sh data_parallel 2>&1 | tee \
+#                  $OUT/quality_gpu.log; cp -r ddiloco-runs/follow-up $OUT/", carry=[".whl"], timeout_s=600)
+#     (bring $OUT/follow-up back to ddiloco-runs/follow-up here; then the same with decoupled_lr0.3_m0.95 and
+#      carry=[".whl", "ddiloco-runs/follow-up"])
+#
 # --reference [ARGS] runs benchmarks/diloco_reference.py instead (its header says what), with the same Python and corpus:
 # the diloco row against the same DiLoCo in plain torch and one learner alone. On the device machine:
 #     run(command="bash benchmarks/quality_gpu.sh --reference --steps 480 --rows reference,single --json \
@@ -36,8 +45,8 @@
 # (--steps 96 with every row: the platform against the reference in ~3 minutes.) --dry-run --reference: its --quick form.
 # --reference --steps 480 --rows platform --outer-warmup 5: the plan's diloco row with the outer lr warmed up (~6 min).
 #
-# Knobs (environment): QUALITY_GPU_OUT (--dry-run's results folder), GPU_SUITE_PYTHON, GPU_SUITE_SITE, GPU_SUITE_WHEELS
-# (as for gpu_suite.sh).
+# Knobs (environment): QUALITY_GPU_OUT (the results folder: --dry-run's, or on a GPU instead of publishing),
+# GPU_SUITE_PYTHON, GPU_SUITE_SITE, GPU_SUITE_WHEELS (as for gpu_suite.sh).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -92,6 +101,8 @@ ARGS=(--scale gpu --repo "$ROOT")
 [[ -n "$ONLY" ]] && ARGS+=(--only "$ONLY")
 if [[ "$DRY_RUN" == 1 ]]; then
   ARGS+=(--quick --device cpu --out "${QUALITY_GPU_OUT:-$(mktemp -d /tmp/quality-gpu-dry.XXXXXX)}")
+elif [[ -n "${QUALITY_GPU_OUT:-}" ]]; then
+  ARGS+=(--device cuda --out "$QUALITY_GPU_OUT")
 else
   ARGS+=(--device cuda --publish)
 fi

@@ -245,11 +245,20 @@ def test_gpu_plan_rows_corpus_and_plot(gpu_quick):
 @pytest.mark.timeout(700)
 def test_gpu_plan_resumes_from_its_results_file(gpu_quick):
     before, _, out, cmd = gpu_quick
-    proc = subprocess.run([*cmd, "--only", "decoupled,diloco"], cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    follow_up = next(iter(P.GPU_FOLLOW_UPS))
+    proc = subprocess.run([*cmd, "--only", f"decoupled,diloco,{follow_up}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "keeping 4 of this scale, code and corpus" in proc.stdout and "training 0" in proc.stdout
+    assert "keeping 4 of this scale, code and corpus" in proc.stdout and "training 1" in proc.stdout
     after = json.loads((out / O.GPU_RESULTS_NAME).read_text())
-    assert [r["val_loss"] for r in after["rows"]] == [r["val_loss"] for r in before["rows"]]
+    assert [r["val_loss"] for r in after["rows"][:4]] == [r["val_loss"] for r in before["rows"]]
+    # A follow-up row, trained only when named, joins the plan beside its decoupled row; the goals stay the four rows'.
+    extra = after["rows"][4]
+    change = P.GPU_FOLLOW_UPS[follow_up][1]["outer"]
+    assert (extra["regime"], extra["group"]) == (follow_up, "sweep") and extra["tokens"] == after["rows"][2]["tokens"]
+    assert (extra["knobs"]["outer_lr"], extra["knobs"]["outer_momentum"]) == (change["lr"], change["momentum"])
+    assert after["goals"] == before["goals"]
+    assert [a["row"] for a in after["ablations"]] == [follow_up] and after["ablations"][0]["base"] == "decoupled"
 
 
 def test_gpu_plan_is_sized_as_the_issue_asks():
@@ -272,6 +281,11 @@ def test_gpu_plan_is_sized_as_the_issue_asks():
         assert (cfg.token_budget, cfg.seed, cfg.learners.batch_size, cfg.inner) == (c.token_budget, c.seed, c.learners.batch_size, c.inner)
         assert cfg.learners.count == 8
     assert (cfgs["decoupled"].fragments.count, cfgs["decoupled"].fragments.period) == (24, 24)
+    # The follow-up rows change the decoupled row's outer step and period, nothing else.
+    for spec in P.gpu_follow_up_specs():
+        cfg = P.build_run_config(spec, P.GPU, False, "cuda")
+        assert cfg.model_copy(update={"name": c.name, "outer": c.outer, "fragments": c.fragments}) == c, spec.regime
+        assert (cfg.outer, cfg.fragments) != (c.outer, c.fragments) and cfg.fragments.count == 24
     assert cfgs["diloco"].fragments.count == 1 and cfgs["diloco"].quorum.min_count == 8
 
 

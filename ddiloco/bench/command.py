@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from ddiloco.bench.quality.plan import GPU_REGIMES
+from ddiloco.bench.quality.plan import GPU_FOLLOW_UPS, GPU_REGIMES
 
 if TYPE_CHECKING:
     from ddiloco.bench.quality.output import Destination
@@ -51,7 +51,8 @@ def quality_command(
     scale_name: str = typer.Option(
         "cpu", "--scale", help="cpu: the plan above, the quick check on a CPU. gpu: issue #26's plan, a 25.7M-parameter "
         "(non-embedding) Llama on the installed packages' Python sources, 251.7M tokens per regime, 8 learners: "
-        f"{', '.join(GPU_REGIMES)}; each regime its own resumable step (--only), --quick its tiny CPU form."
+        f"{', '.join(GPU_REGIMES)}; each regime its own resumable step (--only), --quick its tiny CPU form. Rows trained only "
+        f"when named in --only: {', '.join(GPU_FOLLOW_UPS)} (the decoupled row with the CPU proxy's best outer steps)."
     ),
     device: str = typer.Option("auto", "--device", help="--scale gpu: where it trains: auto (the GPU when there is one), cuda, cpu."),
     force: bool = typer.Option(
@@ -91,12 +92,12 @@ def quality_command(
             raise typer.BadParameter(f"must list some of {', '.join(P.MODELS)}; got {models!r}", param_hint="--models")
         if gpu:
             scale = P.GPU_QUICK if quick else P.GPU
-            every = P.gpu_specs(scale)
+            every = P.gpu_specs(scale) + P.gpu_follow_up_specs()
         else:
             scale = P.QUICK if quick else P.FULL
             every = P.plan(chosen, scale, quick, ablations=ablations, sweep=sweep)
         try:
-            specs = P.select(every, only)
+            specs = P.select(every, only) if only or not gpu else P.gpu_specs(scale)
         except ValueError as err:
             raise typer.BadParameter(str(err), param_hint="--only") from None
         full = not quick if gpu else P.is_published_plan(chosen, quick, ablations, sweep, only)

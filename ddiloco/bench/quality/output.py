@@ -136,15 +136,20 @@ def save_plots(rows: Sequence[Row], out_dir: Path, stem: str = "quality") -> lis
     paths = []
     for model in dict.fromkeys(r.model for r in rows):
         mine = [r for r in rows if r.model == model]
-        main = [r for r in mine if r.group in ("regime", "reference")]
-        extra = [r for r in mine if r.group in ("ablation", "sweep", "noise") or r.regime in ("decoupled", "decoupled_stragglers")]
+        # The GPU plan's few follow-up rows (sweep rows of its decoupled row) go on its one plot.
+        gpu = mine[0].scale in GPU_SCALES
+        main = [r for r in mine if r.group in ("regime", "reference") or (gpu and r.group == "sweep")]
+        extra = [] if gpu else [r for r in mine
+                                if r.group in ("ablation", "sweep", "noise") or r.regime in ("decoupled", "decoupled_stragglers")]
         for kind, sel in (("", main), ("-ablations", extra)):
             if not sel or (kind and len(sel) <= 2):
                 continue
             fig, axes = plt.subplots(1, 2, figsize=(14, 4.6), dpi=100)
             cmap = plt.get_cmap("tab20")
             for i, r in enumerate(sel):
-                color, ls = STYLE.get(r.regime, (cmap(i % 20), "-"))
+                # The GPU plan's follow-ups: dashed, in tab10's colours that no main row has.
+                other = (plt.get_cmap("tab10")(5 + i % 5), "--") if gpu else (cmap(i % 20), "-")
+                color, ls = STYLE.get(r.regime, other)
                 pts = [c for c in r.curve if c[2] is not None]
                 label = f"{r.regime} ({r.val_loss:.3f})"
                 axes[0].plot([c[0] for c in pts], [c[2] for c in pts], linestyle=ls, color=color, label=label, lw=1.6)
@@ -161,7 +166,7 @@ def save_plots(rows: Sequence[Row], out_dir: Path, stem: str = "quality") -> lis
                 ax.grid(alpha=0.3)
                 ax.set_ylim(lo - 0.05 * abs(lo), hi + 0.02 * abs(hi))
             axes[1].legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
-            at = f" ({mine[0].scale} scale)" if mine[0].scale in GPU_SCALES else ""
+            at = f" ({mine[0].scale} scale)" if gpu else ""
             fig.suptitle(f"{model}{at}: validation loss by regime{' (ablations and sweep)' if kind else ''}")
             fig.tight_layout()
             p = out_dir / f"{stem}-{model}{kind}.png"

@@ -129,6 +129,20 @@ def gpu_specs(scale: Scale) -> list[RunSpec]:
     ]
 
 
+GPU_FOLLOW_UPS: dict[str, tuple[str, dict[str, Any]]] = {
+    "decoupled_lr0.3_m0.95": ("outer lr 0.3, momentum 0.95", {"outer": {"lr": 0.3, "momentum": 0.95}}),
+    "decoupled_h12_lr0.3_m0.95": ("H = 12, outer lr 0.3, momentum 0.95",
+                                  {"fragments": {"every": 12}, "outer": {"lr": 0.3, "momentum": 0.95}}),
+}
+"""Rows trained only when named (``--only``): the decoupled row with the best outer steps that the plan's shape found
+on a CPU (``benchmarks/few_rounds.py``), to see whether they carry over to this scale. Name: (knob, config change)."""
+
+
+def gpu_follow_up_specs() -> list[RunSpec]:
+    """``GPU_FOLLOW_UPS`` as sweep rows of the decoupled row (the goals and the default plan stay the four regimes)."""
+    return [RunSpec(GPU_MODEL, name, "sweep", change, base="decoupled", knob=knob) for name, (knob, change) in GPU_FOLLOW_UPS.items()]
+
+
 def model_sections(model: str, quick: bool) -> dict[str, Any]:
     """The config sections of a model at a scale: model, data, batch, inner optimizer, fragments P and period H."""
     if model in ("dense", "moe"):
