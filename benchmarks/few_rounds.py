@@ -92,6 +92,13 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
                                                                  "quorum": {"min_fraction": 0.5}}),
     "decoupled_chaos_h12_lr0.3_m0.95_grace12": ("decoupled_chaos", {"fragments": {"every": 12},
                                                                     "outer": {"lr": 0.3, "momentum": 0.95}, "grace": {"max_s": 12.0}}),
+    # Larger outer lrs at momentum 0.95, and the chaos row's quorum at more of the live learners and at lr 0.4.
+    "decoupled_h12_lr0.5_m0.95": ("decoupled", {"fragments": {"every": 12}, "outer": {"lr": 0.5, "momentum": 0.95}}),
+    "decoupled_h12_lr0.6_m0.95": ("decoupled", {"fragments": {"every": 12}, "outer": {"lr": 0.6, "momentum": 0.95}}),
+    "decoupled_chaos_h12_lr0.3_m0.95_q0.75": ("decoupled_chaos", {"fragments": {"every": 12}, "outer": {"lr": 0.3, "momentum": 0.95},
+                                                                  "quorum": {"min_fraction": 0.75}}),
+    "decoupled_chaos_h12_lr0.4_m0.95_q0.5": ("decoupled_chaos", {"fragments": {"every": 12}, "outer": {"lr": 0.4, "momentum": 0.95},
+                                                                 "quorum": {"min_fraction": 0.5}}),
     # The inner lr (the plan's 2e-3) halved and doubled, for data-parallel as for Decoupled: each against its best.
     "data_parallel_lr1e-3": ("data_parallel", {"inner": {"lr": 1e-3}}),
     "data_parallel_lr4e-3": ("data_parallel", {"inner": {"lr": 4e-3}}),
