@@ -29,13 +29,13 @@
 # --pinned trains with the code in .quality-pin/ (this script, its Python setup and the corpus are this checkout's) and
 # publishes into this checkout (--repo): the rows and the docs block say which code trained them.
 #
-# Follow-up rows, trained only when named (`ddiloco bench quality --help` lists them): the decoupled row with the best
-# outer steps the plan's shape found on a CPU (benchmarks/few_rounds.py). The pin predates them, so they train at this
+# Follow-up rows, trained only when named (`ddiloco bench quality --help` lists them): the decoupled and chaos rows with
+# the best settings the plan's shape found on a CPU (benchmarks/few_rounds.py). The pin predates them, so they train at this
 # checkout's code, beside a data-parallel row of the same code, into a folder of their own (QUALITY_GPU_OUT: on a GPU it
 # replaces the published files, which stay as they are). One row a command; carry the folder to the next one:
 #     run(command="QUALITY_GPU_OUT=ddiloco-runs/follow-up bash benchmarks/quality_gpu.sh data_parallel 2>&1 | tee \
 #                  $OUT/quality_gpu.log; cp -r ddiloco-runs/follow-up $OUT/", carry=[".whl"], timeout_s=600)
-#     (bring $OUT/follow-up back to ddiloco-runs/follow-up here; then the same with decoupled_lr0.3_m0.95 and
+#     (bring $OUT/follow-up back to ddiloco-runs/follow-up here; then the same with decoupled_h12_lr0.3_m0.95 and
 #      carry=[".whl", "ddiloco-runs/follow-up"])
 #
 # --reference [ARGS] runs benchmarks/diloco_reference.py instead (its header says what), with the same Python and corpus:

@@ -254,8 +254,9 @@ def test_gpu_plan_resumes_from_its_results_file(gpu_quick):
     assert [r["val_loss"] for r in after["rows"][:4]] == [r["val_loss"] for r in before["rows"]]
     # A follow-up row, trained only when named, joins the plan beside its decoupled row; the goals stay the four rows'.
     extra = after["rows"][4]
-    change = P.GPU_FOLLOW_UPS[follow_up][1]["outer"]
-    assert (extra["regime"], extra["group"]) == (follow_up, "sweep") and extra["tokens"] == after["rows"][2]["tokens"]
+    base, _, change = P.GPU_FOLLOW_UPS[follow_up]
+    change = change["outer"]
+    assert (extra["regime"], extra["group"], base) == (follow_up, "sweep", "decoupled") and extra["tokens"] == after["rows"][2]["tokens"]
     assert (extra["knobs"]["outer_lr"], extra["knobs"]["outer_momentum"]) == (change["lr"], change["momentum"])
     assert after["goals"] == before["goals"]
     assert [a["row"] for a in after["ablations"]] == [follow_up] and after["ablations"][0]["base"] == "decoupled"
@@ -281,11 +282,15 @@ def test_gpu_plan_is_sized_as_the_issue_asks():
         assert (cfg.token_budget, cfg.seed, cfg.learners.batch_size, cfg.inner) == (c.token_budget, c.seed, c.learners.batch_size, c.inner)
         assert cfg.learners.count == 8
     assert (cfgs["decoupled"].fragments.count, cfgs["decoupled"].fragments.period) == (24, 24)
-    # The follow-up rows change the decoupled row's outer step and period, nothing else.
-    for spec in P.gpu_follow_up_specs():
-        cfg = P.build_run_config(spec, P.GPU, False, "cuda")
-        assert cfg.model_copy(update={"name": c.name, "outer": c.outer, "fragments": c.fragments}) == c, spec.regime
-        assert (cfg.outer, cfg.fragments) != (c.outer, c.fragments) and cfg.fragments.count == 24
+    # A follow-up row changes its row's outer step, period and quorum, nothing else (the chaos row keeps its failures).
+    rows = {s.regime: s for s in P.gpu_specs(P.GPU)}
+    for spec in P.gpu_follow_up_specs(P.GPU):
+        base = rows[spec.base]
+        cfg, ref = P.build_run_config(spec, P.GPU, False, "cuda"), cfgs[spec.base]
+        assert cfg.model_copy(update={"name": ref.name, "outer": ref.outer, "fragments": ref.fragments, "quorum": ref.quorum}) == ref
+        assert (cfg.outer, cfg.fragments.period) != (ref.outer, ref.fragments.period) and cfg.fragments.count == 24
+        assert (spec.speeds, spec.failures, spec.group) == (base.speeds, base.failures, "sweep")
+    assert {s.base for s in P.gpu_follow_up_specs(P.GPU)} == {"decoupled", "decoupled_chaos"}
     assert cfgs["diloco"].fragments.count == 1 and cfgs["diloco"].quorum.min_count == 8
 
 

@@ -52,7 +52,7 @@ def quality_command(
         "cpu", "--scale", help="cpu: the plan above, the quick check on a CPU. gpu: issue #26's plan, a 25.7M-parameter "
         "(non-embedding) Llama on the installed packages' Python sources, 251.7M tokens per regime, 8 learners: "
         f"{', '.join(GPU_REGIMES)}; each regime its own resumable step (--only), --quick its tiny CPU form. Rows trained only "
-        f"when named in --only: {', '.join(GPU_FOLLOW_UPS)} (the decoupled row with the CPU proxy's best outer steps)."
+        f"when named in --only: {', '.join(GPU_FOLLOW_UPS)} (the decoupled and chaos rows with the CPU proxy's best settings)."
     ),
     device: str = typer.Option("auto", "--device", help="--scale gpu: where it trains: auto (the GPU when there is one), cuda, cpu."),
     force: bool = typer.Option(
@@ -92,7 +92,7 @@ def quality_command(
             raise typer.BadParameter(f"must list some of {', '.join(P.MODELS)}; got {models!r}", param_hint="--models")
         if gpu:
             scale = P.GPU_QUICK if quick else P.GPU
-            every = P.gpu_specs(scale) + P.gpu_follow_up_specs()
+            every = P.gpu_specs(scale) + P.gpu_follow_up_specs(scale)
         else:
             scale = P.QUICK if quick else P.FULL
             every = P.plan(chosen, scale, quick, ablations=ablations, sweep=sweep)

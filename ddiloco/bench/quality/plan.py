@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -129,18 +129,22 @@ def gpu_specs(scale: Scale) -> list[RunSpec]:
     ]
 
 
-GPU_FOLLOW_UPS: dict[str, tuple[str, dict[str, Any]]] = {
-    "decoupled_lr0.3_m0.95": ("outer lr 0.3, momentum 0.95", {"outer": {"lr": 0.3, "momentum": 0.95}}),
-    "decoupled_h12_lr0.3_m0.95": ("H = 12, outer lr 0.3, momentum 0.95",
-                                  {"fragments": {"every": 12}, "outer": {"lr": 0.3, "momentum": 0.95}}),
+_BEST_OUTER = {"fragments": {"every": 12}, "outer": {"lr": 0.3, "momentum": 0.95}}
+GPU_FOLLOW_UPS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "decoupled_h12_lr0.3_m0.95": ("decoupled", "H = 12, outer lr 0.3, momentum 0.95", _BEST_OUTER),
+    "decoupled_chaos_h12_lr0.3_m0.95_q0.5": ("decoupled_chaos", "H = 12, outer lr 0.3, momentum 0.95, quorum half the live learners",
+                                             {**_BEST_OUTER, "quorum": {"min_fraction": 0.5}}),
 }
-"""Rows trained only when named (``--only``): the decoupled row with the best outer steps that the plan's shape found
-on a CPU (``benchmarks/few_rounds.py``), to see whether they carry over to this scale. Name: (knob, config change)."""
+"""Rows trained only when named (``--only``): the decoupled and chaos rows with the best settings that the plan's shape
+found on a CPU (``benchmarks/few_rounds.py``), to see whether they carry over to this scale.
+Name: (the row it changes, knob, config change)."""
 
 
-def gpu_follow_up_specs() -> list[RunSpec]:
-    """``GPU_FOLLOW_UPS`` as sweep rows of the decoupled row (the goals and the default plan stay the four regimes)."""
-    return [RunSpec(GPU_MODEL, name, "sweep", change, base="decoupled", knob=knob) for name, (knob, change) in GPU_FOLLOW_UPS.items()]
+def gpu_follow_up_specs(scale: Scale) -> list[RunSpec]:
+    """``GPU_FOLLOW_UPS`` as sweep rows of the plan's rows (the goals and the default plan stay the four regimes)."""
+    rows = {s.regime: s for s in gpu_specs(scale)}
+    return [replace(rows[base], regime=name, group="sweep", overrides=deep_merge(rows[base].overrides, change), base=base, knob=knob)
+            for name, (base, knob, change) in GPU_FOLLOW_UPS.items()]
 
 
 def model_sections(model: str, quick: bool) -> dict[str, Any]:
