@@ -6,7 +6,7 @@ DiLoCo row ended 77% above data-parallel. This trains the same plan (8 learners,
 2e-3 with 24 warm-up steps and the cosine to 10%, the quick corpus) on a model a CPU can train 30,720 steps of, and
 varies what the issue asks to vary when a goal is missed: the outer lr and momentum, H, plain averaging, overwrite
 instead of blend on receipt, the outer lr's warm-up (and the inner lr); and the plan's chaos row (stragglers and
-outages at once). Each row's final validation loss is divided by data-parallel's and by one learner's alone, both
+outages at once), with its quorum and grace. Each row's final validation loss is divided by data-parallel's and by one learner's alone, both
 trained in the same run.
 
 Sizes: ``tiny`` (the ``--quick`` plan's Llama: d 32, 1 layer, sequences of 32, 2 a step) and ``mid`` (d 128, 2
