@@ -37,6 +37,7 @@ SIZES: dict[str, dict[str, Any]] = {
                                                    "max_position_embeddings": 64}},
             "learners": {"batch_size": 8}},
 }
+_BEST = {"fragments": {"every": 12}, "outer": {"lr": 0.3, "momentum": 0.95}}
 ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     # name: (the GPU plan's regime it starts from, what it changes)
     "data_parallel": ("data_parallel", {}),
@@ -99,6 +100,11 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
                                                                   "quorum": {"min_fraction": 0.75}}),
     "decoupled_chaos_h12_lr0.4_m0.95_q0.5": ("decoupled_chaos", {"fragments": {"every": 12}, "outer": {"lr": 0.4, "momentum": 0.95},
                                                                  "quorum": {"min_fraction": 0.5}}),
+    # The blend on receipt's alpha (the run's: 0.5) and the overlap tau (2) at the best outer step.
+    "decoupled_h12_lr0.3_m0.95_alpha0.25": ("decoupled", {**_BEST, "merge": {"blend_alpha": 0.25}}),
+    "decoupled_h12_lr0.3_m0.95_alpha0.75": ("decoupled", {**_BEST, "merge": {"blend_alpha": 0.75}}),
+    "decoupled_h12_lr0.3_m0.95_tau1": ("decoupled", {"fragments": {"every": 12, "overlap": 1}, "outer": _BEST["outer"]}),
+    "decoupled_h12_lr0.3_m0.95_tau4": ("decoupled", {"fragments": {"every": 12, "overlap": 4}, "outer": _BEST["outer"]}),
     # The inner lr (the plan's 2e-3) halved and doubled, for data-parallel as for Decoupled: each against its best.
     "data_parallel_lr1e-3": ("data_parallel", {"inner": {"lr": 1e-3}}),
     "data_parallel_lr4e-3": ("data_parallel", {"inner": {"lr": 4e-3}}),
