@@ -136,7 +136,7 @@ def save_plots(rows: Sequence[Row], out_dir: Path, stem: str = "quality") -> lis
     paths = []
     for model in dict.fromkeys(r.model for r in rows):
         mine = [r for r in rows if r.model == model]
-        # The GPU plan's few follow-up rows (sweep rows of its decoupled row) go on its one plot.
+        # The GPU plan's few follow-up rows (sweep rows of its decoupled and chaos rows) go on its one plot.
         gpu = mine[0].scale in GPU_SCALES
         main = [r for r in mine if r.group in ("regime", "reference") or (gpu and r.group == "sweep")]
         extra = [] if gpu else [r for r in mine
