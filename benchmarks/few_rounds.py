@@ -9,8 +9,9 @@ instead of blend on receipt, the outer lr's warm-up (and the inner lr); and the 
 outages at once), with its quorum and grace. Each row's final validation loss is divided by data-parallel's and by one learner's alone, both
 trained in the same run.
 
-Sizes: ``tiny`` (the ``--quick`` plan's Llama: d 32, 1 layer, sequences of 32, 2 a step) and ``mid`` (d 128, 2
-layers, sequences of 64, 8 a step). Seeded: ``--jobs`` changes the time taken, not the figures.
+Sizes: ``tiny`` (the ``--quick`` plan's Llama: d 32, 1 layer, sequences of 32, 2 a step), ``mid`` (d 128, 2
+layers, sequences of 64, 8 a step) and ``big`` (d 192, 3 layers, the same sequences and batch). Seeded: ``--jobs``
+changes the time taken, not the figures.
 
     python benchmarks/few_rounds.py [--quick] [--size mid] [--rows data_parallel,single,diloco,...] [--jobs 2]
 """
@@ -34,6 +35,11 @@ SIZES: dict[str, dict[str, Any]] = {
     "tiny": {},
     "mid": {"model": {"seq_len": 64, "hf_config": {"hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 2,
                                                    "num_attention_heads": 4, "num_key_value_heads": 4,
+                                                   "max_position_embeddings": 64}},
+            "learners": {"batch_size": 8}},
+    # ~3.4x mid's non-embedding parameters at the same tokens: does the gap to data-parallel shrink as the model grows?
+    "big": {"model": {"seq_len": 64, "hf_config": {"hidden_size": 192, "intermediate_size": 512, "num_hidden_layers": 3,
+                                                   "num_attention_heads": 6, "num_key_value_heads": 6,
                                                    "max_position_embeddings": 64}},
             "learners": {"batch_size": 8}},
 }
