@@ -113,6 +113,7 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "decoupled_h12_lr0.3_m0.95_tau4": ("decoupled", {"fragments": {"every": 12, "overlap": 4}, "outer": _BEST["outer"]}),
     # The inner lr (the plan's 2e-3) halved and doubled, for data-parallel as for Decoupled: each against its best.
     "data_parallel_lr1e-3": ("data_parallel", {"inner": {"lr": 1e-3}}),
+    "data_parallel_lr3e-3": ("data_parallel", {"inner": {"lr": 3e-3}}),
     "data_parallel_lr4e-3": ("data_parallel", {"inner": {"lr": 4e-3}}),
     "decoupled_lr1e-3": ("decoupled", {"inner": {"lr": 1e-3}}),
     "decoupled_lr4e-3": ("decoupled", {"inner": {"lr": 4e-3}}),
