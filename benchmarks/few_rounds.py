@@ -112,6 +112,11 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "decoupled_h12_lr0.3_m0.95_tau1": ("decoupled", {"fragments": {"every": 12, "overlap": 1}, "outer": _BEST["outer"]}),
     "decoupled_h12_lr0.3_m0.95_tau4": ("decoupled", {"fragments": {"every": 12, "overlap": 4}, "outer": _BEST["outer"]}),
     # The inner lr (the plan's 2e-3) halved and doubled, for data-parallel as for Decoupled: each against its best.
+    # ... and at the best outer step, for the larger batch (--batch 16), where data-parallel's best inner lr is higher.
+    "decoupled_h12_lr0.3_m0.95_ilr3e-3": ("decoupled", {**_BEST, "inner": {"lr": 3e-3}}),
+    "decoupled_h12_lr0.3_m0.95_ilr4e-3": ("decoupled", {**_BEST, "inner": {"lr": 4e-3}}),
+    "decoupled_chaos_h12_lr0.3_m0.95_q0.5_ilr3e-3": ("decoupled_chaos", {**_BEST, "quorum": {"min_fraction": 0.5},
+                                                                         "inner": {"lr": 3e-3}}),
     "data_parallel_lr1e-3": ("data_parallel", {"inner": {"lr": 1e-3}}),
     "data_parallel_lr3e-3": ("data_parallel", {"inner": {"lr": 3e-3}}),
     "data_parallel_lr4e-3": ("data_parallel", {"inner": {"lr": 4e-3}}),
