@@ -125,8 +125,26 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def train(name: str, size: str, steps: int, evals: int, batch: int | None = None) -> dict[str, Any]:
-    """One row, on the CPU (in a pool worker or here); ``batch``: sequences a learner step, if not the size's."""
+def corpus_manifest(corpus_bytes: int) -> str:
+    """The quick corpus's slice of ``corpus_bytes`` (each side; the quick plan's is 2 MB) as BPE shards of the same
+    vocabulary, prepared once under the bench data folder; returns the manifest's path."""
+    from ddiloco.bench.quality import plan as P
+    from ddiloco.data_prepare import VAL_SHARE, prepare, site_packages_corpus
+    from ddiloco.platform.manifest import read_manifest
+
+    out = f"{P.LLAMA_DATA_ROOT}/site-packages-bpe{P.gpu_vocab(True)}-{corpus_bytes}"
+    url = f"{out}/manifest.json"
+    corpus = site_packages_corpus(corpus_bytes, val_share=0.05)  # as the quick plan's slice is made
+    if Path(url).exists() and read_manifest(url).extra.get("corpus_sha256") == corpus.record["corpus_sha256"]:
+        return url
+    Path(url).unlink(missing_ok=True)
+    prepare(corpus, out, train_tokenizer=P.gpu_vocab(True), val_fraction=VAL_SHARE)
+    return url
+
+
+def train(name: str, size: str, steps: int, evals: int, batch: int | None = None, manifest: str | None = None) -> dict[str, Any]:
+    """One row, on the CPU (in a pool worker or here); ``batch``: sequences a learner step, if not the size's;
+    ``manifest``: the corpus, if not the quick plan's."""
     from ddiloco.bench.quality import plan as P
     from ddiloco.bench.quality.run import run_spec
     from ddiloco.platform.memory import keep_freed_memory
@@ -136,6 +154,8 @@ def train(name: str, size: str, steps: int, evals: int, batch: int | None = None
     base = P.deep_merge({"inner": {"lr": 2e-3, "warmup_steps": H}, "fragments": {"count": H, "every": H}}, SIZES[size])
     if batch is not None:
         base = P.deep_merge(base, {"learners": {"batch_size": batch}})
+    if manifest is not None:
+        base = P.deep_merge(base, {"data": {"manifest": manifest}})
     plan_spec = next(s for s in P.gpu_specs(P.GPU_QUICK) if s.regime == regime)
     # The plan's row with its stragglers and outages (decoupled_chaos), its config resized and changed.
     spec = replace(plan_spec, overrides=P.deep_merge(P.deep_merge(base, plan_spec.overrides), change))
@@ -154,14 +174,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=STEPS, help="inner steps a learner (a round every H = 24)")
     ap.add_argument("--batch", type=int, default=None, help="sequences a learner step (default: the size's; the global "
                     "batch is 8 of them): with --steps, more rounds at the same tokens")
+    ap.add_argument("--corpus-bytes", type=int, default=None, help="train on this much of the installed packages' "
+                    "sources (each side; the quick plan's 2 MB by default): with --batch, as many epochs at more tokens")
     ap.add_argument("--evals", type=int, default=10, help="evaluations a row, besides the one at 0 tokens")
     ap.add_argument("--jobs", type=int, default=1, help="rows trained at once (one core each)")
     args = ap.parse_args()
     rows = [r for r in args.rows.split(",") if r]
     if not rows or any(r not in ROWS for r in rows):
         ap.error(f"--rows: choose among {', '.join(ROWS)}, got {args.rows!r}")
-    if args.steps < 1 or args.evals < 1 or args.jobs < 1 or (args.batch is not None and args.batch < 1):
-        ap.error("--steps, --evals, --jobs and --batch must be at least 1")
+    if args.steps < 1 or args.evals < 1 or args.jobs < 1 or any(v is not None and v < 1 for v in (args.batch, args.corpus_bytes)):
+        ap.error("--steps, --evals, --jobs, --batch and --corpus-bytes must be at least 1")
     if args.quick:
         args.size, args.steps, args.evals = "tiny", 48, 2
         rows = [r for r in rows if r in ("data_parallel", "single", "diloco", "decoupled")]
@@ -171,18 +193,24 @@ def main() -> None:
     rows = [r for r in ("data_parallel", "single") if r in rows] + [r for r in rows if r not in ("data_parallel", "single")]
 
     from ddiloco.bench.quality.run import prepare_gpu_data
+    from ddiloco.platform.manifest import read_manifest
 
-    prepare_gpu_data(True)  # the quick corpus, made once; the workers find it
+    manifest = None
+    if args.corpus_bytes is None:
+        url = prepare_gpu_data(True)[0]  # the quick corpus, made once; the workers find it
+    else:
+        url = manifest = corpus_manifest(args.corpus_bytes)
     results = header(NAME, args)
-    results.update(size=args.size, learners=M, period=H, rows={})  # each row's knobs hold its batch and outer step
+    # each row's knobs hold its batch and outer step; the corpus's training tokens give the epochs a row trains
+    results.update(size=args.size, learners=M, period=H, corpus_train_tokens=sum(s.tokens for s in read_manifest(url).train), rows={})
     t0 = time.perf_counter()
     if args.jobs == 1:
-        done = {r: train(r, args.size, args.steps, args.evals, args.batch) for r in rows}
+        done = {r: train(r, args.size, args.steps, args.evals, args.batch, manifest) for r in rows}
     else:
         import multiprocessing as mp
 
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=mp.get_context("spawn")) as pool:
-            futures = {r: pool.submit(train, r, args.size, args.steps, args.evals, args.batch) for r in rows}
+            futures = {r: pool.submit(train, r, args.size, args.steps, args.evals, args.batch, manifest) for r in rows}
             done = {r: f.result() for r, f in futures.items()}
     results["wall_s"] = round(time.perf_counter() - t0, 1)
     dp = done.get("data_parallel", {}).get("val_loss")
