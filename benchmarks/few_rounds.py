@@ -125,23 +125,6 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def corpus_manifest(corpus_bytes: int) -> str:
-    """The quick corpus's slice of ``corpus_bytes`` (each side; the quick plan's is 2 MB) as BPE shards of the same
-    vocabulary, prepared once under the bench data folder; returns the manifest's path."""
-    from ddiloco.bench.quality import plan as P
-    from ddiloco.data_prepare import VAL_SHARE, prepare, site_packages_corpus
-    from ddiloco.platform.manifest import read_manifest
-
-    out = f"{P.LLAMA_DATA_ROOT}/site-packages-bpe{P.gpu_vocab(True)}-{corpus_bytes}"
-    url = f"{out}/manifest.json"
-    corpus = site_packages_corpus(corpus_bytes, val_share=0.05)  # as the quick plan's slice is made
-    if Path(url).exists() and read_manifest(url).extra.get("corpus_sha256") == corpus.record["corpus_sha256"]:
-        return url
-    Path(url).unlink(missing_ok=True)
-    prepare(corpus, out, train_tokenizer=P.gpu_vocab(True), val_fraction=VAL_SHARE)
-    return url
-
-
 def train(name: str, size: str, steps: int, evals: int, batch: int | None = None, manifest: str | None = None) -> dict[str, Any]:
     """One row, on the CPU (in a pool worker or here); ``batch``: sequences a learner step, if not the size's;
     ``manifest``: the corpus, if not the quick plan's."""
@@ -195,11 +178,8 @@ def main() -> None:
     from ddiloco.bench.quality.run import prepare_gpu_data
     from ddiloco.platform.manifest import read_manifest
 
-    manifest = None
-    if args.corpus_bytes is None:
-        url = prepare_gpu_data(True)[0]  # the quick corpus, made once; the workers find it
-    else:
-        url = manifest = corpus_manifest(args.corpus_bytes)
+    url = prepare_gpu_data(True, args.corpus_bytes)[0]  # the quick corpus (or a larger slice), made once; the workers find it
+    manifest = None if args.corpus_bytes is None else url
     results = header(NAME, args)
     # each row's knobs hold its batch and outer step; the corpus's training tokens give the epochs a row trains
     results.update(size=args.size, learners=M, period=H, corpus_train_tokens=sum(s.tokens for s in read_manifest(url).train), rows={})

@@ -229,20 +229,24 @@ def prepare_bench_data(quick: bool) -> str:
     return out
 
 
-def prepare_gpu_data(quick: bool) -> tuple[str, dict[str, Any], bool]:
+def prepare_gpu_data(quick: bool, corpus_bytes: int | None = None) -> tuple[str, dict[str, Any], bool]:
     """The GPU plan's BPE shards of the installed packages' Python sources: (manifest URL, the corpus's record, whether
     they were prepared now). Prepared once and reused while the installed packages are the same (the manifest's corpus
-    digest); another environment's shards are prepared again, their manifest removed first so no run reads them half-written."""
+    digest); another environment's shards are prepared again, their manifest removed first so no run reads them half-written.
+    ``corpus_bytes`` (with ``quick``): a slice of that size instead of --quick's, in a folder of its own."""
     from pathlib import Path
 
-    from ddiloco.bench.quality.plan import GPU_QUICK_CORPUS_BYTES, gpu_data_dir, gpu_vocab
+    from ddiloco.bench.quality.plan import GPU_QUICK_CORPUS_BYTES, LLAMA_DATA_ROOT, gpu_data_dir, gpu_vocab
     from ddiloco.data_prepare import VAL_SHARE, prepare, site_packages_corpus
     from ddiloco.platform.manifest import read_manifest
 
     out = gpu_data_dir(quick)
+    if quick and corpus_bytes is not None:
+        out = f"{LLAMA_DATA_ROOT}/site-packages-bpe{gpu_vocab(quick)}-{corpus_bytes}"
     url = f"{out}/manifest.json"
     # --quick's slice is small: a larger share of it validates, so the evaluation windows do not overlap much.
-    corpus = site_packages_corpus(GPU_QUICK_CORPUS_BYTES if quick else None, val_share=0.05 if quick else VAL_SHARE)
+    size = (corpus_bytes or GPU_QUICK_CORPUS_BYTES) if quick else None
+    corpus = site_packages_corpus(size, val_share=0.05 if quick else VAL_SHARE)
     if Path(url).exists():
         if read_manifest(url).extra.get("corpus_sha256") == corpus.record["corpus_sha256"]:
             return url, read_manifest(url).extra, False
