@@ -33,6 +33,8 @@ from ddiloco.synchronizer.policy import budget_end
 from ddiloco.synchronizer.service import Synchronizer
 
 SUPERVISE_EVERY_S = 1.0
+STARTUP_POLL_S = 0.1
+"""How often the supervisor asks the ledger whether training has started, before it has."""
 STOP_TIMEOUT_S = 60.0
 """How long processes get to finish their uploads when the run ends."""
 STANDBYS = 1
@@ -69,6 +71,17 @@ def _wait(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
         time.sleep(0.2)
+
+
+def _until_training(ctx: RunContext, timeout_s: float) -> None:
+    """Return once the run's first trained token is in the ledger, or after ``timeout_s``: the clock that chaos events
+    and ``seconds`` count by starts then, and a whole supervision pass late would shift every one of them."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with ctx.transaction() as s:
+            if reports_q.token_accounting(s, ctx.run_id).trained > 0:
+                return
+        time.sleep(STARTUP_POLL_S)
 
 
 def supervise(
@@ -135,19 +148,6 @@ def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext
     lcfg = cfg.learners
     liveness = LivenessPolicy.from_learners_config(lcfg)
     while True:
-        elapsed = 0.0 if t0 is None else time.monotonic() - t0
-        while t0 is not None and schedule and schedule[0].at_s <= elapsed:
-            event = schedule[0]
-            result = apply_event(ctx, event)
-            if result.retry:
-                break  # its target is still starting: try again on the next pass
-            schedule.pop(0)
-            if result.applied and event.action == "kill_learner" and event.target in learners and event.target not in exited:
-                # SIGKILL ends it now: its down time starts here, not when a later pass sees the process gone.
-                exited.add(event.target)
-                _record_exit(ctx, event.target, result.detail)
-            if result.applied and event.action == "kill_learner" and event.target and event.duration_s > 0:
-                held[event.target] = elapsed + event.duration_s
         now = time.time()
         with ctx.transaction() as s:
             rows = {r.id: r for r in runs_q.learners(s, run_id)}
@@ -161,13 +161,29 @@ def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext
             alerts.emit("ddiloco.version.published", run_resource, **{"ddiloco.versions": str(versions)})
         if t0 is None and acct.trained > 0:
             t0 = time.monotonic()
+        elapsed = 0.0 if t0 is None else time.monotonic() - t0
+        killed: set[str] = set()  # SIGKILLed in this pass: ended, though the kernel may not have reaped them yet
+        while t0 is not None and schedule and schedule[0].at_s <= elapsed:
+            event = schedule[0]
+            result = apply_event(ctx, event)
+            if result.retry:
+                break  # its target is still starting: try again on the next pass
+            schedule.pop(0)
+            if result.applied and event.action == "kill_learner" and event.target in learners:
+                killed.add(event.target)
+                if event.target not in exited:
+                    # SIGKILL ends it now: its down time starts here, not when a later pass sees the process gone.
+                    exited.add(event.target)
+                    _record_exit(ctx, event.target, result.detail)
+            if result.applied and event.action == "kill_learner" and event.target and event.duration_s > 0:
+                held[event.target] = elapsed + event.duration_s
         views = []
         for lid, h in learners.items():
             row = rows.get(lid)
             hb = to_timestamp(row.last_heartbeat_at) if row and row.last_heartbeat_at else None
             if hb is not None and row.started_at and to_timestamp(row.started_at) < h.started_at - 1.0:
                 hb = None  # that heartbeat belongs to the incarnation before the relaunch
-            running = launcher.is_running(h)
+            running = lid not in killed and launcher.is_running(h)
             if not running and lid not in exited:
                 exited.add(lid)
                 _record_exit(ctx, lid, "its process or flow run ended")
@@ -199,7 +215,10 @@ def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext
             progress(elapsed, {"tokens": acct.trained})
         if budget_end(acct.merged, cfg.token_budget) or (seconds is not None and t0 is not None and elapsed >= seconds):
             break
-        time.sleep(SUPERVISE_EVERY_S)
+        if t0 is None:
+            _until_training(ctx, SUPERVISE_EVERY_S)
+        else:
+            time.sleep(SUPERVISE_EVERY_S)
 
 
 def _launch_learner(ctx: RunContext, launcher: Launcher, lid: str, region: str, why: str) -> Handle:
