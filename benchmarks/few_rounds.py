@@ -117,6 +117,9 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "decoupled_h12_lr0.3_m0.95_ilr4e-3": ("decoupled", {**_BEST, "inner": {"lr": 4e-3}}),
     "decoupled_chaos_h12_lr0.3_m0.95_q0.5_ilr3e-3": ("decoupled_chaos", {**_BEST, "quorum": {"min_fraction": 0.5},
                                                                          "inner": {"lr": 3e-3}}),
+    # The outer lr's warm-up (the last knob) at the best outer step, over a quarter of a fragment's 40 versions.
+    "decoupled_h12_lr0.3_m0.95_warmup10": ("decoupled", {"fragments": {"every": 12},
+                                                         "outer": {"lr": 0.3, "momentum": 0.95, "warmup_versions": 10}}),
     "data_parallel_lr1e-3": ("data_parallel", {"inner": {"lr": 1e-3}}),
     "data_parallel_lr3e-3": ("data_parallel", {"inner": {"lr": 3e-3}}),
     "data_parallel_lr4e-3": ("data_parallel", {"inner": {"lr": 4e-3}}),
