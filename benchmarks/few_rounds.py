@@ -120,6 +120,11 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     # The outer lr's warm-up (the last knob) at the best outer step, over a quarter of a fragment's 40 versions.
     "decoupled_h12_lr0.3_m0.95_warmup10": ("decoupled", {"fragments": {"every": 12},
                                                          "outer": {"lr": 0.3, "momentum": 0.95, "warmup_versions": 10}}),
+    # The period around the best outer step's H = 12, and a smaller inner lr for both sides.
+    "decoupled_h8_lr0.3_m0.95": ("decoupled", {"fragments": {"every": 8}, "outer": {"lr": 0.3, "momentum": 0.95}}),
+    "decoupled_h16_lr0.3_m0.95": ("decoupled", {"fragments": {"every": 16}, "outer": {"lr": 0.3, "momentum": 0.95}}),
+    "decoupled_h12_lr0.3_m0.95_ilr1.5e-3": ("decoupled", {**_BEST, "inner": {"lr": 1.5e-3}}),
+    "data_parallel_lr1.5e-3": ("data_parallel", {"inner": {"lr": 1.5e-3}}),
     "data_parallel_lr1e-3": ("data_parallel", {"inner": {"lr": 1e-3}}),
     "data_parallel_lr3e-3": ("data_parallel", {"inner": {"lr": 3e-3}}),
     "data_parallel_lr4e-3": ("data_parallel", {"inner": {"lr": 4e-3}}),
