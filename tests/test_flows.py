@@ -9,6 +9,7 @@ from sqlalchemy import inspect
 from support import tiny_config
 
 from ddiloco.flows.chaos import seeded_schedule
+from ddiloco.flows.runner import SUPERVISE_EVERY_S
 from ddiloco.flows.supervise import LearnerView, relaunch_decisions
 from ddiloco.platform.ledger import make_engine, open_ledger, session_factory
 from ddiloco.platform.ledger import runs as runs_q
@@ -123,6 +124,8 @@ def test_training_run_supervises_relaunches_and_finishes(prefect_harness, tmp_pa
     assert sorted(a for _, a in launches) == ["eu-0", "eu-0", "us-0"]
     exited_at = next(e.at for e in events if e.kind == runs_q.LEARNER_EXITED)
     assert launches[0][0] < exited_at <= launches[-1][0] and launches[-1][1] == "eu-0"
+    # In the pass that killed it, not at the next one a whole pass later.
+    assert (launches[-1][0] - exited_at).total_seconds() < SUPERVISE_EVERY_S
     assert sum(summary["time_breakdown"].values()) == pytest.approx(summary["learner_s"])
     with get_client(sync_client=True) as client:
         keys = {a.key for a in client.read_artifacts()}
