@@ -109,6 +109,7 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     # The blend on receipt's alpha (the run's: 0.5) and the overlap tau (2) at the best outer step.
     "decoupled_h12_lr0.3_m0.95_alpha0.25": ("decoupled", {**_BEST, "merge": {"blend_alpha": 0.25}}),
     "decoupled_h12_lr0.3_m0.95_alpha0.75": ("decoupled", {**_BEST, "merge": {"blend_alpha": 0.75}}),
+    "decoupled_h12_lr0.3_m0.95_overwrite": ("decoupled", {**_BEST, "merge": {"on_receipt": "overwrite"}}),
     "decoupled_h12_lr0.3_m0.95_tau1": ("decoupled", {"fragments": {"every": 12, "overlap": 1}, "outer": _BEST["outer"]}),
     "decoupled_h12_lr0.3_m0.95_tau4": ("decoupled", {"fragments": {"every": 12, "overlap": 4}, "outer": _BEST["outer"]}),
     # The inner lr (the plan's 2e-3) halved and doubled, for data-parallel as for Decoupled: each against its best.
