@@ -134,9 +134,10 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def train(name: str, size: str, steps: int, evals: int, batch: int | None = None, manifest: str | None = None) -> dict[str, Any]:
+def train(name: str, size: str, steps: int, evals: int, batch: int | None = None, manifest: str | None = None,
+          seed: int = 0) -> dict[str, Any]:
     """One row, on the CPU (in a pool worker or here); ``batch``: sequences a learner step, if not the size's;
-    ``manifest``: the corpus, if not the quick plan's."""
+    ``manifest``: the corpus, if not the quick plan's; ``seed``: the model's init and the data's order."""
     from ddiloco.bench.quality import plan as P
     from ddiloco.bench.quality.run import run_spec
     from ddiloco.platform.memory import keep_freed_memory
@@ -150,7 +151,7 @@ def train(name: str, size: str, steps: int, evals: int, batch: int | None = None
         base = P.deep_merge(base, {"data": {"manifest": manifest}})
     plan_spec = next(s for s in P.gpu_specs(P.GPU_QUICK) if s.regime == regime)
     # The plan's row with its stragglers and outages (decoupled_chaos), its config resized and changed.
-    spec = replace(plan_spec, overrides=P.deep_merge(P.deep_merge(base, plan_spec.overrides), change))
+    spec = replace(plan_spec, overrides=P.deep_merge(P.deep_merge(base, plan_spec.overrides), change), seed=seed)
     scale = P.Scale(P.GPU_QUICK.name, steps=steps, learners=1 if name == "single" else M, evals=evals)
     keep_freed_memory()  # as a quality row's process does
     row = run_spec(spec, scale, True, "cpu")
@@ -170,6 +171,7 @@ def main() -> None:
                     "sources (each side; the quick plan's 2 MB by default): with --batch, as many epochs at more tokens")
     ap.add_argument("--evals", type=int, default=10, help="evaluations a row, besides the one at 0 tokens")
     ap.add_argument("--jobs", type=int, default=1, help="rows trained at once (one core each)")
+    ap.add_argument("--seed", type=int, default=0, help="model init and data order of every row (how large a gap chance makes)")
     args = ap.parse_args()
     rows = [r for r in args.rows.split(",") if r]
     if not rows or any(r not in ROWS for r in rows):
@@ -194,12 +196,12 @@ def main() -> None:
     results.update(size=args.size, learners=M, period=H, corpus_train_tokens=sum(s.tokens for s in read_manifest(url).train), rows={})
     t0 = time.perf_counter()
     if args.jobs == 1:
-        done = {r: train(r, args.size, args.steps, args.evals, args.batch, manifest) for r in rows}
+        done = {r: train(r, args.size, args.steps, args.evals, args.batch, manifest, args.seed) for r in rows}
     else:
         import multiprocessing as mp
 
         with ProcessPoolExecutor(max_workers=args.jobs, mp_context=mp.get_context("spawn")) as pool:
-            futures = {r: pool.submit(train, r, args.size, args.steps, args.evals, args.batch, manifest) for r in rows}
+            futures = {r: pool.submit(train, r, args.size, args.steps, args.evals, args.batch, manifest, args.seed) for r in rows}
             done = {r: f.result() for r, f in futures.items()}
     results["wall_s"] = round(time.perf_counter() - t0, 1)
     dp = done.get("data_parallel", {}).get("val_loss")
