@@ -106,7 +106,7 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
                                                                   "quorum": {"min_fraction": 0.75}}),
     "decoupled_chaos_h12_lr0.4_m0.95_q0.5": ("decoupled_chaos", {"fragments": {"every": 12}, "outer": {"lr": 0.4, "momentum": 0.95},
                                                                  "quorum": {"min_fraction": 0.5}}),
-    # The blend on receipt's alpha (the run's: 0.5) and the overlap tau (2) at the best outer step.
+    # The blend on receipt's alpha (the run's: 0.5), overwrite instead, and the overlap tau (2) at the best outer step.
     "decoupled_h12_lr0.3_m0.95_alpha0.25": ("decoupled", {**_BEST, "merge": {"blend_alpha": 0.25}}),
     "decoupled_h12_lr0.3_m0.95_alpha0.75": ("decoupled", {**_BEST, "merge": {"blend_alpha": 0.75}}),
     "decoupled_h12_lr0.3_m0.95_overwrite": ("decoupled", {**_BEST, "merge": {"on_receipt": "overwrite"}}),
@@ -119,11 +119,10 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {
     "decoupled_chaos_h12_lr0.3_m0.95_q0.5_ilr3e-3": ("decoupled_chaos", {**_BEST, "quorum": {"min_fraction": 0.5},
                                                                          "inner": {"lr": 3e-3}}),
     # The outer lr's warm-up (the last knob) at the best outer step, over a quarter of a fragment's 40 versions.
-    "decoupled_h12_lr0.3_m0.95_warmup10": ("decoupled", {"fragments": {"every": 12},
-                                                         "outer": {"lr": 0.3, "momentum": 0.95, "warmup_versions": 10}}),
+    "decoupled_h12_lr0.3_m0.95_warmup10": ("decoupled", {**_BEST, "outer": {**_BEST["outer"], "warmup_versions": 10}}),
     # The period around the best outer step's H = 12, and a smaller inner lr for both sides.
-    "decoupled_h8_lr0.3_m0.95": ("decoupled", {"fragments": {"every": 8}, "outer": {"lr": 0.3, "momentum": 0.95}}),
-    "decoupled_h16_lr0.3_m0.95": ("decoupled", {"fragments": {"every": 16}, "outer": {"lr": 0.3, "momentum": 0.95}}),
+    "decoupled_h8_lr0.3_m0.95": ("decoupled", {**_BEST, "fragments": {"every": 8}}),
+    "decoupled_h16_lr0.3_m0.95": ("decoupled", {**_BEST, "fragments": {"every": 16}}),
     "decoupled_h12_lr0.3_m0.95_ilr1.5e-3": ("decoupled", {**_BEST, "inner": {"lr": 1.5e-3}}),
     "data_parallel_lr1.5e-3": ("data_parallel", {"inner": {"lr": 1.5e-3}}),
     "data_parallel_lr1e-3": ("data_parallel", {"inner": {"lr": 1e-3}}),

@@ -169,13 +169,15 @@ def _keep_alive(cfg: RunConfig, run_id: str, launcher: Launcher, ctx: RunContext
             if result.retry:
                 break  # its target is still starting: try again on the next pass
             schedule.pop(0)
-            if result.applied and event.action == "kill_learner" and event.target in learners:
+            if not (result.applied and event.action == "kill_learner" and event.target):
+                continue
+            if event.target in learners:
                 killed.add(event.target)
                 if event.target not in exited:
                     # SIGKILL ends it now: its down time starts here, not when a later pass sees the process gone.
                     exited.add(event.target)
                     _record_exit(ctx, event.target, result.detail)
-            if result.applied and event.action == "kill_learner" and event.target and event.duration_s > 0:
+            if event.duration_s > 0:
                 held[event.target] = elapsed + event.duration_s
         views = []
         for lid, h in learners.items():
