@@ -20,6 +20,8 @@
 #                           -> learner_overhead_cuda_linkproc.json
 #   3. overhead_llama_ddp   the same on the 100 M-parameter Llama, learners.parallelism ddp
 #                           -> learner_overhead_cuda_llama100m_ddp.json
+#   3a. overhead_llama_syncgpu  (extra: only with --only) overhead_llama_ddp with the synchronizer's merges on the GPU
+#                           -> learner_overhead_cuda_llama100m_ddp_syncauto.json
 #   3b. overhead_llama_linkproc  ... with learners.link_process -> learner_overhead_cuda_llama100m_ddp_linkproc.json
 #   4. overhead_llama_fsdp  ... and fsdp (at world 1) -> learner_overhead_cuda_llama100m_fsdp.json
 #   5. largest_model        the largest Llama one learner trains on the GPU, ddp then fsdp -> largest_model_cuda.json
@@ -106,19 +108,25 @@ STEPS=(
   "overhead_demo|55|learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --device cuda --windows 4 --window-s 2.5 --warmup-s 4 --io-off-pairs 2 --json {OUT}/learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --quick --json {OUT}/learner_overhead_cuda.json"
   "overhead_demo_linkproc|45|learner_overhead_cuda_linkproc.json|{PY} benchmarks/learner_overhead.py --device cuda --link-process --windows 4 --window-s 2.5 --warmup-s 4 --json {OUT}/learner_overhead_cuda_linkproc.json|{PY} benchmarks/learner_overhead.py --quick --link-process --json {OUT}/learner_overhead_cuda_linkproc.json"
   "overhead_llama_ddp|75|learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --json {OUT}/learner_overhead_cuda_llama100m_ddp.json"
+  "overhead_llama_syncgpu|70|learner_overhead_cuda_llama100m_ddp_syncauto.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --sync-device auto --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp_syncauto.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --sync-device auto --json {OUT}/learner_overhead_cuda_llama100m_ddp_syncauto.json"
   "overhead_llama_linkproc|70|learner_overhead_cuda_llama100m_ddp_linkproc.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --link-process --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp_linkproc.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --link-process --json {OUT}/learner_overhead_cuda_llama100m_ddp_linkproc.json"
   "overhead_llama_fsdp|75|learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism fsdp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism fsdp --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json"
   "largest_model|55|largest_model_cuda.json|{PY} benchmarks/largest_model.py --device cuda --parallelism ddp,fsdp --budget-s 45 --json {OUT}/largest_model_cuda.json|{PY} benchmarks/largest_model.py --quick --device cpu --json {OUT}/largest_model_cuda.json"
   "merge_cuda|25|merge_throughput_cuda.json|{PY} benchmarks/merge_throughput.py --device cuda --rounds 3 --json {OUT}/merge_throughput_cuda.json|{PY} benchmarks/merge_throughput.py --quick --device cpu --json {OUT}/merge_throughput_cuda.json"
   "sync_sustain|105|sync_sustain_${NPROC}cores.json|{PY} benchmarks/sync_sustain.py --learners 32 --shards 1,2 --minutes 0.25 --warmup-s 6 --quiet --json {OUT}/sync_sustain_${NPROC}cores.json|{PY} benchmarks/sync_sustain.py --quick --shards 1,2 --json {OUT}/sync_sustain_${NPROC}cores.json"
 )
+# Extra steps run only when --only names them; the default suite and its budget leave them out. overhead_llama_syncgpu
+# is overhead_llama_ddp with the benchmark's synchronizer merging on the learner's GPU (as every GPU row before
+# 2026-12-06 did): beside overhead_llama_ddp in one --only, it says what sharing the GPU with it cost.
+EXTRA=" overhead_llama_syncgpu "
 # A dry run on a small shared CPU machine is slower than the GPU run: its caps are stretched, never its commands.
 CAP_FACTOR=1; [[ "$DRY_RUN" == 1 ]] && CAP_FACTOR=3
 
 field() { local IFS='|'; read -r -a f <<<"$1"; echo "${f[$2]}"; }
 
 # --only: the steps a short device lease runs (setup always runs); the others are recorded as not asked for.
-asked() { [[ -z "$ONLY" || "$1" == setup || ",$ONLY," == *",$1,"* ]]; }
+extra() { [[ "$EXTRA" == *" $1 "* ]]; }
+asked() { [[ "$1" == setup || ",$ONLY," == *",$1,"* ]] || { [[ -z "$ONLY" ]] && ! extra "$1"; }; }
 if [[ -n "$ONLY" ]]; then
   names=" $(for s in "${STEPS[@]}"; do printf '%s ' "$(field "$s" 0)"; done)"
   IFS=',' read -r -a wanted <<<"$ONLY"
@@ -129,18 +137,18 @@ fi
 
 TOTAL_CAPS=0; ASKED_CAPS=0
 for s in "${STEPS[@]}"; do
-  TOTAL_CAPS=$((TOTAL_CAPS + $(field "$s" 1)))
+  extra "$(field "$s" 0)" || TOTAL_CAPS=$((TOTAL_CAPS + $(field "$s" 1)))
   asked "$(field "$s" 0)" && ASKED_CAPS=$((ASKED_CAPS + $(field "$s" 1)))
 done
 echo "== GPU suite: $([[ $DRY_RUN == 1 ]] && echo "DRY RUN (--quick CPU forms, caps x$CAP_FACTOR)" || echo "GPU run") on $(hostname), $NPROC cores"
 echo "   budget plan (caps are ceilings; the suite's deadline is ${DEADLINE_S} s of ${SUITE_BUDGET_S} s):"
 for s in "${STEPS[@]}"; do
   printf '   %-24s cap %4d s  -> %s%s\n' "$(field "$s" 0)" "$(( $(field "$s" 1) * CAP_FACTOR ))" "$(field "$s" 2)" \
-    "$(asked "$(field "$s" 0)" || echo "  (not in --only)")"
+    "$(asked "$(field "$s" 0)" || { extra "$(field "$s" 0)" && echo "  (extra: only when --only names it)"; } || echo "  (not in --only)")"
 done
 printf '   %-24s      %4d s  (must be <= %d)\n' "sum of caps" "$TOTAL_CAPS" "$SUITE_BUDGET_S"
 [[ -n "$ONLY" ]] && printf '   %-24s      %4d s  (--only %s)\n' "of the steps asked" "$ASKED_CAPS" "$ONLY"
-if (( TOTAL_CAPS > SUITE_BUDGET_S )); then echo "the plan's caps exceed the budget" >&2; exit 2; fi
+if (( TOTAL_CAPS > SUITE_BUDGET_S || ASKED_CAPS > SUITE_BUDGET_S )); then echo "the plan's caps exceed the budget" >&2; exit 2; fi
 [[ "$PLAN_ONLY" == 1 ]] && exit 0
 
 T0=$(date +%s)
@@ -210,6 +218,7 @@ for s in "${STEPS[@]}"; do
   cmd="${cmd//\{TESTS\}/$TESTS_CMD}"
   cmd="${cmd//\{PY\}/$PY}"; cmd="${cmd//\{OUT\}/$OUT}"
   if ! asked "$name"; then
+    extra "$name" && continue  # an extra step not asked for leaves no row
     record_step "$name" -1 "not run (not in --only)" 0 - - "$cmd"; continue
   fi
   if [[ "$name" != setup && -z "$PY" ]]; then

@@ -48,6 +48,12 @@ training thread (the GIL) weighs as it does there and one fragment goes out ever
 they are encoded, its polls stopped): what is left is the training thread's own work (the step's bookkeeping, the
 increments handed over), so ``link_io_off.ratio_median_of_pairs`` says how much of the gap the link's threads make.
 
+``--sync-device cpu|auto|cuda`` is where the benchmark's synchronizer merges (``synchronizer.merge_device``). The
+default, cpu, stands in for a synchronizer on a machine of its own, as a run has it: on a one-GPU machine ``auto``
+puts its merges on the learner's GPU, and the two processes' CUDA contexts then take turns on it, so the learner's
+ratio would also charge it the GPU time the synchronizer takes (the GPU rows before 2026-12-06 ran that way). Any
+other value ends the results name in ``_sync<value>``, so that its rows sit beside the default's.
+
 ``--link-process`` runs the learner with ``learners.link_process`` (its link's ledger and store I/O in a child
 process of its own; results: ``..._linkproc.json``) and counts that process's CPU beside the synchronizer's.
 
@@ -112,16 +118,19 @@ QUICK_LLAMA = {
                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": True},
 }
 """--quick --model llama100m: the same code path (transformers' Llama) at a size that steps in milliseconds on a CPU."""
+SYNC_DEVICE = "cpu"
+"""Where the benchmark's synchronizer merges unless --sync-device says otherwise: off the learner's GPU, as in a run."""
 LLAMA_BATCH = 8
 """Sequences a step for llama100m: 8 x 1024 = 8,192 tokens, sync_sustain's step."""
 
 
 def bench_config(name: str, quick: bool = False, device: str = "cpu", model: str = "demo", parallelism: str | None = None,
-                 batch_size: int | None = None, seq_len: int | None = None, link_process: bool = False):
+                 batch_size: int | None = None, seq_len: int | None = None, link_process: bool = False,
+                 sync_device: str = SYNC_DEVICE):
     learners: dict = {"regions": [{"name": "us", "learners": 1}], "device": device}
     if link_process:
         learners["link_process"] = True
-    data: dict = {"name": name, "learners": learners}
+    data: dict = {"name": name, "learners": learners, "synchronizer": {"merge_device": sync_device}}
     if quick:
         # --quick only checks the benchmark works: a small model and P = 4 start in a few seconds.
         data.update(
@@ -144,9 +153,9 @@ def bench_config(name: str, quick: bool = False, device: str = "cpu", model: str
 
 
 def result_name(device: str, model: str | None, parallelism: str | None, batch_size: int | None = None,
-                seq_len: int | None = None, link_process: bool = False) -> str:
-    """learner_overhead[_cuda][_<model>_<parallelism>][_b<batch>s<seq>][_linkproc]: the published demo-model names stay
-    as they were."""
+                seq_len: int | None = None, link_process: bool = False, sync_device: str = SYNC_DEVICE) -> str:
+    """learner_overhead[_cuda][_<model>_<parallelism>][_b<batch>s<seq>][_linkproc][_sync<device>]: the published
+    demo-model names stay as they were."""
     name = NAME if device == "cpu" else f"{NAME}_{device}"
     if model not in (None, "demo") or parallelism is not None:
         name += f"_{model or 'demo'}_{parallelism or 'ddp'}"
@@ -154,6 +163,8 @@ def result_name(device: str, model: str | None, parallelism: str | None, batch_s
         name += f"_b{batch_size or 'default'}s{seq_len or 'default'}"
     if link_process:
         name += "_linkproc"
+    if sync_device != SYNC_DEVICE:
+        name += f"_sync{sync_device}"
     return name
 
 
@@ -403,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=None, help="tokens a sequence (default: the model's)")
     ap.add_argument("--link-process", action="store_true",
                     help="learners.link_process: the link's ledger and store I/O in a process of its own")
+    ap.add_argument("--sync-device", choices=("cpu", "auto", "cuda"), default=SYNC_DEVICE,
+                    help="where the benchmark's synchronizer merges (default cpu: off the learner's GPU, as in a run)")
     ap.add_argument("--io-off-pairs", type=int, default=None,
                     help="pairs at the end with the link's I/O off (default 0; 1 with --quick)")
     args = ap.parse_args(argv)
@@ -415,9 +428,10 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="learner-overhead-"))
     run = ProcessRun(tmp, bench_config("overhead", args.quick, args.device, args.model or "demo", args.parallelism,
-                                       args.batch_size, args.seq_len, args.link_process))
+                                       args.batch_size, args.seq_len, args.link_process, args.sync_device))
     cfg = run.cfg
-    name = result_name(args.device, args.model, args.parallelism, args.batch_size, args.seq_len, args.link_process)
+    name = result_name(args.device, args.model, args.parallelism, args.batch_size, args.seq_len, args.link_process,
+                       args.sync_device)
     results = header(name, args)
     platform = None
     try:
@@ -436,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"model {args.model or 'demo'}: {n_params / 1e6:.2f} M params on {device_name(bare.device)}, "
             f"parallelism {args.parallelism or 'ddp (default)'}, batch {cfg.learners.batch_size} x "
-            f"seq {cfg.model.seq_len}; P = {cfg.fragments.count}, codec {cfg.compression.codec}; torch threads {torch.get_num_threads()}; "
+            f"seq {cfg.model.seq_len}; P = {cfg.fragments.count}, codec {cfg.compression.codec}; "
+            f"synchronizer merges on {args.sync_device}; torch threads {torch.get_num_threads()}; "
             f"{args.windows} pairs of {args.window_s:.1f}s windows"
         )
 
@@ -546,6 +561,9 @@ def main(argv: list[str] | None = None) -> int:
                 "fragments": cfg.fragments.count,
                 "codec": cfg.compression.codec,
                 "synchronizer": "separate OS process (python -m ddiloco synchronizer), eval off",
+                "synchronizer_merge_device": args.sync_device,
+                "synchronizer_merge_device_note": "synchronizer.merge_device of the benchmark's synchronizer: cpu stands in "
+                "for one on a machine of its own; auto on a one-GPU machine shares the learner's GPU",
                 "window_s": args.window_s,
                 "pairs": [
                     {

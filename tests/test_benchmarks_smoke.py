@@ -101,6 +101,7 @@ def test_learner_overhead_quick(quick_runs):
     assert 0.2 < share["train_step"] <= 1.0
     assert abs(sum(share.values()) - 1.0) < 1e-3
     assert d["fragments_sent"] > 0  # the platform really traded fragments
+    assert d["synchronizer_merge_device"] == "cpu"
     assert d["goal"]["ratio_min"] == 0.95
     io_off = d["link_io_off"]
     assert io_off["pairs"] == 1 and 0.2 < io_off["ratio_median_of_pairs"] < 5 and positive(io_off["train_step_slowdown_vs_bare"])
@@ -176,6 +177,10 @@ def test_learner_overhead_names_its_results_by_device_model_and_parallelism():
     assert lo.result_name("cuda", "llama100m", "ddp") == "learner_overhead_cuda_llama100m_ddp"
     assert lo.result_name("cpu", None, None, 1, 32) == "learner_overhead_b1s32"
     assert lo.result_name("cpu", None, None, 1, 32, link_process=True) == "learner_overhead_b1s32_linkproc"
+    assert lo.result_name("cuda", "llama100m", "ddp", sync_device="auto") == "learner_overhead_cuda_llama100m_ddp_syncauto"
+    # The benchmark's synchronizer merges off the learner's GPU unless asked to share it.
+    assert lo.bench_config("x").synchronizer.merge_device == "cpu"
+    assert lo.bench_config("x", sync_device="auto").synchronizer.merge_device == "auto"
     assert lo.bench_config("x", link_process=True).learners.link_process and not lo.bench_config("x").learners.link_process
     cfg = lo.bench_config("x", model="llama100m", parallelism="fsdp")
     assert (cfg.model.kind, cfg.model.seq_len, cfg.learners.batch_size, cfg.learners.parallelism) == ("hf", 1024, 8, "fsdp")
@@ -239,9 +244,16 @@ def test_gpu_setup_puts_the_carried_postgresql_on_path(tmp_path):
 def test_gpu_suite_plan_fits_ten_minutes():
     out = subprocess.run(["bash", str(BENCH / "gpu_suite.sh"), "--plan"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
-    caps = [int(c) for c in re.findall(r"cap\s+(\d+) s", out.stdout)]
+    lines = [line for line in out.stdout.splitlines() if re.search(r"cap\s+\d+ s", line)]
+    caps = [int(re.search(r"cap\s+(\d+) s", line).group(1)) for line in lines if "(extra:" not in line]
     total = int(re.search(r"sum of caps\s+(\d+) s", out.stdout).group(1))
     assert len(caps) == 10 and sum(caps) == total <= 600
+    # An extra step is in the plan but not in the default suite's budget; named in --only, it counts.
+    extra = [line for line in lines if "(extra:" in line]
+    assert len(extra) == 1 and "overhead_llama_syncgpu" in extra[0]
+    both = subprocess.run(["bash", str(BENCH / "gpu_suite.sh"), "--plan", "--only", "overhead_llama_ddp,overhead_llama_syncgpu"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert both.returncode == 0 and re.search(r"of the steps asked\s+180 s", both.stdout), both.stdout + both.stderr
 
 
 def test_gpu_suite_runs_only_the_steps_asked_for(tmp_path):
