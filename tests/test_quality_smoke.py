@@ -246,12 +246,18 @@ def test_gpu_plan_rows_corpus_and_plot(gpu_quick):
 def test_gpu_plan_resumes_from_its_results_file(gpu_quick):
     before, _, out, cmd = gpu_quick
     follow_up = next(iter(P.GPU_FOLLOW_UPS))
-    proc = subprocess.run([*cmd, "--only", f"decoupled,diloco,{follow_up}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          check=False)
+    proc = subprocess.run([*cmd, "--only", f"decoupled,diloco,{follow_up},data_parallel_seed1"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "keeping 4 of this scale, code and corpus" in proc.stdout and "training 1" in proc.stdout
+    assert "keeping 4 of this scale, code and corpus" in proc.stdout and "training 2" in proc.stdout
     after = json.loads((out / O.GPU_RESULTS_NAME).read_text())
     assert [r["val_loss"] for r in after["rows"][:4]] == [r["val_loss"] for r in before["rows"]]
+    # A row at another seed, named as such, is the same row drawn again: another loss, compared with seed 0's.
+    seed1 = after["rows"][-1]
+    assert (seed1["regime"], seed1["group"], seed1["base"], seed1["knobs"]["seed"]) == ("data_parallel_seed1", "noise", "data_parallel", 1)
+    dp = after["rows"][0]
+    assert dp["knobs"]["seed"] == 0 and seed1["tokens"] == dp["tokens"] and seed1["val_loss"] != dp["val_loss"]
+    assert f"{P.GPU_MODEL}: data_parallel at seed 1 vs seed 0: {100 * (seed1['val_loss'] / dp['val_loss'] - 1):+.2f}%" in after["notes"]
     # A follow-up row, trained only when named, joins the plan beside its decoupled row; the goals stay the four rows'.
     extra = after["rows"][4]
     base, _, change = P.GPU_FOLLOW_UPS[follow_up]
@@ -259,7 +265,7 @@ def test_gpu_plan_resumes_from_its_results_file(gpu_quick):
     assert (extra["regime"], extra["group"], base) == (follow_up, "sweep", "decoupled") and extra["tokens"] == after["rows"][2]["tokens"]
     assert (extra["knobs"]["outer_lr"], extra["knobs"]["outer_momentum"]) == (change["lr"], change["momentum"])
     assert after["goals"] == before["goals"]
-    assert [a["row"] for a in after["ablations"]] == [follow_up] and after["ablations"][0]["base"] == "decoupled"
+    assert [(a["row"], a["base"]) for a in after["ablations"]] == [(follow_up, "decoupled"), ("data_parallel_seed1", "data_parallel")]
 
 
 def test_gpu_plan_is_sized_as_the_issue_asks():
@@ -292,6 +298,40 @@ def test_gpu_plan_is_sized_as_the_issue_asks():
         assert (spec.speeds, spec.failures, spec.group) == (base.speeds, base.failures, "sweep")
     assert {s.base for s in P.gpu_follow_up_specs(P.GPU)} == {"decoupled", "decoupled_chaos"}
     assert cfgs["diloco"].fragments.count == 1 and cfgs["diloco"].quorum.min_count == 8
+
+
+def test_gpu_rows_at_other_seeds_are_their_rows_drawn_again_and_compare_within_their_seed():
+    """ROW_seedN: the same config but the seed (model init, data order, outage schedule); the table and the notes take its
+    ratios to the same seed's data-parallel row, never to seed 0's."""
+    from dataclasses import replace
+
+    from ddiloco.bench.quality.report import gpu_table, notes
+    from ddiloco.bench.quality.run import Row
+
+    every = {s.regime: s for s in P.gpu_specs(P.GPU) + P.gpu_follow_up_specs(P.GPU)}
+    seeded = P.gpu_seed_specs(P.GPU)
+    assert {s.regime for s in seeded} == {f"{name}_seed{n}" for name in every for n in P.GPU_SEEDS}
+    assert [s.regime for s in P.select(seeded, "decoupled_seed2")] == ["decoupled_seed2"]
+    for spec in seeded:
+        base = every[spec.base]
+        cfg, ref = P.build_run_config(spec, P.GPU, False, "cuda"), P.build_run_config(base, P.GPU, False, "cuda")
+        assert cfg.seed == spec.seed in P.GPU_SEEDS and cfg.model_copy(update={"name": ref.name, "seed": ref.seed}) == ref
+        assert (spec.overrides, spec.speeds, spec.failures, spec.group, spec.knob) == (
+            base.overrides, base.speeds, base.failures, "noise", f"seed {spec.seed} (vs 0)")
+    ids = [f"dc-{i}" for i in range(P.GPU.learners)]
+    assert P.row_outages(ids, P.GPU, P.FAILURE_FRACTION, 1) != P.row_outages(ids, P.GPU, P.FAILURE_FRACTION, 0)
+
+    template = Row(model=P.GPU_MODEL, regime="", group="regime", tokens=1000, val_loss=0.0, val_accuracy=None, bytes_per_token=1.0,
+                   goodput=1.0, wall_clock_s=1.0, tokens_merged=1000, bytes_sent=1000, payload_bytes_per_token=1.0, lost_fraction=0.0,
+                   merges=1, mean_learners_per_merge=8.0, mean_grace_window_s=0.0, real_s=1.0, knobs={"seed": 0})
+    losses = {("data_parallel", 0): 3.0, ("decoupled", 0): 3.06, ("data_parallel", 1): 3.3, ("decoupled", 1): 3.333}
+    rows = [replace(template, regime=P.seeded(name, n), val_loss=loss, knobs={"seed": n}, group="noise" if n else "regime",
+                    base=name if n else None) for (name, n), loss in losses.items()]
+    table = {line.split(" | ")[0].strip("| "): line.split(" | ")[4] for line in gpu_table(rows)[2:]}
+    assert table == {"data_parallel": "1.0000", "decoupled": "1.0200", "data_parallel_seed1": "1.0000", "decoupled_seed1": "1.0100"}
+    said = notes(rows)
+    assert f"{P.GPU_MODEL}: decoupled ÷ data-parallel of the same seed: 1.0200 at seed 0, 1.0100 at seed 1" in said
+    assert f"{P.GPU_MODEL}: data_parallel at seed 1 vs seed 0: +10.00%" in said
 
 
 def test_gpu_plan_publishes_into_its_own_files(tmp_path):

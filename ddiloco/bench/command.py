@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from ddiloco.bench.quality.plan import GPU_FOLLOW_UPS, GPU_REGIMES
+from ddiloco.bench.quality.plan import GPU_FOLLOW_UPS, GPU_REGIMES, GPU_SEEDS
 
 if TYPE_CHECKING:
     from ddiloco.bench.quality.output import Destination
@@ -52,7 +52,8 @@ def quality_command(
         "cpu", "--scale", help="cpu: the plan above, the quick check on a CPU. gpu: issue #26's plan, a 25.7M-parameter "
         "(non-embedding) Llama on the installed packages' Python sources, 251.7M tokens per regime, 8 learners: "
         f"{', '.join(GPU_REGIMES)}; each regime its own resumable step (--only), --quick its tiny CPU form. Rows trained only "
-        f"when named in --only: {', '.join(GPU_FOLLOW_UPS)} (the decoupled and chaos rows with the CPU proxy's best settings)."
+        f"when named in --only: {', '.join(GPU_FOLLOW_UPS)} (the decoupled and chaos rows with the CPU proxy's best settings), "
+        f"and any row at seed {' or '.join(map(str, GPU_SEEDS))} as ROW_seedN (ratios to that seed's data_parallel_seedN)."
     ),
     device: str = typer.Option("auto", "--device", help="--scale gpu: where it trains: auto (the GPU when there is one), cuda, cpu."),
     force: bool = typer.Option(
@@ -92,7 +93,7 @@ def quality_command(
             raise typer.BadParameter(f"must list some of {', '.join(P.MODELS)}; got {models!r}", param_hint="--models")
         if gpu:
             scale = P.GPU_QUICK if quick else P.GPU
-            every = P.gpu_specs(scale) + P.gpu_follow_up_specs(scale)
+            every = P.gpu_specs(scale) + P.gpu_follow_up_specs(scale) + P.gpu_seed_specs(scale)
         else:
             scale = P.QUICK if quick else P.FULL
             every = P.plan(chosen, scale, quick, ablations=ablations, sweep=sweep)

@@ -136,9 +136,10 @@ def save_plots(rows: Sequence[Row], out_dir: Path, stem: str = "quality") -> lis
     paths = []
     for model in dict.fromkeys(r.model for r in rows):
         mine = [r for r in rows if r.model == model]
-        # The GPU plan's few follow-up rows (sweep rows of its decoupled and chaos rows) go on its one plot.
+        # The GPU plan's few follow-up rows (sweep rows of its decoupled and chaos rows, and rows at other seeds) go on its one
+        # plot.
         gpu = mine[0].scale in GPU_SCALES
-        main = [r for r in mine if r.group in ("regime", "reference") or (gpu and r.group == "sweep")]
+        main = [r for r in mine if r.group in ("regime", "reference") or (gpu and r.group in ("sweep", "noise"))]
         extra = [] if gpu else [r for r in mine
                                 if r.group in ("ablation", "sweep", "noise") or r.regime in ("decoupled", "decoupled_stragglers")]
         for kind, sel in (("", main), ("-ablations", extra)):
@@ -150,6 +151,8 @@ def save_plots(rows: Sequence[Row], out_dir: Path, stem: str = "quality") -> lis
                 # The GPU plan's follow-ups: dashed, in tab10's colours that no main row has.
                 other = (plt.get_cmap("tab10")(5 + i % 5), "--") if gpu else (cmap(i % 20), "-")
                 color, ls = STYLE.get(r.regime, other)
+                if gpu and r.group == "noise" and r.base in STYLE:
+                    color, ls = STYLE[r.base][0], ":"  # the same row at another seed: its colour, dotted
                 pts = [c for c in r.curve if c[2] is not None]
                 label = f"{r.regime} ({r.val_loss:.3f})"
                 axes[0].plot([c[0] for c in pts], [c[2] for c in pts], linestyle=ls, color=color, label=label, lw=1.6)

@@ -147,6 +147,23 @@ def gpu_follow_up_specs(scale: Scale) -> list[RunSpec]:
             for name, (base, knob, change) in GPU_FOLLOW_UPS.items()]
 
 
+GPU_SEEDS = (1, 2)
+"""Seeds besides the plan's 0 that any GPU row can be trained at, only when named: ``<row>_seed<N>``."""
+
+
+def gpu_seed_specs(scale: Scale) -> list[RunSpec]:
+    """Every GPU row (the four regimes and the follow-ups) at each of ``GPU_SEEDS``: model init, data order and the
+    outage schedule drawn again, as noise rows of the seed-0 row. Their ratios are taken to the same seed's
+    data-parallel row (``data_parallel_seed<N>``), so a seed's pair says how far chance moves the plan's figures."""
+    return [replace(s, regime=seeded(s.regime, n), group="noise", base=s.regime, knob=f"seed {n} (vs 0)", seed=n)
+            for n in GPU_SEEDS for s in gpu_specs(scale) + gpu_follow_up_specs(scale)]
+
+
+def seeded(regime: str, seed: int) -> str:
+    """The name of ``regime`` trained at ``seed`` (seed 0: the name itself)."""
+    return f"{regime}_seed{seed}" if seed else regime
+
+
 def model_sections(model: str, quick: bool) -> dict[str, Any]:
     """The config sections of a model at a scale: model, data, batch, inner optimizer, fragments P and period H."""
     if model in ("dense", "moe"):

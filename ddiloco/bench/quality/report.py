@@ -24,6 +24,7 @@ from ddiloco.bench.quality.plan import (
     is_gpu,
     robust_gate_pairs,
     row_outages,
+    seeded,
 )
 from ddiloco.bench.quality.run import Row
 
@@ -192,6 +193,25 @@ def notes(rows: Sequence[Row]) -> list[str]:
             if d is not None and sy is not None:
                 out.append(f"{m}: with {kind}, equal tokens took {d.wall_clock_s:.0f} simulated s decoupled vs {sy.wall_clock_s:.0f} s "
                            f"synchronous (goodput {d.goodput:.3f} vs {sy.goodput:.3f}; val loss {d.val_loss:.4f} vs {sy.val_loss:.4f})")
+    return out + seed_notes(rows)
+
+
+def seed_notes(rows: Sequence[Row]) -> list[str]:
+    """Per row trained at another seed as well (``<row>_seed<N>``): its ratio to data-parallel at each seed, each
+    against the same seed's data-parallel row, so that the spread chance makes sits beside the plan's figure."""
+    out = []
+    for r in rows:
+        n, base = row_seed(r), find(rows, r.model, r.base or "")
+        if not n or r.group != "noise" or base is None or row_seed(base):
+            continue
+        dp0, dpn = find(rows, r.model, "data_parallel"), find(rows, r.model, seeded("data_parallel", n))
+        if dp0 is None or dpn is None:
+            continue
+        if base is dp0:
+            out.append(f"{r.model}: data_parallel at seed {n} vs seed 0: {100 * (r.val_loss / base.val_loss - 1):+.2f}%")
+        else:
+            out.append(f"{r.model}: {base.regime} ÷ data-parallel of the same seed: {base.val_loss / dp0.val_loss:.4f} at seed 0, "
+                       f"{r.val_loss / dpn.val_loss:.4f} at seed {n}")
     return out
 
 
@@ -447,15 +467,20 @@ def with_docs_block(page: str, block: str, begin: str = BEGIN, end: str = END) -
 # --- the GPU plan ---------------------------------------------------------------------------------
 
 
+def row_seed(row: Row) -> int:
+    """The seed a row was trained at (rows written before seeds were recorded: the plans' 0)."""
+    return int(row.knobs.get("seed", 0) or 0)
+
+
 def gpu_table(rows: Sequence[Row]) -> list[str]:
-    """The GPU plan's markdown table: losses per token and per byte, their ratios to the references, bytes per token,
-    and the wall-clock of each regime (real seconds, training throughput, simulated seconds)."""
-    dp, ref = find(rows, GPU_MODEL, "data_parallel"), find(rows, GPU_MODEL, "diloco")
+    """The GPU plan's markdown table: losses per token and per byte, their ratios to the references of the same seed,
+    bytes per token, and the wall-clock of each regime (real seconds, training throughput, simulated seconds)."""
     cols = ["regime", "tokens", "val loss (nats/token)", "nats/byte", "÷ data-parallel", "÷ diloco", "bytes/token", "goodput",
             "wall-clock (real s)", "train tokens/s", "simulated s", "merges", "device"]
     align = ["---" if i in (0, len(cols) - 1) else "---:" for i in range(len(cols))]
     out = ["| " + " | ".join(cols) + " |", "| " + " | ".join(align) + " |"]
     for r in rows:
+        dp, ref = (find(rows, GPU_MODEL, seeded(name, row_seed(r))) for name in ("data_parallel", "diloco"))
         tps = r.train_tokens_per_s
         out.append("| " + " | ".join([
             r.regime, f"{r.tokens:,}", f"{r.val_loss:.4f}", "" if r.nats_per_byte is None else f"{r.nats_per_byte:.4f}",

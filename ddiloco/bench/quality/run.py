@@ -281,6 +281,7 @@ def _knobs(cfg: RunConfig, spec: RunSpec, scale: Scale) -> dict[str, Any]:
         "adversary": spec.adversary or None,
         "adaptive": cfg.fragments.adaptive,
         "upload_shares": list(spec.upload_shares) if spec.upload_shares else None,
+        "seed": cfg.seed,
     }
 
 
@@ -442,12 +443,12 @@ def _run_data_parallel(spec: RunSpec, cfg: RunConfig, scale: Scale, device: torc
     # Every replica sends its float32 gradient every step (one direction, as for the DiLoCo rows).
     sent = M * scale.steps * 4 * n_params
     knobs = {"learners": M, "steps_per_learner": scale.steps, "batch": cfg.learners.batch_size, "params": n_params,
-             "lr": icfg.lr, "gradient": "float32, every step"}
+             "lr": icfg.lr, "gradient": "float32, every step", "seed": cfg.seed}
     return Row(
         model=spec.model, regime=spec.regime, group=spec.group, tokens=trained, val_loss=final[2], val_accuracy=final[3],
         bytes_per_token=sent / trained, goodput=1.0, wall_clock_s=float(scale.steps), tokens_merged=trained, bytes_sent=sent,
         payload_bytes_per_token=sent / trained, lost_fraction=0.0, merges=scale.steps, mean_learners_per_merge=float(M),
-        mean_grace_window_s=0.0, real_s=0.0, knobs=knobs, curve=curve,
+        mean_grace_window_s=0.0, real_s=0.0, knobs=knobs, curve=curve, base=spec.base, knob=spec.knob,
     )
 
 
