@@ -16,6 +16,8 @@
 #                           selected by the plugin benchmarks/cuda_tests.py) -> gpu_suite_cuda_tests.json
 #   2. overhead_demo        learner_overhead.py --device cuda, the demo model, then 2 pairs with the link's I/O off
 #                           -> learner_overhead_cuda.json
+#   2a. overhead_demo_syncgpu  (extra: only with --only) overhead_demo with the synchronizer's merges on the GPU
+#                           -> learner_overhead_cuda_syncauto.json
 #   2b. overhead_demo_linkproc  the same with learners.link_process (the link's I/O in a process of its own)
 #                           -> learner_overhead_cuda_linkproc.json
 #   3. overhead_llama_ddp   the same on the 100 M-parameter Llama, learners.parallelism ddp
@@ -106,6 +108,7 @@ STEPS=(
   "setup|35|-|(python environment: see the header)|(python environment)"
   "cuda_tests|60|gpu_suite_cuda_tests.json|{TESTS}|{TESTS}"
   "overhead_demo|55|learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --device cuda --windows 4 --window-s 2.5 --warmup-s 4 --io-off-pairs 2 --json {OUT}/learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --quick --json {OUT}/learner_overhead_cuda.json"
+  "overhead_demo_syncgpu|55|learner_overhead_cuda_syncauto.json|{PY} benchmarks/learner_overhead.py --device cuda --sync-device auto --windows 4 --window-s 2.5 --warmup-s 4 --io-off-pairs 2 --json {OUT}/learner_overhead_cuda_syncauto.json|{PY} benchmarks/learner_overhead.py --quick --sync-device auto --json {OUT}/learner_overhead_cuda_syncauto.json"
   "overhead_demo_linkproc|45|learner_overhead_cuda_linkproc.json|{PY} benchmarks/learner_overhead.py --device cuda --link-process --windows 4 --window-s 2.5 --warmup-s 4 --json {OUT}/learner_overhead_cuda_linkproc.json|{PY} benchmarks/learner_overhead.py --quick --link-process --json {OUT}/learner_overhead_cuda_linkproc.json"
   "overhead_llama_ddp|75|learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --json {OUT}/learner_overhead_cuda_llama100m_ddp.json"
   "overhead_llama_syncgpu|70|learner_overhead_cuda_llama100m_ddp_syncauto.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --sync-device auto --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp_syncauto.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --sync-device auto --json {OUT}/learner_overhead_cuda_llama100m_ddp_syncauto.json"
@@ -115,10 +118,11 @@ STEPS=(
   "merge_cuda|25|merge_throughput_cuda.json|{PY} benchmarks/merge_throughput.py --device cuda --rounds 3 --json {OUT}/merge_throughput_cuda.json|{PY} benchmarks/merge_throughput.py --quick --device cpu --json {OUT}/merge_throughput_cuda.json"
   "sync_sustain|105|sync_sustain_${NPROC}cores.json|{PY} benchmarks/sync_sustain.py --learners 32 --shards 1,2 --minutes 0.25 --warmup-s 6 --quiet --json {OUT}/sync_sustain_${NPROC}cores.json|{PY} benchmarks/sync_sustain.py --quick --shards 1,2 --json {OUT}/sync_sustain_${NPROC}cores.json"
 )
-# Extra steps run only when --only names them; the default suite and its budget leave them out. overhead_llama_syncgpu
-# is overhead_llama_ddp with the benchmark's synchronizer merging on the learner's GPU (as every GPU row before
-# 2026-12-06 did): beside overhead_llama_ddp in one --only, it says what sharing the GPU with it cost.
-EXTRA=" overhead_llama_syncgpu "
+# Extra steps run only when --only names them; the default suite and its budget leave them out. overhead_demo_syncgpu
+# and overhead_llama_syncgpu are overhead_demo and overhead_llama_ddp with the benchmark's synchronizer merging on the
+# learner's GPU (as every GPU row before 2026-12-06 did): beside their step in one --only, they say what sharing the
+# GPU with it cost.
+EXTRA=" overhead_demo_syncgpu overhead_llama_syncgpu "
 # A dry run on a small shared CPU machine is slower than the GPU run: its caps are stretched, never its commands.
 CAP_FACTOR=1; [[ "$DRY_RUN" == 1 ]] && CAP_FACTOR=3
 
