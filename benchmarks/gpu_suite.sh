@@ -24,6 +24,8 @@
 #                           -> learner_overhead_cuda_llama100m_ddp.json
 #   3a. overhead_llama_syncgpu  (extra: only with --only) overhead_llama_ddp with the synchronizer's merges on the GPU
 #                           -> learner_overhead_cuda_llama100m_ddp_syncauto.json
+#   3a'. overhead_llama_devdecode  (extra: only with --only) overhead_llama_ddp with learners.decode_on_device
+#                           -> learner_overhead_cuda_llama100m_ddp_devdecode.json
 #   3b. overhead_llama_linkproc  ... with learners.link_process -> learner_overhead_cuda_llama100m_ddp_linkproc.json
 #   4. overhead_llama_fsdp  ... and fsdp (at world 1) -> learner_overhead_cuda_llama100m_fsdp.json
 #   5. largest_model        the largest Llama one learner trains on the GPU, ddp then fsdp -> largest_model_cuda.json
@@ -112,6 +114,7 @@ STEPS=(
   "overhead_demo_linkproc|45|learner_overhead_cuda_linkproc.json|{PY} benchmarks/learner_overhead.py --device cuda --link-process --windows 4 --window-s 2.5 --warmup-s 4 --json {OUT}/learner_overhead_cuda_linkproc.json|{PY} benchmarks/learner_overhead.py --quick --link-process --json {OUT}/learner_overhead_cuda_linkproc.json"
   "overhead_llama_ddp|75|learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --json {OUT}/learner_overhead_cuda_llama100m_ddp.json"
   "overhead_llama_syncgpu|70|learner_overhead_cuda_llama100m_ddp_syncauto.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --sync-device auto --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp_syncauto.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --sync-device auto --json {OUT}/learner_overhead_cuda_llama100m_ddp_syncauto.json"
+  "overhead_llama_devdecode|70|learner_overhead_cuda_llama100m_ddp_devdecode.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --decode-on-device --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp_devdecode.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --decode-on-device --json {OUT}/learner_overhead_cuda_llama100m_ddp_devdecode.json"
   "overhead_llama_linkproc|70|learner_overhead_cuda_llama100m_ddp_linkproc.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --link-process --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp_linkproc.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --link-process --json {OUT}/learner_overhead_cuda_llama100m_ddp_linkproc.json"
   "overhead_llama_fsdp|75|learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism fsdp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism fsdp --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json"
   "largest_model|55|largest_model_cuda.json|{PY} benchmarks/largest_model.py --device cuda --parallelism ddp,fsdp --budget-s 45 --json {OUT}/largest_model_cuda.json|{PY} benchmarks/largest_model.py --quick --device cpu --json {OUT}/largest_model_cuda.json"
@@ -121,8 +124,9 @@ STEPS=(
 # Extra steps run only when --only names them; the default suite and its budget leave them out. overhead_demo_syncgpu
 # and overhead_llama_syncgpu are overhead_demo and overhead_llama_ddp with the benchmark's synchronizer merging on the
 # learner's GPU (as every GPU row before 2026-12-06 did): beside their step in one --only, they say what sharing the
-# GPU with it cost.
-EXTRA=" overhead_demo_syncgpu overhead_llama_syncgpu "
+# GPU with it cost. overhead_llama_devdecode is overhead_llama_ddp with learners.decode_on_device (received versions
+# decoded on the GPU), to decide that option's default.
+EXTRA=" overhead_demo_syncgpu overhead_llama_syncgpu overhead_llama_devdecode "
 # A dry run on a small shared CPU machine is slower than the GPU run: its caps are stretched, never its commands.
 CAP_FACTOR=1; [[ "$DRY_RUN" == 1 ]] && CAP_FACTOR=3
 

@@ -54,6 +54,9 @@ puts its merges on the learner's GPU, and the two processes' CUDA contexts then 
 ratio would also charge it the GPU time the synchronizer takes (the GPU rows before 2026-12-06 ran that way). Any
 other value ends the results name in ``_sync<value>``, so that its rows sit beside the default's.
 
+``--decode-on-device`` runs the learner with ``learners.decode_on_device`` (a GPU learner decodes the versions it
+receives on its GPU, only their compressed bytes copied up; results: ``..._devdecode.json``).
+
 ``--link-process`` runs the learner with ``learners.link_process`` (its link's ledger and store I/O in a child
 process of its own; results: ``..._linkproc.json``) and counts that process's CPU beside the synchronizer's.
 
@@ -126,10 +129,12 @@ LLAMA_BATCH = 8
 
 def bench_config(name: str, quick: bool = False, device: str = "cpu", model: str = "demo", parallelism: str | None = None,
                  batch_size: int | None = None, seq_len: int | None = None, link_process: bool = False,
-                 sync_device: str = SYNC_DEVICE):
+                 sync_device: str = SYNC_DEVICE, decode_on_device: bool = False):
     learners: dict = {"regions": [{"name": "us", "learners": 1}], "device": device}
     if link_process:
         learners["link_process"] = True
+    if decode_on_device:
+        learners["decode_on_device"] = True
     data: dict = {"name": name, "learners": learners, "synchronizer": {"merge_device": sync_device}}
     if quick:
         # --quick only checks the benchmark works: a small model and P = 4 start in a few seconds.
@@ -153,9 +158,10 @@ def bench_config(name: str, quick: bool = False, device: str = "cpu", model: str
 
 
 def result_name(device: str, model: str | None, parallelism: str | None, batch_size: int | None = None,
-                seq_len: int | None = None, link_process: bool = False, sync_device: str = SYNC_DEVICE) -> str:
-    """learner_overhead[_cuda][_<model>_<parallelism>][_b<batch>s<seq>][_linkproc][_sync<device>]: the published
-    demo-model names stay as they were."""
+                seq_len: int | None = None, link_process: bool = False, sync_device: str = SYNC_DEVICE,
+                decode_on_device: bool = False) -> str:
+    """learner_overhead[_cuda][_<model>_<parallelism>][_b<batch>s<seq>][_linkproc][_devdecode][_sync<device>]: the
+    published demo-model names stay as they were."""
     name = NAME if device == "cpu" else f"{NAME}_{device}"
     if model not in (None, "demo") or parallelism is not None:
         name += f"_{model or 'demo'}_{parallelism or 'ddp'}"
@@ -163,6 +169,8 @@ def result_name(device: str, model: str | None, parallelism: str | None, batch_s
         name += f"_b{batch_size or 'default'}s{seq_len or 'default'}"
     if link_process:
         name += "_linkproc"
+    if decode_on_device:
+        name += "_devdecode"
     if sync_device != SYNC_DEVICE:
         name += f"_sync{sync_device}"
     return name
@@ -318,7 +326,9 @@ class Platform:
 
         def taken():
             arrived, awaiting = take()
-            self.copied["received_from_host"] += nbytes(t for _, ts in arrived.values() for t in ts.values())
+            # Decoded in host memory; with learners.decode_on_device they arrive on the device (their blobs' bytes were
+            # copied up: downloaded_blobs).
+            self.copied["received_from_host"] += nbytes(t for _, ts in arrived.values() for t in ts.values() if not t.is_cuda)
             return arrived, awaiting
 
         def saved() -> None:
@@ -369,6 +379,7 @@ class Platform:
         self.counts.update(sent=0, received=0)
         self.copied.update(dict.fromkeys(self.copied, 0))
         upload_s0, bytes0 = self.link.uploader.upload_s, self.link.uploader.bytes_sent
+        down0 = self.link.downloader.bytes_received
         win = run_window(self.step, seconds, self.threads)
         drain_s = self.pause()
         return {
@@ -379,6 +390,7 @@ class Platform:
             "received": self.counts["received"],
             "upload_thread_s": self.link.uploader.upload_s - upload_s0,
             "bytes_sent": self.link.uploader.bytes_sent - bytes0,
+            "bytes_received": self.link.downloader.bytes_received - down0,
             "drain_after_s": drain_s,
         }
 
@@ -414,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=None, help="tokens a sequence (default: the model's)")
     ap.add_argument("--link-process", action="store_true",
                     help="learners.link_process: the link's ledger and store I/O in a process of its own")
+    ap.add_argument("--decode-on-device", action="store_true",
+                    help="learners.decode_on_device: received versions decoded on the learner's GPU")
     ap.add_argument("--sync-device", choices=("cpu", "auto", "cuda"), default=SYNC_DEVICE,
                     help="where the benchmark's synchronizer merges (default cpu: off the learner's GPU, as in a run)")
     ap.add_argument("--io-off-pairs", type=int, default=None,
@@ -428,10 +442,11 @@ def main(argv: list[str] | None = None) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="learner-overhead-"))
     run = ProcessRun(tmp, bench_config("overhead", args.quick, args.device, args.model or "demo", args.parallelism,
-                                       args.batch_size, args.seq_len, args.link_process, args.sync_device))
+                                       args.batch_size, args.seq_len, args.link_process, args.sync_device,
+                                       args.decode_on_device))
     cfg = run.cfg
     name = result_name(args.device, args.model, args.parallelism, args.batch_size, args.seq_len, args.link_process,
-                       args.sync_device)
+                       args.sync_device, args.decode_on_device)
     results = header(name, args)
     platform = None
     try:
@@ -543,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
 
         copied = {k: sum(p["platform"]["host_copies"][k] for p in pairs) for k in pairs[0]["platform"]["host_copies"]}
         copied["uploaded_encoded"] = sum(p["platform"]["bytes_sent"] for p in pairs)
+        copied["downloaded_blobs"] = sum(p["platform"]["bytes_received"] for p in pairs)
         host_bytes = {k: round(v / plat_steps) for k, v in copied.items()}
 
         rb, rp = off_queue_rate("bare"), off_queue_rate("platform")
@@ -561,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
                 "fragments": cfg.fragments.count,
                 "codec": cfg.compression.codec,
                 "synchronizer": "separate OS process (python -m ddiloco synchronizer), eval off",
+                "decode_on_device": args.decode_on_device,
                 "synchronizer_merge_device": args.sync_device,
                 "synchronizer_merge_device_note": "synchronizer.merge_device of the benchmark's synchronizer: cpu stands in "
                 "for one on a machine of its own; auto on a one-GPU machine shares the learner's GPU",
@@ -606,8 +623,9 @@ def main(argv: list[str] | None = None) -> int:
                 "host_bytes_per_step_note": "per platform step: increments_fp32 = float32 bytes of the fragment increments "
                 "sent (what copying them to host memory would move), uploaded_encoded = the encoded blob bytes written (what "
                 "reaches host memory when the learner encodes on its device), received_from_host = received fragments the main "
-                "thread folds in (decoded in host memory, copied to the device on a GPU), state_save = the model and AdamW state "
-                "copied to host memory for restarts",
+                "thread folds in (decoded in host memory, copied to the device on a GPU), downloaded_blobs = the blob bytes the link "
+                "read from the store for them (with decode_on_device, what is copied to the device), state_save = the model "
+                "and AdamW state copied to host memory for restarts",
                 "main_thread_blocked_ms_per_step": {k: split[k].get("blocked_ms") for k in split},
                 "fragments_sent": sent,
                 "fragments_received": received,

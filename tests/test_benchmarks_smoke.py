@@ -178,6 +178,8 @@ def test_learner_overhead_names_its_results_by_device_model_and_parallelism():
     assert lo.result_name("cpu", None, None, 1, 32) == "learner_overhead_b1s32"
     assert lo.result_name("cpu", None, None, 1, 32, link_process=True) == "learner_overhead_b1s32_linkproc"
     assert lo.result_name("cuda", "llama100m", "ddp", sync_device="auto") == "learner_overhead_cuda_llama100m_ddp_syncauto"
+    assert lo.result_name("cuda", "llama100m", "ddp", decode_on_device=True) == "learner_overhead_cuda_llama100m_ddp_devdecode"
+    assert lo.bench_config("x", decode_on_device=True).learners.decode_on_device and not lo.bench_config("x").learners.decode_on_device
     # The benchmark's synchronizer merges off the learner's GPU unless asked to share it.
     assert lo.bench_config("x").synchronizer.merge_device == "cpu"
     assert lo.bench_config("x", sync_device="auto").synchronizer.merge_device == "auto"
@@ -250,7 +252,7 @@ def test_gpu_suite_plan_fits_ten_minutes():
     assert len(caps) == 10 and sum(caps) == total <= 600
     # An extra step is in the plan but not in the default suite's budget; named in --only, it counts.
     extra = [line for line in lines if "(extra:" in line]
-    assert [line.split()[0] for line in extra] == ["overhead_demo_syncgpu", "overhead_llama_syncgpu"]
+    assert [line.split()[0] for line in extra] == ["overhead_demo_syncgpu", "overhead_llama_syncgpu", "overhead_llama_devdecode"]
     both = subprocess.run(["bash", str(BENCH / "gpu_suite.sh"), "--plan", "--only", "overhead_llama_ddp,overhead_llama_syncgpu"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert both.returncode == 0 and re.search(r"of the steps asked\s+180 s", both.stdout), both.stdout + both.stderr

@@ -10,9 +10,11 @@ from sqlalchemy import func, select
 from support import tiny_config
 
 from ddiloco.inprocess import run_inprocess
+from ddiloco.learner_worker.linkio import LocalIO
 from ddiloco.platform.compact import CompactError, CompactRef, Ref, plan_download
 from ddiloco.platform.compression import CompactBase, apply_encoded, compact_version, encode_against, error_bound
 from ddiloco.platform.ledger import runs as runs_q
+from ddiloco.platform.ledger.learner import HeadRef
 from ddiloco.platform.ledger.models import FragmentVersion
 from ddiloco.synchronizer.gc import collect_garbage
 from ddiloco.synchronizer.service import Synchronizer
@@ -169,6 +171,40 @@ def test_learners_download_compact_versions_within_the_bound_and_fewer_bytes():
     received = sum(lr.link.downloader.bytes_received for lr in run.learners.values())
     whole = sum(lr.link.downloader.bytes_if_whole for lr in run.learners.values())
     assert 0 < received < 0.6 * whole
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False here)"))])
+def test_versions_decoded_on_a_learners_device_are_the_host_decode_bit_for_bit(device):
+    """learners.decode_on_device: every version of a run fetched in order (whole, then its base, the deltas against it
+    and the steps that move it) and decoded where the learner trains is the host's decode bit for bit, bases included,
+    so such a learner and the synchronizer still hold the same bases."""
+    cfg = tiny_config(name="compact-device", fragments={"count": 2}, compression={"codec": "int8", "download_base_every": 4},
+                      synchronizer={"retention": {"keep_last": 10_000, "checkpoint_every": 10_000}})
+    run = run_inprocess(cfg, total_tokens=cfg.learners.batch_size * cfg.model.seq_len * 2 * 12)
+    ctx = run.ctx
+    with ctx.reading() as s:
+        rows = s.scalars(select(FragmentVersion).where(FragmentVersion.run_id == ctx.run_id).order_by(FragmentVersion.version)).all()
+        refs = [HeadRef(r.fragment, r.version, r.blob_key, r.sha256, r.nbytes, r.compact_json) for r in rows]
+    host, there = LocalIO(ctx), LocalIO(ctx, torch.device(device))
+    plans = set()
+    for ref in refs:
+        held = host.bases.get(ref.fragment)
+        plans.add(plan_download(held.version if held else None, CompactRef.parse(ref.compact_json))[0])
+        a, a_bytes, a_codec = host.fetch(ref, "int8")
+        b, b_bytes, b_codec = there.fetch(ref, "int8")
+        assert (a_bytes, a_codec) == (b_bytes, b_codec) and a.keys() == b.keys()
+        assert all(b[n].device.type == device and torch.equal(a[n], b[n].cpu()) for n in a), ref.version
+    assert plans == {"base", "delta", "step"}, plans
+    # A version without a compact form comes whole, onto the device as well.
+    whole = refs[-1]._replace(compact_json=None)
+    a, b = host.fetch(whole, "int8")[0], there.fetch(whole, "int8")[0]
+    assert all(b[n].device.type == device and b[n].dtype == torch.float32 and torch.equal(a[n], b[n].cpu()) for n in a)
+    assert host.bases.keys() == there.bases.keys()
+    for p, base in host.bases.items():
+        other = there.bases[p]
+        assert other.version == base.version
+        assert all(t.device.type == device and torch.equal(base.tensors[n], t.cpu()) for n, t in other.tensors.items())
 
 
 def test_gc_deletes_a_version_s_compact_blobs_but_keeps_the_base_in_use():

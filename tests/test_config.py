@@ -86,6 +86,10 @@ def test_cross_field_rules():
     assert "unique" in _error({"learners": {"regions": [{"name": "us"}, {"name": "us"}]}})
     assert "learners.regions.0.name" in _error({"learners": {"regions": [{"name": "../etc"}]}})
     assert "grace.max_s" in _error({"grace": {"min_s": 5, "max_s": 1}})
+    # Decoding on the device keeps a float32 copy of the model there: a ddp learner's, in its own process.
+    assert "decode_on_device needs learners.parallelism ddp" in _error({"learners": {"decode_on_device": True, "parallelism": "fsdp"}})
+    assert "set one of them" in _error({"learners": {"decode_on_device": True, "link_process": True}})
+    assert build_config({"learners": {"decode_on_device": True}}).learners.decode_on_device
 
 
 def test_bad_files(tmp_path):

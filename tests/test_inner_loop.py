@@ -157,14 +157,44 @@ def test_compiled_learner_trains():
     assert all(math.isfinite(x) for x in losses)
 
 
+def test_decoding_on_the_device_changes_nothing_a_cpu_learner_computes():
+    """learners.decode_on_device on a CPU learner: its downloads go through an I/O that decodes on the learner's device
+    (the CPU) and holds the compact bases there, and it trains exactly as without the option."""
+    from ddiloco.learner_worker.learner import Learner
+    from ddiloco.learner_worker.link import LearnerLink
+
+    runs = {}
+    for decode_on_device in (False, True):
+        _, clock, ctx, sync = sim_run(learners={"decode_on_device": decode_on_device, "regions": [{"name": "us", "learners": 1}]},
+                                      compression={"codec": "int8"})
+        learner = Learner(ctx.cfg, "us-0", index=0, num_learners=1, link=LearnerLink(ctx, "us-0", "us"), clock=ctx.now)
+        learner.start(clock.t)
+        losses, received = [], 0
+        for _ in range(2 * ctx.cfg.fragments.count):
+            clock.t += 1.0
+            report = sim_step(learner, clock.t)
+            losses.append(report.loss)
+            received += len(report.received)
+            sync.poll_once(clock.t)
+        io = learner.link.downloader.io
+        assert io.device == learner.device and io.bases and received > 0
+        runs[decode_on_device] = (losses, [p.detach().clone() for p in learner.model.parameters()])
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1], strict=True))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False here)")
-@pytest.mark.parametrize(("compiled", "parallelism"), [(False, "ddp"), (True, "ddp"), (False, "fsdp")],
-                         ids=["eager", "compiled", "fsdp"])
-def test_the_inner_loop_trains_on_a_gpu_and_its_fragments_merge(compiled, parallelism):
+@pytest.mark.parametrize(("compiled", "parallelism", "decode_on_device"),
+                         [(False, "ddp", False), (True, "ddp", False), (False, "fsdp", False), (False, "ddp", True)],
+                         ids=["eager", "compiled", "fsdp", "decode-on-device"])
+def test_the_inner_loop_trains_on_a_gpu_and_its_fragments_merge(compiled, parallelism, decode_on_device):
 
     _, clock, ctx, sync = sim_run(
-        learners={"device": "cuda", "compile": compiled, "parallelism": parallelism, "regions": [{"name": "us", "learners": 1}]},
+        learners={"device": "cuda", "compile": compiled, "parallelism": parallelism, "decode_on_device": decode_on_device,
+                  "regions": [{"name": "us", "learners": 1}]},
         inner={"grad_accum_steps": 2, "schedule": "cosine", "warmup_steps": 1},
+        # Compact downloads (an int8 run's), so that a learner decoding on its device holds their bases there.
+        compression={"codec": "int8" if decode_on_device else "none"},
     )
     try:
         _train_on_the_gpu(ctx, clock, sync)
@@ -199,3 +229,10 @@ def _train_on_the_gpu(ctx, clock, sync) -> None:
         versions = runs_q.latest_version_numbers(s, ctx.run_id)
     assert max(versions.values()) >= 1, versions  # the GPU learner's outer gradients were merged
     assert received >= 1  # and the merged versions came back onto the GPU
+    io = learner.link.downloader.io
+    if ctx.cfg.learners.decode_on_device:
+        # Decoded there: the bases of its compact downloads live on the GPU, and nothing is pinned in host memory.
+        assert io.device.type == "cuda" and not learner.link.downloader.pin
+        assert io.bases and all(t.is_cuda for b in io.bases.values() for t in b.tensors.values())
+    else:
+        assert io.device.type == "cpu" and learner.link.downloader.pin

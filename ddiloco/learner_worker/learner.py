@@ -255,7 +255,8 @@ class Learner:
         ]
         if link is not None:
             link.configure(len(self.fragments), cadence_policy(cfg, parts) if cfg.fragments.adaptive else None,
-                           self.dist.world, pin_arrivals=self.device.type == "cuda")
+                           self.dist.world, pin_arrivals=self.device.type == "cuda",
+                           decode_on=self.device if cfg.learners.decode_on_device else None)
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model, cfg.inner.weight_decay), lr=cfg.inner.lr, betas=(cfg.inner.beta1, cfg.inner.beta2)
         )
@@ -566,11 +567,15 @@ class Learner:
         if self.link is not None:
             host = {n: t for p, _ in control.apply for n, t in control.arrived[p][1].items()}
             if self.dist.world == 1:
-                # Arrivals are decoded in host memory (pinned for a GPU learner); it folds them in on its device.
+                # Arrivals are decoded in host memory (pinned for a GPU learner) or already on its device
+                # (learners.decode_on_device); it folds them in on its device.
                 return host if self.device.type == "cpu" else {n: t.to(self.device, non_blocking=True) for n, t in host.items()}
             parts = [host[n].reshape(-1).to(torch.float32) for n in names]
-            flat = torch.empty(sum(t.numel() for t in parts), dtype=torch.float32, pin_memory=self.device.type == "cuda")
-            flat = torch.cat(parts, out=flat).to(self.device, non_blocking=True)
+            if parts[0].device != self.device:
+                flat = torch.empty(sum(t.numel() for t in parts), dtype=torch.float32, pin_memory=self.device.type == "cuda")
+                flat = torch.cat(parts, out=flat).to(self.device, non_blocking=True)
+            else:
+                flat = torch.cat(parts)
         else:
             flat = torch.empty(sum(s.numel() for s in shapes), dtype=torch.float32, device=self.device)
         self.dist.broadcast(flat)

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ddiloco.learner_worker.cadence import Cadence, CadencePolicy, choose_cadence, link_report, measure_window_s
 from ddiloco.learner_worker.downloader import Arrival, Downloader
@@ -31,6 +32,9 @@ from ddiloco.platform.ledger.models import Learner as LearnerRow
 from ddiloco.platform.redact import redact_url
 from ddiloco.platform.runtime import RunContext, to_datetime
 from ddiloco.platform.spans import span
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -120,13 +124,16 @@ class LearnerLink:
         on in a process of its own when ``learners.link_process`` says so."""
 
     def configure(self, num_fragments: int, cadence_policy: CadencePolicy | None, world_size: int = 1,
-                  pin_arrivals: bool = False) -> None:
+                  pin_arrivals: bool = False, decode_on: torch.device | None = None) -> None:
         """The learner's model and job: its fragments, what it may choose its cadence from (None: fixed), its ranks,
-        and whether the versions it receives go to a GPU (then they arrive in pinned host memory)."""
+        whether the versions it receives go to a GPU (then they arrive in pinned host memory), and the device that
+        decodes them (None: host memory; called on the training thread, whose stream reads them)."""
         self.num_fragments = num_fragments
         self.cadence_policy = cadence_policy
         self.world_size = world_size
-        self.downloader.pin = pin_arrivals
+        self.downloader.pin = pin_arrivals and (decode_on is None or decode_on.type == "cpu")
+        if decode_on is not None:
+            self.downloader.io = LocalIO(self.ctx, decode_on)
 
     def set_cadence(self, cadence: Cadence) -> None:
         """The cadence in force from now on (the learner's first; :meth:`choose` changes it when adaptive)."""

@@ -84,12 +84,19 @@ class LinkIO(Protocol):
 class LocalIO:
     """The I/O in this process, on the run's context."""
 
-    def __init__(self, ctx: RunContext) -> None:
+    def __init__(self, ctx: RunContext, device: torch.device | None = None) -> None:
         self.ctx = ctx
         self.bases: dict[int, CompactBase] = {}
         """Per fragment, the base of the compact downloads this learner holds (as the synchronizer does)."""
         self._fetch_lock = threading.Lock()
         """One fetch at a time: the bases change with each."""
+        self.device = torch.device("cpu") if device is None else device
+        """Where received versions are decoded and the bases kept: host memory, or a GPU learner's device
+        (``learners.decode_on_device``), where only the blobs' compressed bytes are copied."""
+        self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        """The side stream a GPU decodes on, beside the training stream."""
+        self._consumer = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        """The stream that reads what a fetch returns: the training stream of the thread that made this I/O."""
 
     def put_blob(self, region: str, key: str, data: bytes) -> BlobInfo:
         return self.ctx.store(region).put_bytes(key, data)
@@ -102,10 +109,23 @@ class LocalIO:
         compact form when the run publishes one (the blobs :func:`plan_download` picks; within the download codec's
         bound of the full blob), else the full blob. ``prefer``: the delta codec to take when the run offers it."""
         with self._fetch_lock:
-            return self._fetch(row, prefer)
+            if self._stream is None:
+                return self._fetch(row, prefer)
+            with torch.cuda.stream(self._stream):
+                tensors, nbytes, codec = self._fetch(row, prefer)
+            # Decoded before the training thread can take it, and kept from the side stream's next allocations until the
+            # training stream has done with it (the caching allocator only knows the stream a block was made on).
+            self._stream.synchronize()
+            for t in tensors.values():
+                t.record_stream(self._consumer)
+            return tensors, nbytes, codec
 
     def _read(self, key: str, sha256: str, nbytes: int | None = None) -> tuple[Tensors, dict[str, str]]:
         return decode_tensors(self.get_blob(key, sha256, nbytes), key)
+
+    def _whole(self, key: str, sha256: str, nbytes: int | None = None) -> Tensors:
+        """A full blob's float32 tensors, where versions are decoded."""
+        return {n: t.to(self.device, torch.float32) for n, t in self._read(key, sha256, nbytes)[0].items()}
 
     def _fetch(self, row: learner_q.HeadRef, prefer: str | None) -> tuple[Tensors, int, str | None]:
         try:
@@ -114,7 +134,7 @@ class LocalIO:
             log.warning("fragment %s v%s: %s; downloading it whole", row.fragment, row.version, err)
             ref = None
         if ref is None:
-            return self._read(row.blob_key, row.sha256)[0], row.nbytes, None
+            return self._whole(row.blob_key, row.sha256), row.nbytes, None
         held = self.bases.get(row.fragment)
         plan = plan_download(held.version if held else None, ref)
         fetched = 0
@@ -127,7 +147,7 @@ class LocalIO:
 
         try:
             if plan[0] == "base":
-                base = CompactBase(ref.base, {n: t.to(torch.float32) for n, t in get(ref.base_blob)[0].items()})
+                base = CompactBase(ref.base, {n: t.to(self.device, torch.float32) for n, t in get(ref.base_blob)[0].items()})
             elif plan[0] == "step":
                 assert held is not None and ref.step is not None
                 base = CompactBase(ref.base, apply_encoded(held.tensors, *get(ref.step)))
@@ -142,7 +162,7 @@ class LocalIO:
             # drop the base and take the full blob, which never depends on one.
             log.warning("fragment %s v%s: compact form unusable (%s); downloading it whole", row.fragment, row.version, err)
             self.bases.pop(row.fragment, None)
-            return self._read(row.blob_key, row.sha256)[0], fetched + row.nbytes, None
+            return self._whole(row.blob_key, row.sha256), fetched + row.nbytes, None
         self.bases[row.fragment] = base
         return tensors, fetched, codec
 

@@ -204,15 +204,16 @@ def decode_delta(
     tensors: dict[str, torch.Tensor],
     metadata: dict[str, str],
     expected: dict[str, tuple[int, ...]] | None = None,
+    device: torch.device | str = "cpu",
 ) -> dict[str, torch.Tensor]:
-    """Decode to float32 tensors of the original shapes, checking names and shapes against ``expected``.
+    """Decode to float32 tensors of the original shapes on ``device``, checking names and shapes against ``expected``.
 
     The tensors are views of one new flat buffer (see :func:`decode_delta_into`)."""
     _codec, _block_size, shapes = _parse_metadata(metadata)
     if expected is not None:
         _check_against(shapes, expected)
     layout = list(shapes.items())
-    out = torch.empty(sum(math.prod(s) for _, s in layout), dtype=torch.float32)
+    out = torch.empty(sum(math.prod(s) for _, s in layout), dtype=torch.float32, device=device)
     decode_delta_into(tensors, metadata, layout, out, norms=False)
     views, offset = {}, 0
     for name, shape in layout:
@@ -366,9 +367,11 @@ def encode_against(target: Tensors, base: Tensors, codec: str, block_size: int) 
 
 
 def apply_encoded(base: Tensors, tensors: Tensors, metadata: dict[str, str]) -> Tensors:
-    """base + deq(blob): new tensors (never views of ``base``). The same float32 operations on either side, so the
-    synchronizer's next base and a learner's are the same bits."""
-    decoded = decode_delta(tensors, metadata, {n: tuple(t.shape) for n, t in base.items()})
+    """base + deq(blob): new tensors (never views of ``base``), on the base's device (the blob's codes are copied
+    there). The same float32 operations on either side and on any device, so the synchronizer's next base and a
+    learner's are the same bits."""
+    device = next(iter(base.values())).device if base else torch.device("cpu")
+    decoded = decode_delta(tensors, metadata, {n: tuple(t.shape) for n, t in base.items()}, device)
     # The sum lands in the decoded buffer (one op for all tensors): new memory all the same.
     out = [decoded[n] for n in base]
     torch._foreach_add_(out, [base[n] for n in base])

@@ -341,6 +341,11 @@ class LearnersConfig(_Section):
     """Run a learner's ledger and store I/O in a child process of its own, so that its link's threads do not take the
     GIL from the training thread at each SQL statement and file call (a learner whose steps take milliseconds loses
     most to that; see docs/ddp.md). Off by default until a GPU run measures it."""
+    decode_on_device: bool = False
+    """A GPU learner decodes the versions it receives on its GPU (on a side stream) instead of in host memory: only the
+    compressed bytes are copied up, and no host CPU decodes. It keeps the bases of compact downloads there too, a float32
+    copy of the model on rank 0's GPU, so it is for ``ddp`` learners, and in the learner's own process (not with
+    ``link_process``, whose child decodes). Off by default until a GPU run measures it."""
     parallelism: Literal["ddp", "fsdp", "hsdp"] = "ddp"
     """How a learner's replica is spread over its ranks: ``ddp`` (a whole copy per rank), ``fsdp`` (FSDP2: each
     parameter cut into row shards, one per rank; bf16 compute with fp32 shards and reduction on GPUs) or ``hsdp``
@@ -362,6 +367,12 @@ class LearnersConfig(_Section):
         why = world_size_problem(self.nproc_per_node, self.max_world_size)
         if why:
             raise ValueError(f"learners.nproc_per_node: {why}")
+        if self.decode_on_device and self.parallelism != "ddp":
+            raise ValueError(f"learners.decode_on_device needs learners.parallelism ddp: with {self.parallelism} rank 0 would "
+                             "hold a float32 copy of the whole model on its GPU, which sharding is there to avoid")
+        if self.decode_on_device and self.link_process:
+            raise ValueError("learners.decode_on_device and learners.link_process both decode received versions (on the "
+                             "GPU, in the I/O process): set one of them")
         names = [r.name for r in self.regions]
         if len(set(names)) != len(names):
             raise ValueError(f"learners.regions names must be unique, got {names}")
