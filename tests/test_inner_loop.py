@@ -157,6 +157,20 @@ def test_compiled_learner_trains():
     assert all(math.isfinite(x) for x in losses)
 
 
+def _train_with_merges(learner, clock, sync, steps: int) -> tuple[list, list[float], int]:
+    """``steps`` simulated seconds of a started learner, the synchronizer polling after each: its losses, its learning
+    rates and the fragments it received."""
+    losses, lrs, received = [], [], 0
+    for _ in range(steps):
+        clock.t += 1.0
+        report = sim_step(learner, clock.t)
+        losses.append(report.loss)
+        received += len(report.received)
+        lrs.append(learner.lr)
+        sync.poll_once(clock.t)
+    return losses, lrs, received
+
+
 def test_decoding_on_the_device_changes_nothing_a_cpu_learner_computes():
     """learners.decode_on_device on a CPU learner: its downloads go through an I/O that decodes on the learner's device
     (the CPU) and holds the compact bases there, and it trains exactly as without the option."""
@@ -169,13 +183,7 @@ def test_decoding_on_the_device_changes_nothing_a_cpu_learner_computes():
                                       compression={"codec": "int8"})
         learner = Learner(ctx.cfg, "us-0", index=0, num_learners=1, link=LearnerLink(ctx, "us-0", "us"), clock=ctx.now)
         learner.start(clock.t)
-        losses, received = [], 0
-        for _ in range(2 * ctx.cfg.fragments.count):
-            clock.t += 1.0
-            report = sim_step(learner, clock.t)
-            losses.append(report.loss)
-            received += len(report.received)
-            sync.poll_once(clock.t)
+        losses, _, received = _train_with_merges(learner, clock, sync, 2 * ctx.cfg.fragments.count)
         io = learner.link.downloader.io
         assert io.device == learner.device and io.bases and received > 0
         runs[decode_on_device] = (losses, [p.detach().clone() for p in learner.model.parameters()])
@@ -214,14 +222,7 @@ def _train_on_the_gpu(ctx, clock, sync) -> None:
     assert learner.device.type == "cuda" and all(p.is_cuda for p in learner.model.parameters())
     assert learner.encode_stream is not None and all(s.is_cuda for f in learner.fragments for s in f.snapshot)
     learner.start(clock.t)
-    losses, lrs, received = [], [], 0
-    for _ in range(2 * ctx.cfg.fragments.count):
-        clock.t += 1.0
-        report = sim_step(learner, clock.t)
-        losses.append(report.loss)
-        received += len(report.received)
-        lrs.append(learner.lr)
-        sync.poll_once(clock.t)
+    losses, lrs, received = _train_with_merges(learner, clock, sync, 2 * ctx.cfg.fragments.count)
     # A GPU learner reads each step's loss one step late (the host never waits for the step it just queued).
     assert learner.loss_read.late and losses[0] is None and all(math.isfinite(x) for x in losses[1:])
     assert lrs[-1] < lrs[1]  # the cosine decays after its warm-up step
