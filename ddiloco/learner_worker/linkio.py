@@ -124,8 +124,8 @@ class LocalIO:
         return decode_tensors(self.get_blob(key, sha256, nbytes), key)
 
     def _whole(self, key: str, sha256: str, nbytes: int | None = None) -> Tensors:
-        """A full blob's float32 tensors, where versions are decoded."""
-        return {n: t.to(self.device, torch.float32) for n, t in self._read(key, sha256, nbytes)[0].items()}
+        """A full blob's tensors, where versions are decoded."""
+        return {n: t.to(self.device) for n, t in self._read(key, sha256, nbytes)[0].items()}
 
     def _fetch(self, row: learner_q.HeadRef, prefer: str | None) -> tuple[Tensors, int, str | None]:
         try:
