@@ -38,8 +38,9 @@
 #     (bring $OUT/follow-up back to ddiloco-runs/follow-up here; then the same with decoupled_h12_lr0.3_m0.95 and
 #      carry=[".whl", "ddiloco-runs/follow-up"])
 # Any row at another seed (model init, data order and outage schedule drawn again) is ROW_seed1 or ROW_seed2, trained only
-# when named, with ratios to the same seed's data_parallel_seedN: data_parallel_seed1 and decoupled_seed1 (in the same
-# folder as their seed-0 rows) say how far chance moves the plan's figure at this scale, as few_rounds.py --seed did on a CPU.
+# when named, with ratios to the same seed's data_parallel_seedN: data_parallel_seed1 and decoupled_seed1 say how far
+# chance moves the plan's figure at this scale, as few_rounds.py --seed did on a CPU. The pin predates them too: train
+# them as the follow-ups, with QUALITY_GPU_OUT, beside data_parallel and decoupled rows of the same code in that folder.
 #
 # --reference [ARGS] runs benchmarks/diloco_reference.py instead (its header says what), with the same Python and corpus:
 # the diloco row against the same DiLoCo in plain torch and one learner alone. On the device machine:
