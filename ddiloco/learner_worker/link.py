@@ -131,7 +131,7 @@ class LearnerLink:
         self.num_fragments = num_fragments
         self.cadence_policy = cadence_policy
         self.world_size = world_size
-        self.downloader.pin = pin_arrivals and (decode_on is None or decode_on.type == "cpu")
+        self.downloader.pin = pin_arrivals and decode_on is None
         if decode_on is not None:
             self.downloader.io = LocalIO(self.ctx, decode_on)
 
