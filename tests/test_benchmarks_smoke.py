@@ -309,11 +309,22 @@ def test_the_gpu_plans_diloco_row_is_textbook_diloco(tmp_path):
     assert rows["platform"]["tokens"] == rows["reference"]["tokens"] == 8 * rows["single"]["tokens"]
 
 
-def test_the_cuda_tests_plugin_keeps_only_the_gpu_tests():
+def test_the_cuda_tests_plugin_keeps_only_the_gpu_tests_and_the_suite_collects_every_file_that_has_one():
+    """The plugin, collecting the whole test folder, keeps only tests whose skip names CUDA or a GPU; the files the GPU
+    suite collects (read from their source, never imported) are exactly the files of those tests."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from cuda_tests import gpu_test_files
+    finally:
+        sys.path.remove(str(BENCH))
     env = {**os.environ, "PYTHONPATH": str(BENCH)}
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "cuda_tests", "tests/test_merge_math.py"],
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-p", "cuda_tests", "tests"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     kept = [line for line in out.stdout.splitlines() if "::" in line]
-    assert kept and all("cuda" in line for line in kept), kept
+    assert kept and all(re.search(r"cuda|gpu", line, re.I) for line in kept), kept
     assert "deselected" in out.stdout
+    # A skipif laid over two lines (a pytest.param's mark) and a reason kept in a name are both found.
+    files = {str(p.relative_to(ROOT)) for p in gpu_test_files(ROOT / "tests")}
+    assert {"tests/test_compact_downloads.py", "tests/test_ddp_learner.py"} <= files
+    assert files == {line.split("::")[0] for line in kept}
