@@ -146,15 +146,26 @@ def test_a_loss_read_one_step_late_trains_the_same_and_reports_each_loss_one_ste
     assert all(torch.equal(a, b) for a, b in zip(params, late_params))
 
 
-def test_compiled_learner_trains():
-    _, clock, ctx, sync = sim_run(learners={"compile": True, "regions": [{"name": "us", "learners": 1}]})
-    learner = sim_learner(ctx, "us-0")
-    learner.start(clock.t)
-    losses = []
-    for _ in range(3):
-        clock.t += 1.0
-        losses.append(sim_step(learner, clock.t).loss)
-    assert all(math.isfinite(x) for x in losses)
+def test_compiled_learner_trains_as_the_eager_one_does():
+    """learners.compile: the learner's forward and loss run through torch.compile (dynamo compiles frames for it), and
+    its steps follow the eager learner's to float tolerance (inductor reorders float32 sums)."""
+    from torch._dynamo.utils import counters
+
+    runs = {}
+    for compile_ in (False, True):
+        _, clock, ctx, sync = sim_run(learners={"compile": compile_, "regions": [{"name": "us", "learners": 1}]})
+        learner = sim_learner(ctx, "us-0")
+        learner.start(clock.t)
+        frames = counters["stats"]["unique_graphs"]
+        losses = []
+        for _ in range(3):
+            clock.t += 1.0
+            losses.append(sim_step(learner, clock.t).loss)
+        runs[compile_] = (losses, counters["stats"]["unique_graphs"] - frames)
+    (eager, eager_graphs), (compiled, compiled_graphs) = runs[False], runs[True]
+    assert eager_graphs == 0 and compiled_graphs > 0
+    assert all(math.isfinite(x) for x in compiled)
+    assert compiled == pytest.approx(eager, rel=1e-4)
 
 
 def _train_with_merges(learner, clock, sync, steps: int) -> tuple[list, list[float], int]:
