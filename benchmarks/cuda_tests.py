@@ -23,10 +23,16 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+import pytest
+
 NEEDS_GPU = re.compile(r"\bcuda\b|\bgpus?\b", re.IGNORECASE)
 JSON_ENV = "CUDA_TESTS_JSON"
 
 _outcomes: dict[str, str] = {}
+_seconds: dict[str, float] = {}
+_selected: list[str] = []
+_worker = False
+"""Whether this process is an xdist worker: only the process that sees every test's report writes the record."""
 
 
 def needs_gpu(item) -> bool:
@@ -60,23 +66,43 @@ def gpu_test_files(folder: str | Path) -> list[Path]:
     return out
 
 
+def pytest_configure(config) -> None:
+    global _worker
+    _worker = hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids) -> None:
+    # Under xdist the controller collects nothing itself: its workers' (already filtered) collections say what runs.
+    _selected[:] = list(dict.fromkeys([*_selected, *ids]))
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     keep = [item for item in items if needs_gpu(item)]
     dropped = [item for item in items if not needs_gpu(item)]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
+    _selected[:] = [item.nodeid for item in keep]
 
 
 def pytest_runtest_logreport(report) -> None:
     # A failure in setup or teardown counts; a pass needs the call phase.
+    _seconds[report.nodeid] = round(_seconds.get(report.nodeid, 0.0) + report.duration, 2)
     if report.failed or report.skipped or report.when == "call":
         _outcomes.setdefault(report.nodeid, "failed" if report.failed else "skipped" if report.skipped else "passed")
+    if report.when == "teardown":
+        # Written after every test: a step cut short by its cap still leaves what ran (and what did not).
+        _write(None)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
+    _write(int(exitstatus))
+
+
+def _write(exitstatus: int | None) -> None:
     path = os.environ.get(JSON_ENV)
-    if not path:
+    if not path or _worker:
         return
     import torch
 
@@ -87,14 +113,20 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         "torch": torch.__version__,
         "cuda_available": torch.cuda.is_available(),
         "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "exit_status": int(exitstatus),
+        "exit_status": exitstatus,
+        "complete": exitstatus is not None,
         "counts": counts,
         "tests": dict(sorted(_outcomes.items())),
+        "seconds": dict(sorted(_seconds.items())),
+        "not_run": [n for n in _selected if n not in _outcomes],
         # Skips are listed, not judged: on a GPU the CPU-side refusal checks skip by design.
-        "goal": {"measure": "no GPU test fails, and some ran", "pass": counts["failed"] == 0 and counts["passed"] > 0},
+        "goal": {"measure": "every GPU test ran, none failed, some passed",
+                 "pass": exitstatus is not None and counts["failed"] == 0 and counts["passed"] > 0},
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

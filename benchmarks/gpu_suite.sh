@@ -13,7 +13,8 @@
 #
 # Steps, in order, each under `timeout` (the cap in the plan), each run whatever the previous ones did:
 #   1. cuda_tests           the tests written for a GPU (no marker: those whose skipif reason names CUDA or a GPU,
-#                           selected by the plugin benchmarks/cuda_tests.py) -> gpu_suite_cuda_tests.json
+#                           selected by the plugin benchmarks/cuda_tests.py) -> gpu_suite_cuda_tests.json, rewritten
+#                           after every test (with each test's seconds): a step cut at its cap keeps what ran
 #   2. overhead_demo        learner_overhead.py --device cuda, the demo model, then 2 pairs with the link's I/O off
 #                           -> learner_overhead_cuda.json
 #   2a. overhead_demo_syncgpu  (extra: only with --only) overhead_demo with the synchronizer's merges on the GPU

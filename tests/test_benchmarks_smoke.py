@@ -309,6 +309,33 @@ def test_the_gpu_plans_diloco_row_is_textbook_diloco(tmp_path):
     assert rows["platform"]["tokens"] == rows["reference"]["tokens"] == 8 * rows["single"]["tokens"]
 
 
+@pytest.mark.parametrize("workers", ["0", "1"], ids=["one-process", "xdist"])
+def test_the_cuda_tests_record_survives_a_step_killed_at_its_cap(tmp_path, workers):
+    """The GPU suite kills a step at its cap: the plugin's record, written after every test by the process that sees
+    every report (the xdist controller, the suite's way), still says what passed, that the run did not complete, and
+    which selected tests never ran."""
+    (tmp_path / "test_gpu_like.py").write_text(
+        "import os, signal, pytest\n"
+        "@pytest.mark.skipif(False, reason='needs a CUDA device')\n"
+        "def test_a_passes():\n    assert True\n"
+        "@pytest.mark.skipif(False, reason='needs a GPU')\n"
+        "def test_b_is_killed():\n"
+        "    os.kill(os.getppid() if os.environ.get('PYTEST_XDIST_WORKER') else os.getpid(), signal.SIGKILL)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "@pytest.mark.skipif(False, reason='needs a GPU')\n"
+        "def test_c_never_runs():\n    assert True\n"
+        "def test_d_is_not_a_gpu_test():\n    assert True\n")
+    record = tmp_path / "cuda_tests.json"
+    env = {**os.environ, "PYTHONPATH": str(BENCH), "CUDA_TESTS_JSON": str(record)}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", workers, "-p", "no:cacheprovider", "-p", "cuda_tests",
+                          "test_gpu_like.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == -9, out.stdout + out.stderr
+    got = json.loads(record.read_text())
+    assert got["tests"] == {"test_gpu_like.py::test_a_passes": "passed"}
+    assert got["complete"] is False and got["exit_status"] is None and got["goal"]["pass"] is False
+    assert got["not_run"] == ["test_gpu_like.py::test_b_is_killed", "test_gpu_like.py::test_c_never_runs"]
+
+
 def test_the_cuda_tests_plugin_keeps_only_the_gpu_tests_and_the_suite_collects_every_file_that_has_one():
     """The plugin, collecting the whole test folder, keeps only tests whose skip names CUDA or a GPU; the files the GPU
     suite collects (read from their source, never imported) are exactly the files of those tests."""
