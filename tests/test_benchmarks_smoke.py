@@ -320,13 +320,17 @@ def test_the_cuda_tests_record_survives_a_step_killed_at_its_cap(tmp_path, worke
         "def test_a_passes():\n    assert True\n"
         "@pytest.mark.skipif(False, reason='needs a GPU')\n"
         "def test_b_is_killed():\n"
-        "    os.kill(os.getppid() if os.environ.get('PYTEST_XDIST_WORKER') else os.getpid(), signal.SIGKILL)\n"
+        "    parent = open(f'/proc/{os.getppid()}/cmdline', 'rb').read()\n"
+        "    if os.environ.get('PYTEST_XDIST_WORKER') and b'test_gpu_like.py' in parent:\n"
+        "        os.kill(os.getppid(), signal.SIGKILL)  # the run's controller\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "@pytest.mark.skipif(False, reason='needs a GPU')\n"
         "def test_c_never_runs():\n    assert True\n"
         "def test_d_is_not_a_gpu_test():\n    assert True\n")
     record = tmp_path / "cuda_tests.json"
-    env = {**os.environ, "PYTHONPATH": str(BENCH), "CUDA_TESTS_JSON": str(record)}
+    # Not this suite's own xdist variables: the one-process run would take itself for a worker and kill its parent.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}, "PYTHONPATH": str(BENCH),
+           "CUDA_TESTS_JSON": str(record)}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", workers, "-p", "no:cacheprovider", "-p", "cuda_tests",
                           "test_gpu_like.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == -9, out.stdout + out.stderr
