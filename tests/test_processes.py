@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 
 def process_config(name: str, **extra):
-    # A lease long enough that a holder starved of CPU (the suite runs 4 workers on 2 cores) keeps it: with 1.5 s a
+    # A lease long enough that a holder starved of CPU (the suite runs 3 workers on 2 cores) keeps it: with 1.5 s a
     # live holder lost its shard to a standby mid-test. The kills below must be taken over well inside it, which only
     # the presence lock can do (a renewed lease has over 5 s left), so the failover bounds test that path, not expiry.
     return tiny_config(
