@@ -218,9 +218,10 @@ run_step() {   # name cap result command
 PY=""
 # Only the files with a GPU skip are collected: the others may import what the GPU image lacks (prefect, moto...). The
 # plugin's module picks them from their source (a line grep missed a skipif laid over two lines). The step's bash
-# expands $PYTHONPATH (the tests need the project's site folder that setup put there) and the file list.
+# expands $PYTHONPATH (the tests need the project's site folder that setup put there) and the file list. Four workers,
+# as the step was timed (the repo's addopts give three, sized for a 2-core machine; this one has 16).
 TESTS_CMD='CUDA_TESTS_JSON={OUT}/gpu_suite_cuda_tests.json PYTHONPATH="benchmarks${PYTHONPATH:+:$PYTHONPATH}" '
-TESTS_CMD+='{PY} -m pytest -q -p cuda_tests --timeout 120 $({PY} benchmarks/cuda_tests.py tests)'
+TESTS_CMD+='{PY} -m pytest -q -n 4 -p cuda_tests --timeout 120 $({PY} benchmarks/cuda_tests.py tests)'
 for s in "${STEPS[@]}"; do
   name="$(field "$s" 0)"; cap="$(field "$s" 1)"; result="$(field "$s" 2)"
   if [[ "$DRY_RUN" == 1 ]]; then cmd="$(field "$s" 4)"; else cmd="$(field "$s" 3)"; fi
