@@ -688,6 +688,25 @@ def test_a_ledger_written_before_the_heads_upgrades_in_place(ledger_url):
 
 
 @pytest.mark.postgres
+def test_a_postgresql_ledger_connection_bounds_a_network_stall_unless_its_url_sets_its_own(postgres_url):
+    """libpq gets platform.stall's keepalives and TCP_USER_TIMEOUT (the cut itself: tests/test_multiregion.py); a
+    parameter the URL names keeps the URL's value."""
+    from ddiloco.platform.ledger.engine import make_engine
+    from ddiloco.platform.stall import STALL_TIMEOUT_S
+
+    sep = "&" if "?" in postgres_url else "?"
+    for url, user_timeout in ((postgres_url, int(STALL_TIMEOUT_S * 1000)), (f"{postgres_url}{sep}tcp_user_timeout=30000", 30000)):
+        engine = make_engine(url)
+        try:
+            with engine.connect() as conn:
+                params = conn.connection.dbapi_connection.info.get_parameters()
+        finally:
+            engine.dispose()
+        assert params["tcp_user_timeout"] == str(user_timeout), params
+        assert params["keepalives"] == "1" and int(params["keepalives_idle"]) <= STALL_TIMEOUT_S, params
+        assert int(params["connect_timeout"]) <= STALL_TIMEOUT_S, params
+
+
 def test_an_upgraded_long_run_leaves_gc_nothing_to_walk_on_postgresql(fresh_postgres_database):
     """A run at schema 0003 with 20,000 versions GC had already deleted upgrades to head with only its few
     unsettled versions in ``ix_fragment_versions_gc``: setting ``gc_done`` on every row in the upgrade left each

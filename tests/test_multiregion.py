@@ -3,6 +3,8 @@
 - a tbf-shaped veth link between a network namespace and the root namespace really limits a transfer;
 - the user-space delay relay (this kernel has no netem) really adds its one-way delay each way;
 - cutting a region off (both veth ends down) stalls its open TCP connections and refuses new ones until it heals;
+- the ledger's and the store's clients drop a connection the cut stalled within ``platform.stall``'s bound, and
+  work again on new ones after the heal;
 - a learner process inside a region namespace registers, steps and submits fragments through its
   shaped, delayed link to moto's S3 server and PostgreSQL, and those bytes crossed the veth.
 
@@ -176,6 +178,104 @@ def test_a_partition_stalls_open_connections_refuses_new_ones_and_heals():
         collector.srv.close()
         topo.close()
     assert not Path(f"/var/run/netns/{r.ns}").exists()
+
+
+_STALLED_CLIENT = """
+import json, sys, threading, time
+from sqlalchemy import text
+from ddiloco.platform.ledger.engine import make_engine
+from ddiloco.platform.store import FragmentStore
+
+engine, store = make_engine(sys.argv[1]), FragmentStore(sys.argv[2])
+big = int(sys.argv[3])
+out = {}
+
+def timed(name, op):
+    t0 = time.monotonic()
+    try:
+        op()
+        out[name] = ["ok", time.monotonic() - t0]
+    except Exception as err:
+        out[name] = [type(err).__name__, time.monotonic() - t0]
+
+def ledger():
+    with engine.connect() as c:
+        c.execute(text("SELECT 1"))
+
+def upload(n):
+    return lambda: store.fs.pipe(f"{store.root}/blob-{n}", b"x" * n)
+
+timed("ledger", ledger)  # the pooled connection that the cut will stall
+timed("store", upload(1))
+print(json.dumps(out), flush=True)
+# An upload in flight when the cut comes (the test cuts once its bytes cross the link), and a query on the pooled
+# connection once the region is cut off.
+uploading = threading.Thread(target=timed, args=("store", upload(big)))
+uploading.start()
+sys.stdin.readline()  # the region is cut off now
+timed("ledger", ledger)
+uploading.join()
+print(json.dumps(out), flush=True)
+sys.stdin.readline()  # healed
+timed("ledger", ledger)
+timed("store", upload(2))
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_a_connection_stalled_by_a_cut_is_dropped_within_the_stall_bound_and_a_new_one_works_after_the_heal(postgres_url):
+    """The ledger's and the store's connections do not wait out TCP's backoff: a query on a pooled connection and an
+    upload in flight that the cut stalled fail within ``platform.stall.STALL_TIMEOUT_S`` while the cut lasts, and the
+    next ones after the heal go through on new connections (left alone, a stalled connection resumes at TCP's next
+    retransmission, after the heal, and the longer the cut the longer after it)."""
+    import json
+
+    from ddiloco.platform.stall import STALL_TIMEOUT_S
+
+    with tempfile.TemporaryDirectory(prefix="mr-stall-") as tmp, mr.Lab(["st"], postgres_url, Path(tmp)) as lab:
+        # A 2 Mbit/s link, so a 4 MB upload is still in flight (16 s) when the cut comes.
+        lab.set_network(2.0, [0.0])
+        region = lab.topo.region("st")
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DDILOCO_", "AWS_"))}
+        env.update(lab.region_env(region))
+        # botocore retries a failed request itself (with backoff): one attempt, so what is timed is the stalled one.
+        env["AWS_MAX_ATTEMPTS"] = "1"
+        client = subprocess.Popen(
+            [*mr.region_wrap(region), sys.executable, "-c", _STALLED_CLIENT, env.pop("DDILOCO_LEDGER__URL"),
+             f"s3://{lab.bucket}", str(4 << 20)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        lines: list[dict] = []
+
+        def read() -> None:
+            for line in client.stdout:
+                lines.append(json.loads(line))
+
+        threading.Thread(target=read, daemon=True).start()
+        try:
+            wait_for(lambda: lines, 60, "the client's first ledger query and upload")
+            assert lines[0]["ledger"][0] == "ok" and lines[0]["store"][0] == "ok", lines
+            up = lab.topo.counters()["st"]["up"]
+            wait_for(lambda: lab.topo.counters()["st"]["up"] > up + (256 << 10), 30, "the big upload's bytes to cross the link")
+            lab.topo.partition("st")
+            client.stdin.write("\n")
+            client.stdin.flush()
+            # Both fail while the region is still cut off, within the bound (and the slack of a loaded machine).
+            wait_for(lambda: len(lines) > 1, 3 * STALL_TIMEOUT_S, "the stalled query and upload to fail")
+            cut = lines[1]
+            assert cut["ledger"][0] != "ok" and cut["store"][0] != "ok", cut
+            assert cut["ledger"][1] < 2 * STALL_TIMEOUT_S, cut
+            assert cut["ledger"][1] >= 0.5 * STALL_TIMEOUT_S, cut  # it did stall, then was dropped
+            lab.topo.heal("st")
+            client.stdin.write("\n")
+            client.stdin.flush()
+            wait_for(lambda: len(lines) > 2, 3 * STALL_TIMEOUT_S, "a ledger query and an upload after the heal")
+            healed = lines[2]
+            assert healed["ledger"][0] == "ok" and healed["store"][0] == "ok", healed
+            assert max(healed["ledger"][1], healed["store"][1]) < STALL_TIMEOUT_S, healed
+            client.wait(timeout=30)
+            assert client.returncode == 0
+        finally:
+            lab.topo.heal("st")
+            stop_processes([client], 5)
 
 
 def test_relay_adds_the_one_way_delay_each_way():

@@ -285,3 +285,32 @@ def test_a_listing_never_hides_blobs_written_after_it(store_url):
     assert reader.exists(later.key)
     assert reader.verify(later.key, later.sha256)
     assert_same(reader.get(later.key, later.sha256), tensors(1))
+
+
+def test_an_s3_store_bounds_a_network_stall_and_keeps_the_options_it_is_given(s3_endpoint):
+    """s3fs's sockets get platform.stall's TCP_USER_TIMEOUT (the cut itself: tests/test_multiregion.py); the options
+    given are not written to, a socket factory of their own wins, and other filesystems get their options as given."""
+    import socket
+
+    import s3fs
+
+    from ddiloco.platform import stall
+
+    assert stall.store_options("file:///tmp/x", {"auto_mkdir": True}) == {"auto_mkdir": True}
+    bucket = f"b-{uuid.uuid4().hex[:12]}"
+    s3fs.S3FileSystem().mkdir(bucket)
+    given = {"config_kwargs": {"retries": {"total_max_attempts": 2}}}
+    store = FragmentStore(f"s3://{bucket}/root", given)
+    store.put("k", tensors())
+    assert "connector_args" not in given["config_kwargs"]  # the caller's options are not written to
+    config = store.fs.s3._client_config
+    assert config.retries["total_max_attempts"] == 2
+    sock = config.connector_args["socket_factory"]((socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("127.0.0.1", 0)))
+    with sock:
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == int(stall.STALL_TIMEOUT_S * 1000)
+
+    def own(addr_info):
+        return socket.socket(*addr_info[:3])
+
+    mine = stall.store_options("s3://b/root", {"config_kwargs": {"connector_args": {"socket_factory": own}}})
+    assert mine["config_kwargs"]["connector_args"]["socket_factory"] is own

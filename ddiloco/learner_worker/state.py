@@ -40,6 +40,7 @@ import torch
 from fsspec.core import url_to_fs
 from torch import nn
 
+from ddiloco.platform import stall
 from ddiloco.platform.redact import redact_url
 
 if TYPE_CHECKING:
@@ -91,13 +92,13 @@ def _dcp_errors(doing: str, url: str) -> Iterator[None]:
             raise StateError(f"{doing} the learner state at {redact_url(url)} failed: {ranks}") from err
 
 
-def _options(storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+def _options(url: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
     # No listings cache, as in FragmentStore: a cached listing would hide a .metadata written after it.
-    return {"use_listings_cache": False, **(storage_options or {})}
+    return {"use_listings_cache": False, **stall.store_options(url, storage_options)}
 
 
 def _fs(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
-    return url_to_fs(url, **_options(storage_options))
+    return url_to_fs(url, **_options(url, storage_options))
 
 
 def is_complete(url: str, storage_options: Mapping[str, Any] | None = None) -> bool:
@@ -324,7 +325,7 @@ def _writer(url: str, storage_options: Mapping[str, Any] | None) -> Any:
     # to os.sync() of the whole machine, per file, while the object store's upload on close is what
     # makes the data durable there.
     return _writer_class()(url, sync_files=_is_local(fs), serialization_format=SerializationFormat.SAFETENSORS,
-                           **_options(storage_options))
+                           **_options(url, storage_options))
 
 
 @contextlib.contextmanager

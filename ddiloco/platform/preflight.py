@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddiloco.platform import stall
 from ddiloco.platform.config import DataConfig, ModelConfig, RunConfig, sqlite_file_problem
 from ddiloco.platform.redact import mask_tree, redact_url
 
@@ -68,7 +69,7 @@ def probe_store(url: str, options: dict[str, Any]) -> Callable[[], str]:
         from fsspec.implementations.local import LocalFileSystem
         from fsspec.implementations.memory import MemoryFileSystem
 
-        fs, root = url_to_fs(url, **options)
+        fs, root = url_to_fs(url, **stall.store_options(url, options))
         if isinstance(fs, MemoryFileSystem):
             return "in this process's memory (a single-process run only)"
         if isinstance(fs, LocalFileSystem):

@@ -22,6 +22,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
+from ddiloco.platform import stall
 from ddiloco.platform.config import store_url_problem
 from ddiloco.platform.ids import TMP_PREFIX, InvalidIdError, validate_key
 from ddiloco.platform.redact import redact_url
@@ -146,7 +147,7 @@ class FragmentStore:
             raise StoreError(f"store {redact_url(self.url)}: {why}")
         # No listings cache: a listing would otherwise make blobs written after it look missing
         # (s3fs answers reads from the cached listing), and immutable blobs gain nothing from it.
-        self.fs, self.root = url_to_fs(self.url, **{"use_listings_cache": False, **(storage_options or {})})
+        self.fs, self.root = url_to_fs(self.url, **{"use_listings_cache": False, **stall.store_options(self.url, storage_options)})
         self.root = self.root.rstrip("/")
         self._local = "file" in _protocols(self.fs)
         self._memory = "memory" in _protocols(self.fs)

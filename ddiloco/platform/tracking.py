@@ -41,6 +41,7 @@ from typing import Any, Protocol
 from prometheus_client import REGISTRY
 from prometheus_client.registry import CollectorRegistry
 
+from ddiloco.platform import stall
 from ddiloco.platform.config import ConfigError, RunConfig
 from ddiloco.platform.ids import validate_id
 from ddiloco.platform.redact import redact_url
@@ -191,7 +192,7 @@ class TensorBoardTracker:
         else:
             import fsspec
 
-            self._fs, self._root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+            self._fs, self._root = fsspec.core.url_to_fs(url, **stall.store_options(url, storage_options))
             self._staging = Path(tempfile.mkdtemp(prefix="ddiloco-tb-"))
             logdir = self._staging
         self._copied: dict[str, int] = {}

@@ -12,6 +12,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
+from ddiloco.platform import stall
 from ddiloco.platform.config import ConfigError, ledger_url_problem
 from ddiloco.platform.redact import redact_url
 
@@ -52,7 +53,8 @@ def make_engine(url: str | SecretStr, *, read_only: bool = False, idle_in_transa
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **kwargs)
         _configure_sqlite(engine, read_only=read_only)
         return engine
-    connect_args = {}
+    # A connection stalled by a network cut is dropped, not left to TCP's backoff (platform.stall).
+    connect_args: dict = stall.libpq_params(parsed.query)
     if idle_in_transaction_timeout_s:
         connect_args["options"] = f"-c idle_in_transaction_session_timeout={int(idle_in_transaction_timeout_s * 1000)}"
     engine = create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5, connect_args=connect_args)
