@@ -3,7 +3,7 @@
 A network cut stalls an open TCP connection in retransmission, and TCP backs off exponentially: left alone, the
 connection goes on only at its next retransmission, which after a cut of a minute can come a minute after the heal.
 With ``TCP_USER_TIMEOUT`` the kernel ends a connection whose sent bytes stay unacknowledged this long, so the client's
-own retry opens a new connection, which fails at once while the cut lasts and succeeds as soon as it heals. The bound
+own retry opens a new connection, which fails within the bound while the cut lasts and succeeds once it heals. The bound
 counts only time without acknowledgement: a slow link, a long query or a large upload that is making progress is
 never cut short. A ledger URL's own libpq parameters and a store's own ``config_kwargs`` take precedence."""
 
@@ -21,7 +21,7 @@ _S3_PROTOCOLS = ("s3://", "s3a://")
 
 def libpq_params(query: Mapping[str, Any]) -> dict[str, int]:
     """libpq connection parameters bounding stalls (those the URL's ``query`` does not set itself)."""
-    seconds = max(2, round(STALL_TIMEOUT_S))  # libpq's connect_timeout counts whole seconds, 2 at least
+    seconds = round(STALL_TIMEOUT_S)  # libpq counts these in whole seconds
     params = {
         "connect_timeout": seconds,
         "tcp_user_timeout": int(STALL_TIMEOUT_S * 1000),
