@@ -233,7 +233,7 @@ def test_a_connection_stalled_by_a_cut_is_dropped_within_the_stall_bound_and_a_n
     from ddiloco.platform.stall import STALL_TIMEOUT_S
 
     with tempfile.TemporaryDirectory(prefix="mr-stall-") as tmp, mr.Lab(["st"], postgres_url, Path(tmp)) as lab:
-        # A 2 Mbit/s link, so a 4 MB upload is still in flight (16 s) when the cut comes.
+        # A 2 Mbit/s link, so an 8 MB upload is still in flight (32 s) when the cut comes, however slowly this test runs.
         lab.set_network(2.0, [0.0])
         region = lab.topo.region("st")
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DDILOCO_", "AWS_"))}
@@ -242,7 +242,7 @@ def test_a_connection_stalled_by_a_cut_is_dropped_within_the_stall_bound_and_a_n
         env["AWS_MAX_ATTEMPTS"] = "1"
         client = subprocess.Popen(
             [*mr.region_wrap(region), sys.executable, "-c", _STALLED_CLIENT, env.pop("DDILOCO_LEDGER__URL"),
-             f"s3://{lab.bucket}", str(4 << 20)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+             f"s3://{lab.bucket}", str(8 << 20)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         lines: list[dict] = []
 
         def read() -> None:
