@@ -491,22 +491,40 @@ def test_a_region_cut_off_trains_on_shows_as_cut_off_and_loses_no_token_when_it_
 
             def sent_since_cut() -> list | None:
                 """Every submission registered since the cut, once each learner has sent what it trained while cut off
-                (coalesced: one carrying at least the steps of the cut) and has one merged since the heal."""
+                and has one merged since the heal. What it trained is coalesced, but not always into one submission:
+                an upload taken from the outbox during the cut and still in its retries at the heal goes through with
+                the steps it was taken with, and the steps folded in after it go with the next send of that fragment.
+                So the steps of some fragment's submissions since the cut add up to at least the steps of the cut."""
                 with ctx.reading() as s:
-                    sent = s.execute(select(Submission.learner_id, Submission.c_steps, Submission.created_at).where(
+                    sent = s.execute(select(Submission.learner_id, Submission.fragment, Submission.c_steps,
+                                            Submission.created_at).where(
                         Submission.run_id == run_id, Submission.created_at > cut_at)).all()
-                carried = all(any(who == lid and c >= cut_steps[lid] for who, c, _ in sent) for lid in learners)
+                steps_of: dict[tuple[str, int], int] = {}
+                for who, fragment, c, _ in sent:
+                    steps_of[who, fragment] = steps_of.get((who, fragment), 0) + c
+                carried = all(any(n >= cut_steps[lid] for (who, _), n in steps_of.items() if who == lid) for lid in learners)
                 return sent if carried and all(merged_since(healed_at).values()) else None
 
             # Each learner is heard of again, sends what it held back, and its submissions are merged again.
-            sent = wait_for(sent_since_cut, 60, "each learner's coalesced work sent and a submission merged after the heal",
-                            interval_s=0.5)
+            try:
+                sent = wait_for(sent_since_cut, 60, "each learner's coalesced work sent and a submission merged after the heal",
+                                interval_s=0.5)
+            except TimeoutError as err:
+                # What the run did meanwhile, so that a timeout on a loaded CI machine says why.
+                with ctx.reading() as s:
+                    rows = s.execute(select(Submission.learner_id, Submission.fragment, Submission.c_steps, Submission.status,
+                                            Submission.reject_reason, Submission.created_at).where(
+                        Submission.run_id == run_id, Submission.created_at > cut_at).order_by(Submission.id)).all()
+                logs = {name: cluster.log(name)[-3000:] for name in ["sync", *learners]}
+                raise AssertionError(f"{err}\ncut at {cut_at}, healed at {healed_at}, steps in the cut {cut_steps}, "
+                                     f"now {steps()}\nsubmissions since the cut:\n" + "\n".join(map(str, rows)) +
+                                     "".join(f"\n--- {name} log ---\n{text}" for name, text in logs.items())) from None
             with ctx.reading() as s:
                 beats = s.execute(select(Heartbeat.learner_id, Heartbeat.at).where(
                     Heartbeat.run_id == run_id, Heartbeat.at > cut_at, Heartbeat.at < healed_at)).all()
             # Nothing is stamped with a time inside the cut: what was written after the heal carries the time it was
             # written at, so the heartbeat that ends the cut is not one from before it.
-            assert beats == [] and all(at >= healed_at for _, _, at in sent), (beats, sent)
+            assert beats == [] and all(at >= healed_at for *_, at in sent), (beats, sent)
             after = wait_for(lambda: (p := view(datetime.now(timezone.utc))).snapshot.regions["eu"].status == liveness.REGION_UP and p,
                              30, "the region view to say eu is up again", interval_s=0.5)
             assert {lid: after.snapshot.verdicts[lid].status for lid in learners} == dict.fromkeys(learners, liveness.ALIVE)
