@@ -707,6 +707,7 @@ def test_a_postgresql_ledger_connection_bounds_a_network_stall_unless_its_url_se
         assert int(params["connect_timeout"]) <= STALL_TIMEOUT_S, params
 
 
+@pytest.mark.postgres
 def test_an_upgraded_long_run_leaves_gc_nothing_to_walk_on_postgresql(fresh_postgres_database):
     """A run at schema 0003 with 20,000 versions GC had already deleted upgrades to head with only its few
     unsettled versions in ``ix_fragment_versions_gc``: setting ``gc_done`` on every row in the upgrade left each
