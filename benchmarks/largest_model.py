@@ -11,7 +11,10 @@ tokens/s and peak memory are recorded.
   * ddp: what a one-rank learner does under ``learners.parallelism: ddp``: no wrapper at world 1
     (DistributedDataParallel wraps the model only when a learner has several ranks);
   * fsdp: the learner's own ``shard_replica`` (FSDP2 ``fully_shard`` per block, then the root; bf16
-    compute with fp32 shards and reduction on GPUs) over a process group of one rank.
+    compute with fp32 shards and reduction on GPUs) over a process group of one rank;
+  * ddp+ac, fsdp+ac: the same with ``learners.activation_checkpoint: full`` (the learner's ``checkpoint_blocks``:
+    each block keeps only its inputs and recomputes the rest in the backward pass), compared with the same run's
+    plain form: how much larger a model fits, and what the recomputation costs in tokens/s.
 
 At world 1 FSDP shards nothing: what it can change is the transient memory (one block's bf16 weights
 gathered at a time, where autocast keeps a bf16 copy of every weight through a step). The baseline is
@@ -21,9 +24,9 @@ large as ddp.
 
 Time-bounded: each parallelism stops before a size whose predicted time (the previous size's, scaled by
 parameters) would pass ``--budget-s``; results are written after every size, so a ``timeout`` that cuts
-the run short still leaves what was measured. ``--quick`` runs three tiny Llamas on the CPU (seconds).
+the run short still leaves what was measured. ``--quick`` runs three tiny Llamas on the CPU (seconds), fsdp+ac too.
 
-    python benchmarks/largest_model.py [--quick] [--device auto|cpu|cuda] [--parallelism ddp,fsdp] [--budget-s 60]
+    python benchmarks/largest_model.py [--quick] [--device auto|cpu|cuda] [--parallelism ddp,fsdp[,fsdp+ac]] [--budget-s 60]
 """
 
 from __future__ import annotations
@@ -111,6 +114,11 @@ def try_size(cfg, parallelism: str, device: torch.device, steps: int, batch: int
             model = build_model(cfg.model, seed=cfg.seed)  # straight onto the device: no host copy of a large model
         model = model.to(device)  # a no-op unless the factory ignored the default device
         model.train()
+        parallelism, _, extra = parallelism.partition("+")
+        if extra == "ac":
+            from ddiloco.learner_worker.parallel import checkpoint_blocks
+
+            checkpoint_blocks(model)
         if parallelism != "ddp":
             from ddiloco.learner_worker.dist import Dist, ensure_process_group
             from ddiloco.learner_worker.parallel import shard_replica
@@ -211,10 +219,31 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def compare_recompute(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each ``X+ac`` run against its plain ``X`` of the same run: the largest parameter counts, and tokens/s at the
+    largest size both trained (the recomputation's cost)."""
+    out: dict[str, Any] = {}
+    for name, run in runs.items():
+        plain = runs.get(name.partition("+")[0])
+        if not name.endswith("+ac") or not plain or not plain.get("largest_trained") or not run.get("largest_trained"):
+            continue
+        both = {r["params"]: r for r in plain["tried"] if r["status"] == "trained"}
+        common = [r for r in run["tried"] if r["status"] == "trained" and r["params"] in both]
+        at = max(common, key=lambda r: r["params"]) if common else None
+        out[name] = {
+            "largest_params_vs_plain": round(run["largest_trained"]["params"] / plain["largest_trained"]["params"], 4),
+            "tokens_per_s_vs_plain": round(at["tokens_per_s"] / both[at["params"]]["tokens_per_s"], 4) if at else None,
+            "tokens_per_s_compared_at_params": at["params"] if at else None,
+        }
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = base_parser(__doc__)
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: the GPU when torch sees one")
-    ap.add_argument("--parallelism", default="ddp,fsdp", help="comma separated, in order (ddp first: it is the baseline)")
+    ap.add_argument("--parallelism", default=None,
+                    help="comma separated, in order (ddp first: it is the baseline); ddp+ac / fsdp+ac recompute activations "
+                    "(default ddp,fsdp; --quick: ddp,fsdp,fsdp+ac)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="seconds per parallelism (default 60; --quick: 600, so a busy machine does not cut its three sizes)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per size (after one untimed)")
@@ -232,7 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         sizes, vocab, seq, batch = SIZES, VOCAB, SEQ, BATCH
     if args.max_params:
         sizes = [s for s in sizes if count_params(build_config({"model": model_config(s, vocab, seq)})) <= args.max_params]
+    if args.parallelism is None:
+        args.parallelism = "ddp,fsdp,fsdp+ac" if args.quick else "ddp,fsdp"
     parallelisms = [p for p in args.parallelism.split(",") if p]
+    for p in parallelisms:
+        if p.partition("+")[0] not in ("ddp", "fsdp") or p.partition("+")[2] not in ("", "ac"):
+            ap.error(f"--parallelism: {p!r} is not ddp, fsdp, ddp+ac or fsdp+ac")
     name = NAME if device.type == "cpu" else f"{NAME}_{device.type}"
     results = header(name, args)
     memory = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None
@@ -251,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         results["comparison"] = compare(results["runs"])
+        results["activation_checkpoint"] = compare_recompute(results["runs"])
         results["goal"] = {"measure": "largest parameter count trained, fsdp / ddp", "ratio_min": 1.0,
                            "pass": results["comparison"]["pass"]}
         write_results(name, results, args.json)
@@ -266,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{par}: largest trained {got}; stopped by {run['stopped_by']}")
     c = results["comparison"]
     print(f"fsdp / ddp: largest params {c['largest_params_fsdp_vs_ddp']}, tokens/s {c['tokens_per_s_fsdp_vs_ddp']}")
+    for par, r in results["activation_checkpoint"].items():
+        print(f"{par} / {par.partition('+')[0]}: largest params {r['largest_params_vs_plain']}, tokens/s {r['tokens_per_s_vs_plain']}")
     print(f"goal: fsdp trains a model at least as large as ddp: {verdict(c['pass'])}")
     return 0
 

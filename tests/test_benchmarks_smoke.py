@@ -156,7 +156,7 @@ def test_sync_sustain_quick(quick_runs):
 
 def test_largest_model_quick(quick_runs):
     d = load(quick_runs, "largest_model")
-    assert set(d["runs"]) == {"ddp", "fsdp"}
+    assert set(d["runs"]) == {"ddp", "fsdp", "fsdp+ac"}
     for par, run in d["runs"].items():
         sizes = [r["params"] for r in run["tried"]]
         assert len(sizes) == 3 and sizes == sorted(sizes), par
@@ -166,6 +166,11 @@ def test_largest_model_quick(quick_runs):
     c = d["comparison"]
     assert c["largest_params_fsdp_vs_ddp"] == 1.0 and positive(c["tokens_per_s_fsdp_vs_ddp"])
     assert c["tokens_per_s_compared_at_params"] == d["runs"]["ddp"]["largest_trained"]["params"]
+    # Recomputing the activations is compared with the same run's plain fsdp, at the largest size both trained.
+    r = d["activation_checkpoint"]
+    assert set(r) == {"fsdp+ac"} and r["fsdp+ac"]["largest_params_vs_plain"] == 1.0
+    assert positive(r["fsdp+ac"]["tokens_per_s_vs_plain"])
+    assert r["fsdp+ac"]["tokens_per_s_compared_at_params"] == d["runs"]["fsdp"]["largest_trained"]["params"]
 
 
 def test_learner_overhead_names_its_results_by_device_model_and_parallelism():
@@ -252,7 +257,8 @@ def test_gpu_suite_plan_fits_ten_minutes():
     assert len(caps) == 10 and sum(caps) == total <= 600
     # An extra step is in the plan but not in the default suite's budget; named in --only, it counts.
     extra = [line for line in lines if "(extra:" in line]
-    assert [line.split()[0] for line in extra] == ["overhead_demo_syncgpu", "overhead_llama_syncgpu", "overhead_llama_devdecode"]
+    assert [line.split()[0] for line in extra] == ["overhead_demo_syncgpu", "overhead_llama_syncgpu", "overhead_llama_devdecode",
+                                                   "largest_model_ac"]
     both = subprocess.run(["bash", str(BENCH / "gpu_suite.sh"), "--plan", "--only", "overhead_llama_ddp,overhead_llama_syncgpu"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert both.returncode == 0 and re.search(r"of the steps asked\s+180 s", both.stdout), both.stdout + both.stderr

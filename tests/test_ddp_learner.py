@@ -41,6 +41,7 @@ from ddiloco.learner_worker.dist import Dist, init_dist, shutdown_dist
 from ddiloco.learner_worker.launch import torchrun_command
 from ddiloco.learner_worker.learner import Learner
 from ddiloco.learner_worker.link import LearnerLink
+from ddiloco.learner_worker.parallel import blocks
 from ddiloco.platform.config import ConfigError, build_config
 from ddiloco.platform.data import Batch
 from ddiloco.platform.ledger import open_ledger
@@ -292,6 +293,8 @@ def rank_main(workdir: Path, rank: int, world: int) -> None:
             "shards": learner.layout.shards,
             "local_numel": sum(v.numel() for f in learner.fragments for v in f.views),
             "numel": sum(p.numel() for p in params.values()),
+            "checkpointed_blocks": learner.checkpointed_blocks,
+            "block_classes": [type(b).__name__ for b in blocks(learner.model)],
         }
         if rank == 0:
             out["ledger"] = _ledger_view(ctx)

@@ -8,7 +8,10 @@
 The fragment plan is over full parameter names, so what leaves a learner does not depend on this:
 each rank works on the rows of each fragment piece it holds (:class:`LocalPiece`), and rank 0
 gathers the rows of its shard group into whole tensors before encoding (one padded ``gather`` per
-fragment). World size 1 is the same code: one rank holding every row, nothing gathered."""
+fragment). World size 1 is the same code: one rank holding every row, nothing gathered.
+
+``learners.activation_checkpoint: full`` makes each block recompute its activations in the backward pass
+(:func:`checkpoint_blocks`), before any wrapping, as torchtitan orders it (checkpointing, compile, FSDP)."""
 
 from __future__ import annotations
 
@@ -21,7 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+from ddiloco.platform.config import ConfigError
 from ddiloco.platform.fragments import Fragment
 
 Tensors = dict[str, torch.Tensor]
@@ -150,6 +155,36 @@ def blocks(model: nn.Module) -> list[nn.Module]:
                 seen.add(id(inner))
             out += [c for c in m.children() if any(True for _ in c.parameters())]
     return out
+
+
+_CHECKPOINTED: dict[type, type] = {}
+"""Block class -> its subclass whose forward recomputes in the backward pass (one per class, as FSDP2 makes its own)."""
+
+
+def _checkpointed(cls: type) -> type:
+    if cls not in _CHECKPOINTED:
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            # Non-reentrant: keyword arguments (a Hugging Face layer's position embeddings) pass through, and
+            # torch.compile traces it. The RNG state is kept so that a model with dropout recomputes the same masks.
+            return checkpoint(super(sub, self).forward, *args, use_reentrant=False, **kwargs)
+
+        sub = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward, "__module__": cls.__module__})
+        _CHECKPOINTED[cls] = sub
+    return _CHECKPOINTED[cls]
+
+
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Activation checkpointing of every block of ``model`` in place (how many): a block keeps only its inputs for
+    the backward pass and runs its forward again there. The class of each block is swapped for a subclass, so
+    parameter names (the fragment plan's), state dicts and deep copies are unchanged, unlike a wrapper module."""
+    found = blocks(model)
+    if not found:
+        raise ConfigError(f"learners.activation_checkpoint: {type(model).__name__} has no repeated blocks (the children "
+                         "of a ModuleList or ModuleDict) to recompute; set it to none for this model")
+    for block in found:
+        if type(block) not in _CHECKPOINTED.values():
+            block.__class__ = _checkpointed(type(block))
+    return len(found)
 
 
 def shard_model(model: nn.Module, mesh: Any, device: torch.device) -> None:

@@ -335,6 +335,11 @@ class LearnersConfig(_Section):
     compile: bool = False
     """torch.compile the model's forward and loss (off by default: on a CPU the compile time is
     rarely won back on small models)."""
+    activation_checkpoint: Literal["none", "full"] = "none"
+    """``full``: each block of the model (its repeated layers) keeps only its inputs for the backward pass and runs its
+    forward again there: about one more forward's compute a step, for activation memory of one block's input per
+    block instead of all its intermediates, which is what lets a large replica or a long sequence fit on a GPU.
+    Parameter names and everything a learner sends are unchanged; a model with no repeated blocks is refused."""
     log_every: int = Field(100, ge=0, le=1 << 30)
     """Inner steps between two progress lines in a learner's log (step, tokens, loss, tokens/s); 0: none."""
     link_process: bool = False
@@ -769,6 +774,9 @@ class RunConfig(BaseSettings):
                 f"fragments.adaptive_min_codec ({self.fragments.adaptive_min_codec}) is more precise than compression.codec "
                 f"({self.compression.codec}): name compression.codec or a cheaper codec"
             )
+        if self.learners.activation_checkpoint != "none" and self.model.kind == "vision":
+            raise ValueError("learners.activation_checkpoint: model.kind vision has no repeated blocks to recompute; "
+                             "set it to none")
         if self.synchronizer.lease_ttl_s <= self.synchronizer.poll_s:
             raise ValueError(
                 f"synchronizer.lease_ttl_s ({self.synchronizer.lease_ttl_s}) must exceed synchronizer.poll_s "
