@@ -203,14 +203,15 @@ def test_decoding_on_the_device_changes_nothing_a_cpu_learner_computes():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False here)")
-@pytest.mark.parametrize(("compiled", "parallelism", "decode_on_device"),
-                         [(False, "ddp", False), (True, "ddp", False), (False, "fsdp", False), (False, "ddp", True)],
-                         ids=["eager", "compiled", "fsdp", "decode-on-device"])
-def test_the_inner_loop_trains_on_a_gpu_and_its_fragments_merge(compiled, parallelism, decode_on_device):
+@pytest.mark.parametrize(("compiled", "parallelism", "decode_on_device", "recompute"),
+                         [(False, "ddp", False, "none"), (True, "ddp", False, "none"), (False, "fsdp", False, "none"),
+                          (False, "ddp", True, "none"), (False, "fsdp", False, "full")],
+                         ids=["eager", "compiled", "fsdp", "decode-on-device", "fsdp-recompute"])
+def test_the_inner_loop_trains_on_a_gpu_and_its_fragments_merge(compiled, parallelism, decode_on_device, recompute):
 
     _, clock, ctx, sync = sim_run(
         learners={"device": "cuda", "compile": compiled, "parallelism": parallelism, "decode_on_device": decode_on_device,
-                  "regions": [{"name": "us", "learners": 1}]},
+                  "activation_checkpoint": recompute, "regions": [{"name": "us", "learners": 1}]},
         inner={"grad_accum_steps": 2, "schedule": "cosine", "warmup_steps": 1},
         # Compact downloads (an int8 run's), so that a learner decoding on its device holds their bases there.
         compression={"codec": "int8" if decode_on_device else "none"},
@@ -232,6 +233,8 @@ def _train_on_the_gpu(ctx, clock, sync) -> None:
     learner = Learner(ctx.cfg, "us-0", index=0, num_learners=1, link=LearnerLink(ctx, "us-0", "us"), clock=ctx.now)
     assert learner.device.type == "cuda" and all(p.is_cuda for p in learner.model.parameters())
     assert learner.encode_stream is not None and all(s.is_cuda for f in learner.fragments for s in f.snapshot)
+    # With activation checkpointing, its blocks recompute under bf16 autocast in the backward pass.
+    assert learner.checkpointed_blocks == (ctx.cfg.model.n_layer if ctx.cfg.learners.activation_checkpoint == "full" else 0)
     learner.start(clock.t)
     losses, lrs, received = _train_with_merges(learner, clock, sync, 2 * ctx.cfg.fragments.count)
     # A GPU learner reads each step's loss one step late (the host never waits for the step it just queued).
