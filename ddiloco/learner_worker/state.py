@@ -40,8 +40,8 @@ import torch
 from fsspec.core import url_to_fs
 from torch import nn
 
-from ddiloco.platform import stall
 from ddiloco.platform.redact import redact_url
+from ddiloco.platform.store import fs_options
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -92,13 +92,8 @@ def _dcp_errors(doing: str, url: str) -> Iterator[None]:
             raise StateError(f"{doing} the learner state at {redact_url(url)} failed: {ranks}") from err
 
 
-def _options(url: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
-    # No listings cache, as in FragmentStore: a cached listing would hide a .metadata written after it.
-    return {"use_listings_cache": False, **stall.store_options(url, storage_options)}
-
-
 def _fs(url: str, storage_options: Mapping[str, Any] | None) -> tuple[Any, str]:
-    return url_to_fs(url, **_options(url, storage_options))
+    return url_to_fs(url, **fs_options(url, storage_options))
 
 
 def is_complete(url: str, storage_options: Mapping[str, Any] | None = None) -> bool:
@@ -325,7 +320,7 @@ def _writer(url: str, storage_options: Mapping[str, Any] | None) -> Any:
     # to os.sync() of the whole machine, per file, while the object store's upload on close is what
     # makes the data durable there.
     return _writer_class()(url, sync_files=_is_local(fs), serialization_format=SerializationFormat.SAFETENSORS,
-                           **_options(url, storage_options))
+                           **fs_options(url, storage_options))
 
 
 @contextlib.contextmanager

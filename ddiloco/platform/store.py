@@ -11,6 +11,7 @@ import json
 import os
 import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,6 +138,13 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def fs_options(url: str, storage_options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """fsspec options of a run's store at ``url`` (its blobs and the learners' states): stalls bounded (``stall.py``)
+    and no listings cache: s3fs answers reads from a cached listing, so a listing would make blobs (or a state's
+    ``.metadata``) written after it look missing, and immutable objects gain nothing from it."""
+    return {"use_listings_cache": False, **stall.store_options(url, storage_options)}
+
+
 class FragmentStore:
     """Put/get of named tensor dicts under string keys below one fsspec root URL."""
 
@@ -145,9 +153,7 @@ class FragmentStore:
         why = store_url_problem(self.url)
         if why:
             raise StoreError(f"store {redact_url(self.url)}: {why}")
-        # No listings cache: a listing would otherwise make blobs written after it look missing
-        # (s3fs answers reads from the cached listing), and immutable blobs gain nothing from it.
-        self.fs, self.root = url_to_fs(self.url, **{"use_listings_cache": False, **stall.store_options(self.url, storage_options)})
+        self.fs, self.root = url_to_fs(self.url, **fs_options(self.url, storage_options))
         self.root = self.root.rstrip("/")
         self._local = "file" in _protocols(self.fs)
         self._memory = "memory" in _protocols(self.fs)
