@@ -161,8 +161,9 @@ def run_learner(
                 reporter = Reporter(tracker, run_id, lambda _: learner.schedule_offset + learner.step_count,
                                     every_s=tracking_every_s()).start()
             log.info(
-                "learner %s (incarnation %s) joined run %s in region %s: %s rank(s) on %s",
-                learner_id, learner.incarnation, run_id, region, d.world, device,
+                "learner %s (incarnation %s) joined run %s in region %s: %s rank(s) on %s, %s%s",
+                learner_id, learner.incarnation, run_id, region, d.world, device, learner.layout.parallelism,
+                f", {learner.checkpointed_blocks} blocks recomputing their activations" if learner.checkpointed_blocks else "",
             )
         try:
             learner.run(stop.is_set, max_steps=max_steps, after_step=step_callback(cfg, learner, speed, stop))
