@@ -15,6 +15,7 @@ fragment). World size 1 is the same code: one rank holding every row, nothing ga
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -157,20 +158,16 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return out
 
 
-_CHECKPOINTED: dict[type, type] = {}
-"""Block class -> its subclass whose forward recomputes in the backward pass (one per class, as FSDP2 makes its own)."""
-
-
+@functools.cache
 def _checkpointed(cls: type) -> type:
-    if cls not in _CHECKPOINTED:
-        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            # Non-reentrant: keyword arguments (a Hugging Face layer's position embeddings) pass through, and
-            # torch.compile traces it. The RNG state is kept so that a model with dropout recomputes the same masks.
-            return checkpoint(super(sub, self).forward, *args, use_reentrant=False, **kwargs)
+    """``cls``'s subclass whose forward recomputes in the backward pass (one per class, as FSDP2 makes its own)."""
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # Non-reentrant: keyword arguments (a Hugging Face layer's position embeddings) pass through, and
+        # torch.compile traces it. The RNG state is kept so that a model with dropout recomputes the same masks.
+        return checkpoint(super(sub, self).forward, *args, use_reentrant=False, **kwargs)
 
-        sub = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward, "__module__": cls.__module__})
-        _CHECKPOINTED[cls] = sub
-    return _CHECKPOINTED[cls]
+    sub = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward, "_recomputes": True, "__module__": cls.__module__})
+    return sub
 
 
 def checkpoint_blocks(model: nn.Module) -> int:
@@ -182,7 +179,7 @@ def checkpoint_blocks(model: nn.Module) -> int:
         raise ConfigError(f"learners.activation_checkpoint: {type(model).__name__} has no repeated blocks (the children "
                          "of a ModuleList or ModuleDict) to recompute; set it to none for this model")
     for block in found:
-        if type(block) not in _CHECKPOINTED.values():
+        if not getattr(type(block), "_recomputes", False):  # already (a subclass FSDP2 made of) a recomputing class
             block.__class__ = _checkpointed(type(block))
     return len(found)
 
