@@ -36,15 +36,22 @@ def header(name: str, args: argparse.Namespace | None = None) -> dict[str, Any]:
     return h
 
 
-def results_path(name: str, override: str | None = None) -> Path:
-    return Path(override) if override else RESULTS / f"{name}.json"
+QUICK_RESULTS = RESULTS / "quick"
+"""Where a --quick run's results go unless --json says otherwise: never over the published ones (git ignores it)."""
+
+
+def results_path(name: str, override: str | None = None, quick: bool = False) -> Path:
+    if override:
+        return Path(override)
+    return (QUICK_RESULTS if quick else RESULTS) / f"{name}.json"
 
 
 def write_results(name: str, results: dict[str, Any], override: str | None = None) -> Path:
-    """Write ``results`` (after refreshing the machine's load figure) and return the path."""
+    """Write ``results`` (after refreshing the machine's load figure) and return the path: a --quick run's (its
+    ``args`` say so) under ``benchmarks/results/quick/``, so that a smoke check never overwrites a published figure."""
     results.setdefault("machine", machine_info())
     results["machine"]["load_avg_1m_end"] = load_average()
-    path = results_path(name, override)
+    path = results_path(name, override, quick=bool(results.get("args", {}).get("quick")))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(json_safe(results), indent=2) + "\n")
     print(f"wrote {path}")

@@ -806,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         from common import results_path
 
-        existing = results_path(NAME, args.json)
+        existing = results_path(NAME, args.json, quick=args.quick)
         if existing.exists():
             old = json.loads(existing.read_text())
             old_points = old.get("points", [])
