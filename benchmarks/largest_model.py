@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import base_parser, exit_on_sigterm, header, median, verdict, write_results
 
 from ddiloco.learner_worker.device import LateRead, autocast, resolve_device
+from ddiloco.learner_worker.flops import model_cost
 from ddiloco.learner_worker.learner import _LossModule
 from ddiloco.learner_worker.schedule import param_groups
 from ddiloco.platform.config import build_config
@@ -152,6 +153,9 @@ def try_size(cfg, parallelism: str, device: torch.device, steps: int, batch: int
         med = median(step_s)
         out.update(status="trained", step_s=round(med, 4), tokens_per_step=n_tokens, tokens_per_s=round(n_tokens / med, 1),
                    loss=round(loss_value, 4))
+        cost = model_cost(cfg.model, device)  # recomputation is not counted: model FLOPs, as torchtitan's MFU
+        mfu = cost.mfu(n_tokens / med, 1)
+        out.update(model_flops_per_token=cost.flops_per_token, mfu=round(mfu, 4) if mfu is not None else None)
     except oom_errors() as err:
         out.update(status="oom", phase=phase, error=str(err).splitlines()[0][:300] if str(err) else type(err).__name__)
     out["seconds"] = round(time.perf_counter() - t0, 3)
@@ -186,6 +190,8 @@ def search(run: dict[str, Any], parallelism: str, sizes: list, vocab: int, seq: 
         line = f"  {parallelism:4} {fmt_params(params):>9}: {rec['status']}"
         if rec["status"] == "trained":
             line += f", {rec['tokens_per_s']:.0f} tok/s ({rec['step_s'] * 1e3:.0f} ms/step)"
+            if rec.get("mfu") is not None:
+                line += f", MFU {rec['mfu']:.1%}"
         else:
             line += f" ({rec['phase']}: {rec['error'][:120]})"
         if "peak_allocated_gb" in rec:

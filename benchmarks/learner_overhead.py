@@ -98,6 +98,7 @@ from sync_sustain import LLAMA_100M
 
 from ddiloco.learner_worker.device import LateRead, autocast, resolve_device
 from ddiloco.learner_worker.dist import Dist, ensure_process_group
+from ddiloco.learner_worker.flops import flops_text, model_cost
 from ddiloco.learner_worker.learner import Learner
 from ddiloco.learner_worker.link import LearnerLink
 from ddiloco.learner_worker.linkio import IOProcess
@@ -562,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
         host_bytes = {k: round(v / plat_steps) for k, v in copied.items()}
 
         rb, rp = off_queue_rate("bare"), off_queue_rate("platform")
+        cost = model_cost(cfg.model, bare.device)
+        achieved = {kind: (tok / sec) for kind, tok, sec in (("bare", bare_tok, bare_s), ("platform", plat_tok, plat_s))}
         ratio_off_queue = rp / rb if rb and rp else None
         ok = med >= GOAL_RATIO
         results.update(
@@ -614,6 +617,12 @@ def main(argv: list[str] | None = None) -> int:
                     "apply_received_per_fragment": round(mt_total.get("learner.apply", 0.0) / max(received, 1) * 1e3, 3),
                 },
                 "train_step_slowdown_vs_bare": round(train_step_s / bare_step_s, 4),
+                "model_flops_per_token": cost.flops_per_token,
+                "model_flops_per_s": {k: float(f"{cost.per_device_flops(v, 1):.4g}") if cost.flops_per_token else None
+                                      for k, v in achieved.items()},
+                "mfu": {k: round(cost.mfu(v, 1), 4) if cost.mfu(v, 1) is not None else None for k, v in achieved.items()},
+                "mfu_note": "model FLOPs (forward and backward, counted on the meta device; recomputation not counted) per "
+                f"second over the device's dense bf16 peak ({cost.describe()})",
                 "main_thread_per_step": split,
                 "main_thread_per_step_note": "per step of the main thread: cpu_ms on a CPU, runqueue_wait_ms runnable but "
                 "waiting for a CPU (machine oversubscribed), blocked_ms neither (GIL, locks, I/O); *_cpu_share: CPU "
@@ -661,6 +670,10 @@ def main(argv: list[str] | None = None) -> int:
             f"(x{train_step_s / bare_step_s:.3f}); send {results['per_step_ms']['send']:.2f} ms/fragment, "
             f"apply {results['per_step_ms']['apply_received_per_fragment']:.2f} ms/fragment; {sent} sent, {received} received"
         )
+        if cost.flops_per_token:
+            print("model FLOP/s: " + ", ".join(
+                f"{k} {flops_text(cost.per_device_flops(v, 1))}/s" + (f" (MFU {cost.mfu(v, 1):.1%})" if cost.peak_flops else "")
+                for k, v in achieved.items()) + f"; {cost.describe()}")
         print("host bytes per platform step: " + ", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in host_bytes.items()))
         for kind in ("bare", "platform"):
             sp = split[kind]

@@ -103,6 +103,10 @@ def test_learner_overhead_quick(quick_runs):
     assert d["fragments_sent"] > 0  # the platform really traded fragments
     assert d["synchronizer_merge_device"] == "cpu"
     assert d["goal"]["ratio_min"] == 0.95
+    # Model FLOP/s of each loop: its tokens/s times the model's FLOPs per token; a CPU has no peak, so no MFU.
+    assert positive(d["model_flops_per_token"])
+    assert d["model_flops_per_s"]["bare"] == pytest.approx(d["bare_tokens_per_s"] * d["model_flops_per_token"], rel=1e-3)
+    assert d["mfu"] == {"bare": None, "platform": None}
     io_off = d["link_io_off"]
     assert io_off["pairs"] == 1 and 0.2 < io_off["ratio_median_of_pairs"] < 5 and positive(io_off["train_step_slowdown_vs_bare"])
 
@@ -162,6 +166,10 @@ def test_largest_model_quick(quick_runs):
         assert len(sizes) == 3 and sizes == sorted(sizes), par
         assert all(r["status"] == "trained" and positive(r["tokens_per_s"]) for r in run["tried"]), par
         assert run["largest_trained"]["params"] == sizes[-1] and run["stopped_by"] == "sizes exhausted"
+        # The same size costs the same model FLOPs whether its activations are recomputed or not; a CPU has no MFU.
+        assert all(positive(r["model_flops_per_token"]) and r["mfu"] is None for r in run["tried"]), par
+    assert [r["model_flops_per_token"] for r in d["runs"]["fsdp"]["tried"]] == [
+        r["model_flops_per_token"] for r in d["runs"]["fsdp+ac"]["tried"]]
     # No OOM on a CPU: both train the largest tiny size, and tokens/s is compared there.
     c = d["comparison"]
     assert c["largest_params_fsdp_vs_ddp"] == 1.0 and positive(c["tokens_per_s_fsdp_vs_ddp"])
@@ -194,6 +202,22 @@ def test_learner_overhead_names_its_results_by_device_model_and_parallelism():
     assert lo.bench_config("x", quick=True, model="llama100m", parallelism="ddp").learners.parallelism == "ddp"
     small = lo.bench_config("x", batch_size=1, seq_len=32)
     assert (small.learners.batch_size, small.model.seq_len, small.model.d_model) == (1, 32, lo.bench_config("x").model.d_model)
+
+
+def test_a_quick_run_never_writes_over_the_published_results(tmp_path, monkeypatch):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(BENCH))
+    monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(common, "QUICK_RESULTS", tmp_path / "results" / "quick")
+    assert common.write_results("b", {"args": {"quick": True}, "x": 1}) == tmp_path / "results" / "quick" / "b.json"
+    assert not (tmp_path / "results" / "b.json").exists()
+    assert common.write_results("b", {"args": {"quick": False}, "x": 2}) == tmp_path / "results" / "b.json"
+    assert common.write_results("b", {"args": {"quick": True}}, str(tmp_path / "own.json")) == tmp_path / "own.json"
+    assert json.loads((tmp_path / "results" / "b.json").read_text())["x"] == 2
+    assert "benchmarks/results/quick/" in (ROOT / ".gitignore").read_text().splitlines()
 
 
 def test_a_benchmarks_own_results_do_not_make_the_next_one_dirty(tmp_path):

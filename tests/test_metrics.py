@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import tiny_config, wait_for
 from test_tracking import scalars
 
+from ddiloco.learner_worker.flops import count_flops_per_token, flops_text
 from ddiloco.platform.metrics import metrics_address, reason_label
 from ddiloco.platform.tracking import EVERY_ENV, TENSORBOARD_ENV
 from ddiloco.testing.net import free_port
@@ -64,6 +65,11 @@ def test_learner_and_synchronizer_serve_the_series_the_dashboards_need(tmp_path)
     assert learner[f"ddiloco_learner_step{label}"] >= 1
     assert learner[f"ddiloco_learner_tokens_total{label}"] >= 4 * 32
     assert learner[f"ddiloco_learner_tokens_per_second{label}"] > 0
+    # One device's model FLOP/s is the tokens/s of the same scrape times the model's FLOPs per token; a CPU has no MFU.
+    per_token = count_flops_per_token(cfg.model)
+    assert learner[f"ddiloco_learner_model_flops_per_second{label}"] == pytest.approx(
+        learner[f"ddiloco_learner_tokens_per_second{label}"] * per_token)
+    assert f"ddiloco_learner_mfu{label}" not in learner
     assert 0 < learner[f"ddiloco_learner_loss{label}"] < 10
     assert learner[f"ddiloco_learner_sent_bytes_total{label}"] > 0
     assert learner[f"ddiloco_learner_received_bytes_total{label}"] > 0
@@ -90,7 +96,9 @@ def test_learner_and_synchronizer_serve_the_series_the_dashboards_need(tmp_path)
     log = (tmp_path / "logs" / "us-0.log").read_text()
     assert "metrics at http://127.0.0.1:" in log
     progress = [line for line in log.splitlines() if "learner us-0 step " in line]
-    assert progress and "tokens/s" in progress[0] and all(int(p.split(" step ")[1].split(":")[0]) % 5 == 0 for p in progress)
+    assert f"{flops_text(per_token)} per token, no MFU (no peak is published for a cpu device)" in log
+    assert progress and "tokens/s, " in progress[0] and "FLOP/s per device, " in progress[0]
+    assert all(int(p.split(" step ")[1].split(":")[0]) % 5 == 0 for p in progress)
 
 
 def test_rejection_reasons_lose_their_figures_and_bad_ports_are_refused():

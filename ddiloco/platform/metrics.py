@@ -5,7 +5,8 @@ free port, logged). Learner series are read from the learner when scraped (nothi
 loop); synchronizer series are counted where merges and rejections happen. Series (label ``run``,
 plus ``learner`` / ``holder`` / ``reason``):
 
-- learner: ``ddiloco_learner_step``, ``_tokens_total``, ``_tokens_per_second``, ``_loss`` (absent before the
+- learner: ``ddiloco_learner_step``, ``_tokens_total``, ``_tokens_per_second``, ``_model_flops_per_second`` and
+  ``_mfu`` (of one device; absent where the model's FLOPs or the device's peak are unknown), ``_loss`` (absent before the
   first step, so a NaN is a NaN), ``_nonfinite_losses_total``, ``_incarnation`` (relaunches of the learner so far),
   ``_upload_queue_depth``, ``_sent_bytes_total``, ``_received_bytes_total``, ``_last_version_received``
 - synchronizer: ``ddiloco_sync_merges_total`` (``rate()`` gives merges/s), ``_merge_seconds``,
@@ -127,6 +128,10 @@ class LearnerFigures:
     last_version: int
     nonfinite_losses: int = 0
     incarnation: int = 0
+    model_flops_per_s: float | None = None
+    """Model FLOP/s of one device over the last step (None: the model's FLOPs could not be counted)."""
+    mfu: float | None = None
+    """That as a share of the device's dense bf16 peak (None: no peak known, as on a CPU)."""
 
 
 class LearnerCollector(Collector):
@@ -153,6 +158,11 @@ class LearnerCollector(Collector):
         yield gauge("step", "Inner steps of this incarnation.", f.step)
         yield counter("tokens", "Tokens trained by this incarnation.", f.tokens)
         yield gauge("tokens_per_second", "Tokens per second of the last step.", f.tokens_per_s)
+        if f.model_flops_per_s is not None:
+            yield gauge("model_flops_per_second", "Model FLOP/s of one device over the last step (forward and backward).",
+                        f.model_flops_per_s)
+        if f.mfu is not None:
+            yield gauge("mfu", "Model FLOPs utilisation of one device: its model FLOP/s over its dense bf16 peak.", f.mfu)
         if f.loss is not None:  # absent before the first step: a NaN here is a training problem, never a start
             yield gauge("loss", "Training loss (moving average of the finite step losses).", f.loss)
         yield counter("nonfinite_losses", "Steps whose loss was NaN or infinite.", f.nonfinite_losses)

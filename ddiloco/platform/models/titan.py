@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from ddiloco.platform.config import ConfigError, ModelConfig
@@ -75,5 +74,6 @@ def titan_config(cfg: ModelConfig) -> Any:
 def build_titan(cfg: ModelConfig) -> nn.Module:
     """torchtitan's Llama 3, its parameters initialised by torchtitan (the caller seeds torch's RNG)."""
     model = titan_config(cfg).build()
-    model.init_states(buffer_device=torch.device("cpu"))
+    # The buffers go where the parameters are: on the meta device when only its shapes are wanted (FLOP counts).
+    model.init_states(buffer_device=next(model.parameters()).device)
     return model

@@ -1,0 +1,100 @@
+"""What a trained token costs in model FLOPs and what the device can do: the learner's MFU figure.
+
+Model FLOPs are those of the model's forward and backward pass, as torch's ``FlopCounterMode`` counts them on a
+meta-device build (shapes only: no memory, no arithmetic). Recomputed activations do not count, as in torchtitan's
+and PaLM's MFU, so turning activation checkpointing on lowers the figure by what the recomputation costs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ddiloco.platform.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+_FALLBACK_PEAK = 312e12
+"""What torchtitan's table answers for a device it does not know (an A100's bf16 peak): not this device's figure."""
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Model FLOPs per trained token and the device's dense bf16 peak FLOP/s; either None where unknown, with why."""
+
+    flops_per_token: float | None
+    peak_flops: float | None
+    device_name: str
+    why_not: str = ""
+
+    def per_device_flops(self, tokens_per_s: float, world: int) -> float | None:
+        """Model FLOP/s of one device when the job trains ``tokens_per_s`` over ``world`` devices."""
+        if self.flops_per_token is None:
+            return None
+        return tokens_per_s * self.flops_per_token / max(1, world)
+
+    def mfu(self, tokens_per_s: float, world: int) -> float | None:
+        """Model FLOPs utilisation: the share of the device's peak the job's tokens/s uses (None where unknown)."""
+        flops = self.per_device_flops(tokens_per_s, world)
+        return None if flops is None or self.peak_flops is None else flops / self.peak_flops
+
+    def describe(self) -> str:
+        """A clause for the learner's join line."""
+        if self.flops_per_token is None:
+            return f"model FLOPs not counted ({self.why_not})"
+        peak = f"peak {flops_text(self.peak_flops)}/s ({self.device_name})" if self.peak_flops else f"no MFU ({self.why_not})"
+        return f"{flops_text(self.flops_per_token)} per token, {peak}"
+
+
+def flops_text(flops: float) -> str:
+    """``flops`` with three significant digits and an SI prefix: 714 MFLOP, 6.1 GFLOP, 989 TFLOP."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if flops >= scale:
+            return f"{flops / scale:.3g} {prefix}FLOP"
+    return f"{flops:.3g} FLOP"
+
+
+def count_flops_per_token(model: ModelConfig) -> float:
+    """Forward-and-backward FLOPs per token of one ``model.seq_len`` sequence; ValueError naming why a model cannot
+    be counted (one whose forward depends on its data, as a routed mixture of experts, cannot run on the meta device)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ddiloco.platform.data import Batch
+    from ddiloco.platform.models import build_model, training_loss
+
+    try:
+        with torch.device("meta"):
+            net = build_model(model)
+        tokens = torch.zeros(1, model.seq_len, dtype=torch.long, device="meta")
+        with FlopCounterMode(display=False) as counter:
+            training_loss(net, Batch(tokens, tokens, model.seq_len)).backward()
+    except Exception as err:  # noqa: BLE001 - any model may fail on the meta device; the learner trains on without MFU
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"the model does not run on the meta device: {first[:160]}") from None
+    return counter.get_total_flops() / model.seq_len
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak FLOP/s from torchtitan's table; None for a CPU or for a GPU the table does not
+    know (it would answer an A100's figure)."""
+    if device.type != "cuda":
+        return None
+    from torchtitan.tools.utils import get_peak_flops
+
+    name = torch.cuda.get_device_name(device)
+    peak = get_peak_flops(name)
+    return None if peak == _FALLBACK_PEAK and "A100" not in name else peak
+
+
+def model_cost(model: ModelConfig, device: torch.device) -> ModelCost:
+    """What the learner's MFU needs; never raises (a learner trains on without the figure)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    peak = peak_flops(device)
+    why = "" if peak else (f"{name} is not in torchtitan's table of peaks" if device.type == "cuda"
+                           else f"no peak is published for a {name} device")
+    try:
+        per_token = count_flops_per_token(model)
+    except ValueError as err:
+        return ModelCost(None, peak, name, str(err))
+    return ModelCost(per_token, peak, name, why)
