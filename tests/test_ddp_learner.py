@@ -296,6 +296,9 @@ def rank_main(workdir: Path, rank: int, world: int) -> None:
             "checkpointed_blocks": learner.checkpointed_blocks,
             "block_classes": [type(b).__name__ for b in blocks(learner.model)],
         }
+        if learner.layout.parallelism == "ddp":  # FSDP's gradients are sharded DTensors of its own
+            grads = [p.grad for p in learner.model.parameters() if p.grad is not None]
+            out.update(grads=len(grads), grad_storages=len({g.untyped_storage().data_ptr() for g in grads}))
         if rank == 0:
             out["ledger"] = _ledger_view(ctx)
             if cfg.synchronizer.retention.keep_submission_blobs:
@@ -364,6 +367,8 @@ def test_two_gloo_ranks_equal_one_rank_with_twice_the_batch(tmp_path):
     assert ranks[0]["losses"][0] is None and None not in ref_losses
     torch.testing.assert_close(torch.tensor(ranks[0]["losses"][1:]), torch.tensor(ref_losses[:-1]), rtol=1e-5, atol=1e-6)
     assert ranks[0]["losses"] == ranks[1]["losses"]
+    # The gradients are views into DDP's all-reduce buckets (the tiny model's fit in one): no second copy of them.
+    assert ranks[0]["grads"] == len(list(ref.model.parameters())) and ranks[0]["grad_storages"] == 1
     got = [load_file(str(tmp_path / "ddp" / f"params-{r}.safetensors")) for r in range(2)]
     for name, p in ref.model.named_parameters():
         assert torch.equal(got[0][name], got[1][name]), f"ranks disagree on {name}"

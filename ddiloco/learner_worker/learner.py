@@ -247,6 +247,9 @@ class Learner:
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 # MoE experts (and arbitrary imported models) may leave parameters unused in a step.
                 find_unused_parameters=cfg.model.kind in ("moe_gpt", "import"),
+                # Each gradient a view into DDP's all-reduce buckets: one copy of the gradients per rank, not two
+                # (4 bytes a parameter: 4 GB of a 1B replica's GPU memory), and no copy between them each step.
+                gradient_as_bucket_view=True,
             )
         with torch.no_grad():
             local = {n: local_tensor(p) for n, p in self.model.named_parameters()}
