@@ -98,7 +98,7 @@ from sync_sustain import LLAMA_100M
 
 from ddiloco.learner_worker.device import LateRead, autocast, resolve_device
 from ddiloco.learner_worker.dist import Dist, ensure_process_group
-from ddiloco.learner_worker.flops import flops_text, model_cost
+from ddiloco.learner_worker.flops import model_cost
 from ddiloco.learner_worker.learner import Learner
 from ddiloco.learner_worker.link import LearnerLink
 from ddiloco.learner_worker.linkio import IOProcess
@@ -107,6 +107,7 @@ from ddiloco.platform.config import build_config
 from ddiloco.platform.data import Batch, build_dataset
 from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.models import build_model, training_loss
+from ddiloco.platform.units import format_flops
 from ddiloco.testing.net import wait_for
 from ddiloco.testing.processes import ProcessRun
 
@@ -672,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if cost.flops_per_token:
             print("model FLOP/s: " + ", ".join(
-                f"{k} {flops_text(cost.per_device_flops(v, 1))}/s" + (f" (MFU {cost.mfu(v, 1):.1%})" if cost.peak_flops else "")
+                f"{k} {format_flops(cost.per_device_flops(v, 1))}/s" + (f" (MFU {cost.mfu(v, 1):.1%})" if cost.peak_flops else "")
                 for k, v in achieved.items()) + f"; {cost.describe()}")
         print("host bytes per platform step: " + ", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in host_bytes.items()))
         for kind in ("bare", "platform"):

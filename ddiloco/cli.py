@@ -208,13 +208,15 @@ def show_config(
     config: Path | None = ConfigOpt,
     offline: bool = typer.Option(False, "--offline", help="Validate the config alone: read no data, model file, store or ledger."),
 ) -> None:
-    """Validate a config, print the effective values (file + env overrides) and check what a run will touch."""
+    """Validate a config, print the effective values (file + env overrides), size the run (model, step, memory per
+    rank, bytes sent) and check what a run will touch."""
     from ddiloco.platform.preflight import preflight, shown_config
+    from ddiloco.sizing import plan_report
 
     cfg = _config(config)
     console.print_json(json.dumps(shown_config(cfg)))
     lines, ok = preflight(cfg, offline=offline)
-    for line in lines:
+    for line in [*plan_report(cfg, offline), *lines]:
         err_console.print(escape(line), highlight=False)
     if not ok:
         raise typer.Exit(2)

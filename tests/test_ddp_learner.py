@@ -49,6 +49,7 @@ from ddiloco.platform.ledger import reports as reports_q
 from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger.models import FragmentVersion, Submission
 from ddiloco.platform.ledger.models import Learner as LearnerRow
+from ddiloco.platform.models.cost import state_bytes_per_rank
 from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.store import FragmentStore
 from ddiloco.synchronizer.service import Synchronizer
@@ -261,6 +262,12 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return (full() if callable(full) else p).detach().contiguous()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: an FSDP DTensor's local shard, a plain tensor as it is."""
+    local = getattr(t, "to_local", None)
+    return local() if callable(local) else t
+
+
 def rank_main(workdir: Path, rank: int, world: int) -> None:
     """One rank of a 2-rank learner us-0: rank 0 in the test process, rank 1 a subprocess. When the config
     lists a second learner, rank 0 also steps us-1, a one-process learner of the same run, in lockstep."""
@@ -296,6 +303,11 @@ def rank_main(workdir: Path, rank: int, world: int) -> None:
             "checkpointed_blocks": learner.checkpointed_blocks,
             "block_classes": [type(b).__name__ for b in blocks(learner.model)],
         }
+        # The float32 state this rank keeps: its rows of the weights and gradients, AdamW's moments and the snapshots.
+        state = [*learner.model.parameters(), *(p.grad for p in learner.model.parameters() if p.grad is not None),
+                 *(v for st in learner.optimizer.state.values() for v in st.values() if torch.is_tensor(v) and v.dim()),
+                 *(s for f in learner.fragments for s in f.snapshot)]
+        out["state_bytes"] = sum(_local(t).numel() * _local(t).element_size() for t in state)
         if learner.layout.parallelism == "ddp":  # FSDP's gradients are sharded DTensors of its own
             grads = [p.grad for p in learner.model.parameters() if p.grad is not None]
             out.update(grads=len(grads), grad_storages=len({g.untyped_storage().data_ptr() for g in grads}))
@@ -369,6 +381,9 @@ def test_two_gloo_ranks_equal_one_rank_with_twice_the_batch(tmp_path):
     assert ranks[0]["losses"] == ranks[1]["losses"]
     # The gradients are views into DDP's all-reduce buckets (the tiny model's fit in one): no second copy of them.
     assert ranks[0]["grads"] == len(list(ref.model.parameters())) and ranks[0]["grad_storages"] == 1
+    # Each rank keeps the float32 state `ddiloco config` sizes a ddp rank by: 20 bytes a parameter.
+    numel = sum(p.numel() for p in ref.model.parameters())
+    assert ranks[0]["state_bytes"] == ranks[1]["state_bytes"] == state_bytes_per_rank(numel, "ddp", 2) == 20 * numel
     got = [load_file(str(tmp_path / "ddp" / f"params-{r}.safetensors")) for r in range(2)]
     for name, p in ref.model.named_parameters():
         assert torch.equal(got[0][name], got[1][name]), f"ranks disagree on {name}"

@@ -10,12 +10,14 @@ from support import TINY_LLAMA
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from ddiloco.learner_worker.flops import ModelCost, count_flops_per_token, flops_text, model_cost, peak_flops
+from ddiloco.learner_worker.flops import ModelCost, model_cost, peak_flops
 from ddiloco.learner_worker.launch import flops_clause
 from ddiloco.platform.config import ModelConfig
 from ddiloco.platform.data import Batch
 from ddiloco.platform.metrics import LearnerFigures
 from ddiloco.platform.models import build_model, training_loss
+from ddiloco.platform.models.cost import count_flops_per_token
+from ddiloco.platform.units import format_flops
 
 MODELS = {
     "gpt": {"kind": "gpt", "n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 32, "vocab_size": 200},
@@ -68,7 +70,7 @@ def test_on_a_cpu_the_learner_reports_model_flops_but_no_mfu():
     assert peak_flops(torch.device("cpu")) is None
     assert cost.flops_per_token == count_flops_per_token(cfg) and cost.peak_flops is None and cost.device_name == "cpu"
     assert cost.per_device_flops(1000.0, 1) == 1000.0 * cost.flops_per_token and cost.mfu(1000.0, 1) is None
-    assert cost.describe() == f"{flops_text(cost.flops_per_token)} per token, no MFU (no peak is published for a cpu device)"
+    assert cost.describe() == f"{format_flops(cost.flops_per_token)} per token, no MFU (no peak is published for a cpu device)"
 
 
 def test_mfu_divides_the_jobs_tokens_over_its_devices_and_by_one_devices_peak():
@@ -76,11 +78,11 @@ def test_mfu_divides_the_jobs_tokens_over_its_devices_and_by_one_devices_peak():
     # 8 ranks training 100k tokens/s together: each device does 12.5k tokens/s x 6 GFLOP = 75 TFLOP/s, 7.5% of 1 PFLOP/s.
     assert cost.per_device_flops(100_000, 8) == pytest.approx(75e12)
     assert cost.mfu(100_000, 8) == pytest.approx(0.075)
-    assert cost.describe() == "6 GFLOP per token, peak 1 PFLOP/s (NVIDIA H100 80GB HBM3)"
-    assert [flops_text(x) for x in (989e12, 713.687e6, 1234.0, 12.0)] == ["989 TFLOP", "714 MFLOP", "1.23 kFLOP", "12 FLOP"]
+    assert cost.describe() == "6.00 GFLOP per token, peak 1.00 PFLOP/s (NVIDIA H100 80GB HBM3)"
+    assert [format_flops(x) for x in (989e12, 713.687e6, 1234.0, 12.0)] == ["989 TFLOP", "714 MFLOP", "1.23 kFLOP", "12 FLOP"]
     figures = LearnerFigures(step=1, tokens=1, tokens_per_s=100_000, loss=None, upload_queue=0, sent_bytes=0, received_bytes=0,
                              last_version=-1, model_flops_per_s=cost.per_device_flops(100_000, 8), mfu=cost.mfu(100_000, 8))
-    assert flops_clause(figures) == ", 75 TFLOP/s per device (MFU 7.5%)"
+    assert flops_clause(figures) == ", 75.0 TFLOP/s per device (MFU 7.5%)"
     assert flops_clause(LearnerFigures(1, 1, 1.0, None, 0, 0, 0, -1)) == ""
 
 

@@ -33,6 +33,7 @@ from ddiloco.platform.config import ConfigError
 from ddiloco.platform.data import Batch
 from ddiloco.platform.fragments import Fragment, Piece, piece_key
 from ddiloco.platform.models import build_model, training_loss
+from ddiloco.platform.models.cost import state_bytes_per_rank
 
 
 def _config(parallelism: str, learners: int = 1, shard_size: int | None = None, activation: str = "none", **extra):
@@ -163,6 +164,13 @@ def test_two_rank_fsdp_sends_what_two_rank_ddp_recomputing_its_activations_sends
     assert ddp[0]["local_numel"] == ddp[0]["numel"]
     assert fsdp[0]["local_numel"] + fsdp[1]["local_numel"] == fsdp[0]["numel"]
     assert 0 < fsdp[1]["local_numel"] < fsdp[0]["numel"]
+    # The float32 state `ddiloco config` sizes a rank by: all of it on each DDP rank, a row shard of it on each FSDP
+    # rank, within a row of the even split.
+    numel = ddp[0]["numel"]
+    assert ddp[0]["state_bytes"] == ddp[1]["state_bytes"] == state_bytes_per_rank(numel, "ddp", 2)
+    assert fsdp[0]["state_bytes"] + fsdp[1]["state_bytes"] == state_bytes_per_rank(numel, "ddp", 1)
+    assert all(abs(r["state_bytes"] - state_bytes_per_rank(numel, "fsdp", 2)) < 0.1 * state_bytes_per_rank(numel, "fsdp", 2)
+               for r in fsdp), [r["state_bytes"] for r in fsdp]
     # The same submissions and versions, several sends and receipts.
     a, b = ddp[0]["ledger"], fsdp[0]["ledger"]
     assert a["submissions"] == b["submissions"] and a["versions"] == b["versions"]

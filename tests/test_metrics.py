@@ -12,9 +12,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import tiny_config, wait_for
 from test_tracking import scalars
 
-from ddiloco.learner_worker.flops import count_flops_per_token, flops_text
 from ddiloco.platform.metrics import metrics_address, reason_label
+from ddiloco.platform.models.cost import count_flops_per_token
 from ddiloco.platform.tracking import EVERY_ENV, TENSORBOARD_ENV
+from ddiloco.platform.units import format_flops
 from ddiloco.testing.net import free_port
 from ddiloco.testing.processes import ProcessCluster, stop_processes, write_config
 
@@ -96,7 +97,7 @@ def test_learner_and_synchronizer_serve_the_series_the_dashboards_need(tmp_path)
     log = (tmp_path / "logs" / "us-0.log").read_text()
     assert "metrics at http://127.0.0.1:" in log
     progress = [line for line in log.splitlines() if "learner us-0 step " in line]
-    assert f"{flops_text(per_token)} per token, no MFU (no peak is published for a cpu device)" in log
+    assert f"{format_flops(per_token)} per token, no MFU (no peak is published for a cpu device)" in log
     assert progress and "tokens/s, " in progress[0] and "FLOP/s per device, " in progress[0]
     assert all(int(p.split(" step ")[1].split(":")[0]) % 5 == 0 for p in progress)
 

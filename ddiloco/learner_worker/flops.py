@@ -1,19 +1,17 @@
-"""What a trained token costs in model FLOPs and what the device can do: the learner's MFU figure.
+"""The learner's MFU figure: its model FLOPs per token (``platform/models/cost.py``) against its device's peak.
 
-Model FLOPs are those of the model's forward and backward pass, as torch's ``FlopCounterMode`` counts them on a
-meta-device build (shapes only: no memory, no arithmetic). Recomputed activations do not count, as in torchtitan's
-and PaLM's MFU, so turning activation checkpointing on lowers the figure by what the recomputation costs."""
+Recomputed activations do not count, as in torchtitan's and PaLM's MFU, so turning activation checkpointing on lowers
+the figure by what the recomputation costs."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
 from ddiloco.platform.config import ModelConfig
-
-log = logging.getLogger(__name__)
+from ddiloco.platform.models.cost import count_flops_per_token
+from ddiloco.platform.units import format_flops
 
 _FALLBACK_PEAK = 312e12
 """What torchtitan's table answers for a device it does not know (an A100's bf16 peak): not this device's figure."""
@@ -43,36 +41,8 @@ class ModelCost:
         """A clause for the learner's join line."""
         if self.flops_per_token is None:
             return f"model FLOPs not counted ({self.why_not})"
-        peak = f"peak {flops_text(self.peak_flops)}/s ({self.device_name})" if self.peak_flops else f"no MFU ({self.why_not})"
-        return f"{flops_text(self.flops_per_token)} per token, {peak}"
-
-
-def flops_text(flops: float) -> str:
-    """``flops`` with three significant digits and an SI prefix: 714 MFLOP, 6.1 GFLOP, 989 TFLOP."""
-    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if flops >= scale:
-            return f"{flops / scale:.3g} {prefix}FLOP"
-    return f"{flops:.3g} FLOP"
-
-
-def count_flops_per_token(model: ModelConfig) -> float:
-    """Forward-and-backward FLOPs per token of one ``model.seq_len`` sequence; ValueError naming why a model cannot
-    be counted (one whose forward depends on its data, as a routed mixture of experts, cannot run on the meta device)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from ddiloco.platform.data import Batch
-    from ddiloco.platform.models import build_model, training_loss
-
-    try:
-        with torch.device("meta"):
-            net = build_model(model)
-        tokens = torch.zeros(1, model.seq_len, dtype=torch.long, device="meta")
-        with FlopCounterMode(display=False) as counter:
-            training_loss(net, Batch(tokens, tokens, model.seq_len)).backward()
-    except Exception as err:  # noqa: BLE001 - any model may fail on the meta device; the learner trains on without MFU
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ValueError(f"the model does not run on the meta device: {first[:160]}") from None
-    return counter.get_total_flops() / model.seq_len
+        peak = f"peak {format_flops(self.peak_flops)}/s ({self.device_name})" if self.peak_flops else f"no MFU ({self.why_not})"
+        return f"{format_flops(self.flops_per_token)} per token, {peak}"
 
 
 def peak_flops(device: torch.device) -> float | None:

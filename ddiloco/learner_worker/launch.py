@@ -30,13 +30,14 @@ import yaml
 
 from ddiloco.learner_worker.device import resolve_device
 from ddiloco.learner_worker.dist import Dist, collective_timeout_s, init_dist, rank_env, set_parent_death_signal, shutdown_dist
-from ddiloco.learner_worker.flops import ModelCost, flops_text, model_cost
+from ddiloco.learner_worker.flops import ModelCost, model_cost
 from ddiloco.learner_worker.learner import Learner, StepReport
 from ddiloco.learner_worker.link import LearnerLink
 from ddiloco.platform.config import ConfigError, RunConfig, environment, secret_env, world_size_problem
 from ddiloco.platform.metrics import LearnerFigures, serve_learner
 from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.tracking import Reporter, open_run_tracker, tracking_every_s
+from ddiloco.platform.units import format_flops
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -97,7 +98,7 @@ def flops_clause(f: LearnerFigures) -> str:
     if f.model_flops_per_s is None:
         return ""
     mfu = f" (MFU {f.mfu:.1%})" if f.mfu is not None else ""
-    return f", {flops_text(f.model_flops_per_s)}/s per device{mfu}"
+    return f", {format_flops(f.model_flops_per_s)}/s per device{mfu}"
 
 
 def learner_figures(learner: Learner, cost: ModelCost | None = None) -> LearnerFigures:

@@ -19,6 +19,7 @@ from typing import Any
 from ddiloco.platform import stall
 from ddiloco.platform.config import DataConfig, ModelConfig, RunConfig, sqlite_file_problem
 from ddiloco.platform.redact import mask_tree, redact_url
+from ddiloco.platform.units import plural
 
 REACH_TIMEOUT_S = 10.0
 """How long a store or ledger may take to answer (a client's own retries can run for minutes)."""
@@ -43,10 +44,6 @@ class Outcome:
 
 
 # ------------------------------------------------------------------------------------ probes
-
-
-def _count(n: int, thing: str) -> str:
-    return f"{n:,} {thing}" + ("" if n == 1 else "s")
 
 
 def _nearest_writable(path: Path) -> str:
@@ -151,7 +148,7 @@ def _probe_data(data: DataConfig, model: ModelConfig) -> Callable[[], str]:
             from ddiloco.platform.data import build_dataset
 
             ds: Any = build_dataset(data, model)  # what a learner opens: every shard's size, sampled ids, the vocabulary
-            return (f"{_count(len(ds.train.shards), 'training shard')}, {ds.train.tokens:,} tokens; "
+            return (f"{plural(len(ds.train.shards), 'training shard')}, {ds.train.tokens:,} tokens; "
                     f"validation {ds.val.tokens:,} tokens")
         from ddiloco.platform.data.tokens import _expand
 
@@ -160,7 +157,7 @@ def _probe_data(data: DataConfig, model: ModelConfig) -> Callable[[], str]:
             urls = _expand([data.glob or ""])
             if not urls:
                 raise ValueError(f"data.glob {data.glob!r} matched no files")
-            return _count(len(urls), "file")
+            return plural(len(urls), "file")
         if data.source == "text":
             return _text_files(data.shards)
         assert data.hf_dataset is not None  # source hf
@@ -194,7 +191,7 @@ def _text_files(patterns: list[str]) -> str:
             total += fs.size(path)
         except FileNotFoundError:
             raise ValueError(f"text file {url!r} does not exist") from None
-    return f"{_count(len(urls), 'file')}, {total:,} bytes"
+    return f"{plural(len(urls), 'file')}, {total:,} bytes"
 
 
 def _probe_hf_config(model: ModelConfig) -> Callable[[], str]:
@@ -212,7 +209,7 @@ def _probe_init_from(url: str) -> Callable[[], str]:
 
         fs, files = weight_files(url, f"model.init_from {url}")
         size = sum(fs.size(f) for f in files)
-        return f"{_count(len(files), 'safetensors file')}, {size:,} bytes"
+        return f"{plural(len(files), 'safetensors file')}, {size:,} bytes"
 
     return probe
 
@@ -321,7 +318,7 @@ def report(outcomes: list[Outcome], notes: list[str]) -> tuple[list[str], bool]:
     lines = [line(o) for o in outcomes]
     lines += [f"note: {redact_url(n)}" for n in notes]
     problems = sum(o.problem is not None for o in outcomes)
-    lines.append(f"{_count(len(outcomes), 'thing')} checked, " + (f"{_count(problems, 'problem')}" if problems else "no problem"))
+    lines.append(f"{plural(len(outcomes), 'thing')} checked, " + (f"{plural(problems, 'problem')}" if problems else "no problem"))
     return lines, problems == 0
 
 
