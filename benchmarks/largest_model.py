@@ -50,6 +50,7 @@ from ddiloco.learner_worker.learner import _LossModule
 from ddiloco.learner_worker.schedule import param_groups
 from ddiloco.platform.config import build_config
 from ddiloco.platform.models import build_model
+from ddiloco.platform.models.cost import meta_model, state_bytes_per_rank
 
 NAME = "largest_model"
 VOCAB, SEQ, BATCH = 32_000, 1024, 4
@@ -85,9 +86,7 @@ def fmt_params(n: int) -> str:
 
 def count_params(cfg) -> int:
     """Parameters of the model ``cfg`` describes, built on the meta device (no memory, no init)."""
-    with torch.device("meta"):
-        model = build_model(cfg.model, seed=cfg.seed)
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in meta_model(cfg.model).parameters())
 
 
 def oom_errors() -> tuple[type[BaseException], ...]:
@@ -184,6 +183,9 @@ def search(run: dict[str, Any], parallelism: str, sizes: list, vocab: int, seq: 
                 stopped_by = f"time budget: {fmt_params(params)} predicted {predicted:.0f} s with {elapsed:.0f} of {budget_s:.0f} s spent"
                 break
         rec = {"params": params, "shape": dict(zip(("hidden", "layers", "heads", "kv_heads", "ffn"), size)),
+               # What `ddiloco config` plans a one-rank learner to keep; the bare loop here keeps no outer snapshot,
+               # so its weights, gradients and AdamW moments are 16 of those 20 bytes a parameter.
+               "planned_state_gb": round(state_bytes_per_rank(params, "ddp", 1) / 2**30, 2),
                **try_size(cfg, parallelism, device, steps, batch)}
         release(device)
         tried.append(rec)
@@ -195,7 +197,7 @@ def search(run: dict[str, Any], parallelism: str, sizes: list, vocab: int, seq: 
         else:
             line += f" ({rec['phase']}: {rec['error'][:120]})"
         if "peak_allocated_gb" in rec:
-            line += f", peak {rec['peak_allocated_gb']:.1f} GiB allocated"
+            line += f", peak {rec['peak_allocated_gb']:.1f} GiB allocated (planned state {rec['planned_state_gb']:.1f} GiB)"
         print(line + f"; {rec['seconds']:.1f} s", flush=True)
         run["largest_trained"] = next((r for r in reversed(tried) if r["status"] == "trained"), None)
         on_size()

@@ -168,6 +168,7 @@ def test_largest_model_quick(quick_runs):
         assert run["largest_trained"]["params"] == sizes[-1] and run["stopped_by"] == "sizes exhausted"
         # The same size costs the same model FLOPs whether its activations are recomputed or not; a CPU has no MFU.
         assert all(positive(r["model_flops_per_token"]) and r["mfu"] is None for r in run["tried"]), par
+        assert all(r["planned_state_gb"] == round(20 * r["params"] / 2**30, 2) for r in run["tried"]), par
     assert [r["model_flops_per_token"] for r in d["runs"]["fsdp"]["tried"]] == [
         r["model_flops_per_token"] for r in d["runs"]["fsdp+ac"]["tried"]]
     # No OOM on a CPU: both train the largest tiny size, and tokens/s is compared there.
