@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -67,7 +68,7 @@ def test_a_model_that_cannot_run_on_the_meta_device_trains_on_without_the_figure
 def test_on_a_cpu_the_learner_reports_model_flops_but_no_mfu():
     cfg = ModelConfig(**MODELS["gpt"])
     cost = model_cost(cfg, torch.device("cpu"))
-    assert peak_flops(torch.device("cpu")) is None
+    assert peak_flops(torch.device("cpu")) == (None, "no peak is published for a cpu device")
     assert cost.flops_per_token == count_flops_per_token(cfg) and cost.peak_flops is None and cost.device_name == "cpu"
     assert cost.per_device_flops(1000.0, 1) == 1000.0 * cost.flops_per_token and cost.mfu(1000.0, 1) is None
     assert cost.describe() == f"{format_flops(cost.flops_per_token)} per token, no MFU (no peak is published for a cpu device)"
@@ -86,11 +87,32 @@ def test_mfu_divides_the_jobs_tokens_over_its_devices_and_by_one_devices_peak():
     assert flops_clause(LearnerFigures(1, 1, 1.0, None, 0, 0, 0, -1)) == ""
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None, reason="torchtitan is not installed")
+def test_a_gpus_peak_comes_from_torchtitans_table_and_an_unlisted_gpu_or_no_torchtitan_gives_no_mfu(monkeypatch):
+    name = "NVIDIA H100 80GB HBM3"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    cuda = torch.device("cuda", 0)
+    assert peak_flops(cuda) == (989e12, "")
+    cost = model_cost(ModelConfig(**MODELS["gpt"]), cuda)
+    assert cost.peak_flops == 989e12 and cost.mfu(1e6, 1) == pytest.approx(1e6 * cost.flops_per_token / 989e12)
+    assert cost.describe().endswith("per token, peak 989 TFLOP/s (NVIDIA H100 80GB HBM3)")
+    # torchtitan answers an A100's peak for a GPU it does not list: no MFU rather than a wrong one.
+    name = "NVIDIA L4"
+    assert peak_flops(cuda) == (None, "NVIDIA L4 is not in torchtitan's table of peaks")
+    # The table is torchtitan's (the titan extra, not in every image): without it the learner starts, with no MFU.
+    name = "NVIDIA H100 80GB HBM3"
+    monkeypatch.setitem(sys.modules, "torchtitan.tools.utils", None)
+    peak, why = peak_flops(cuda)
+    assert peak is None and "torchtitan, which is not installed" in why
+    assert model_cost(ModelConfig(**MODELS["gpt"]), cuda).describe().endswith(f"no MFU ({why})")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_known_gpu_has_a_peak_from_torchtitans_table():
     device = torch.device("cuda")
     name = torch.cuda.get_device_name(device)
-    peak = peak_flops(device)
+    peak, why = peak_flops(device)
+    assert (peak is None) == bool(why)
     if any(k in name for k in ("H100", "H200", "A100", "B200")):
         assert peak is not None and peak >= 312e12
     cost = model_cost(ModelConfig(**MODELS["gpt"]), device)

@@ -45,24 +45,26 @@ class ModelCost:
         return f"{format_flops(self.flops_per_token)} per token, {peak}"
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak FLOP/s from torchtitan's table; None for a CPU or for a GPU the table does not
-    know (it would answer an A100's figure)."""
+def peak_flops(device: torch.device) -> tuple[float | None, str]:
+    """(the device's dense bf16 peak FLOP/s from torchtitan's table, ""), or (None, why): a CPU, a GPU the table does
+    not know (it would answer an A100's figure), or no torchtitan (the ``titan`` extra) installed."""
     if device.type != "cuda":
-        return None
-    from torchtitan.tools.utils import get_peak_flops
-
+        return None, f"no peak is published for a {device.type} device"
     name = torch.cuda.get_device_name(device)
+    try:
+        from torchtitan.tools.utils import get_peak_flops
+    except ImportError:
+        return None, "the table of GPU peaks comes with torchtitan, which is not installed (pip install 'ddiloco[titan]')"
     peak = get_peak_flops(name)
-    return None if peak == _FALLBACK_PEAK and "A100" not in name else peak
+    if peak == _FALLBACK_PEAK and "A100" not in name:
+        return None, f"{name} is not in torchtitan's table of peaks"
+    return peak, ""
 
 
 def model_cost(model: ModelConfig, device: torch.device) -> ModelCost:
     """What the learner's MFU needs; never raises (a learner trains on without the figure)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    peak = peak_flops(device)
-    why = "" if peak else (f"{name} is not in torchtitan's table of peaks" if device.type == "cuda"
-                           else f"no peak is published for a {name} device")
+    peak, why = peak_flops(device)
     try:
         per_token = count_flops_per_token(model)
     except ValueError as err:
