@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ddiloco.platform.compression import codec_nbytes
 from ddiloco.platform.config import RunConfig, tokens_per_step
-from ddiloco.platform.models.cost import ModelSize, meta_model, model_size, state_bytes_per_rank
+from ddiloco.platform.models.cost import STATE_BYTES_PER_PARAM, ModelSize, meta_model, model_size, state_bytes_per_rank
 from ddiloco.platform.units import format_bytes, format_count, format_flops, plural
 
 
@@ -64,7 +64,7 @@ def plan_lines(cfg: RunConfig, size: RunSize) -> list[str]:
     if unit == "tokens":
         shape.append(plural(cfg.model.seq_len, "token"))
     state = (f"plan: each rank keeps {format_bytes(size.state_bytes)} of float32 state under {learners.parallelism} "
-             f"over {plural(ranks, 'rank')} (weights, gradients, AdamW moments, outer snapshot: 20 bytes a parameter"
+             f"over {plural(ranks, 'rank')} (weights, gradients, AdamW moments, outer snapshot: {STATE_BYTES_PER_PARAM} bytes a parameter"
              + (f", a 1/{ranks} row shard of them" if learners.parallelism != "ddp" and ranks > 1 else "")
              + "); activations come on top")
     if learners.parallelism == "ddp" and ranks > 1:
@@ -75,7 +75,7 @@ def plan_lines(cfg: RunConfig, size: RunSize) -> list[str]:
         f"plan: model {cfg.model.kind}, {format_count(m.params)} parameters ({format_count(m.embedding_params)} in "
         f"embedding tables), {flops}",
         f"plan: an inner step of a learner trains {size.tokens_per_step:,} {unit} ({' x '.join(shape)}); the token "
-        f"budget is {size.steps_per_learner:,} steps for each of the {plural(learners.count, 'learner')}",
+        f"budget is {size.steps_per_learner:,} steps a learner ({plural(learners.count, 'learner')})",
         state,
         f"plan: {size.fragments} fragments, each sent every {period} inner steps: {format_bytes(size.round_bytes)} per "
         f"learner every {period} steps with {cfg.compression.codec}, {per_unit:.3g} bytes per trained {unit[:-1]}"

@@ -45,7 +45,7 @@ def test_config_sizes_a_sharded_learner_from_the_built_model(tmp_path):
     assert lines[0] == (f"plan: model hf, {format_count(params)} parameters ({format_count(embedding)} in embedding tables), "
                         f"{format_flops(count_flops_per_token(cfg.model))} per trained token (forward and backward at seq_len 32)")
     assert lines[1] == (f"plan: an inner step of a learner trains {tokens:,} tokens (4 ranks x 3 sequences x 2 micro-batches x "
-                        f"32 tokens); the token budget is {10_000_000 // (2 * tokens):,} steps for each of the 2 learners")
+                        f"32 tokens); the token budget is {10_000_000 // (2 * tokens):,} steps a learner (2 learners)")
     assert lines[2].startswith(f"plan: each rank keeps {format_bytes(20 * -(-params // 4))} of float32 state under fsdp over "
                                "4 ranks (weights, gradients, AdamW moments, outer snapshot: 20 bytes a parameter, a 1/4 row shard")
     assert lines[3] == (f"plan: 4 fragments, each sent every 4 inner steps: {format_bytes(sent)} per learner every 4 steps "
