@@ -58,7 +58,7 @@ def test_the_meta_device_count_is_the_count_of_a_real_forward_and_backward(kind)
 
 def test_a_model_that_cannot_run_on_the_meta_device_trains_on_without_the_figure():
     cfg = ModelConfig(kind="moe_gpt", n_layer=1, d_model=32, n_head=2, seq_len=16)  # routing reads its data
-    with pytest.raises(ValueError, match="the model does not run on the meta device: .*bincount"):
+    with pytest.raises(ValueError, match="^the model does not run on the meta device: aten::"):
         count_flops_per_token(cfg)
     cost = model_cost(cfg, torch.device("cpu"))
     assert cost.flops_per_token is None and cost.mfu(1e6, 1) is None and cost.per_device_flops(1e6, 1) is None
