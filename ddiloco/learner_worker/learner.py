@@ -523,13 +523,19 @@ class Learner:
     def _agree(self, want_stop: bool, every: int = 0) -> Control:
         """One small all-reduce: any rank may stop; rank 0 says what to apply, what is awaited and the send period."""
         with span("learner.agree", into=self.timings):
+            arrived: dict[int, Arrival] = {}
+            awaiting: set[int] = set()
+            if self.link is not None:
+                arrived, awaiting = self.link.take_arrivals()
+            if self.dist.world == 1:
+                # Nothing to agree with: what arrived is applied as it is, with no tensor built or read each step.
+                return Control(stop=want_stop, apply=sorted((p, version) for p, (version, _) in arrived.items()),
+                               awaiting=awaiting, arrived=arrived, every=every or self.cfg.fragments.period)
             P = len(self.fragments)
             vec = torch.zeros(2 + 3 * P, dtype=torch.int64)
             vec[0] = int(want_stop)
             vec[1 + 3 * P] = every
-            arrived: dict[int, Arrival] = {}
             if self.link is not None:
-                arrived, awaiting = self.link.take_arrivals()
                 for p, (version, _tensors) in arrived.items():
                     vec[1 + p] = 1
                     vec[1 + P + p] = version

@@ -77,8 +77,13 @@ class _Done:
 
     def newest(self, n: int) -> tuple[float, int, int]:
         """(seconds, bytes, how many) of the newest ``n`` transfers."""
-        sample = list(self.items)[-n:]
-        return sum(t.seconds for t in sample), sum(t.nbytes for t in sample), len(sample)
+        items = self.items
+        if not items:
+            return 0.0, 0, 0
+        # The running totals give the sums without a pass over (or a copy of) the kept transfers.
+        first, last = items[max(0, len(items) - n)], items[-1]
+        return (last.seconds_before + last.seconds - first.seconds_before, last.nbytes_before + last.nbytes - first.nbytes_before,
+                min(n, len(items)))
 
 
 class LinkMeter:
