@@ -30,6 +30,17 @@ class RunSize:
     """Encoded bytes of one send of every fragment with the configured codec (no blob headers)."""
 
 
+def shard_ranks(cfg: RunConfig) -> int:
+    """The ranks a parameter's rows are spread over on one node: hsdp's shard group, fsdp's node (more nodes shard
+    further), none under ddp."""
+    learners = cfg.learners
+    if learners.parallelism == "ddp":
+        return 1
+    if learners.parallelism == "hsdp" and learners.shard_size:
+        return learners.shard_size
+    return learners.nproc_per_node
+
+
 def run_size(cfg: RunConfig) -> RunSize:
     """Size a run of ``cfg`` (builds the model on the meta device; the config's model errors are raised)."""
     from ddiloco.learner_worker.schedule import schedule_steps
@@ -44,7 +55,7 @@ def run_size(cfg: RunConfig) -> RunSize:
         model=size,
         tokens_per_step=tokens_per_step(cfg.model, cfg.learners.batch_size * cfg.inner.grad_accum_steps, ranks),
         steps_per_learner=schedule_steps(cfg, ranks),
-        state_bytes=state_bytes_per_rank(size.params, cfg.learners.parallelism, ranks),
+        state_bytes=state_bytes_per_rank(size.params, cfg.learners.parallelism, shard_ranks(cfg)),
         sharded_state_bytes=state_bytes_per_rank(size.params, "fsdp", ranks),
         fragments=len(parts),
         round_bytes=sum(codec_nbytes(pc.numel, codec, block) for f in parts for pc in f.pieces),
@@ -65,7 +76,7 @@ def plan_lines(cfg: RunConfig, size: RunSize) -> list[str]:
         shape.append(plural(cfg.model.seq_len, "token"))
     state = (f"plan: each rank keeps {format_bytes(size.state_bytes)} of float32 state under {learners.parallelism} "
              f"over {plural(ranks, 'rank')} (weights, gradients, AdamW moments, outer snapshot: {STATE_BYTES_PER_PARAM} bytes a parameter"
-             + (f", a 1/{ranks} row shard of them" if learners.parallelism != "ddp" and ranks > 1 else "")
+             + (f", a 1/{shard_ranks(cfg)} row shard of them" if learners.parallelism != "ddp" and shard_ranks(cfg) > 1 else "")
              + "); activations come on top")
     if learners.parallelism == "ddp" and ranks > 1:
         state += f"; learners.parallelism fsdp would keep {format_bytes(size.sharded_state_bytes)}"

@@ -62,6 +62,14 @@ def test_a_ddp_learner_is_told_what_fsdp_would_keep():
     assert "under ddp over 8 ranks" in state and "row shard" not in state
 
 
+def test_hsdp_shards_the_state_over_its_shard_group():
+    cfg = build_config({"model": LLAMA, "learners": {"nproc_per_node": 8, "parallelism": "hsdp", "shard_size": 2}})
+    size = run_size(cfg)
+    assert size.state_bytes == 20 * -(-size.model.params // 2)
+    (state,) = [line for line in plan_report(cfg) if "float32 state" in line]
+    assert "under hsdp over 8 ranks" in state and "a 1/2 row shard of them" in state and "would keep" not in state
+
+
 def test_what_cannot_be_counted_or_built_is_said_and_fails_nothing(tmp_path):
     # A routed mixture of experts reads its data: its parameters are sized, its FLOPs are not.
     moe = build_config({"model": {"kind": "moe_gpt", "n_layer": 1, "d_model": 32, "n_head": 2, "seq_len": 16}})
