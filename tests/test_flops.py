@@ -65,6 +65,14 @@ def test_a_model_that_cannot_run_on_the_meta_device_trains_on_without_the_figure
     assert cost.describe().startswith("model FLOPs not counted (the model does not run on the meta device")
 
 
+def test_a_model_that_cannot_be_built_on_the_meta_device_costs_the_learner_only_its_figure():
+    cfg = ModelConfig(kind="import", import_path="json:loads")  # a factory that fails as the learner's would too
+    with pytest.raises(ValueError, match="^the model cannot be built on the meta device: model.import_path 'json:loads'"):
+        count_flops_per_token(cfg)
+    cost = model_cost(cfg, torch.device("cpu"))
+    assert cost.flops_per_token is None and cost.describe().startswith("model FLOPs not counted (the model cannot be built")
+
+
 def test_on_a_cpu_the_learner_reports_model_flops_but_no_mfu():
     cfg = ModelConfig(**MODELS["gpt"])
     cost = model_cost(cfg, torch.device("cpu"))

@@ -31,6 +31,11 @@ class ModelSize:
     why_uncounted: str = ""
 
 
+def _first_line(err: BaseException) -> str:
+    """An error's first sentence, short enough for a log line."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0].split(". ")[0][:160]
+
+
 def meta_model(model: ModelConfig) -> nn.Module:
     """The model ``model`` describes, on the meta device."""
     from ddiloco.platform.models import build_model
@@ -52,15 +57,18 @@ def _flops_per_token(net: nn.Module, model: ModelConfig) -> float:
         with FlopCounterMode(display=False) as counter:
             training_loss(net, Batch(tokens, tokens, model.seq_len)).backward()
     except Exception as err:  # noqa: BLE001 - any model may fail on the meta device; only the figure is lost
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0].split(". ")[0]
-        raise ValueError(f"the model does not run on the meta device: {first[:160]}") from None
+        raise ValueError(f"the model does not run on the meta device: {_first_line(err)}") from None
     return counter.get_total_flops() / model.seq_len
 
 
 def count_flops_per_token(model: ModelConfig) -> float:
     """Forward-and-backward FLOPs per token of one ``model.seq_len`` sequence; ValueError naming why a model cannot
     be counted (one whose forward depends on its data, as a routed mixture of experts, cannot run on the meta device)."""
-    return _flops_per_token(meta_model(model), model)
+    try:
+        net = meta_model(model)
+    except Exception as err:  # noqa: BLE001 - a factory may refuse the meta device; only the figure is lost
+        raise ValueError(f"the model cannot be built on the meta device: {_first_line(err)}") from None
+    return _flops_per_token(net, model)
 
 
 def model_size(model: ModelConfig, net: nn.Module | None = None) -> ModelSize:
