@@ -80,6 +80,8 @@ def plan_lines(cfg: RunConfig, size: RunSize) -> list[str]:
              + "); activations come on top")
     if learners.parallelism == "ddp" and ranks > 1:
         state += f"; learners.parallelism fsdp would keep {format_bytes(size.sharded_state_bytes)}"
+    elif learners.parallelism == "fsdp":
+        state += "; a job of several nodes shards it over all their ranks"
     period = cfg.fragments.period
     per_unit = size.round_bytes / (period * size.tokens_per_step)
     return [

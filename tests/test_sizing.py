@@ -48,6 +48,7 @@ def test_config_sizes_a_sharded_learner_from_the_built_model(tmp_path):
                         f"32 tokens); the token budget is {10_000_000 // (2 * tokens):,} steps a learner (2 learners)")
     assert lines[2].startswith(f"plan: each rank keeps {format_bytes(20 * -(-params // 4))} of float32 state under fsdp over "
                                "4 ranks (weights, gradients, AdamW moments, outer snapshot: 20 bytes a parameter, a 1/4 row shard")
+    assert lines[2].endswith("activations come on top; a job of several nodes shards it over all their ranks")
     assert lines[3] == (f"plan: 4 fragments, each sent every 4 inner steps: {format_bytes(sent)} per learner every 4 steps "
                         f"with int8, {sent / (4 * tokens):.3g} bytes per trained token (an adaptive learner sends less "
                         "often or smaller on a slow link)")
