@@ -19,7 +19,7 @@ from ddiloco.platform.config import ConfigError, RunConfig, load_config, world_s
 from ddiloco.platform.ids import InvalidIdError, validate_id
 from ddiloco.platform.memory import start_heap_trimmer
 from ddiloco.platform.preflight import probe_ledger, probe_store
-from ddiloco.platform.redact import RedactingFilter, redact_url
+from ddiloco.platform.redact import RedactingFilter, one_line, redact_url
 
 if TYPE_CHECKING:
     from ddiloco.learner_worker.launch import JobSummary
@@ -92,10 +92,6 @@ def _probe_within(probe: Callable[[], object], timeout_s: float) -> None:
         raise outcome[0]
 
 
-def _one_line(err: BaseException) -> str:
-    return redact_url(" ".join(str(err).split())[:200]) or type(err).__name__
-
-
 def wait_until_reachable(cfg: RunConfig, regions: list[str | None], wait_s: float) -> None:
     """The ledger (PostgreSQL) and the stores of ``regions`` answer, or an EntryError after ``wait_s``: bounded retries,
     a visible "waiting for …" line per failed attempt (the last one too), never a silent hang."""
@@ -113,7 +109,7 @@ def wait_until_reachable(cfg: RunConfig, regions: list[str | None], wait_s: floa
 
         def waiting(state: Any, what: str = what, shown: str = shown) -> None:
             log.warning("waiting for the %s at %s (attempt %s): %s", what, shown, state.attempt_number,
-                        _one_line(state.outcome.exception()))
+                        one_line(state.outcome.exception()))
 
         try:
             for attempt in Retrying(stop=stop_after_delay(wait_s), wait=wait_exponential(multiplier=0.5, max=5),
@@ -121,7 +117,7 @@ def wait_until_reachable(cfg: RunConfig, regions: list[str | None], wait_s: floa
                 with attempt:
                     _probe_within(probe, max(1.0, min(10.0, wait_s)))
         except Exception as err:  # noqa: BLE001 - whatever the client raised, it is one line
-            raise EntryError(f"cannot reach the {what} at {shown} within {wait_s:g}s: {_one_line(err)}") from None
+            raise EntryError(f"cannot reach the {what} at {shown} within {wait_s:g}s: {one_line(err)}") from None
 
 
 # --- the process mains ----------------------------------------------------------------------------

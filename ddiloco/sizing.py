@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ddiloco.platform.compression import codec_nbytes
 from ddiloco.platform.config import RunConfig, tokens_per_step
 from ddiloco.platform.models.cost import STATE_BYTES_PER_PARAM, ModelSize, meta_model, model_size, state_bytes_per_rank
+from ddiloco.platform.redact import one_line
 from ddiloco.platform.units import format_bytes, format_count, format_flops, plural
 
 
@@ -103,6 +104,5 @@ def plan_report(cfg: RunConfig, offline: bool = False) -> list[str]:
     try:
         size = run_size(cfg)
     except Exception as err:  # noqa: BLE001 - the checks that follow name a model that cannot be built
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        return [f"plan: not sized: {first[:200]}"]
+        return [f"plan: not sized: {one_line(err)}"]
     return plan_lines(cfg, size)

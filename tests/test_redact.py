@@ -50,6 +50,8 @@ def test_no_part_of_a_password_with_reserved_characters_is_shown():
         "gpt",
         "pkg.mod:factory",
         "ops@example.com",
+        "git@github.com:org/repo.git",
+        "at 10:03 ops@example.com wrote",
     ],
 )
 def test_text_without_a_password_is_kept_exactly(text):
@@ -77,6 +79,9 @@ def test_text_without_a_password_is_kept_exactly(text):
         ("s3://key:secret@bucket:notaport/x", ("secret",), "s3://key:***@bucket:notaport/x"),
         # A URL inside a message (a driver's error quoting the URL it could not parse).
         ("could not parse 'postgresql://u:hunter2@h/db'", ("hunter2",), "could not parse 'postgresql://u:***@h/db'"),
+        # The userinfo without its scheme, as botocore quotes what it took for a bucket name.
+        ('Invalid bucket name "KEYID:s3cr3t@bucket": Bucket name must match', ("s3cr3t",), 'name "KEYID:***@bucket"'),
+        ("ops:p@ss/w@rd@db.internal refused", ("p@ss", "ss/w", "w@rd"), "ops:***@db.internal refused"),
         # Several hosts with ports.
         ("postgresql://u:hunter2@h1:5432,h2:5433/db", ("hunter2",), "@h1:5432,h2:5433/db"),
     ],

@@ -90,6 +90,10 @@ def test_what_cannot_be_counted_or_built_is_said_and_fails_nothing(tmp_path):
     broken = build_config({"model": {"kind": "import", "import_path": "json:loads"}})
     (line,) = plan_report(broken)
     assert line.startswith("plan: not sized: model.import_path 'json:loads'") and "\n" not in line
+    # A model's error that names a URL with credentials is shown masked.
+    secret = build_config({"model": {"kind": "hf", "hf_path": "s3://KEYID:s3cr3t@bucket/llama", "vocab_size": 256}})
+    (line,) = plan_report(secret)
+    assert line.startswith("plan: not sized: ") and "s3cr3t" not in line
 
 
 def test_the_readmes_plan_of_the_gpu_cluster_example_is_what_config_prints(monkeypatch):

@@ -71,11 +71,22 @@ def _mask_one_url(url: str) -> str:
     return f"{scheme}://{rest}{path}{q}{_mask_query(query)}"
 
 
+_BARE_USERINFO = re.compile(r"(?<![\w.+\-/:@])([A-Za-z0-9._\-]+):(?!//)([^\s'\"<>`]+)@(?=[A-Za-z0-9\[])")
+"""``user:password@host`` without its scheme, as an error quotes what it took for a host or a bucket name."""
+
+
 def redact_url(text: str) -> str:
     """``text`` with every credential of the URLs (or the conninfo) in it masked; unchanged when it holds none."""
     if "://" in text:
-        return _URL.sub(lambda m: _mask_one_url(m.group(0)), text)
-    return _mask_pairs(text) if "=" in text else text
+        text = _URL.sub(lambda m: _mask_one_url(m.group(0)), text)
+    elif "=" in text:
+        text = _mask_pairs(text)
+    return _BARE_USERINFO.sub(lambda m: f"{m.group(1)}:{MASK}@", text) if "@" in text else text
+
+
+def one_line(err: BaseException, limit: int = 200) -> str:
+    """An error as one line of at most ``limit`` characters, credentials masked (its type's name when it says nothing)."""
+    return redact_url(" ".join(str(err).split())[:limit]) or type(err).__name__
 
 
 def mask_tree(value: Any) -> Any:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ddiloco.platform.config import ModelConfig
+from ddiloco.platform.redact import one_line
 
 STATE_BYTES_PER_PARAM = 20
 """The float32 state a learner keeps per parameter: weights, gradients, AdamW's two moments and the outer snapshot the
@@ -31,9 +32,9 @@ class ModelSize:
     why_uncounted: str = ""
 
 
-def _first_line(err: BaseException) -> str:
-    """An error's first sentence, short enough for a log line."""
-    return (str(err).strip().splitlines() or [type(err).__name__])[0].split(". ")[0][:160]
+def _first_sentence(err: BaseException) -> str:
+    """An error's first sentence on one line, credentials masked: short enough for a log line."""
+    return one_line(err, 400).split(". ")[0][:160]
 
 
 def meta_model(model: ModelConfig) -> nn.Module:
@@ -57,7 +58,7 @@ def _flops_per_token(net: nn.Module, model: ModelConfig) -> float:
         with FlopCounterMode(display=False) as counter:
             training_loss(net, Batch(tokens, tokens, model.seq_len)).backward()
     except Exception as err:  # noqa: BLE001 - any model may fail on the meta device; only the figure is lost
-        raise ValueError(f"the model does not run on the meta device: {_first_line(err)}") from None
+        raise ValueError(f"the model does not run on the meta device: {_first_sentence(err)}") from None
     return counter.get_total_flops() / model.seq_len
 
 
@@ -67,7 +68,7 @@ def count_flops_per_token(model: ModelConfig) -> float:
     try:
         net = meta_model(model)
     except Exception as err:  # noqa: BLE001 - a factory may refuse the meta device; only the figure is lost
-        raise ValueError(f"the model cannot be built on the meta device: {_first_line(err)}") from None
+        raise ValueError(f"the model cannot be built on the meta device: {_first_sentence(err)}") from None
     return _flops_per_token(net, model)
 
 
