@@ -35,7 +35,7 @@ def exported() -> dict[str, str]:
     metrics.observe_rejections(probe, [(1, "staleness 9 > 4")])
     metrics.observe_regions(probe, {"r": {"alive": 1}}, {"r": Verdict(CUT_OFF, "")})
     figures = metrics.LearnerFigures(step=1, tokens=1, tokens_per_s=1.0, loss=1.0, upload_queue=0, sent_bytes=0,
-                                     received_bytes=0, last_version=0)
+                                     received_bytes=0, last_version=0, model_flops_per_s=1.0, mfu=0.5)
     families = [*REGISTRY.collect(), *metrics.LearnerCollector(probe, "l", lambda: figures).collect()]
     return {s.name: f.type for f in families if f.name.startswith("ddiloco_") for s in f.samples if not s.name.endswith("_created")}
 
