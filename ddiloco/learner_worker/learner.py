@@ -80,6 +80,15 @@ def rebases(mode: str, base_version: int, c_steps: int) -> bool:
 
 
 @dataclass
+class Tally:
+    """The inner steps and tokens a learner trained since it started: a fragment's unsent counts are what it has
+    grown by since the fragment's last send or receipt, so a step adds to one tally, not to every fragment."""
+
+    steps: int = 0
+    tokens: int = 0
+
+
+@dataclass
 class FragmentState:
     """One fragment of the replica on this rank: the global version it last received, what it has not sent yet,
     and this rank's rows of it (all of them unless the replica is sharded, see ``parallel.py``).
@@ -96,8 +105,10 @@ class FragmentState:
     """Per shard of rank 0's group, its elements of each piece (what a gather moves)."""
     snapshot: list[torch.Tensor] = field(default_factory=list)
     base: int = -1
-    c_steps: int = 0
-    c_tokens: int = 0
+    tally: Tally = field(default_factory=Tally)
+    """The learner's tally, shared by its fragments."""
+    marks: tuple[int, int] = (0, 0)
+    """The tally's (steps, tokens) when the counts last restarted."""
     last_sent: int | None = None
     """The inner step of its last send (None: not sent yet)."""
 
@@ -125,9 +136,18 @@ class FragmentState:
         self.reset_counts()
         return increment, *counts
 
+    @property
+    def c_steps(self) -> int:
+        """Inner steps not yet sent."""
+        return self.tally.steps - self.marks[0]
+
+    @property
+    def c_tokens(self) -> int:
+        """Tokens of those steps."""
+        return self.tally.tokens - self.marks[1]
+
     def reset_counts(self) -> None:
-        self.c_steps = 0
-        self.c_tokens = 0
+        self.marks = (self.tally.steps, self.tally.tokens)
 
     @torch.no_grad()
     def receive(self, version: int, incoming: Tensors, *, rebase: bool, alpha: float) -> None:
@@ -254,9 +274,10 @@ class Learner:
         with torch.no_grad():
             local = {n: local_tensor(p) for n, p in self.model.named_parameters()}
         shapes = {n: p.shape for n, p in self.model.named_parameters()}
+        self.tally = Tally()
         self.fragments = [
             FragmentState(local_pieces(f, local, shapes, self.layout), [torch.Size(pc.shape) for pc in f.pieces],
-                          gather_sizes(f, shapes, self.layout))
+                          gather_sizes(f, shapes, self.layout), tally=self.tally)
             for f in parts
         ]
         if link is not None:
@@ -445,9 +466,8 @@ class Learner:
             self._nonfinite_loss(loss)
         self.last_step_s = step_s if self.last_step_s == 0 else 0.8 * self.last_step_s + 0.2 * step_s
         self._busy_s += step_s
-        for frag in self.fragments:
-            frag.c_steps += 1
-            frag.c_tokens += tokens
+        self.tally.steps += 1
+        self.tally.tokens += tokens
         sent = self.due(control.every)
         with span("learner.send", into=self.timings):
             for p in sent:
