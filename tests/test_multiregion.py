@@ -401,6 +401,7 @@ def test_a_region_cut_off_trains_on_shows_as_cut_off_and_loses_no_token_when_it_
     from ddiloco.entry import ProcessSpec
     from ddiloco.platform import invariants, liveness
     from ddiloco.platform.config import build_config, tokens_per_step
+    from ddiloco.platform.ledger import open_ledger
     from ddiloco.platform.ledger import reports as reports_q
     from ddiloco.platform.ledger import runs as runs_q
     from ddiloco.platform.ledger import synchronizer as sync_q
@@ -427,7 +428,9 @@ def test_a_region_cut_off_trains_on_shows_as_cut_off_and_loses_no_token_when_it_
         data["fragments"]["every"] = 32
         cfg = build_config(data)
         cfg_path = write_config(cfg, Path(tmp) / "cfg.yaml")
-        ctx = RunContext.open(cfg, run_id)
+        # The test's own reads run without the processes' 2 s idle-in-transaction bound: on a loaded machine a reader
+        # paused between two statements of its snapshot would be ended by the server (it was once, at load ~10).
+        ctx = RunContext.open(cfg, run_id, engine=open_ledger(cfg.ledger.url))
         ro = uq.read_only_engine(lab.ledger_url)
         cluster = ProcessCluster(
             cfg_path, run_id, Path(tmp), env={k: v for k, v in os.environ.items() if not k.startswith(("DDILOCO_", "AWS_"))}
