@@ -18,7 +18,7 @@ from typing import Any
 
 from ddiloco.platform import stall
 from ddiloco.platform.config import DataConfig, ModelConfig, RunConfig, sqlite_file_problem
-from ddiloco.platform.redact import mask_tree, redact_url
+from ddiloco.platform.redact import mask_tree, one_line, redact_url
 from ddiloco.platform.units import plural
 
 REACH_TIMEOUT_S = 10.0
@@ -279,12 +279,6 @@ def local_path_notes(cfg: RunConfig) -> list[str]:
 # ------------------------------------------------------------------------------------ I/O shell
 
 
-def _one_line(err: BaseException) -> str:
-    err = getattr(err, "orig", None) or err  # a SQLAlchemy error's driver error, without its "Background on this error" link
-    text = " ".join(str(err).split())[:300]
-    return text or type(err).__name__
-
-
 def run_checks(planned: Iterable[Check], now: Callable[[], float] = time.monotonic) -> list[Outcome]:
     """Run every probe side by side, each in a daemon thread within its timeout; one outcome per check, in order."""
     planned = list(planned)
@@ -294,7 +288,7 @@ def run_checks(planned: Iterable[Check], now: Callable[[], float] = time.monoton
         try:
             results[i].append(Outcome(c.what, found=c.probe()))
         except Exception as err:  # noqa: BLE001 - whatever the client raised, it is one line
-            results[i].append(Outcome(c.what, problem=_one_line(err)))
+            results[i].append(Outcome(c.what, problem=one_line(err, 300)))
 
     threads = [threading.Thread(target=run, args=(i, c), daemon=True, name=f"preflight-{i}") for i, c in enumerate(planned)]
     start = now()

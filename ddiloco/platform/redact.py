@@ -85,7 +85,9 @@ def redact_url(text: str) -> str:
 
 
 def one_line(err: BaseException, limit: int = 200) -> str:
-    """An error as one line of at most ``limit`` characters, credentials masked (its type's name when it says nothing)."""
+    """An error as one line of at most ``limit`` characters, credentials masked (its type's name when it says nothing);
+    a SQLAlchemy error as its driver's error, without the "Background on this error" link."""
+    err = getattr(err, "orig", None) or err
     return redact_url(" ".join(str(err).split())[:limit]) or type(err).__name__
 
 
