@@ -45,12 +45,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import base_parser, exit_on_sigterm, header, median, verdict, write_results
 
 from ddiloco.learner_worker.device import LateRead, autocast, resolve_device
-from ddiloco.learner_worker.flops import model_cost
+from ddiloco.learner_worker.flops import ModelCost, peak_flops
 from ddiloco.learner_worker.learner import _LossModule
 from ddiloco.learner_worker.schedule import param_groups
 from ddiloco.platform.config import build_config
 from ddiloco.platform.models import build_model
-from ddiloco.platform.models.cost import meta_model, state_bytes_per_rank
+from ddiloco.platform.models.cost import meta_model, model_size, state_bytes_per_rank
 
 NAME = "largest_model"
 VOCAB, SEQ, BATCH = 32_000, 1024, 4
@@ -100,7 +100,8 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def try_size(cfg, parallelism: str, device: torch.device, steps: int, batch: int) -> dict[str, Any]:
+def try_size(cfg, parallelism: str, device: torch.device, steps: int, batch: int, flops_per_token: float | None = None,
+             ) -> dict[str, Any]:
     """Build, wrap and train one size; its figures, or the out-of-memory error that stopped it.
 
     Everything it allocates is local, so it is freed when this returns (the caller collects and empties the cache)."""
@@ -152,9 +153,9 @@ def try_size(cfg, parallelism: str, device: torch.device, steps: int, batch: int
         med = median(step_s)
         out.update(status="trained", step_s=round(med, 4), tokens_per_step=n_tokens, tokens_per_s=round(n_tokens / med, 1),
                    loss=round(loss_value, 4))
-        cost = model_cost(cfg.model, device)  # recomputation is not counted: model FLOPs, as torchtitan's MFU
-        mfu = cost.mfu(n_tokens / med, 1)
-        out.update(model_flops_per_token=cost.flops_per_token, mfu=round(mfu, 4) if mfu is not None else None)
+        # Recomputation is not counted: model FLOPs, as torchtitan's MFU.
+        mfu = ModelCost(flops_per_token, peak_flops(device)[0], device.type).mfu(n_tokens / med, 1)
+        out.update(model_flops_per_token=flops_per_token, mfu=round(mfu, 4) if mfu is not None else None)
     except oom_errors() as err:
         out.update(status="oom", phase=phase, error=str(err).splitlines()[0][:300] if str(err) else type(err).__name__)
     out["seconds"] = round(time.perf_counter() - t0, 3)
@@ -175,7 +176,8 @@ def search(run: dict[str, Any], parallelism: str, sizes: list, vocab: int, seq: 
     stopped_by = "sizes exhausted"
     for size in sizes:
         cfg = build_config({"model": model_config(size, vocab, seq)})
-        params = count_params(cfg)
+        counted = model_size(cfg.model)  # one meta-device build: the parameters and the FLOPs per token
+        params = counted.params
         elapsed = time.perf_counter() - t0
         if last is not None:
             predicted = last["seconds"] * params / last["params"]
@@ -186,7 +188,7 @@ def search(run: dict[str, Any], parallelism: str, sizes: list, vocab: int, seq: 
                # What `ddiloco config` plans a one-rank learner to keep; the bare loop here keeps no outer snapshot,
                # so its weights, gradients and AdamW moments are 16 of those 20 bytes a parameter.
                "planned_state_gb": round(state_bytes_per_rank(params, "ddp", 1) / 2**30, 2),
-               **try_size(cfg, parallelism, device, steps, batch)}
+               **try_size(cfg, parallelism, device, steps, batch, counted.flops_per_token)}
         release(device)
         tried.append(rec)
         line = f"  {parallelism:4} {fmt_params(params):>9}: {rec['status']}"
