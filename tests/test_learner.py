@@ -9,6 +9,8 @@ from support import sim_run
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ddiloco.inprocess import sim_learner, sim_step
+from ddiloco.learner_worker.cadence import QueueState
+from ddiloco.learner_worker.outbox import Outbox, Outgoing
 from ddiloco.learner_worker.state import is_complete
 from ddiloco.platform.ledger import reports as reports_q
 from ddiloco.platform.ledger import runs as runs_q
@@ -263,6 +265,24 @@ def test_a_slow_link_queues_one_blob_per_fragment_and_loses_no_token():
     got = decode_delta(*store.get_with_metadata(r0.blob_key, r0.sha256, r0.nbytes))
     for n, t in learner.fragments[0].tensors.items():
         assert torch.allclose(got[n].float(), before[0][n] - t.detach(), atol=1e-5), n
+
+
+def test_the_outbox_ages_its_oldest_waiting_send_when_sends_are_taken_and_queued_again():
+    outbox = Outbox()
+
+    def send(fragment: int, at: float) -> Outgoing:
+        return Outgoing(fragment, 0, [], 1, 8, 8, 8, 1, created_at=at)
+
+    outbox.submit(send(0, 1.0))
+    outbox.submit(send(1, 2.0))
+    outbox.submit(send(0, 3.0))  # coalesced into the waiting send of fragment 0: it keeps its age
+    assert outbox.queue_state(10.0) == QueueState(2, 9.0)
+    assert [item.fragment for item in outbox.take()] == [0]
+    assert outbox.queue_state(10.0) == QueueState(1, 8.0)
+    outbox.submit(send(0, 4.0))  # queued anew, behind fragment 1
+    assert outbox.queue_state(10.0) == QueueState(2, 8.0)
+    assert [item.fragment for item in outbox.take(2)] == [1, 0]
+    assert outbox.queue_state(10.0) == QueueState(0, 0.0)
 
 
 def test_a_learners_spans_mark_its_steps_in_a_torch_profiler_trace_and_count_without_one():

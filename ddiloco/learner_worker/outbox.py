@@ -166,7 +166,10 @@ class Outbox:
     def queue_state(self, now: float) -> QueueState:
         """How many fragments wait in the outbox, and for how long the oldest has."""
         with self._lock:
-            return QueueState(len(self._queued), max((now - t for t in self._queued_since.values()), default=0.0))
+            # Insertion order is queueing order (a coalesced send keeps its first time, a taken one is removed), so
+            # the first entry is the oldest: O(1) on the training thread, which asks every step.
+            oldest = next(iter(self._queued_since.values()), now)
+            return QueueState(len(self._queued), max(0.0, now - oldest))
 
     def oldest_unsent_s(self, now: float) -> float:
         """Age of the oldest increment waiting in the outbox (0 when none waits)."""
