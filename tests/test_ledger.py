@@ -17,7 +17,7 @@ from ddiloco.platform.ledger import reports as reports_q
 from ddiloco.platform.ledger import runs as runs_q
 from ddiloco.platform.ledger import synchronizer as sync_q
 from ddiloco.platform.ledger.engine import alembic_config
-from ddiloco.platform.ledger.models import MERGED, PENDING, REJECTED, Base, Run, Submission
+from ddiloco.platform.ledger.models import MERGED, PENDING, REJECTED, Base, Heartbeat, Run, Submission
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 RUN = "r1"
@@ -677,9 +677,14 @@ def test_a_ledger_written_before_the_heads_upgrades_in_place(ledger_url):
             assert [(v.fragment, v.version) for v in sync_q.versions_for_gc(s, RUN, keep_last=1, checkpoint_every=100)] == [(0, 1), (0, 2)]
         publish(S, 4, merged=[], record=sync_q.MergeRecord(1, 1, 0, 0, 0, "after upgrade", {}))
         with S.begin() as s:
-            beat = learner_q.Beat(10, 500, 0.5, 1.0, 1.0)
+            beat = learner_q.Beat(10, 500, 0.5, 1.0, 1.0, model_flops_per_s=3.5e12, mfu=0.354)
             got = learner_q.learner_exchange(s, RUN, "us-0", 0, [sub("new")], beat, T0 + timedelta(seconds=60))
         assert got.current and got.heads[0].version == 4
+        with S() as s:
+            # A beat's FLOP/s and MFU reach the learner's row and its new heartbeat row; the older beats had none.
+            assert (runs_q.learners(s, RUN)[0].model_flops_per_s, runs_q.learners(s, RUN)[0].mfu) == (3.5e12, 0.354)
+            beats = s.execute(select(Heartbeat.step, Heartbeat.model_flops_per_s, Heartbeat.mfu).order_by(Heartbeat.step)).all()
+            assert [tuple(b) for b in beats] == [(0, None, None), (1, None, None), (2, None, None), (10, 3.5e12, 0.354)]
         with S() as s:
             snap = read_snapshot(s, RUN)
             assert totals_problems(snap.stored, snap.scanned) == [] and snap.accounting.balanced
@@ -768,6 +773,11 @@ BAD_ARGUMENTS = {
     "beat tokens 2**70": (lambda s: learner_q.Beat(step=1, tokens=2**70, loss=None, tokens_per_s=1.0, step_time_s=0.1), "tokens must be"),
     "beat tokens_per_s inf": (lambda s: learner_q.Beat(step=1, tokens=1, loss=None, tokens_per_s=float("inf"), step_time_s=0.1),
                               "tokens_per_s must be"),
+    "beat FLOP/s nan": (lambda s: learner_q.Beat(1, 1, None, 1.0, 0.1, model_flops_per_s=float("nan")),
+                        "model_flops_per_s must be a finite number at least 0"),
+    "beat FLOP/s 1e30": (lambda s: learner_q.Beat(1, 1, None, 1.0, 0.1, model_flops_per_s=1e30), "model_flops_per_s must be"),
+    "beat MFU -0.1": (lambda s: learner_q.Beat(1, 1, None, 1.0, 0.1, mfu=-0.1), "mfu must be"),
+    "beat MFU 'high'": (lambda s: learner_q.Beat(1, 1, None, 1.0, 0.1, mfu="high"), "mfu must be"),
 }
 
 

@@ -21,6 +21,7 @@ from ddiloco.learner_worker.link import LearnerLink
 from ddiloco.learner_worker.linkio import IOProcess, LocalIO
 from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.ledger import reports as reports_q
+from ddiloco.platform.ledger.models import Learner as LearnerRow
 from ddiloco.platform.ledger.models import Submission
 from ddiloco.platform.run_state import build_layout, register_run
 from ddiloco.platform.runtime import RunContext
@@ -69,9 +70,13 @@ def test_the_io_process_answers_as_the_learners_own_io_and_is_started_again_when
         link.configure(cfg.fragments.count, None)
         link.join(ctx.now())
         sub = learner_q.SubmissionIn("i0-s1-f0", 0, 0, 1, 128, 128, 128, blob.key, blob.sha256, blob.nbytes, "none", data_batches=1)
-        beat = learner_q.Beat(1, 128, 2.5, 1000.0, 0.1, 0.1, history=True, queue_depth=0, oldest_unsent_s=0.0)
+        beat = learner_q.Beat(1, 128, 2.5, 1000.0, 0.1, 0.1, history=True, queue_depth=0, oldest_unsent_s=0.0,
+                              model_flops_per_s=2.0e9, mfu=None)
         now, ex = remote.exchange("us-0", 0, [sub], beat, [("link_cadence", "a test event")], {})
         assert abs(now - time.time()) < 60 and ex.current and ex.run_status == "running"
+        with ctx.reading() as s:  # the beat crossed to the child whole
+            row = s.get(LearnerRow, (ctx.run_id, "us-0"))
+            assert (row.model_flops_per_s, row.mfu) == (2.0e9, None)
         assert len(ex.registered) == 1 and ex.registered[0][1] is True
         assert sorted(ex.heads) == list(range(cfg.fragments.count)) and all(h.version == 0 for h in ex.heads.values())
         # A version fetched through the child comes back as the learner's own I/O reads it.

@@ -9,9 +9,12 @@ import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import select
 from support import tiny_config, wait_for
 from test_tracking import scalars
 
+from ddiloco.platform.ledger import make_engine
+from ddiloco.platform.ledger.models import Heartbeat, Learner
 from ddiloco.platform.metrics import metrics_address, reason_label
 from ddiloco.platform.models.cost import count_flops_per_token
 from ddiloco.platform.tracking import EVERY_ENV, TENSORBOARD_ENV
@@ -100,6 +103,18 @@ def test_learner_and_synchronizer_serve_the_series_the_dashboards_need(tmp_path)
     assert f"{format_flops(per_token)} per token, no MFU (no peak is published for a cpu device)" in log
     assert progress and "tokens/s, " in progress[0] and "FLOP/s per device, " in progress[0]
     assert all(int(p.split(" step ")[1].split(":")[0]) % 5 == 0 for p in progress)
+    # The ledger has them too, for the dashboard: each beat's FLOP/s is its own tokens/s times the FLOPs per token.
+    engine = make_engine(cfg.ledger.url, read_only=True)
+    try:
+        with engine.connect() as conn:
+            beats = conn.execute(select(Heartbeat.tokens_per_s, Heartbeat.model_flops_per_s, Heartbeat.mfu)).all()
+            row = conn.execute(select(Learner.tokens_per_s, Learner.model_flops_per_s, Learner.mfu)).one()
+    finally:
+        engine.dispose()
+    counted = [b for b in beats if b.model_flops_per_s is not None]
+    assert counted and all(b.model_flops_per_s == pytest.approx(b.tokens_per_s * per_token) for b in counted)
+    assert row.model_flops_per_s > 0 and row.model_flops_per_s == pytest.approx(row.tokens_per_s * per_token)
+    assert row.mfu is None and all(b.mfu is None for b in beats)
 
 
 def test_rejection_reasons_lose_their_figures_and_bad_ports_are_refused():

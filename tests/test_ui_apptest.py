@@ -17,6 +17,7 @@ import pytest
 import streamlit as st
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
+from streamlit import dataframe_util
 from streamlit.testing.v1 import AppTest
 from ui_support import RunLedger, build_run_ledger, copy_ledger
 
@@ -177,9 +178,19 @@ def test_run_health_with_rejections_chaos_and_a_prefect_flow_run(monkeypatch, ru
         runs_q.record_event(s, ledger.run_id, "chaos", "chaos-flow", "SIGKILL learner eu-1", ledger.end - timedelta(seconds=40))
         sub = learner_q.SubmissionIn("u1", 0, 0, 1, 128, 128, 128, "k/u1", "0" * 64, 10, "none")
         learner_q.register_submission(s, ledger.run_id, "ghost", 0, sub, ledger.end)
+        # What a GPU learner's beats write (in-process learners count no FLOPs), and a CPU's: FLOP/s with no MFU.
+        s.get(Learner, (ledger.run_id, "us-0")).model_flops_per_s, s.get(Learner, (ledger.run_id, "us-0")).mfu = 3.87e14, 0.3913
+        s.get(Learner, (ledger.run_id, "us-1")).model_flops_per_s = 2.1e9
     engine.dispose()
     at = open_app(monkeypatch, ledger.url, ledger.end + timedelta(seconds=1), run=ledger.run_id, page=RUN_HEALTH)
     assert [b.proto.url for b in at.get("link_button")] == [flow_url]
+    grid = next(d for d in at.dataframe if "last_heartbeat" in d.value.columns)
+    shown = dataframe_util.convert_arrow_bytes_to_pandas_df(grid.proto.arrow_data.styler.display_values)
+    shown.columns = grid.value.columns
+    shown = shown.set_index("learner")
+    assert (shown.loc["us-0", "model_flops_per_s"], shown.loc["us-0", "mfu"]) == ("387 TFLOP/s", "39.1%")
+    assert (shown.loc["us-1", "model_flops_per_s"], shown.loc["us-1", "mfu"]) == ("2.10 GFLOP/s", "—")
+    assert (shown.loc["eu-0", "model_flops_per_s"], shown.loc["eu-0", "mfu"]) == ("—", "—")
     events = frame_with(at, "category")
     assert {"chaos", "rejection", "failure"} <= set(events["category"])
     rejected = frame_with(at, "decided_at")

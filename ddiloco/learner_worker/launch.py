@@ -172,7 +172,7 @@ def run_learner(
         learner.start_background_io()
         cost = None
         if d.rank == 0:
-            cost = model_cost(cfg.model, device)
+            cost = learner.cost = model_cost(cfg.model, device)
             serve_learner(run_id, learner_id, lambda: learner_figures(learner, cost), register=tracker is not None)
             if tracker is not None:
                 # Its step is the learner's inner step over all its incarnations, so a relaunch's series go on forward.

@@ -44,6 +44,7 @@ from ddiloco.learner_worker.cadence import Cadence, CadencePolicy, initial_caden
 from ddiloco.learner_worker.device import Increment, LateRead, autocast, resolve_device
 from ddiloco.learner_worker.dist import Dist, ensure_process_group
 from ddiloco.learner_worker.downloader import Arrival
+from ddiloco.learner_worker.flops import ModelCost
 from ddiloco.learner_worker.link import HeartbeatStats, LearnerLink, Resume
 from ddiloco.learner_worker.outbox import Outgoing
 from ddiloco.learner_worker.parallel import (
@@ -331,6 +332,9 @@ class Learner:
         self._waiting_since: float | None = None
         self.timings: dict[str, float] = {}
         """Seconds of the training thread per span (agree, apply, train_step, send): the job summary's figures."""
+        self.cost: ModelCost | None = None
+        """Rank 0: the model's FLOPs per token and the device's peak, for the heartbeats' FLOP/s and MFU (set by whoever
+        counted them; none is counted by default)."""
 
     # --- lifecycle ------------------------------------------------------------------------------
 
@@ -744,9 +748,13 @@ class Learner:
         """This learner's progress since the last heartbeat (its busy seconds are handed over once)."""
         busy, self._busy_s = self._busy_s, 0.0
         step_s = self.last_step_s
+        tokens_per_s = self.last_tokens / step_s if step_s > 0 else 0.0
+        cost = self.cost if step_s > 0 else None
         return HeartbeatStats(
             step=self.step_count, tokens=self.tokens_total, loss=self.last_loss,
-            tokens_per_s=self.last_tokens / step_s if step_s > 0 else 0.0, step_time_s=step_s, busy_s=busy,
+            tokens_per_s=tokens_per_s, step_time_s=step_s, busy_s=busy,
+            model_flops_per_s=cost.per_device_flops(tokens_per_s, self.dist.world) if cost else None,
+            mfu=cost.mfu(tokens_per_s, self.dist.world) if cost else None,
         )
 
     def heartbeat(self, now: float, force: bool = False) -> None:

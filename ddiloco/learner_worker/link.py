@@ -62,6 +62,8 @@ class HeartbeatStats:
     tokens_per_s: float
     step_time_s: float
     busy_s: float
+    model_flops_per_s: float | None = None
+    mfu: float | None = None
 
 
 @dataclass
@@ -227,7 +229,8 @@ class LearnerLink:
                 waiting = self.outbox.queue_state(now)
                 beat = learner_q.Beat(hb.step, hb.tokens, hb.loss, hb.tokens_per_s, hb.step_time_s, hb.busy_s, history=history,
                               queue_depth=waiting.depth, oldest_unsent_s=round(waiting.oldest_unsent_s, 3),
-                              link_json=self.link_json(now, hb.step_time_s))
+                              link_json=self.link_json(now, hb.step_time_s), model_flops_per_s=hb.model_flops_per_s,
+                              mfu=hb.mfu)
             with self._events_lock:
                 events, self._events = self._events, []
             try:

@@ -57,8 +57,13 @@ def check_count(value: Any, what: str, *, least: int = 0, most: int = INT32_MAX)
 
 def check_seconds(value: Any, what: str, *, positive: bool = True, most: float = 1e9) -> float:
     """``value`` if it is a finite number of seconds (above 0 when ``positive``, else at least 0) up to ``most``."""
+    return check_figure(value, what, positive=positive, most=most, unit=" of seconds")
+
+
+def check_figure(value: Any, what: str, *, positive: bool = False, most: float, unit: str = "") -> float:
+    """``value`` if it is a finite number (above 0 when ``positive``, else at least 0) up to ``most``."""
     ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value <= most
     if not ok or (value <= 0 if positive else value < 0):
         bound = "above 0" if positive else "at least 0"
-        raise InvalidArgumentError(f"{what} must be a finite number of seconds {bound} and at most {most:g}, got {value!r}")
+        raise InvalidArgumentError(f"{what} must be a finite number{unit} {bound} and at most {most:g}, got {value!r}")
     return float(value)

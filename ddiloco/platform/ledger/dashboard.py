@@ -75,7 +75,7 @@ def learner_rows(session: Session, run_id: str) -> list[Any]:
                 Learner.step, Learner.tokens_per_s, Learner.step_time_s, Learner.tokens_trained, Learner.tokens_lost,
                 Learner.inc_tokens_trained, Learner.inc_tokens_submitted, Learner.busy_s, Learner.flow_run_url, Learner.loss,
                 Learner.submissions, Learner.tokens_sent, Learner.last_submission_at, Learner.queue_depth,
-                Learner.oldest_unsent_s, Learner.link_json,
+                Learner.oldest_unsent_s, Learner.link_json, Learner.model_flops_per_s, Learner.mfu,
             )
             .where(Learner.run_id == run_id)
             .order_by(Learner.region, Learner.id)

@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from ddiloco.platform.config import CODECS, world_size_problem
 from ddiloco.platform.ids import validate_id
-from ddiloco.platform.ledger._common import INT64_MAX, check_count, check_seconds, column_problem
+from ddiloco.platform.ledger._common import INT64_MAX, check_count, check_figure, check_seconds, column_problem
 from ddiloco.platform.ledger.errors import SubmissionConflictError, WorldSizeError
 from ddiloco.platform.ledger.models import (
     PENDING,
@@ -168,12 +168,23 @@ def set_optimizer_state(session: Session, run_id: str, learner_id: str, key: str
     return old
 
 
-def check_beat(step: int, tokens: int, tokens_per_s: float, step_time_s: float, busy_s: float) -> None:
+MOST_FLOPS_PER_S = 1e18
+"""Above any device's model FLOP/s (the largest GPUs' dense peaks are a few 1e15)."""
+MOST_MFU = 100.0
+"""Far above an honest MFU (at most 1 against a right peak): room for a peak table that is off, none for nonsense."""
+
+
+def check_beat(step: int, tokens: int, tokens_per_s: float, step_time_s: float, busy_s: float,
+               model_flops_per_s: float | None = None, mfu: float | None = None) -> None:
     """A heartbeat's figures as a learner writes them (counts from 0, finite rates and times from 0), else an
     InvalidArgumentError: the dashboard, the straggler rule and the grace window read them back."""
     check_count(step, "step", most=INT64_MAX), check_count(tokens, "tokens", most=INT64_MAX)
     check_seconds(tokens_per_s, "tokens_per_s", positive=False, most=1e18)
     check_seconds(step_time_s, "step_time_s", positive=False), check_seconds(busy_s, "busy_s", positive=False)
+    if model_flops_per_s is not None:
+        check_figure(model_flops_per_s, "model_flops_per_s", most=MOST_FLOPS_PER_S)
+    if mfu is not None:
+        check_figure(mfu, "mfu", most=MOST_MFU)
 
 
 # --- submissions ----------------------------------------------------------------------------------
@@ -337,7 +348,7 @@ def _learner_update(dialect: str, registers: bool, positions: bool, beats: bool,
     return stmt
 
 
-BEAT_COLUMNS = ("step", "tokens_per_s", "step_time_s", "queue_depth", "oldest_unsent_s", "link_json")
+BEAT_COLUMNS = ("step", "tokens_per_s", "step_time_s", "queue_depth", "oldest_unsent_s", "link_json", "model_flops_per_s", "mfu")
 """What a beat writes to its learner's row as it is (beside the heartbeat time, tokens trained, busy seconds and loss)."""
 
 
@@ -426,14 +437,19 @@ class Beat:
     """How long the oldest of them has waited."""
     link_json: str | None = None
     """The link's measured rates and the send period and codec in force, with the reason (JSON)."""
+    model_flops_per_s: float | None = None
+    """One device's model FLOP/s (forward and backward), None where the model was not counted."""
+    mfu: float | None = None
+    """That against the device's published peak, None where none is known."""
 
     def __post_init__(self) -> None:
-        check_beat(self.step, self.tokens, self.tokens_per_s, self.step_time_s, self.busy_s)
+        check_beat(self.step, self.tokens, self.tokens_per_s, self.step_time_s, self.busy_s, self.model_flops_per_s, self.mfu)
 
     def live_values(self) -> dict[str, Any]:
         """The columns a learner's row and a heartbeat row both take from the beat as they are (:data:`BEAT_COLUMNS`)."""
         return {"step": self.step, "tokens_per_s": self.tokens_per_s, "step_time_s": self.step_time_s,
-                "queue_depth": self.queue_depth, "oldest_unsent_s": self.oldest_unsent_s, "link_json": self.link_json}
+                "queue_depth": self.queue_depth, "oldest_unsent_s": self.oldest_unsent_s, "link_json": self.link_json,
+                "model_flops_per_s": self.model_flops_per_s, "mfu": self.mfu}
 
 
 class HeadRef(NamedTuple):

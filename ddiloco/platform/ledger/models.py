@@ -143,6 +143,10 @@ class Learner(Base):
     """Age of the oldest unsent increment, seconds."""
     link_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     """The link's measured rates and the send period and codec chosen from them, with the reason (JSON)."""
+    model_flops_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """One device's model FLOP/s (forward and backward) at the newest beat; None where the model was not counted."""
+    mfu: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """That against the device's published peak; None where no peak is known (a CPU, an unlisted GPU)."""
     world_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
     """Ranks of the current incarnation's job, recorded when it registered (at most ``learners.max_world_size``): the
     synchronizer judges its tokens per step by these ranks' batches. None: registered before the ledger recorded it."""
@@ -172,6 +176,9 @@ class Heartbeat(Base):
     """Age of the oldest unsent increment, seconds."""
     link_json: Mapped[str | None] = mapped_column(Text, nullable=True)
     """The link's measured rates and the send period and codec chosen from them, with the reason (JSON)."""
+    model_flops_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """One device's model FLOP/s at this beat (see :attr:`Learner.model_flops_per_s`)."""
+    mfu: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class Submission(Base):

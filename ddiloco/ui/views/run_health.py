@@ -9,6 +9,7 @@ import streamlit as st
 
 from ddiloco.platform import liveness
 from ddiloco.platform.summary import breakdown_line
+from ddiloco.platform.units import format_flops
 from ddiloco.ui import charts, loaders, widgets
 from ddiloco.ui import health as h
 from ddiloco.ui.queries import RunPage
@@ -171,6 +172,8 @@ def learners_section(page: RunPage) -> None:
             "status",
             "step",
             "tokens_per_s",
+            "model_flops_per_s",
+            "mfu",
             "last_heartbeat",
             "last_submission",
             "merged",
@@ -193,7 +196,8 @@ def learners_section(page: RunPage) -> None:
         table = table.assign(flow_run_url=table["flow_run_url"].map(widgets.safe_link))
     st.dataframe(
         widgets.styled(table).format(
-            {"tokens_per_s": "{:,.0f}", "loss": "{:.3f}", "tokens_trained": "{:,}", "tokens_merged": "{:,}", "step": "{:,}",
+            {"tokens_per_s": "{:,.0f}", "model_flops_per_s": lambda v: f"{format_flops(v)}/s", "mfu": "{:.1%}",
+             "loss": "{:.3f}", "tokens_trained": "{:,}", "tokens_merged": "{:,}", "step": "{:,}",
              "queue_depth": "{:.0f}", "oldest_unsent_s": "{:.1f}", "up_mbit_s": "{:.3g}", "down_mbit_s": "{:.3g}"},
             na_rep="—",
         ),
@@ -202,6 +206,10 @@ def learners_section(page: RunPage) -> None:
         column_config={
             "status": st.column_config.TextColumn("status at the end" if ended else "status"),
             "tokens_per_s": st.column_config.NumberColumn("tokens/s"),
+            "model_flops_per_s": st.column_config.TextColumn(
+                "model FLOP/s", help="One device's model FLOPs a second, forward and backward (recomputed activations do not count)"),
+            "mfu": st.column_config.NumberColumn(
+                "MFU", help="Those FLOP/s against the device's dense bf16 peak; none for a CPU or a GPU without a published peak"),
             "last_heartbeat": st.column_config.TextColumn("last heartbeat"),
             "last_submission": st.column_config.TextColumn("last submission"),
             "tokens_trained": st.column_config.NumberColumn("tokens trained"),
