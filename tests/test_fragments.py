@@ -275,6 +275,15 @@ def test_due_fragments_with_a_stride_spread_a_longer_period() -> None:
         due_fragments(1, 4, 8, stride=0)
 
 
+def test_due_fragments_solved_for_p_agrees_with_trying_every_fragment() -> None:
+    for count in (1, 3, 4, 24, 50):
+        for every in (1, 2, 6, 8, 24, 96):
+            for stride in (1, 2, 3, 4, 6):
+                for step in range(1, 3 * every + 2):
+                    tried = [p for p in range(count) if (step - p * stride) % every == 0]
+                    assert due_fragments(step, count, every, stride) == tried, (step, count, every, stride)
+
+
 def test_due_fragments_every_fragment_once_per_period() -> None:
     sent = [p for step in range(1, 25) for p in due_fragments(step, 24, 24)]
     assert sorted(sent) == list(range(24))

@@ -262,4 +262,12 @@ def due_fragments(step: int, count: int, every: int, stride: int = 1) -> list[in
         raise ValueError(f"count, every and stride must be >= 1, got count={count}, every={every}, stride={stride}")
     if step <= 0:
         return []
-    return [p for p in range(count) if (step - p * stride) % every == 0]
+    # Solved for p rather than tried for each fragment: the learner asks every step, and the cost stays that of the
+    # answer, not of P. p * stride = step (mod every) has solutions iff g = gcd(stride, every) divides step, and
+    # they are one residue modulo every / g.
+    g = math.gcd(stride, every)
+    if step % g:
+        return []
+    m = every // g
+    first = (step // g) * pow(stride // g, -1, m) % m
+    return list(range(first, count, m))
