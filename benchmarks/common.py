@@ -10,6 +10,7 @@ import json
 import math
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -53,9 +54,23 @@ def write_results(name: str, results: dict[str, Any], override: str | None = Non
     results["machine"]["load_avg_1m_end"] = load_average()
     path = results_path(name, override, quick=bool(results.get("args", {}).get("quick")))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json_safe(results), indent=2) + "\n")
+    path.write_text(json.dumps(portable(json_safe(results)), indent=2) + "\n")
     print(f"wrote {path}")
     return path
+
+
+def portable(x: Any) -> Any:
+    """``x`` with this machine's paths in its strings written as placeholders (the checkout as ``<repo>``, the temp
+    folder as ``<tmp>``): results are committed, and a path of the machine that measured them says nothing to a reader."""
+    if isinstance(x, str):
+        for path, name in ((str(ROOT), "<repo>"), (tempfile.gettempdir(), "<tmp>")):
+            x = x.replace(path.rstrip("/") + "/", name + "/")
+        return x
+    if isinstance(x, dict):
+        return {k: portable(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [portable(v) for v in x]
+    return x
 
 
 def base_parser(doc: str | None) -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -218,6 +219,12 @@ def test_a_quick_run_never_writes_over_the_published_results(tmp_path, monkeypat
     assert common.write_results("b", {"args": {"quick": False}, "x": 2}) == tmp_path / "results" / "b.json"
     assert common.write_results("b", {"args": {"quick": True}}, str(tmp_path / "own.json")) == tmp_path / "own.json"
     assert json.loads((tmp_path / "results" / "b.json").read_text())["x"] == 2
+    # No path of the measuring machine reaches a committed result.
+    tmp = tempfile.gettempdir()
+    common.write_results("c", {"args": {}, "ledger": f"sqlite:///{tmp}/ui-bench/ledger.db", "runs": [{"log": f"{ROOT}/x.log"}]})
+    written = (tmp_path / "results" / "c.json").read_text()
+    assert json.loads(written)["ledger"] == "sqlite:///<tmp>/ui-bench/ledger.db"
+    assert json.loads(written)["runs"] == [{"log": "<repo>/x.log"}] and str(ROOT) not in written
     assert "benchmarks/results/quick/" in (ROOT / ".gitignore").read_text().splitlines()
 
 
