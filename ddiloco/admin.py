@@ -234,12 +234,18 @@ def existing_ledger(url: str, *, write: bool = False) -> Engine:
 
 @ledger_app.command("upgrade")
 def ledger_upgrade(ledger: str | None = LedgerOpt, config: Path | None = ConfigOpt) -> None:
-    """Create or migrate the ledger schema to the newest revision."""
+    """Create or migrate the ledger schema to the newest revision (a PostgreSQL ledger's least-privilege roles are
+    granted what a migration added)."""
     from ddiloco.platform.ledger import make_engine, upgrade
 
     url = ledger_url(ledger, config)
-    upgrade(make_engine(url))
-    console.print(f"ledger at {redact_url(url)} is at the newest schema revision")
+    engine = make_engine(url)
+    try:
+        regranted = upgrade(engine)
+    finally:
+        engine.dispose()
+    console.print(f"ledger at {redact_url(url)} is at the newest schema revision"
+                  + (f"; the roles {regranted}_* were granted what it added" if regranted else ""))
 
 
 @ledger_app.command("check")
@@ -330,9 +336,7 @@ def ledger_roles(
             if dry_run:
                 typer.echo(roles.shown(plan), nl=False)
                 return
-            for statement in roles.statements(plan):
-                # Through the driver without parameters: the function bodies' '%' are not placeholders.
-                driver.execute(statement)
+            roles.apply(conn, plan)
     except (SQLAlchemyError, engine.dialect.loaded_dbapi.Error) as err:
         refuse(redact_url(f"ledger roles on {url} failed: {str(err).splitlines()[0]}"))
     finally:

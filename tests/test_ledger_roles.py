@@ -183,6 +183,56 @@ def test_dry_run_prints_the_sql_and_creates_nothing(ledger):
         assert conn.execute(text("SELECT count(*) FROM pg_roles WHERE starts_with(rolname, :p)"), {"p": other}).scalar() == 0
 
 
+def test_an_upgrade_grants_the_roles_the_columns_it_adds(postgres_url):
+    """Roles set up at one schema, then a migration adds columns a learner writes (0011: its FLOP/s and MFU):
+    `ddiloco ledger upgrade` renews the grants in its own transaction, so the learner's next beat is not refused."""
+    from alembic import command
+
+    from ddiloco.platform.ledger.engine import alembic_config
+    from ddiloco.testing.postgres import scratch_database
+
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    try:
+        with scratch_database(postgres_url) as url:
+            open_ledger(url).dispose()
+            assert roles_command(url, prefix, "--learner", "us-0").exit_code == 0
+            ledger = Ledger(url, prefix)
+            run = f"r{uuid.uuid4().hex[:6]}"
+            admin = _engine(url)
+            with admin.begin() as conn:  # the roles as they were before 0011: its columns, and their grants, gone
+                cfg = alembic_config()
+                cfg.attributes["connection"] = conn
+                command.downgrade(cfg, "0010")
+            before = _grants_and_policies(url, prefix)
+            assert not [g for g in before[0] if len(g) == 4 and g[2] in ("model_flops_per_s", "mfu")]
+            result = CliRunner().invoke(app, ["ledger", "upgrade", "--ledger", url])
+            assert result.exit_code == 0, result.output
+            assert f"the roles {prefix}_* were granted what it added" in " ".join(result.output.split())
+            after = _grants_and_policies(url, prefix)
+            added = {(g[0], g[1], g[2], g[3]) for g in after[0] if len(g) == 4} - {tuple(g) for g in before[0] if len(g) == 4}
+            assert {(f"{prefix}_learner", t, c, "UPDATE" if t == "learners" else "INSERT")
+                    for t in ("learners", "heartbeats") for c in ("model_flops_per_s", "mfu")} <= added
+            with session_factory(admin).begin() as s:
+                runs_q.create_run(s, run, config_json="{}", code_version="t", git_commit=None, num_fragments=1,
+                                  token_budget=1000, now=T0)
+            learner = _engine(ledger.learner("us-0"))
+            try:
+                with session_factory(learner).begin() as s:
+                    assert learner_q.register_learner(s, run, "us-0", "us", T0) == 0
+                    beat = learner_q.Beat(5, 100, 2.0, 10.0, 0.1, model_flops_per_s=4.2e14, mfu=0.42)
+                    assert learner_q.learner_exchange(s, run, "us-0", 0, [], beat, T0 + timedelta(seconds=1)).current
+                with session_factory(learner)() as s:
+                    assert [(r.model_flops_per_s, r.mfu) for r in runs_q.learners(s, run)] == [(4.2e14, 0.42)]
+            finally:
+                learner.dispose()
+                admin.dispose()
+            # A ledger already at the head is left alone: no grant is renewed, and nothing is said of roles.
+            again = CliRunner().invoke(app, ["ledger", "upgrade", "--ledger", url])
+            assert again.exit_code == 0 and "roles" not in again.output, again.output
+    finally:
+        _drop_roles(postgres_url, prefix)
+
+
 def test_login_passwords_are_stored_as_scram_verifiers_only(ledger):
     engine = _engine(ledger.admin)
     try:

@@ -116,21 +116,29 @@ def head_revision() -> str:
     return max(m.group(1) for f in (MIGRATIONS_DIR / "versions").glob("*.py") if (m := re.match(r"(\d{4})_", f.name)))
 
 
-def at_head(engine: Engine) -> bool:
-    """Whether the ledger's recorded revision is the head already (False for a new ledger)."""
+def current_revision(engine: Engine) -> str | None:
+    """The ledger's recorded schema revision (None for a new ledger)."""
     with engine.connect() as conn:  # an unreachable ledger raises here, as the upgrade would
         try:
-            return conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all() == [head_revision()]
+            found = conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all()
         except DBAPIError:  # no such table yet: a new ledger
-            return False
+            return None
+    return found[0] if len(found) == 1 else None
 
 
-def upgrade(engine: Engine, revision: str = "head") -> None:
-    """Bring the ledger schema to ``revision`` (an empty database is created from scratch)."""
+def at_head(engine: Engine) -> bool:
+    """Whether the ledger's recorded revision is the head already (False for a new ledger)."""
+    return current_revision(engine) == head_revision()
+
+
+def upgrade(engine: Engine, revision: str = "head") -> str | None:
+    """Bring the ledger schema to ``revision`` (an empty database is created from scratch). On a PostgreSQL ledger
+    with least-privilege roles (``ddiloco ledger roles``) their grants are renewed in the same transaction, so that
+    they cover the columns a migration added; returns those roles' prefix then, else None."""
     # Every process of a run opens the ledger; nearly always it is at the head, and asking Alembic costs each one
     # about 0.2 s of CPU (importing it and loading every migration), which a suite of hundreds of processes feels.
     if revision == "head" and at_head(engine):
-        return
+        return None
     from alembic import command
 
     cfg = alembic_config()
@@ -143,6 +151,17 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
             conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK_ID})")
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)
+        if conn.dialect.name != "postgresql" or revision != "head":
+            return None
+        from ddiloco.platform.ledger import roles
+
+        # Column grants name their columns: without this every learner's write of a column the migration added would
+        # be refused (permission denied) until someone ran `ddiloco ledger roles` again.
+        prefix = roles.prefix_of(conn)
+        if prefix is not None:
+            schema = conn.execute(text("SELECT current_schema()")).scalar_one()
+            roles.apply(conn, roles.RolePlan(prefix, schema=schema))
+        return prefix
 
 
 def open_ledger(

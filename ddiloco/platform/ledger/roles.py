@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from sqlalchemy import func, literal_column
+from sqlalchemy import Connection, func, literal_column, text
 from sqlalchemy.dialects import postgresql
 
 from ddiloco.platform.ids import validate_id
@@ -279,6 +279,25 @@ def statements(plan: RolePlan) -> list[str]:
         f"GRANT EXECUTE ON FUNCTION {signature} TO {plan.group(LEARNER)}",
     ]
     return out
+
+
+def apply(conn: Connection, plan: RolePlan) -> None:
+    """Run :func:`statements` in ``conn``'s transaction (as the ledger's owner)."""
+    driver = conn.connection.driver_connection
+    for statement in statements(plan):
+        # Through the driver without parameters: the function bodies' '%' are not placeholders.
+        driver.execute(statement)
+
+
+def prefix_of(conn: Connection) -> str | None:
+    """The prefix this ledger's roles were set up with (its learners' function belongs to the synchronizer group), or
+    None where ``ddiloco ledger roles`` never ran."""
+    owner = conn.execute(
+        text("SELECT pg_get_userbyid(proowner) FROM pg_proc WHERE proname = :name AND pronamespace = current_schema()::regnamespace"),
+        {"name": learner_q.REJECT_SUPERSEDED},
+    ).scalar()
+    suffix = f"_{SYNCHRONIZER}"
+    return owner[: -len(suffix)] if owner and owner.endswith(suffix) else None
 
 
 def shown(plan: RolePlan) -> str:
