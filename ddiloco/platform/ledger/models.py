@@ -179,6 +179,7 @@ class Heartbeat(Base):
     model_flops_per_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     """One device's model FLOP/s at this beat (see :attr:`Learner.model_flops_per_s`)."""
     mfu: Mapped[float | None] = mapped_column(Float, nullable=True)
+    """That against the device's published peak, at this beat."""
 
 
 class Submission(Base):
