@@ -153,7 +153,7 @@ def upgrade(engine: Engine, revision: str = "head") -> str | None:
         command.upgrade(cfg, revision)
         if conn.dialect.name != "postgresql" or revision != "head":
             return None
-        from ddiloco.platform.ledger import roles
+        import ddiloco.platform.ledger.roles as roles
 
         # Column grants name their columns: without this every learner's write of a column the migration added would
         # be refused (permission denied) until someone ran `ddiloco ledger roles` again.

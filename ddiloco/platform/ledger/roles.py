@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from sqlalchemy import Connection, func, literal_column, text
 from sqlalchemy.dialects import postgresql
 
+import ddiloco.platform.ledger.learner as learner_q
+import ddiloco.platform.ledger.rejections as rejections_q
 from ddiloco.platform.ids import validate_id
-from ddiloco.platform.ledger import learner as learner_q
-from ddiloco.platform.ledger import rejections as rejections_q
 from ddiloco.platform.ledger.models import PENDING, Base, Learner, RejectionTotal, Submission
 from ddiloco.platform.redact import MASK
 
