@@ -204,10 +204,12 @@ def test_training_loss_is_sampled_from_heartbeats(ro, run_ledger):
             )
             for lid in ("us-0", "us-1", "eu-0", "eu-1")
         }
-        hb = s.execute(select(Heartbeat.learner_id, Heartbeat.at, Heartbeat.loss).where(Heartbeat.loss.is_not(None))).all()
-    real = {(who, at): loss_ for who, at, loss_ in hb}
-    # Every point is a real heartbeat, and each learner's line ends at its newest reported loss.
-    assert all(real[(r.learner, r.at)] == pytest.approx(r.loss) for r in loss.itertuples())
+        hb = s.execute(select(Heartbeat.learner_id, Heartbeat.at, Heartbeat.loss, Heartbeat.tokens_per_s)
+                       .where(Heartbeat.loss.is_not(None))).all()
+    real = {(who, at): (loss_, rate) for who, at, loss_, rate in hb}
+    # Every point is a real heartbeat (its loss and its tokens/s), and each learner's line ends at its newest reported loss.
+    assert all(real[(r.learner, r.at)] == pytest.approx((r.loss, r.tokens_per_s)) for r in loss.itertuples())
+    assert (loss["tokens_per_s"] > 0).any() and loss["mfu"].isna().all()  # in-process learners count no FLOPs
     assert {who: g.sort_values("at")["loss"].iloc[-1] for who, g in loss.groupby("learner")} == pytest.approx(last)
     assert few.groupby("learner").size().max() <= 10  # the floor of the grid
     assert set(loss[loss["learner"] == "us-1"]["incarnation"]) == {0, 1}

@@ -216,6 +216,31 @@ def training_loss(loss: pd.DataFrame) -> alt.Chart:
     )
 
 
+def throughput(samples: pd.DataFrame) -> alt.Chart:
+    """Tokens/s a line per learner (and incarnation), coloured by region; the tooltip has its MFU where it reported one."""
+    df = samples.copy()
+    df["series"] = df["learner"] + "#" + df["incarnation"].astype(str)
+    return (
+        alt.Chart(df)
+        .mark_line(strokeWidth=1.2, opacity=0.8)
+        .encode(
+            x=_time(),
+            y=alt.Y("tokens_per_s:Q", title="tokens/s"),
+            color=alt.Color("region:N", legend=alt.Legend(orient="top", title=None), scale=alt.Scale(scheme="category10")),
+            detail=alt.Detail("series:N"),
+            tooltip=[
+                alt.Tooltip("learner:N"),
+                alt.Tooltip("region:N"),
+                alt.Tooltip("incarnation:Q"),
+                alt.Tooltip("step:Q", format=","),
+                alt.Tooltip("tokens_per_s:Q", title="tokens/s", format=",.0f"),
+                alt.Tooltip("mfu:Q", title="MFU", format=".1%"),
+            ],
+        )
+        .properties(height=220, autosize=FIT_WIDTH)
+    )
+
+
 def bytes_chart(bytes_sent: int, bytes_dp: int) -> alt.Chart:
     """What the learners uploaded next to what data-parallel training would have exchanged."""
     df = pd.DataFrame(

@@ -450,7 +450,8 @@ def evaluations_frame(session: Session, run_id: str, points: int = dash_q.EVALUA
 def training_loss_frame(
     session: Session, run_id: str, *, per_learner: int = dash_q.LOSS_POINTS_PER_LEARNER, budget: int = dash_q.LOSS_POINTS_BUDGET
 ) -> pd.DataFrame:
-    """Per-learner training loss sampled on a time grid (``ledger.dashboard.loss_samples``), by learner and time.
+    """Per-learner training loss, tokens/s and MFU sampled on a time grid (``ledger.dashboard.loss_samples``), by learner
+    and time.
 
     Learners report an exponential moving average of their loss, so a sample is already smooth."""
     rows = dash_q.loss_samples(session, run_id, per_learner=per_learner, budget=budget)

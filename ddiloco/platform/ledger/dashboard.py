@@ -321,14 +321,15 @@ def _evaluations_on_grid(points: int, dialect: str = "sqlite") -> Any:
 def _losses_on_grid(points: int, dialect: str = "sqlite") -> Any:
     if dialect == "postgresql":
         pick = (
-            select(Heartbeat.incarnation, Heartbeat.step, Heartbeat.at, Heartbeat.loss)
+            select(Heartbeat.incarnation, Heartbeat.step, Heartbeat.at, Heartbeat.loss, Heartbeat.tokens_per_s, Heartbeat.mfu)
             .where(Heartbeat.run_id == bindparam("run"), Heartbeat.learner_id == Learner.id, Heartbeat.at <= _PG_GRID.c.t)
             .order_by(Heartbeat.at.desc())
             .limit(1)
             .lateral("pick")
         )
         return (
-            select(Learner.id.label("learner"), Learner.region, pick.c.incarnation, pick.c.step, pick.c.at, pick.c.loss)
+            select(Learner.id.label("learner"), Learner.region, pick.c.incarnation, pick.c.step, pick.c.at, pick.c.loss,
+                   pick.c.tokens_per_s, pick.c.mfu)
             .select_from(Learner)
             .join(_PG_GRID, true())
             .join(pick, true())
@@ -352,7 +353,8 @@ def _losses_on_grid(points: int, dialect: str = "sqlite") -> Any:
         .subquery()
     )
     return (
-        select(picks.c.learner, picks.c.region, Heartbeat.incarnation, Heartbeat.step, Heartbeat.at, Heartbeat.loss)
+        select(picks.c.learner, picks.c.region, Heartbeat.incarnation, Heartbeat.step, Heartbeat.at, Heartbeat.loss,
+               Heartbeat.tokens_per_s, Heartbeat.mfu)
         .join(Heartbeat, Heartbeat.id == picks.c.hb)
         .where(Heartbeat.loss.is_not(None))
         .distinct()
@@ -378,15 +380,15 @@ def evaluation_samples(session: Session, run_id: str, points: int = EVALUATION_P
     return [unique[i] for i in sorted(unique)]
 
 
-LOSS_FIELDS = ("learner", "region", "incarnation", "step", "at", "loss")
+LOSS_FIELDS = ("learner", "region", "incarnation", "step", "at", "loss", "tokens_per_s", "mfu")
 
 
 def loss_samples(
     session: Session, run_id: str, *, per_learner: int = LOSS_POINTS_PER_LEARNER, budget: int = LOSS_POINTS_BUDGET
 ) -> list[tuple]:
-    """Per-learner training loss (``LOSS_FIELDS``) sampled on a time grid: for every learner and grid time, the newest
-    heartbeat at or before it — one backwards index seek each, never a scan of the heartbeats. Each learner
-    contributes at most ``per_learner`` points (fewer when many share ``budget``)."""
+    """Per-learner training loss, tokens/s and MFU (``LOSS_FIELDS``) sampled on a time grid: for every learner and grid
+    time, the newest heartbeat at or before it — one backwards index seek each, never a scan of the heartbeats. Each
+    learner contributes at most ``per_learner`` points (fewer when many share ``budget``)."""
     n_learners, first, last = session.connection().execute(
         select(func.count(), func.min(Learner.started_at), func.max(Learner.last_heartbeat_at)).where(Learner.run_id == run_id)
     ).one()

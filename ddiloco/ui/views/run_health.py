@@ -225,6 +225,11 @@ def learners_section(page: RunPage) -> None:
             "flow_run_url": st.column_config.LinkColumn("Prefect", display_text="flow run"),
         },
     )
+    st.markdown("**Tokens/s per learner** (its MFU in the tooltip where its device has a published peak)")
+    if page.training_loss.empty:
+        widgets.no_data("No heartbeat with a loss yet.")
+    else:
+        st.altair_chart(charts.throughput(page.training_loss), width="stretch")
     with st.expander("Regions in numbers"):
         st.dataframe(
             widgets.styled(page.regions).format(
