@@ -192,32 +192,8 @@ def validation_loss(evals: pd.DataFrame) -> alt.Chart:
     )
 
 
-def training_loss(loss: pd.DataFrame) -> alt.Chart:
-    """A line per learner (and incarnation), coloured by region."""
-    df = loss.copy()
-    df["series"] = df["learner"] + "#" + df["incarnation"].astype(str)
-    return (
-        alt.Chart(df)
-        .mark_line(strokeWidth=1.2, opacity=0.8)
-        .encode(
-            x=_time(),
-            y=alt.Y("loss:Q", title="training loss (learner EMA)", scale=alt.Scale(zero=False)),
-            color=alt.Color("region:N", legend=alt.Legend(orient="top", title=None), scale=alt.Scale(scheme="category10")),
-            detail=alt.Detail("series:N"),
-            tooltip=[
-                alt.Tooltip("learner:N"),
-                alt.Tooltip("region:N"),
-                alt.Tooltip("incarnation:Q"),
-                alt.Tooltip("step:Q", format=","),
-                alt.Tooltip("loss:Q", format=".4f"),
-            ],
-        )
-        .properties(height=220, autosize=FIT_WIDTH)
-    )
-
-
-def throughput(samples: pd.DataFrame) -> alt.Chart:
-    """Tokens/s a line per learner (and incarnation), coloured by region; the tooltip has its MFU where it reported one."""
+def _per_learner(samples: pd.DataFrame, y: alt.Y, shown: list[alt.Tooltip]) -> alt.Chart:
+    """A line per learner (and incarnation) over time, coloured by region, with ``shown`` in its tooltip."""
     df = samples.copy()
     df["series"] = df["learner"] + "#" + df["incarnation"].astype(str)
     return (
@@ -225,20 +201,26 @@ def throughput(samples: pd.DataFrame) -> alt.Chart:
         .mark_line(strokeWidth=1.2, opacity=0.8)
         .encode(
             x=_time(),
-            y=alt.Y("tokens_per_s:Q", title="tokens/s"),
+            y=y,
             color=alt.Color("region:N", legend=alt.Legend(orient="top", title=None), scale=alt.Scale(scheme="category10")),
             detail=alt.Detail("series:N"),
-            tooltip=[
-                alt.Tooltip("learner:N"),
-                alt.Tooltip("region:N"),
-                alt.Tooltip("incarnation:Q"),
-                alt.Tooltip("step:Q", format=","),
-                alt.Tooltip("tokens_per_s:Q", title="tokens/s", format=",.0f"),
-                alt.Tooltip("mfu:Q", title="MFU", format=".1%"),
-            ],
+            tooltip=[alt.Tooltip("learner:N"), alt.Tooltip("region:N"), alt.Tooltip("incarnation:Q"),
+                     alt.Tooltip("step:Q", format=","), *shown],
         )
         .properties(height=220, autosize=FIT_WIDTH)
     )
+
+
+def training_loss(loss: pd.DataFrame) -> alt.Chart:
+    """Each learner's reported loss (an EMA) over time."""
+    return _per_learner(loss, alt.Y("loss:Q", title="training loss (learner EMA)", scale=alt.Scale(zero=False)),
+                        [alt.Tooltip("loss:Q", format=".4f")])
+
+
+def throughput(samples: pd.DataFrame) -> alt.Chart:
+    """Each learner's tokens/s over time; the tooltip has its MFU where it reported one."""
+    return _per_learner(samples, alt.Y("tokens_per_s:Q", title="tokens/s"),
+                        [alt.Tooltip("tokens_per_s:Q", title="tokens/s", format=",.0f"), alt.Tooltip("mfu:Q", title="MFU", format=".1%")])
 
 
 def bytes_chart(bytes_sent: int, bytes_dp: int) -> alt.Chart:
