@@ -241,11 +241,14 @@ def ledger_upgrade(ledger: str | None = LedgerOpt, config: Path | None = ConfigO
     url = ledger_url(ledger, config)
     engine = make_engine(url)
     try:
-        regranted = upgrade(engine)
+        renewal = upgrade(engine)
     finally:
         engine.dispose()
     console.print(f"ledger at {redact_url(url)} is at the newest schema revision"
-                  + (f"; the roles {regranted}_* were granted what it added" if regranted else ""))
+                  + (f"; the roles {renewal.prefix}_* were granted what it added" if renewal and not renewal.problem else ""))
+    if renewal is not None and renewal.problem:
+        refuse(f"the roles {renewal.prefix}_* were not granted what the upgrade added ({renewal.problem}): run "
+               f"`ddiloco ledger roles --prefix {renewal.prefix}` as a role that may, before any learner writes")
 
 
 @ledger_app.command("check")

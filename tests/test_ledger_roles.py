@@ -233,6 +233,54 @@ def test_an_upgrade_grants_the_roles_the_columns_it_adds(postgres_url):
         _drop_roles(postgres_url, prefix)
 
 
+def test_an_upgrade_by_an_owner_who_may_not_renew_the_roles_keeps_its_migration_and_says_what_to_run(postgres_url):
+    """The tables' owner migrates but may not alter roles (no CREATEROLE) nor replace the synchronizer's function: the
+    migration commits, the renewal rolls back to its savepoint, and the command names the one to run (exit 2)."""
+    from alembic import command
+
+    from ddiloco.platform.ledger.engine import alembic_config, at_head
+    from ddiloco.testing.postgres import scratch_database
+
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    owner = f"{prefix}_owner"
+    try:
+        with scratch_database(postgres_url) as url:
+            open_ledger(url).dispose()
+            assert roles_command(url, prefix, "--learner", "us-0").exit_code == 0
+            admin = _engine(url)
+            try:
+                with admin.begin() as conn:
+                    cfg = alembic_config()
+                    cfg.attributes["connection"] = conn
+                    command.downgrade(cfg, "0010")
+                    conn.exec_driver_sql(f'CREATE ROLE "{owner}" LOGIN NOCREATEROLE')
+                    for table in ("learners", "heartbeats", "alembic_version"):
+                        conn.exec_driver_sql(f'ALTER TABLE {table} OWNER TO "{owner}"')
+                before = _grants_and_policies(url, prefix)
+            finally:
+                admin.dispose()
+            as_owner = make_url(url).set(username=owner, password=None).render_as_string(hide_password=False)
+            result = CliRunner().invoke(app, ["ledger", "upgrade", "--ledger", as_owner])
+            said = " ".join(result.output.split())
+            assert result.exit_code == 2, result.output
+            assert f"the roles {prefix}_* were not granted what the upgrade added (" in said
+            assert f"run `ddiloco ledger roles --prefix {prefix}` as a role that may" in said
+            engine = _engine(url)
+            try:
+                assert at_head(engine)  # the migration stands
+            finally:
+                engine.dispose()
+            # No grant or policy changed half-way: the groups' only grants on the new columns are what their table-wide
+            # SELECTs give any column (the owner has every privilege on its tables).
+            new_columns = ("model_flops_per_s", "mfu")
+            grants_after, policies_after = _grants_and_policies(url, prefix)
+            assert policies_after == before[1]
+            assert [g for g in grants_after if len(g) != 4 or g[2] not in new_columns] == before[0]
+            assert {g[3] for g in grants_after if len(g) == 4 and g[2] in new_columns and g[0] != owner} == {"SELECT"}
+    finally:
+        _drop_roles(postgres_url, prefix)
+
+
 def test_login_passwords_are_stored_as_scram_verifiers_only(ledger):
     engine = _engine(ledger.admin)
     try:

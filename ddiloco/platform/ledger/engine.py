@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pydantic import SecretStr
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
@@ -18,6 +20,8 @@ from ddiloco.platform.redact import redact_url
 
 if TYPE_CHECKING:
     from alembic.config import Config
+
+log = logging.getLogger("ddiloco.ledger")
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -131,10 +135,19 @@ def at_head(engine: Engine) -> bool:
     return current_revision(engine) == head_revision()
 
 
-def upgrade(engine: Engine, revision: str = "head") -> str | None:
+@dataclass(frozen=True)
+class RolesRenewal:
+    """What an upgrade did for a PostgreSQL ledger's least-privilege roles (``ddiloco ledger roles``)."""
+
+    prefix: str
+    problem: str | None = None
+    """Why their grants could not be renewed (the migration stands): None when they were."""
+
+
+def upgrade(engine: Engine, revision: str = "head") -> RolesRenewal | None:
     """Bring the ledger schema to ``revision`` (an empty database is created from scratch). On a PostgreSQL ledger
-    with least-privilege roles (``ddiloco ledger roles``) their grants are renewed in the same transaction, so that
-    they cover the columns a migration added; returns those roles' prefix then, else None."""
+    with least-privilege roles their grants are renewed in the same transaction, so that they cover the columns a
+    migration added; returns what became of them (None: no roles, or nothing to migrate)."""
     # Every process of a run opens the ledger; nearly always it is at the head, and asking Alembic costs each one
     # about 0.2 s of CPU (importing it and loading every migration), which a suite of hundreds of processes feels.
     if revision == "head" and at_head(engine):
@@ -153,15 +166,28 @@ def upgrade(engine: Engine, revision: str = "head") -> str | None:
         command.upgrade(cfg, revision)
         if conn.dialect.name != "postgresql" or revision != "head":
             return None
-        import ddiloco.platform.ledger.roles as roles
+        return _renew_roles(conn)
 
-        # Column grants name their columns: without this every learner's write of a column the migration added would
-        # be refused (permission denied) until someone ran `ddiloco ledger roles` again.
-        prefix = roles.prefix_of(conn)
-        if prefix is not None:
-            schema = conn.execute(text("SELECT current_schema()")).scalar_one()
+
+def _renew_roles(conn: Connection) -> RolesRenewal | None:
+    """Column grants name their columns: without a renewal every learner's write of a column a migration added would
+    be refused (permission denied) until someone ran ``ddiloco ledger roles`` again. A migrating role that may not
+    renew them (no CREATEROLE, not the owner of the learners' function) keeps its migration, and is told so."""
+    import ddiloco.platform.ledger.roles as roles
+
+    prefix = roles.prefix_of(conn)
+    if prefix is None:
+        return None
+    schema = conn.execute(text("SELECT current_schema()")).scalar_one()
+    try:
+        with conn.begin_nested():
             roles.apply(conn, roles.RolePlan(prefix, schema=schema))
-        return prefix
+    except (DBAPIError, conn.dialect.loaded_dbapi.Error) as err:
+        problem = str(getattr(err, "orig", err)).splitlines()[0]
+        log.warning("ledger migrated, but the roles %s_* were not granted what it added (%s): run `ddiloco ledger roles "
+                    "--prefix %s` as a role that may", prefix, problem, prefix)
+        return RolesRenewal(prefix, problem)
+    return RolesRenewal(prefix)
 
 
 def open_ledger(
