@@ -30,7 +30,7 @@ import yaml
 
 from ddiloco.learner_worker.device import resolve_device
 from ddiloco.learner_worker.dist import Dist, collective_timeout_s, init_dist, rank_env, set_parent_death_signal, shutdown_dist
-from ddiloco.learner_worker.flops import ModelCost, model_cost
+from ddiloco.learner_worker.flops import model_cost
 from ddiloco.learner_worker.learner import Learner, StepReport
 from ddiloco.learner_worker.link import LearnerLink
 from ddiloco.platform.config import ConfigError, RunConfig, environment, secret_env, world_size_problem
@@ -74,16 +74,14 @@ def paced(speed: float, stop: threading.Event):  # noqa: ANN201 - a step callbac
     return pace
 
 
-def step_callback(
-    cfg: RunConfig, learner: Learner, speed: float, stop: threading.Event, cost: ModelCost | None = None,
-) -> Callable[[StepReport], None]:
+def step_callback(cfg: RunConfig, learner: Learner, speed: float, stop: threading.Event) -> Callable[[StepReport], None]:
     """After each step: a progress line every ``learners.log_every`` steps (rank 0), then the emulated pace."""
     pace = paced(speed, stop)
     every = cfg.learners.log_every if learner.link is not None else 0
 
     def after_step(report: StepReport) -> None:
         if every and report.tokens and learner.step_count % every == 0:
-            f = learner_figures(learner, cost)
+            f = learner_figures(learner)
             log.info("learner %s step %s: %s tokens, loss %.4f, %.0f tokens/s%s, %s uploads queued, newest version v%s",
                      learner.id, f.step, f.tokens, f.loss if f.loss is not None else float("nan"), f.tokens_per_s,
                      flops_clause(f), f.upload_queue, f.last_version)
@@ -101,20 +99,17 @@ def flops_clause(f: LearnerFigures) -> str:
     return f", {format_flops(f.model_flops_per_s)}/s per device{mfu}"
 
 
-def learner_figures(learner: Learner, cost: ModelCost | None = None) -> LearnerFigures:
+def learner_figures(learner: Learner) -> LearnerFigures:
     """A rank-0 learner's figures for its progress line and /metrics."""
     link = learner.link
     queued, newest = link.io_figures() if link is not None else (0, -1)
-    step_s = learner.last_step_s
-    tokens_per_s = learner.last_tokens / step_s if step_s > 0 else 0.0
-    world = learner.dist.world
+    tokens_per_s, flops, mfu = learner.throughput()
     return LearnerFigures(
         step=learner.step_count, tokens=learner.tokens_total, tokens_per_s=tokens_per_s,
         loss=learner.last_loss, upload_queue=queued, sent_bytes=link.uploader.bytes_sent if link else 0,
         received_bytes=link.downloader.bytes_received if link else 0, last_version=newest,
         nonfinite_losses=learner.nonfinite_losses, incarnation=max(0, learner.incarnation),
-        model_flops_per_s=cost.per_device_flops(tokens_per_s, world) if cost and step_s > 0 else None,
-        mfu=cost.mfu(tokens_per_s, world) if cost and step_s > 0 else None,
+        model_flops_per_s=flops, mfu=mfu,
     )
 
 
@@ -170,10 +165,9 @@ def run_learner(
         learner = Learner(cfg, learner_id, index=index, num_learners=cfg.learners.count, link=link, dist=d)
         learner.start(ready_timeout_s=ready_timeout_s)
         learner.start_background_io()
-        cost = None
         if d.rank == 0:
-            cost = learner.cost = model_cost(cfg.model, device)
-            serve_learner(run_id, learner_id, lambda: learner_figures(learner, cost), register=tracker is not None)
+            learner.cost = model_cost(cfg.model, device)
+            serve_learner(run_id, learner_id, lambda: learner_figures(learner), register=tracker is not None)
             if tracker is not None:
                 # Its step is the learner's inner step over all its incarnations, so a relaunch's series go on forward.
                 reporter = Reporter(tracker, run_id, lambda _: learner.schedule_offset + learner.step_count,
@@ -182,10 +176,10 @@ def run_learner(
                 "learner %s (incarnation %s) joined run %s in region %s: %s rank(s) on %s, %s%s; %s",
                 learner_id, learner.incarnation, run_id, region, d.world, device, learner.layout.parallelism,
                 f", {learner.checkpointed_blocks} blocks recomputing their activations" if learner.checkpointed_blocks else "",
-                cost.describe(),
+                learner.cost.describe(),
             )
         try:
-            learner.run(stop.is_set, max_steps=max_steps, after_step=step_callback(cfg, learner, speed, stop, cost))
+            learner.run(stop.is_set, max_steps=max_steps, after_step=step_callback(cfg, learner, speed, stop))
         except Exception:
             if d.world > 1:
                 log.error(

@@ -747,15 +747,22 @@ class Learner:
     def heartbeat_stats(self) -> HeartbeatStats:
         """This learner's progress since the last heartbeat (its busy seconds are handed over once)."""
         busy, self._busy_s = self._busy_s, 0.0
-        step_s = self.last_step_s
-        tokens_per_s = self.last_tokens / step_s if step_s > 0 else 0.0
-        cost = self.cost if step_s > 0 else None
+        tokens_per_s, flops, mfu = self.throughput()
         return HeartbeatStats(
-            step=self.step_count, tokens=self.tokens_total, loss=self.last_loss,
-            tokens_per_s=tokens_per_s, step_time_s=step_s, busy_s=busy,
-            model_flops_per_s=cost.per_device_flops(tokens_per_s, self.dist.world) if cost else None,
-            mfu=cost.mfu(tokens_per_s, self.dist.world) if cost else None,
+            step=self.step_count, tokens=self.tokens_total, loss=self.last_loss, tokens_per_s=tokens_per_s,
+            step_time_s=self.last_step_s, busy_s=busy, model_flops_per_s=flops, mfu=mfu,
         )
+
+    def throughput(self) -> tuple[float, float | None, float | None]:
+        """Tokens/s at the step's moving-average time, and one device's model FLOP/s and MFU at that rate (None where
+        :attr:`cost` does not know them): what heartbeats, the progress line and /metrics all report."""
+        step_s = self.last_step_s
+        if step_s <= 0:
+            return 0.0, None, None
+        tokens_per_s = self.last_tokens / step_s
+        if self.cost is None:
+            return tokens_per_s, None, None
+        return tokens_per_s, self.cost.per_device_flops(tokens_per_s, self.dist.world), self.cost.mfu(tokens_per_s, self.dist.world)
 
     def heartbeat(self, now: float, force: bool = False) -> None:
         """Rank 0: record progress (at most every ``learners.heartbeat_s`` unless forced)."""
