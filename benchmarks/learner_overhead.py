@@ -361,7 +361,8 @@ class Platform:
         t0 = time.perf_counter()
         self.running.clear()
         deadline = time.monotonic() + timeout_s
-        while (self.link.outbox.qsize() or self.in_flight) and time.monotonic() < deadline:
+        # queued(): also the sends an upload thread has taken while it lingers for more (learners.upload_linger_s).
+        while (self.link.outbox.qsize() or self.link.outbox.queued() or self.in_flight) and time.monotonic() < deadline:
             time.sleep(0.005)
         return time.perf_counter() - t0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 
 import torch
@@ -283,6 +284,73 @@ def test_the_outbox_ages_its_oldest_waiting_send_when_sends_are_taken_and_queued
     assert outbox.queue_state(10.0) == QueueState(2, 8.0)
     assert [item.fragment for item in outbox.take(2)] == [1, 0]
     assert outbox.queue_state(10.0) == QueueState(0, 0.0)
+
+
+class _WatchedQueue(queue.Queue):
+    """The outbox's queue, telling when its taker waits idle for a first item and when it lingers for more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.idle = threading.Event()
+        self.lingering = threading.Event()
+
+    def get(self, block: bool = True, timeout: float | None = None):
+        if block and timeout is None:
+            self.idle.set()
+        elif block:
+            self.lingering.set()
+        return super().get(block, timeout)
+
+
+def _send(fragment: int) -> Outgoing:
+    return Outgoing(fragment, 0, [], 1, 8, 8, 8, 1, created_at=0.0)
+
+
+def _take_in_thread(outbox: Outbox, most: int, linger_s: float) -> tuple[threading.Thread, list]:
+    got: list = []
+    taker = threading.Thread(target=lambda: got.extend(outbox.take(most, wait=True, linger_s=linger_s)), daemon=True)
+    taker.start()
+    return taker, got
+
+
+def test_an_idle_upload_lingers_for_more_sends_and_a_backlog_or_the_stop_marker_is_not_held_back():
+    # Idle: the first send is not taken alone; the taker waits for more, up to the batch's size.
+    outbox = Outbox()
+    outbox._queue = watched = _WatchedQueue()
+    taker, got = _take_in_thread(outbox, 4, linger_s=60.0)
+    assert watched.idle.wait(10)
+    outbox.submit(_send(0))
+    assert watched.lingering.wait(10), "the taker returned the first send alone"
+    for p in (1, 2, 3):
+        outbox.submit(_send(p))
+    taker.join(10)
+    assert not taker.is_alive() and [o.fragment for o in got] == [0, 1, 2, 3]
+    assert outbox.queue_state(1.0).depth == 0
+    # The stop marker ends a linger at once, with what was taken.
+    outbox._queue = watched = _WatchedQueue()
+    taker, got = _take_in_thread(outbox, 4, linger_s=60.0)
+    assert watched.idle.wait(10)
+    outbox.submit(_send(5))
+    assert watched.lingering.wait(10)
+    outbox.close()
+    taker.join(10)
+    assert not taker.is_alive() and got[0].fragment == 5 and got[1:] == [None]
+    # A backlog (the upload was busy) is taken as it is, with no wait for more.
+    outbox._queue = watched = _WatchedQueue()
+    outbox.submit(_send(6))
+    outbox.submit(_send(7))
+    assert [o.fragment for o in outbox.take(4, wait=True, linger_s=60.0)] == [6, 7]
+    assert not watched.idle.is_set() and not watched.lingering.is_set()
+
+
+def test_the_upload_linger_is_the_configs_and_none_with_overlap_0():
+    for fragments, linger in (({}, 0.02), ({"overlap": 0}, 0.0)):
+        _cfg, _clock, ctx, _sync = sim_run(fragments=fragments)
+        assert sim_learner(ctx, "us-0").link.uploader.linger_s == linger
+        ctx.engine.dispose()
+    _cfg, _clock, ctx, _sync = sim_run(learners={"upload_linger_s": 0.1})
+    assert sim_learner(ctx, "us-0").link.uploader.linger_s == 0.1
+    ctx.engine.dispose()
 
 
 def test_a_learners_spans_mark_its_steps_in_a_torch_profiler_trace_and_count_without_one():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -116,9 +117,27 @@ class Outbox:
         """Queue the stop marker: the upload ends once it has taken everything before it."""
         self._queue.put(None)
 
-    def take(self, most: int = 1, *, wait: bool = False) -> list[Item]:
-        """Up to ``most`` items, oldest first (none when the queue is empty, unless ``wait``: then at least one)."""
-        return self._take(lambda items: len(items) < most, wait=wait)
+    def take(self, most: int = 1, *, wait: bool = False, linger_s: float = 0.0) -> list[Item]:
+        """Up to ``most`` items, oldest first (none when the queue is empty, unless ``wait``: then at least one).
+
+        ``linger_s`` (with ``wait``): when the queue was empty, so that the first item found the taker idle, wait up to
+        that long after it for more to come, unless the stop marker comes. A backlog is taken as it is, at once."""
+        if not (wait and linger_s > 0):
+            return self._take(lambda items: len(items) < most, wait=wait)
+        try:
+            items: list[Item] = [self._queue.get_nowait()]
+            deadline = None
+        except queue.Empty:
+            items = [self._queue.get()]
+            deadline = time.monotonic() + linger_s
+        while len(items) < most and items[-1] is not None:
+            try:
+                left = 0.0 if deadline is None else deadline - time.monotonic()
+                items.append(self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait())
+            except queue.Empty:
+                break
+        self._taken(items)
+        return items
 
     def take_submission(self) -> list[Item]:
         """The items up to and including the oldest submission (all of them when none is queued)."""

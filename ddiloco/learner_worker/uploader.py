@@ -80,13 +80,16 @@ class Uploader:
         self.upload_s = 0.0
         self.io: LinkIO = LocalIO(ctx)
         """Where blobs are written (the link points it at its I/O process when it has one)."""
+        # With overlap 0 the training thread waits for each merge: nothing is gained by holding its send back.
+        self.linger_s = 0.0 if ctx.cfg.fragments.overlap == 0 else ctx.cfg.learners.upload_linger_s
+        """How long an idle upload thread waits after a send for more to register with it (``learners.upload_linger_s``)."""
 
     def serve(self) -> None:
         """Upload until the outbox's stop marker: the upload thread."""
         finished = False
         while not finished:
-            # Whatever else is already queued goes in the same ledger transaction.
-            finished = self.handle(self.outbox.take(UPLOAD_BATCH, wait=True))
+            # Whatever else is queued, or comes within the linger, goes in the same ledger transaction.
+            finished = self.handle(self.outbox.take(UPLOAD_BATCH, wait=True, linger_s=self.linger_s))
 
     def pump(self) -> None:
         """Upload everything queued, on this thread (simulations and the final flush)."""

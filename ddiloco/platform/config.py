@@ -314,6 +314,11 @@ class LearnersConfig(_Section):
     heartbeat_s: float = Field(2.0, gt=0, le=LONGEST_S)
     poll_s: float = Field(0.5, gt=0, le=LONGEST_S)
     """How often a learner looks in the ledger for newer global versions."""
+    upload_linger_s: float = Field(0.02, ge=0, le=1.0)
+    """How long a learner's idle upload thread waits, once a send arrives, for more sends to write and register with it
+    in one ledger transaction. A learner whose steps take milliseconds then registers several fragments an exchange
+    instead of one, and its link's thread takes the GIL from the training thread that much less often (docs/ddp.md); a
+    slower one only registers each send this much later. 0: each at once. Not applied with ``fragments.overlap`` 0."""
     dead_after_s: float = Field(10.0, gt=0, le=LONGEST_S)
     """A learner with no heartbeat for this long is declared dead."""
     startup_grace_s: float = Field(120.0, gt=0, le=LONGEST_S)
