@@ -21,6 +21,8 @@
 #                           -> learner_overhead_cuda_syncauto.json
 #   2b. overhead_demo_linkproc  the same with learners.link_process (the link's I/O in a process of its own)
 #                           -> learner_overhead_cuda_linkproc.json
+#   2c. upload_linger       (extra: only with --only) upload_linger.py --device cuda, the demo model at its benchmark
+#                           batch: the learner with and without the upload linger in one run -> upload_linger_cuda.json
 #   3. overhead_llama_ddp   the same on the 100 M-parameter Llama, learners.parallelism ddp
 #                           -> learner_overhead_cuda_llama100m_ddp.json
 #   3a. overhead_llama_syncgpu  (extra: only with --only) overhead_llama_ddp with the synchronizer's merges on the GPU
@@ -115,6 +117,7 @@ STEPS=(
   "overhead_demo|55|learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --device cuda --windows 4 --window-s 2.5 --warmup-s 4 --io-off-pairs 2 --json {OUT}/learner_overhead_cuda.json|{PY} benchmarks/learner_overhead.py --quick --json {OUT}/learner_overhead_cuda.json"
   "overhead_demo_syncgpu|55|learner_overhead_cuda_syncauto.json|{PY} benchmarks/learner_overhead.py --device cuda --sync-device auto --windows 4 --window-s 2.5 --warmup-s 4 --io-off-pairs 2 --json {OUT}/learner_overhead_cuda_syncauto.json|{PY} benchmarks/learner_overhead.py --quick --sync-device auto --json {OUT}/learner_overhead_cuda_syncauto.json"
   "overhead_demo_linkproc|45|learner_overhead_cuda_linkproc.json|{PY} benchmarks/learner_overhead.py --device cuda --link-process --windows 4 --window-s 2.5 --warmup-s 4 --json {OUT}/learner_overhead_cuda_linkproc.json|{PY} benchmarks/learner_overhead.py --quick --link-process --json {OUT}/learner_overhead_cuda_linkproc.json"
+  "upload_linger|60|upload_linger_cuda.json|{PY} benchmarks/upload_linger.py --device cuda --batch-size 16 --seq-len 128 --rounds 4 --window-s 2.5 --warmup-s 4 --json {OUT}/upload_linger_cuda.json|{PY} benchmarks/upload_linger.py --quick --json {OUT}/upload_linger_cuda.json"
   "overhead_llama_ddp|75|learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --json {OUT}/learner_overhead_cuda_llama100m_ddp.json"
   "overhead_llama_syncgpu|70|learner_overhead_cuda_llama100m_ddp_syncauto.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --sync-device auto --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp_syncauto.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --sync-device auto --json {OUT}/learner_overhead_cuda_llama100m_ddp_syncauto.json"
   "overhead_llama_devdecode|70|learner_overhead_cuda_llama100m_ddp_devdecode.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --decode-on-device --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp_devdecode.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --decode-on-device --json {OUT}/learner_overhead_cuda_llama100m_ddp_devdecode.json"
@@ -129,10 +132,11 @@ STEPS=(
 # and overhead_llama_syncgpu are overhead_demo and overhead_llama_ddp with the benchmark's synchronizer merging on the
 # learner's GPU (as every GPU row before 2026-12-06 did): beside their step in one --only, they say what sharing the
 # GPU with it cost. overhead_llama_devdecode is overhead_llama_ddp with learners.decode_on_device (received versions
-# decoded on the GPU), to decide that option's default. largest_model_ac is largest_model's fsdp with and without
+# decoded on the GPU), to decide that option's default. upload_linger compares the demo learner with its upload thread
+# lingering for more sends (learners.upload_linger_s, the default) and not, round by round in one run. largest_model_ac is largest_model's fsdp with and without
 # learners.activation_checkpoint up to 1.2 B parameters: what recomputing the activations costs in tokens/s (at one
 # rank the parameters and AdamW state, 16 bytes a parameter, decide the largest size, not the activations).
-EXTRA=" overhead_demo_syncgpu overhead_llama_syncgpu overhead_llama_devdecode largest_model_ac "
+EXTRA=" overhead_demo_syncgpu upload_linger overhead_llama_syncgpu overhead_llama_devdecode largest_model_ac "
 # A dry run on a small shared CPU machine is slower than the GPU run: its caps are stretched, never its commands.
 CAP_FACTOR=1; [[ "$DRY_RUN" == 1 ]] && CAP_FACTOR=3
 
