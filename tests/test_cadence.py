@@ -12,6 +12,7 @@ from sqlalchemy import select
 from support import tiny_config
 
 from ddiloco.learner_worker.cadence import (
+    WEIGH_EVERY_S,
     Cadence,
     CadencePolicy,
     LinkRates,
@@ -63,6 +64,33 @@ def test_nothing_changes_before_the_choice_was_held_for_its_window_or_anything_w
     assert choose_cadence(T0 + 4.9, saturated, EMPTY, STEP_S, START, POLICY) is START
     assert choose_cadence(LATER, rates(None), EMPTY, STEP_S, START, POLICY) is START
     assert choose_cadence(LATER, saturated, EMPTY, 0.0, START, POLICY) is START  # no step time yet
+
+
+def test_a_learner_weighs_its_cadence_at_most_every_weigh_every_s():
+    """A learner stepping in milliseconds does not measure its link and weigh the ladder at each step; once the interval
+    is over it does, and a queue that fell behind changes the cadence."""
+    from support import sim_run
+
+    from ddiloco.inprocess import sim_learner
+    from ddiloco.learner_worker.outbox import Outgoing
+
+    _cfg, clock, ctx, _sync = sim_run()
+    learner = sim_learner(ctx, "us-0")
+    learner.start(clock.t)
+    link = learner.link
+    assert link.cadence_policy is not None
+    measured: list[float] = []
+    rates = link.meter.rates
+    link.meter.rates = lambda now, window_s: measured.append(now) or rates(now, window_s)
+    t, step_s = clock.t + 100.0, 0.005  # long after the start: the first cadence's hold is over
+    first = link.choose(t, step_s)
+    link.outbox.submit(Outgoing(0, 0, [], 1, 8, 8, 8, 1, created_at=t - 50.0))  # behind by far more than a period
+    assert link.choose(t + WEIGH_EVERY_S / 2, step_s) is first
+    assert measured == [t]
+    changed = link.choose(t + 2 * WEIGH_EVERY_S, step_s)
+    assert measured == [t, t + 2 * WEIGH_EVERY_S]
+    assert changed is not first and changed.reason.startswith("uploads behind") and link.cadence is changed
+    ctx.engine.dispose()
 
 
 def test_a_saturated_upload_takes_the_cheaper_codec_first_then_longer_periods():

@@ -17,6 +17,10 @@ from dataclasses import dataclass
 
 MIN_WINDOW_S = 5.0
 """Shortest window the link's rates are measured over (seconds of the learner's clock)."""
+WEIGH_EVERY_S = 0.1
+"""The least time between two weighings of a learner's cadence: what they read is measured over MIN_WINDOW_S or more,
+so a learner whose steps take milliseconds weighs it every few steps, not at each (measuring the link and weighing
+the ladder took 40-80 us of the training thread a step on a CPU)."""
 SATURATED = 0.95
 """A busy share at least this high says the link is saturated: what it was asked to carry is unknown,
 at least this share, so the measured share is taken as half of it (as TCP halves its window)."""

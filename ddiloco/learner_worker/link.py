@@ -18,7 +18,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ddiloco.learner_worker.cadence import Cadence, CadencePolicy, choose_cadence, link_report, measure_window_s
+from ddiloco.learner_worker.cadence import (
+    WEIGH_EVERY_S,
+    Cadence,
+    CadencePolicy,
+    choose_cadence,
+    link_report,
+    measure_window_s,
+)
 from ddiloco.learner_worker.downloader import Arrival, Downloader
 from ddiloco.learner_worker.linkio import IOProcess, LinkIO, LocalIO
 from ddiloco.learner_worker.meter import LinkMeter
@@ -118,6 +125,8 @@ class LearnerLink:
         self._stats: Callable[[], HeartbeatStats] | None = None
         self._exchange_lock = threading.Lock()
         self._last_exchange = -float("inf")
+        self._weighed_at = -float("inf")
+        """When :meth:`choose` last weighed the cadence."""
         self._events_lock = threading.Lock()
         self._events: list[tuple[str, str]] = []
         """Events for the next exchange to record (cadence changes)."""
@@ -297,12 +306,13 @@ class LearnerLink:
         return self.cadence.codec if self.cadence is not None else self.ctx.cfg.compression.codec
 
     def choose(self, now: float, step_s: float) -> Cadence:
-        """The cadence from ``now`` on: fixed, or what :func:`choose_cadence` makes of the link (a change is
-        recorded as an event by the next exchange)."""
+        """The cadence from ``now`` on: fixed, or what :func:`choose_cadence` makes of the link, weighed at most every
+        :data:`WEIGH_EVERY_S` (a change is recorded as an event by the next exchange)."""
         assert self.cadence is not None, "the learner sets the link's cadence"
         policy = self.cadence_policy
-        if policy is None:
+        if policy is None or now - self._weighed_at < WEIGH_EVERY_S:
             return self.cadence
+        self._weighed_at = now
         old = self.cadence
         rates = self.meter.rates(now, measure_window_s(old.every, step_s, policy.hold_periods))
         new = choose_cadence(now, rates, self.outbox.queue_state(now), step_s, old, policy)
