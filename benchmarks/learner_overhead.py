@@ -244,6 +244,16 @@ def _snapshot(bg_threads: list[int]) -> dict:
     }
 
 
+def wait_for_version_0(run: ProcessRun) -> None:
+    """Until the run's synchronizer has published every fragment's version 0."""
+
+    def published() -> bool:
+        with run.ctx.transaction() as s:
+            return len(runs_q.latest_version_numbers(s, run.ctx.run_id)) == run.cfg.fragments.count
+
+    wait_for(published, 120, "the synchronizer to publish version 0")
+
+
 def run_window(step, seconds: float, bg_threads: list[int] | None = None) -> dict:
     """Steps until ``seconds`` have passed; tokens, elapsed seconds, steps and where the time went."""
     bg_threads = bg_threads or []
@@ -459,11 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(2):
             bare.step()
 
-        def v0_published() -> bool:
-            with run.ctx.transaction() as s:
-                return len(runs_q.latest_version_numbers(s, run.ctx.run_id)) == cfg.fragments.count
-
-        wait_for(v0_published, 120, "the synchronizer to publish version 0")
+        wait_for_version_0(run)
         n_params = sum(p.numel() for p in bare.model.parameters())
         print(
             f"model {args.model or 'demo'}: {n_params / 1e6:.2f} M params on {device_name(bare.device)}, "

@@ -26,10 +26,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import learner_overhead
 from common import base_parser, exit_on_sigterm, header, median, write_results
-from learner_overhead import Bare, Platform, bench_config, device_name, run_window
+from learner_overhead import Bare, Platform, bench_config, device_name, run_window, wait_for_version_0
 
-from ddiloco.platform.ledger import runs as runs_q
-from ddiloco.testing.net import wait_for
 from ddiloco.testing.processes import ProcessRun
 
 NAME = "upload_linger"
@@ -76,12 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         learner_overhead.SYNC_PID = run.synchronizer("bench-sync").pid
         bare = Bare(cfg)
-
-        def v0_published() -> bool:
-            with run.ctx.transaction() as s:
-                return len(runs_q.latest_version_numbers(s, run.ctx.run_id)) == cfg.fragments.count
-
-        wait_for(v0_published, 120, "the synchronizer to publish version 0")
+        wait_for_version_0(run)
         platform = Platform(run)
         exchanges: list[int] = []
         handle = platform.link.uploader.handle
