@@ -19,7 +19,7 @@ from ddiloco.synchronizer.merge import (
     radial_directional_average,
     weighted_mean,
 )
-from ddiloco.synchronizer.outer import momentum_from_blob, momentum_to_blob, outer_step
+from ddiloco.synchronizer.outer import async_momentum, momentum_from_blob, momentum_to_blob, outer_step
 
 
 def test_weighted_mean():
@@ -172,6 +172,52 @@ def test_an_outer_warm_up_is_torch_nesterov_under_a_linear_lr_ramp_per_fragment_
     assert MergePolicy.from_config(RunConfig()).warmup == 0
 
 
+def test_async_momentum_counts_periods_as_outer_steps_and_takes_away_what_staleness_adds():
+    assert async_momentum(0.9, 1, 0) == pytest.approx(0.9)
+    assert async_momentum(0.9, 0.5, 0) == pytest.approx(0.9)  # an update shorter than a period is one outer step
+    assert async_momentum(0.9, 3, 0) == pytest.approx(0.9**3)
+    assert async_momentum(0.9, 1, 1) == pytest.approx(0.9 - 0.5)
+    assert async_momentum(0.9, 2, 3) == pytest.approx(0.81 - 0.75)
+    assert async_momentum(0.9, 4, 3) == 0.0  # never negative
+    assert async_momentum(0.0, 1, 0) == 0.0
+
+
+def test_async_momentum_steps_a_slow_stale_learners_merge_with_less_momentum_and_leaves_a_fresh_one_alone():
+    def policy_for(adjust: str) -> MergePolicy:
+        return MergePolicy.from_config(RunConfig.model_validate(
+            {"outer": {"lr": 0.5, "momentum": 0.9, "momentum_adjust": adjust}, "fragments": {"count": 4},
+             "merge": {"method": "mean", "weighting": "equal"}}))
+    fixed, adjusted = policy_for("none"), policy_for("async")
+    assert (fixed.momentum_adjust, adjusted.momentum_adjust, adjusted.period) == ("none", "async", 4)
+    m0 = {"w": torch.tensor([0.2, -0.4])}
+    current = GlobalFragment(5, {"w": torch.tensor([1.0, 2.0])}, m0)
+    delta = {"w": torch.tensor([0.3, 0.1])}
+
+    # One period, based on the current version: the same step with either policy, and no momentum recorded.
+    fresh = [member(1, "a", delta, c_steps=4, c_tokens=64, base_version=5)]
+    a, b = (merge_fragment(current, fresh, p, live_learners=1) for p in (fixed, adjusted))
+    torch.testing.assert_close(a.params["w"], b.params["w"])
+    torch.testing.assert_close(a.momentum["w"], b.momentum["w"])
+    assert "outer_momentum" not in b.detail
+
+    # Two periods, one version behind: momentum 0.9 ** 2 - 1 / 2, as torch's Nesterov SGD takes it.
+    slow = [member(2, "a", delta, c_steps=8, c_tokens=128, base_version=4)]
+    out = merge_fragment(current, slow, adjusted, live_learners=1)
+    beta = 0.9**2 - 0.5
+    assert out.detail["outer_momentum"] == pytest.approx(beta)
+    want, want_m = outer_step(current.params, delta, m0, lr=0.5, beta=beta)
+    torch.testing.assert_close(out.params["w"], want["w"])
+    torch.testing.assert_close(out.momentum["w"], want_m["w"])
+
+    # Two periods, five versions behind: 0.81 - 5 / 6 < 0, so no momentum at all: a plain step, and the buffer is the
+    # outer gradient (beta * m + g at beta 0).
+    stale = [member(3, "a", delta, c_steps=8, c_tokens=128, base_version=0)]
+    out = merge_fragment(current, stale, adjusted, live_learners=1)
+    assert out.detail["outer_momentum"] == 0.0
+    torch.testing.assert_close(out.params["w"], current.params["w"] - 0.5 * delta["w"])
+    torch.testing.assert_close(out.momentum["w"], delta["w"])
+
+
 def test_merge_fragment_sums_increments_then_weights_learners_by_tokens():
     current = GlobalFragment(5, {"w": torch.zeros(2)}, None)
     members = [
@@ -231,7 +277,8 @@ def test_merge_fragment_needs_a_member():
 
 def reference_merge(current: GlobalFragment, members: list[Member], policy: MergePolicy, live: int) -> dict[str, torch.Tensor]:
     """The method written out in float64 from the design: sum each learner's increments, token weights,
-    RDA per group (plain-mean tensors apart), participation scale, one torch Nesterov SGD step."""
+    RDA per group (plain-mean tensors apart), participation scale, one torch Nesterov SGD step at the merge's
+    momentum (outer.momentum_adjust)."""
     names = list(current.params)
     sums: dict[str, dict[str, torch.Tensor]] = {}
     counts: dict[str, list[int]] = {}
@@ -262,8 +309,13 @@ def reference_merge(current: GlobalFragment, members: list[Member], policy: Merg
             k = current.params[n].numel()
             grad[n] = merged[off : off + k].view(current.params[n].shape)
             off += k
+    beta = policy.momentum
+    if policy.momentum_adjust == "async" and beta > 0:  # steps uncapped here (max_steps None)
+        periods = sum(tok * steps for tok, steps in counts.values()) / sum(tok for tok, _ in counts.values()) / policy.period
+        stale = sum(m.c_tokens * (current.version - m.base_version) for m in members) / sum(m.c_tokens for m in members)
+        beta = max(0.0, beta ** max(1.0, periods) - stale / (1 + stale))
     leaves = [torch.nn.Parameter(current.params[n].double().clone()) for n in names]
-    opt = torch.optim.SGD(leaves, lr=policy.lr, momentum=policy.momentum, nesterov=True)
+    opt = torch.optim.SGD(leaves, lr=policy.lr, momentum=beta, nesterov=beta > 0)
     for n, p in zip(names, leaves, strict=True):
         p.grad = grad[n].clone()
         if current.momentum is not None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ddiloco.platform.fragments import param_name
-from ddiloco.synchronizer.outer import outer_lr, outer_step_
+from ddiloco.synchronizer.outer import async_momentum, outer_lr, outer_step_
 from ddiloco.synchronizer.policy import capped_counts, participation_scale, token_weight
 from ddiloco.synchronizer.validate import learner_groups
 
@@ -349,6 +349,10 @@ class MergePolicy:
     nesterov: bool = True
     warmup: int = 0
     """``outer.warmup_versions``: the outer lr rises linearly over a fragment's first this many versions."""
+    momentum_adjust: str = "async"
+    """``outer.momentum_adjust``: async (:func:`merge_momentum`) or none."""
+    period: int = 1
+    """``fragments.period``: the steps of one send period, the unit of a merge's periods under momentum_adjust."""
     max_steps: int | None = None
     """A learner's steps weigh at most this many (``merge.max_periods`` send periods); None: no cap."""
     robust: str = "none"
@@ -365,7 +369,8 @@ class MergePolicy:
             method=m.method, weighting=m.weighting, plain_mean=tuple(m.plain_mean_fragments),
             participation_scaling=m.participation_scaling, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov,
             warmup=o.warmup_versions, max_steps=cfg.fragments.period * m.max_periods, robust=m.robust,
-            trim_fraction=m.trim_fraction, clip_factor=m.clip_factor,
+            trim_fraction=m.trim_fraction, clip_factor=m.clip_factor, momentum_adjust=o.momentum_adjust,
+            period=cfg.fragments.period,
         )
 
 
@@ -384,6 +389,23 @@ def plain_mean_tensors(names: Sequence[str], policy: MergePolicy) -> list[str]:
         return list(names)
     # Tags match the parameter's name, so every row piece of an embedding (name@rows:a:b) matches too.
     return [n for n in names if any(tag in param_name(n) for tag in policy.plain_mean)]
+
+
+def merge_momentum(members: Sequence[Member], by_learner: Mapping[str, list[int]], policy: MergePolicy, version: int) -> float:
+    """The merge's outer momentum: ``outer.momentum``, or under ``momentum_adjust: async`` :func:`async_momentum` of its
+    learners' send periods (their steps capped as for their weights) and staleness, both weighted by their tokens."""
+    if policy.momentum_adjust == "none" or policy.momentum <= 0:
+        return policy.momentum
+    tokens = periods = stale = 0.0
+    for idx in by_learner.values():
+        own = sum(members[i].c_tokens for i in idx)
+        c_tokens, c_steps = capped_counts(sum(members[i].c_steps for i in idx), own, policy.max_steps)
+        tokens += c_tokens
+        periods += c_tokens * c_steps / policy.period
+        stale += c_tokens * sum(members[i].c_tokens * (version - members[i].base_version) for i in idx) / max(1, own)
+    if tokens <= 0:
+        return policy.momentum
+    return async_momentum(policy.momentum, periods / tokens, stale / tokens)
 
 
 def merge_fragment(
@@ -467,6 +489,7 @@ def merge_fragment(
              for n in layout.names]
     offsets = layout.offsets
     lr = outer_lr(policy.lr, current.version, policy.warmup)
+    beta = merge_momentum(members, by_learner, policy, current.version)
     for i, a, b in _chunks(layout, ws.chunk):
         lo, hi = a - offsets[i], b - offsets[i]
         params[a:b].copy_(src_p[i][lo:hi])
@@ -477,8 +500,10 @@ def merge_fragment(
                 momentum[a:b].copy_(src_m[i][lo:hi])
         if factor[group_of[i]] != 1.0:
             grad[a:b].mul_(factor[group_of[i]])
-        outer_step_(params[a:b], grad[a:b], None if momentum is None else momentum[a:b],
-                    lr=lr, beta=policy.momentum, nesterov=policy.nesterov)
+        outer_step_(params[a:b], grad[a:b], None if momentum is None or beta == 0 else momentum[a:b],
+                    lr=lr, beta=beta, nesterov=policy.nesterov)
+        if momentum is not None and beta == 0:
+            momentum[a:b].copy_(grad[a:b])  # the buffer beta * m + g is g at beta 0, which torch skips
     new_params = layout.views(params)
     new_momentum = {} if momentum is None else layout.views(momentum)
     detail = {
@@ -496,6 +521,8 @@ def merge_fragment(
     }
     if lr != policy.lr:
         detail["outer_lr"] = lr  # warming up
+    if beta != policy.momentum:
+        detail["outer_momentum"] = beta  # momentum_adjust
     if policy.robust != "none":
         detail["robust"] = robust_detail(policy, len(by_learner), count, dropped)
     return MergeOutcome(current.version + 1, new_params, new_momentum, detail)

@@ -13,6 +13,15 @@ def outer_lr(lr: float, version: int, warmup: int) -> float:
     return lr if warmup <= 0 else lr * min(1.0, (version + 1) / warmup)
 
 
+def async_momentum(beta: float, periods: float, staleness: float) -> float:
+    """``outer.momentum_adjust: async``: the momentum of a merge whose updates carry ``periods`` send periods and
+    are ``staleness`` versions behind, token-weighted: ``beta ** max(1, periods) - s / (1 + s)``, at least 0."""
+    if beta <= 0:
+        return 0.0
+    s = max(0.0, staleness)
+    return max(0.0, beta ** max(1.0, periods) - s / (1.0 + s))
+
+
 def outer_step_(
     params: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor | None, *, lr: float, beta: float, nesterov: bool = True
 ) -> None:

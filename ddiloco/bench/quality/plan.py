@@ -523,6 +523,33 @@ def receipt_specs(model: str, scale: Scale) -> list[RunSpec]:
     return out
 
 
+FIXED_MOMENTUM = {"outer": {"momentum_adjust": "none"}}
+
+
+def momentum_specs(model: str, scale: Scale) -> list[RunSpec]:
+    """outer.momentum_adjust=none (every merge at the configured momentum) against the default, async (each merge's
+    momentum lowered by the periods and the staleness its updates carry): without faults, with stragglers, with
+    outages, behind slow and thin links, at M = 8."""
+    S = STRAGGLER_SPEEDS[: scale.learners]
+    M = scale.learners
+    slow, thin = (LINK_WIDE,) * (M - 1) + (LINK_SLOW,), (LINK_THIN,) * M
+    knob = "outer.momentum_adjust=none (vs async)"
+    ov = FIXED_MOMENTUM
+    return [
+        RunSpec(model, "ablation_fixed_momentum", "ablation", ov, base="decoupled", knob=knob),
+        RunSpec(model, "ablation_fixed_momentum_stragglers", "ablation", ov, speeds=S, base="decoupled_stragglers",
+                knob=f"{knob}, stragglers"),
+        RunSpec(model, "ablation_fixed_momentum_failures", "ablation", ov, failures=FAILURE_FRACTION,
+                base="decoupled_failures", knob=f"{knob}, outages"),
+        RunSpec(model, "link_slow_fixed_momentum", "ablation", ov, base="link_slow_adaptive", upload_shares=slow,
+                knob=f"{knob}, one learner's link slow"),
+        RunSpec(model, "link_thin_fixed_momentum", "ablation", ov, base="link_thin_adaptive", upload_shares=thin,
+                knob=f"{knob}, every learner's link thin"),
+        RunSpec(model, f"m{M_LARGE}_fixed_momentum", "ablation", ov, base=f"m{M_LARGE}_decoupled", learners=M_LARGE,
+                knob=f"{knob}, M = {M_LARGE}"),
+    ]
+
+
 def select(specs: Sequence[RunSpec], only: str | Sequence[str] | None) -> list[RunSpec]:
     """The rows named in ``only``: ``regime`` (every model) or ``model:regime``, comma-separated."""
     if not only:
@@ -563,6 +590,7 @@ def plan(models: Sequence[str], scale: Scale, quick: bool, ablations: bool = Tru
                 specs += schedule_specs(model, scale)
             for model in models:
                 specs += receipt_specs(model, scale)
+            specs += momentum_specs(extra, scale)
     if quick:
         specs = [s for s in specs if s.group == "regime" or s.regime in QUICK_EXTRA]
     return specs
