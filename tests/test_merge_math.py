@@ -172,17 +172,19 @@ def test_an_outer_warm_up_is_torch_nesterov_under_a_linear_lr_ramp_per_fragment_
     assert MergePolicy.from_config(RunConfig()).warmup == 0
 
 
-def test_async_momentum_counts_periods_as_outer_steps_and_takes_away_what_staleness_adds():
+def test_async_momentum_counts_periods_as_outer_steps_and_takes_away_what_staleness_adds_past_one_period():
     assert async_momentum(0.9, 1, 0) == pytest.approx(0.9)
     assert async_momentum(0.9, 0.5, 0) == pytest.approx(0.9)  # an update shorter than a period is one outer step
     assert async_momentum(0.9, 3, 0) == pytest.approx(0.9**3)
-    assert async_momentum(0.9, 1, 1) == pytest.approx(0.9 - 0.5)
+    # One period, however stale: an increment re-applies nothing, so the momentum is the configured one.
+    assert async_momentum(0.9, 1, 1) == async_momentum(0.9, 1, 7) == 0.9
+    assert async_momentum(0.9, 2, 1) == pytest.approx(0.81 - 0.5)
     assert async_momentum(0.9, 2, 3) == pytest.approx(0.81 - 0.75)
     assert async_momentum(0.9, 4, 3) == 0.0  # never negative
     assert async_momentum(0.0, 1, 0) == 0.0
 
 
-def test_async_momentum_steps_a_slow_stale_learners_merge_with_less_momentum_and_leaves_a_fresh_one_alone():
+def test_async_momentum_steps_a_slow_stale_learners_merge_with_less_momentum_and_leaves_one_period_alone():
     def policy_for(adjust: str) -> MergePolicy:
         return MergePolicy.from_config(RunConfig.model_validate(
             {"outer": {"lr": 0.5, "momentum": 0.9, "momentum_adjust": adjust}, "fragments": {"count": 4},
@@ -193,12 +195,13 @@ def test_async_momentum_steps_a_slow_stale_learners_merge_with_less_momentum_and
     current = GlobalFragment(5, {"w": torch.tensor([1.0, 2.0])}, m0)
     delta = {"w": torch.tensor([0.3, 0.1])}
 
-    # One period, based on the current version: the same step with either policy, and no momentum recorded.
-    fresh = [member(1, "a", delta, c_steps=4, c_tokens=64, base_version=5)]
-    a, b = (merge_fragment(current, fresh, p, live_learners=1) for p in (fixed, adjusted))
-    torch.testing.assert_close(a.params["w"], b.params["w"])
-    torch.testing.assert_close(a.momentum["w"], b.momentum["w"])
-    assert "outer_momentum" not in b.detail
+    # One period, fresh or a version behind: the same step with either policy, and no momentum recorded.
+    for base in (5, 4):
+        fresh = [member(1, "a", delta, c_steps=4, c_tokens=64, base_version=base)]
+        a, b = (merge_fragment(current, fresh, p, live_learners=1) for p in (fixed, adjusted))
+        torch.testing.assert_close(a.params["w"], b.params["w"])
+        torch.testing.assert_close(a.momentum["w"], b.momentum["w"])
+        assert "outer_momentum" not in b.detail
 
     # Two periods, one version behind: momentum 0.9 ** 2 - 1 / 2, as torch's Nesterov SGD takes it.
     slow = [member(2, "a", delta, c_steps=8, c_tokens=128, base_version=4)]
@@ -310,10 +313,10 @@ def reference_merge(current: GlobalFragment, members: list[Member], policy: Merg
             grad[n] = merged[off : off + k].view(current.params[n].shape)
             off += k
     beta = policy.momentum
-    if policy.momentum_adjust == "async" and beta > 0:  # steps uncapped here (max_steps None)
-        periods = sum(tok * steps for tok, steps in counts.values()) / sum(tok for tok, _ in counts.values()) / policy.period
+    periods = sum(tok * steps for tok, steps in counts.values()) / sum(tok for tok, _ in counts.values()) / policy.period
+    if policy.momentum_adjust == "async" and beta > 0 and periods > 1:  # steps uncapped here (max_steps None)
         stale = sum(m.c_tokens * (current.version - m.base_version) for m in members) / sum(m.c_tokens for m in members)
-        beta = max(0.0, beta ** max(1.0, periods) - stale / (1 + stale))
+        beta = max(0.0, beta**periods - stale / (1 + stale))
     leaves = [torch.nn.Parameter(current.params[n].double().clone()) for n in names]
     opt = torch.optim.SGD(leaves, lr=policy.lr, momentum=beta, nesterov=beta > 0)
     for n, p in zip(names, leaves, strict=True):

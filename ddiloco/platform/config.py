@@ -572,12 +572,13 @@ class OuterOptimizerConfig(_Section):
     """Each fragment's outer lr rises linearly over its first this many outer steps (lr/W, 2·lr/W, …, lr), so
     that the early outer gradients, the largest of the run, are not amplified by the momentum in full. 0: none."""
     momentum_adjust: Literal["none", "async"] = "async"
-    """async: each merge steps with ``momentum ** k - s / (1 + s)`` (at least 0), where k is the send periods its
-    learners' updates carry (token-weighted, at least 1, at most ``merge.max_periods``) and s their token-weighted
-    staleness in versions: an update of k periods counts as k outer steps for the momentum's memory, and a stale
-    update already carries the momentum that asynchrony adds (Mitliagkas et al., 2016), so a learner behind a slow
-    link does not make the outer step overshoot. A merge of fresh one-period updates, the rule wherever links keep
-    up, steps with ``momentum`` itself. none: every merge steps with ``momentum`` (benchmarks/async_momentum.py)."""
+    """async: a merge whose updates carry more than one send period (k, token-weighted, at most
+    ``merge.max_periods``: a link or a stall held them back) steps with ``momentum ** k - s / (1 + s)`` (at least 0),
+    s their token-weighted staleness in versions: an update of k periods counts as k outer steps for the momentum's
+    memory, and a stale one already carries the momentum that asynchrony adds (Mitliagkas et al., 2016), so a learner
+    behind a slow link does not make the outer step overshoot. Updates of one period, the rule wherever links keep up,
+    step with ``momentum`` however stale (an increment re-applies nothing). none: every merge steps with ``momentum``
+    (benchmarks/async_momentum.py)."""
 
 
 CODECS = ("none", "bf16", "int8", "int4")

@@ -15,9 +15,12 @@ def outer_lr(lr: float, version: int, warmup: int) -> float:
 
 def async_momentum(beta: float, periods: float, staleness: float) -> float:
     """``outer.momentum_adjust: async``: the momentum of a merge whose updates carry ``periods`` send periods and
-    are ``staleness`` versions behind, token-weighted: ``beta ** max(1, periods) - s / (1 + s)``, at least 0."""
+    are ``staleness`` versions behind, token-weighted: ``beta`` for updates of at most one period (an increment re-applies
+    nothing, however stale its base), else ``beta ** periods - s / (1 + s)``, at least 0."""
     if beta <= 0:
         return 0.0
+    if periods <= 1:
+        return beta
     s = max(0.0, staleness)
     return max(0.0, beta ** max(1.0, periods) - s / (1.0 + s))
 
