@@ -500,10 +500,8 @@ def merge_fragment(
                 momentum[a:b].copy_(src_m[i][lo:hi])
         if factor[group_of[i]] != 1.0:
             grad[a:b].mul_(factor[group_of[i]])
-        outer_step_(params[a:b], grad[a:b], None if momentum is None or beta == 0 else momentum[a:b],
+        outer_step_(params[a:b], grad[a:b], None if momentum is None else momentum[a:b],
                     lr=lr, beta=beta, nesterov=policy.nesterov)
-        if momentum is not None and beta == 0:
-            momentum[a:b].copy_(grad[a:b])  # the buffer beta * m + g is g at beta 0, which torch skips
     new_params = layout.views(params)
     new_momentum = {} if momentum is None else layout.views(momentum)
     detail = {

@@ -22,21 +22,23 @@ def async_momentum(beta: float, periods: float, staleness: float) -> float:
     if periods <= 1:
         return beta
     s = max(0.0, staleness)
-    return max(0.0, beta ** max(1.0, periods) - s / (1.0 + s))
+    return max(0.0, beta**periods - s / (1.0 + s))
 
 
 def outer_step_(
     params: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor | None, *, lr: float, beta: float, nesterov: bool = True
 ) -> None:
-    """One outer step on flat float32 tensors, in place: ``params`` and ``momentum`` (unused when beta
-    is 0) are updated.
+    """One outer step on flat float32 tensors, in place: ``params`` and ``momentum`` (when given) are updated.
 
     torch.optim's functional SGD, fused (one pass, no temporaries). A momentum buffer of zeros is the
-    first step: beta * 0 + grad is torch's first-step buffer, grad, exactly."""
+    first step: beta * 0 + grad is torch's first-step buffer, grad, exactly. A buffer given with beta 0 (a merge whose
+    momentum ``outer.momentum_adjust`` took to 0) becomes beta * m + grad = grad, which torch's SGD would skip."""
     if beta > 0 and momentum is None:
         raise ValueError("an outer step with momentum needs a momentum buffer (zeros before the first step)")
     sgd([params], [grad], [momentum if beta > 0 else None], fused=True, weight_decay=0.0, momentum=beta, lr=lr,
         dampening=0.0, nesterov=nesterov and beta > 0, maximize=False)
+    if momentum is not None and beta == 0:
+        momentum.copy_(grad)
 
 
 def outer_step(
