@@ -134,6 +134,30 @@ def test_cuda_increment_is_encoded_on_a_side_stream_after_the_training_stream():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_cuda_increments_folded_on_the_training_stream_are_encoded_after_the_sum():
+    """Sends coalesced behind a stalled upload are summed on the training stream, with an event after the sum that
+    the side stream waits on: the encoded bytes are those of the sum, made on the CPU."""
+    from ddiloco.learner_worker.device import fold_increments
+    from ddiloco.platform.compression import encode_delta
+
+    device = torch.device("cuda", 0)
+    side = torch.cuda.Stream(device=device)
+    xs = [torch.randn(1 << 22, device=device, generator=torch.Generator(device=device).manual_seed(i)) for i in range(3)]
+    parts = []
+    for x in xs:
+        t = x * 2.0  # queued on the training stream
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        parts.append(Increment({"w": t}, event, side))
+    folded = fold_increments(parts)
+    assert isinstance(folded, Increment) and folded.stream is side and folded.ready is not None
+    with folded.stream_context():
+        tensors, meta = encode_delta(folded.resolve(), "int8", 64)
+    ref, ref_meta = encode_delta({"w": ((xs[0] * 2.0 + xs[1] * 2.0) + xs[2] * 2.0).cpu()}, "int8", 64)
+    assert meta == ref_meta and all(torch.equal(tensors[k], ref[k]) for k in ref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 def test_a_late_read_on_cuda_gives_each_value_at_the_next_put():
     late = LateRead(late=True)
     x = torch.randn(2048, 2048, device="cuda")

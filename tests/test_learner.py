@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ddiloco.inprocess import sim_learner, sim_step
 from ddiloco.learner_worker.cadence import QueueState
+from ddiloco.learner_worker.device import Increment
 from ddiloco.learner_worker.outbox import Outbox, Outgoing
 from ddiloco.learner_worker.state import is_complete
 from ddiloco.platform.ledger import reports as reports_q
@@ -248,6 +249,8 @@ def test_a_slow_link_queues_one_blob_per_fragment_and_loses_no_token():
         learner.step(clock.t)
     outbox = learner.link.outbox
     assert outbox.qsize() == P and outbox.coalesced == 2 * P
+    # Each waiting blob keeps one increment however many sends it took in: its memory does not grow with the stall.
+    assert all(len(out.parts) == 1 for out in outbox.queued())
     assert outbox.oldest_unsent_s(clock.t) == 3 * P - 1  # the first send, 3P - 1 steps ago
     learner.link.uploader.pump()
     assert outbox.oldest_unsent_s(clock.t) == 0.0
@@ -266,6 +269,37 @@ def test_a_slow_link_queues_one_blob_per_fragment_and_loses_no_token():
     got = decode_delta(*store.get_with_metadata(r0.blob_key, r0.sha256, r0.nbytes))
     for n, t in learner.fragments[0].tensors.items():
         assert torch.allclose(got[n].float(), before[0][n] - t.detach(), atol=1e-5), n
+
+
+def test_a_fragment_waiting_through_failed_uploads_keeps_one_increment_equal_to_the_sum():
+    """Sends queued behind a stalled upload and increments of failed uploads are summed as they meet, oldest
+    first, so a fragment waits with one increment (not one per send) and its blob is the bytes the sum would give."""
+    g = torch.Generator().manual_seed(0)
+    increments = [{"w": torch.randn(5, 3, generator=g), "b": torch.randn(3, generator=g)} for _ in range(7)]
+    outbox = Outbox()
+
+    def send(i: int) -> Outgoing:
+        return Outgoing(0, 0, [Increment(dict(increments[i]))], 1, 8, 8, 8 * (i + 1), i, created_at=float(i))
+
+    outbox.submit(send(0))
+    outbox.submit(send(1))  # coalesced into the waiting one
+    (taken,) = outbox.take()
+    outbox.carry_over([taken])  # its upload failed
+    outbox.submit(send(2))  # carries the failed one
+    outbox.submit(send(3))
+    (taken,) = outbox.take()
+    outbox.carry_over([taken])
+    for i in range(4, 7):
+        outbox.submit(send(i))
+    (waiting,) = outbox.queued()
+    assert len(waiting.parts) == 1 and (waiting.c_steps, waiting.c_tokens, waiting.tokens_new) == (7, 56, 56)
+    for name in ("w", "b"):
+        expected = increments[0][name]
+        for inc in increments[1:]:
+            expected = expected + inc[name]
+        assert torch.equal(waiting.delta()[name], expected), name
+    # The sum made new tensors: the increments handed over are left as they were.
+    assert not any(waiting.delta()[n].data_ptr() == inc[n].data_ptr() for inc in increments for n in inc)
 
 
 def test_the_outbox_ages_its_oldest_waiting_send_when_sends_are_taken_and_queued_again():

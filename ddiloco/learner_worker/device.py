@@ -82,6 +82,25 @@ class Increment:
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()  # type: ignore[arg-type]
 
 
+def fold_increments(parts: list[Increment | dict[str, torch.Tensor]]) -> Increment | dict[str, torch.Tensor]:
+    """Increments of one fragment, oldest first, as one: summed in that order (the order the encode would sum them
+    in, so the bytes are the same) where they live, on a GPU on the calling thread's stream, with an event after the
+    sum for the encode stream to wait on."""
+    if len(parts) == 1:
+        return parts[0]
+    tensors = [part.resolve() if isinstance(part, Increment) else part for part in parts]
+    keys = list(tensors[0])
+    total = torch._foreach_add([tensors[0][k] for k in keys], [tensors[1][k] for k in keys])
+    for more in tensors[2:]:
+        torch._foreach_add_(total, [more[k] for k in keys])
+    stream = next((part.stream for part in parts if isinstance(part, Increment) and part.stream is not None), None)
+    if stream is None:
+        return Increment(dict(zip(keys, total)))
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(stream.device))  # type: ignore[attr-defined]
+    return Increment(dict(zip(keys, total)), ready, stream)
+
+
 class LateRead:
     """A step's scalar (its loss sum) read without making the host wait for that step.
 

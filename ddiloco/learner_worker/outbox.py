@@ -15,7 +15,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from ddiloco.learner_worker.cadence import QueueState
-from ddiloco.learner_worker.device import Increment
+from ddiloco.learner_worker.device import Increment, fold_increments
 from ddiloco.platform.compression import Tensors
 
 
@@ -36,17 +36,13 @@ class Outgoing:
     """Micro-batches each rank had drawn when this was sent."""
 
     def delta(self) -> Tensors:
-        """The sum of the parts (a send plus increments of failed uploads it carries), where they live; call it in
-        :meth:`stream_context`."""
-        total: Tensors | None = None
-        for part in self.parts:
-            d = part.resolve() if isinstance(part, Increment) else part
-            total = d if total is None else {n: total[n] + d[n] for n in total}
-        assert total is not None
-        return total
+        """The increment (sends and failed uploads' increments are summed as they join it), where it lives; call it
+        in :meth:`stream_context`."""
+        part = fold_increments(self.parts)
+        return part.resolve() if isinstance(part, Increment) else part
 
     def stream_context(self) -> AbstractContextManager:
-        """Where its parts are summed and encoded: their side stream on a GPU (see :class:`Increment`)."""
+        """Where it is encoded: its side stream on a GPU (see :class:`Increment`)."""
         for part in self.parts:
             if isinstance(part, Increment) and part.stream is not None:
                 return part.stream_context()
@@ -55,7 +51,7 @@ class Outgoing:
     def coalesce(self, newer: Outgoing) -> None:
         """Take a newer increment of the same fragment into this queued one (one pending blob per
         fragment): parts, steps and tokens add up; the rest is the newer one's, as in :meth:`absorb`."""
-        self.parts = self.parts + newer.parts
+        self.parts = _folded(self.parts + newer.parts)
         self.c_steps += newer.c_steps
         self.c_tokens += newer.c_tokens
         self.tokens_new += newer.tokens_new
@@ -66,12 +62,18 @@ class Outgoing:
 
     def absorb(self, older: Outgoing) -> None:
         """Carry an older, unsent increment of the same fragment in this one."""
-        self.parts = older.parts + self.parts
+        self.parts = _folded(older.parts + self.parts)
         self.c_steps += older.c_steps
         self.c_tokens += older.c_tokens
         self.tokens_new += older.tokens_new
         if self.data_batches is None:
             self.data_batches = older.data_batches
+
+
+def _folded(parts: list[Increment | Tensors]) -> list[Increment | Tensors]:
+    """The parts summed into one at once: a fragment waiting for its upload keeps one increment on the training
+    device however many sends it takes in (a stalled store would otherwise fill the GPU with fragment-sized parts)."""
+    return [fold_increments(parts)] if len(parts) > 1 else parts
 
 
 Item = Outgoing | None
