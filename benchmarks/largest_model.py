@@ -5,7 +5,10 @@ parameters, vocabulary 32,000, seq 1024, batch 4: 4,096 tokens a step), each bui
 LlamaConfig (no download): its parameters are first counted on the meta device, then the model is built
 directly on the device and trained for a few steps the way a one-rank learner trains (the learner's own
 loss module, AdamW over its parameter groups, bf16 autocast on a GPU, grad clipping, a host sync on the
-loss each step). The first out-of-memory error ends that parallelism; the largest size that trained, its
+loss each step), holding what the learner holds beside them: its fragment states (``fragment_states``: a float32
+snapshot of every parameter on the device, the base of the next outer-gradient increment) and, each step, the
+increment of the next fragment (a send every step, kept until the next one replaces it, as the outbox keeps one
+until it is encoded). The first out-of-memory error ends that parallelism; the largest size that trained, its
 tokens/s and peak memory are recorded.
 
   * ddp: what a one-rank learner does under ``learners.parallelism: ddp``: no wrapper at world 1
@@ -46,9 +49,11 @@ from common import base_parser, exit_on_sigterm, header, median, verdict, write_
 
 from ddiloco.learner_worker.device import LateRead, autocast, resolve_device
 from ddiloco.learner_worker.flops import ModelCost, peak_flops
-from ddiloco.learner_worker.learner import _LossModule
+from ddiloco.learner_worker.learner import Tally, _LossModule, fragment_states
+from ddiloco.learner_worker.parallel import Layout
 from ddiloco.learner_worker.schedule import param_groups
 from ddiloco.platform.config import build_config
+from ddiloco.platform.fragments import partition_module
 from ddiloco.platform.models import build_model
 from ddiloco.platform.models.cost import meta_model, model_size, state_bytes_per_rank
 
@@ -116,6 +121,8 @@ def try_size(cfg, parallelism: str, device: torch.device, steps: int, batch: int
         model = model.to(device)  # a no-op unless the factory ignored the default device
         model.train()
         parallelism, _, extra = parallelism.partition("+")
+        parts = partition_module(model, cfg.fragments.count)  # as the learner: planned on the whole replica
+        layout = Layout("ddp")
         if extra == "ac":
             from ddiloco.learner_worker.parallel import checkpoint_blocks
 
@@ -126,7 +133,11 @@ def try_size(cfg, parallelism: str, device: torch.device, steps: int, batch: int
 
             phase = "shard"
             ensure_process_group(Dist.single(device))
-            shard_replica(model, parallelism, None, 0, 1, device)
+            layout = shard_replica(model, parallelism, None, 0, 1, device)
+        states = fragment_states(model, parts, layout, Tally())
+        for st in states:
+            torch._foreach_copy_(st.snapshot, st.views)
+        out["snapshot_bytes"] = sum(t.numel() * t.element_size() for st in states for t in st.snapshot)
         net = _LossModule(model, device)
         inner = cfg.inner
         optimizer = torch.optim.AdamW(param_groups(model, inner.weight_decay), lr=inner.lr, betas=(inner.beta1, inner.beta2))
@@ -137,6 +148,7 @@ def try_size(cfg, parallelism: str, device: torch.device, steps: int, batch: int
         n_tokens = inputs.numel()
         step_s: list[float] = []
         loss_read, loss_value = LateRead(late=device.type == "cuda"), float("nan")
+        increment: list[torch.Tensor] | None = None
         phase = "train"
         for i in range(steps + 1):  # the first step (AdamW's state allocated, kernels chosen) is not timed
             t = time.perf_counter()
@@ -146,13 +158,17 @@ def try_size(cfg, parallelism: str, device: torch.device, steps: int, batch: int
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), inner.grad_clip)
             optimizer.step()
+            # A send every step, each of the next fragment: its increment lives until the next one replaces it (the
+            # link's outbox holds one until it is encoded), the most a learner keeps at once.
+            del increment
+            increment, _, _ = states[i % len(states)].take_increment(keep=True)
             read = loss_read.put(loss.detach())  # as the learner reads it: on a GPU one step late
             loss_value = read if read is not None else loss_value
             if i:
                 step_s.append(time.perf_counter() - t)
         med = median(step_s)
         out.update(status="trained", step_s=round(med, 4), tokens_per_step=n_tokens, tokens_per_s=round(n_tokens / med, 1),
-                   loss=round(loss_value, 4))
+                   loss=round(loss_value, 4), sends=steps + 1, fragments=len(states))
         # Recomputation is not counted: model FLOPs, as torchtitan's MFU.
         mfu = ModelCost(flops_per_token, peak_flops(device)[0], device.type).mfu(n_tokens / med, 1)
         out.update(model_flops_per_token=flops_per_token, mfu=round(mfu, 4) if mfu is not None else None)
@@ -185,8 +201,8 @@ def search(run: dict[str, Any], parallelism: str, sizes: list, vocab: int, seq: 
                 stopped_by = f"time budget: {fmt_params(params)} predicted {predicted:.0f} s with {elapsed:.0f} of {budget_s:.0f} s spent"
                 break
         rec = {"params": params, "shape": dict(zip(("hidden", "layers", "heads", "kv_heads", "ffn"), size)),
-               # What `ddiloco config` plans a one-rank learner to keep; the bare loop here keeps no outer snapshot,
-               # so its weights, gradients and AdamW moments are 16 of those 20 bytes a parameter.
+               # What `ddiloco config` plans a one-rank learner to keep: weights, gradients, AdamW's moments and the
+               # outer snapshot, all of which this loop holds.
                "planned_state_gb": round(state_bytes_per_rank(params, "ddp", 1) / 2**30, 2),
                **try_size(cfg, parallelism, device, steps, batch, counted.flops_per_token)}
         release(device)
@@ -285,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         device_memory_gb=round(memory, 1) if memory else None,
         vocab_size=vocab, seq_len=seq, batch_size=batch, tokens_per_step=batch * seq,
         step="the learner's: its _LossModule (bf16 autocast on a GPU), AdamW over its param_groups, clip_grad_norm_, a host "
-        "sync on the loss; random tokens (the data pipeline is not what is measured)",
+        "sync on the loss; its fragment states (a float32 snapshot of every parameter) and one fragment's increment taken "
+        "each step; random tokens (the data pipeline is not what is measured)",
         parallelism_note="ddp: no wrapper at world 1 (as the learner); fsdp: the learner's shard_replica over one rank",
         runs={},
     )

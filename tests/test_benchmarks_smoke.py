@@ -170,6 +170,9 @@ def test_largest_model_quick(quick_runs):
         # The same size costs the same model FLOPs whether its activations are recomputed or not; a CPU has no MFU.
         assert all(positive(r["model_flops_per_token"]) and r["mfu"] is None for r in run["tried"]), par
         assert all(r["planned_state_gb"] == round(20 * r["params"] / 2**30, 2) for r in run["tried"]), par
+        # The learner's outer snapshot is held too (4 bytes a parameter at world 1), and a fragment sent every step.
+        assert all(r["snapshot_bytes"] == 4 * r["params"] and r["fragments"] >= 2 and r["sends"] == d["args"]["steps"] + 1
+                   for r in run["tried"]), par
     assert [r["model_flops_per_token"] for r in d["runs"]["fsdp"]["tried"]] == [
         r["model_flops_per_token"] for r in d["runs"]["fsdp+ac"]["tried"]]
     # No OOM on a CPU: both train the largest tiny size, and tokens/s is compared there.

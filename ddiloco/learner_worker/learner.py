@@ -171,6 +171,16 @@ class FragmentState:
             self.reset_counts()
 
 
+def fragment_states(model: nn.Module, parts: list[Fragment], layout: Layout, tally: Tally) -> list[FragmentState]:
+    """This rank's state of each fragment of ``model`` (already wrapped by its ``layout``): live views of the rows it
+    holds and a snapshot of them on the training device, 4 bytes a parameter held."""
+    with torch.no_grad():
+        local = {n: local_tensor(p) for n, p in model.named_parameters()}
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    return [FragmentState(local_pieces(f, local, shapes, layout), [torch.Size(pc.shape) for pc in f.pieces],
+                          gather_sizes(f, shapes, layout), tally=tally) for f in parts]
+
+
 @dataclass
 class StepReport:
     step: int
@@ -272,15 +282,8 @@ class Learner:
                 # (4 bytes a parameter: 4 GB of a 1B replica's GPU memory), and no copy between them each step.
                 gradient_as_bucket_view=True,
             )
-        with torch.no_grad():
-            local = {n: local_tensor(p) for n, p in self.model.named_parameters()}
-        shapes = {n: p.shape for n, p in self.model.named_parameters()}
         self.tally = Tally()
-        self.fragments = [
-            FragmentState(local_pieces(f, local, shapes, self.layout), [torch.Size(pc.shape) for pc in f.pieces],
-                          gather_sizes(f, shapes, self.layout), tally=self.tally)
-            for f in parts
-        ]
+        self.fragments = fragment_states(self.model, parts, self.layout, self.tally)
         if link is not None:
             link.configure(len(self.fragments), cadence_policy(cfg, parts) if cfg.fragments.adaptive else None,
                            self.dist.world, pin_arrivals=self.device.type == "cuda",
