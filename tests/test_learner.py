@@ -271,6 +271,48 @@ def test_a_slow_link_queues_one_blob_per_fragment_and_loses_no_token():
         assert torch.allclose(got[n].float(), before[0][n] - t.detach(), atol=1e-5), n
 
 
+class _SideBySideIO:
+    """A link's I/O whose blob writes each wait at a barrier for ``n`` writes to be under way: writes made one after the
+    other break it (BrokenBarrierError after the timeout) instead of passing."""
+
+    def __init__(self, io, n: int) -> None:
+        self.io, self.barrier, self.threads = io, threading.Barrier(n, timeout=60), set()
+
+    def put_blob(self, region, key, data):
+        self.threads.add(threading.get_ident())  # all alive at once at the barrier, so all distinct
+        self.barrier.wait()
+        return self.io.put_blob(region, key, data)
+
+    def __getattr__(self, name):
+        return getattr(self.io, name)
+
+
+def test_the_upload_thread_writes_queued_blobs_side_by_side_and_registers_them_all():
+    """Four fragments queued behind an upload are written at once (a long path's round trips overlap), then registered
+    in one exchange; the link's meter counts the four as one transfer of their bytes."""
+    from ddiloco.learner_worker.uploader import UPLOAD_BATCH, WRITE_AT_ONCE
+    from ddiloco.platform.ledger.models import Submission
+
+    cfg, clock, ctx, sync = sim_run(learners={"regions": [{"name": "us", "learners": 1}]},
+                                    fragments={"count": WRITE_AT_ONCE, "adaptive": False})
+    learner = sim_learner(ctx, "us-0")
+    learner.start(clock.t)
+    for _ in range(WRITE_AT_ONCE):  # every fragment sent once, nothing uploaded yet
+        clock.t += 1.0
+        learner.step(clock.t)
+    uploader = learner.link.uploader
+    io = uploader.io = _SideBySideIO(uploader.io, WRITE_AT_ONCE)
+    done = learner.link.meter._done["up"]
+    before = len(done.items)
+    assert not uploader.handle(uploader.outbox.take(UPLOAD_BATCH), at_once=WRITE_AT_ONCE)
+    assert len(io.threads) == WRITE_AT_ONCE and io.barrier.n_waiting == 0 and not io.barrier.broken
+    with ctx.reading() as s:
+        rows = s.query(Submission).filter(Submission.learner_id == "us-0").all()
+    assert sorted(r.fragment for r in rows) == list(range(WRITE_AT_ONCE))
+    (transfer,) = list(done.items)[before:]
+    assert transfer.nbytes == sum(r.nbytes for r in rows) == uploader.bytes_sent
+
+
 def test_a_fragment_waiting_through_failed_uploads_keeps_one_increment_equal_to_the_sum():
     """Sends queued behind a stalled upload and increments of failed uploads are summed as they meet, oldest
     first, so a fragment waits with one increment (not one per send) and its blob is the bytes the sum would give."""

@@ -7,6 +7,7 @@ or :meth:`Uploader.begin_upload` and :meth:`Uploader.finish_upload` to time a tr
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,12 +21,16 @@ from ddiloco.platform.ids import submission_key
 from ddiloco.platform.ledger import learner as learner_q
 from ddiloco.platform.runtime import RunContext
 from ddiloco.platform.spans import span
-from ddiloco.platform.store import encode_tensors
+from ddiloco.platform.store import BlobInfo, encode_tensors
 
 log = logging.getLogger("ddiloco.learner")
 
 UPLOAD_BATCH = 32
 """Most submissions registered in one ledger transaction by the upload thread."""
+WRITE_AT_ONCE = 4
+"""Most blobs the upload thread writes at once. On a long path a blob's write is mostly waiting for round trips, which
+writes side by side overlap: one after the other, a learner 80 ms from its store wrote ~5 small blobs a second whatever
+its bandwidth, and its cadence took that for a thin link (docs/multiregion.md)."""
 REGISTER_WITHIN_S = 1.0
 """A written blob waits at most about this long for its ledger row: the upload registers what it has written
 once its batch has taken this long, so on a slow link an increment does not grow stale behind the others."""
@@ -89,44 +94,47 @@ class Uploader:
         finished = False
         while not finished:
             # Whatever else is queued, or comes within the linger, goes in the same ledger transaction.
-            finished = self.handle(self.outbox.take(UPLOAD_BATCH, wait=True, linger_s=self.linger_s))
+            finished = self.handle(self.outbox.take(UPLOAD_BATCH, wait=True, linger_s=self.linger_s), at_once=WRITE_AT_ONCE)
 
     def pump(self) -> None:
         """Upload everything queued, on this thread (simulations and the final flush)."""
         while items := self.outbox.take():
             self.handle(items)
 
-    def handle(self, items: list[Item]) -> bool:
-        """Upload submissions; True when the stop marker was among them."""
+    def handle(self, items: list[Item], at_once: int = 1) -> bool:
+        """Upload submissions, writing up to ``at_once`` blobs side by side; True when the stop marker was among them."""
         outs = [item for item in items if isinstance(item, Outgoing)]
         if outs:
             registered: list[Outgoing] = []
             try:
-                self.upload(outs, registered)
+                self.upload(outs, registered, at_once)
             except Exception:  # noqa: BLE001 - the increments go out with the next send
                 log.exception("upload of fragments %s failed after retries", [o.fragment for o in outs])
                 self.failed([o for o in outs if not any(o is r for r in registered)])
         return any(item is None for item in items)
 
-    def upload(self, outs: list[Outgoing], registered: list[Outgoing] | None = None) -> None:
-        """Write the blobs and register them: a row never points to a missing blob. A fast batch is one
-        transaction; on a slow link what is written is registered every :data:`REGISTER_WITHIN_S` (appended to
-        ``registered``, so that a failure carries over only the rest)."""
+    def upload(self, outs: list[Outgoing], registered: list[Outgoing] | None = None, at_once: int = 1) -> None:
+        """Write the blobs, ``at_once`` side by side, and register them: a row never points to a missing blob. A fast
+        batch is one transaction; on a slow link what is written is registered every :data:`REGISTER_WITHIN_S`
+        (appended to ``registered``, so that a failure carries over only the rest)."""
         t0 = time.perf_counter()
         done = [] if registered is None else registered
+        at_once = max(1, at_once)
         with span("learner.upload"):
             written: list[tuple[Outgoing, learner_q.SubmissionIn]] = []
             since = self.elapsed()
-            for i, out in enumerate(outs):
+            for first in range(0, len(outs), at_once):
+                group = outs[first:first + at_once]
                 token, started = self.meter.begin("up", self.ctx.now()), self.elapsed()
                 subs: list[learner_q.SubmissionIn] = []
                 try:
-                    subs = self.put_blobs([out])
+                    subs = self.put_blobs(group)
                 finally:
-                    # The link's figure is the blob's transfer; the registration is a ledger round trip.
+                    # The link's figure is the blobs' transfer, side by side as one (what the link carried in the time
+                    # it took); the registration is a ledger round trip.
                     self.meter.end(token, sum(sub.nbytes for sub in subs), self.elapsed() - started, self.ctx.now())
-                written.append((out, subs[0]))
-                if i == len(outs) - 1 or self.elapsed() - since >= REGISTER_WITHIN_S:
+                written += zip(group, subs)
+                if first + len(group) >= len(outs) or self.elapsed() - since >= REGISTER_WITHIN_S:
                     self.register([sub for _, sub in written])
                     done += [o for o, _ in written]
                     self.bytes_sent += sum(sub.nbytes for _, sub in written)
@@ -134,25 +142,50 @@ class Uploader:
         self.upload_s += time.perf_counter() - t0
 
     def put_blobs(self, outs: list[Outgoing]) -> list[learner_q.SubmissionIn]:
-        """Encode each submission with the codec in force and write its blob; what to register."""
+        """Encode each submission with the codec in force, then write their blobs side by side; what to register."""
         codec = self.codec()
-        subs = []
+        encoded = []
         for out in outs:
             with out.stream_context():
                 tensors, meta = encode_delta(out.delta(), codec, self.ctx.cfg.compression.block_size)
             uid = f"i{self.incarnation()}-s{out.step}-f{out.fragment}"
-            key = submission_key(self.ctx.run_id, out.fragment, self.learner_id, uid)
-            blob = self.io.put_blob(self.region, key, encode_tensors(tensors, meta))
-            fault_point("learner.after_blob")
-            subs.append(
-                learner_q.SubmissionIn(
-                    uid=uid, fragment=out.fragment, base_version=out.base_version, c_steps=out.c_steps,
-                    c_tokens=out.c_tokens, tokens_new=out.tokens_new, tokens_total=out.tokens_total,
-                    blob_key=blob.key, sha256=blob.sha256, nbytes=blob.nbytes, codec=codec,
-                    data_batches=out.data_batches,
-                )
+            encoded.append((uid, submission_key(self.ctx.run_id, out.fragment, self.learner_id, uid),
+                            encode_tensors(tensors, meta)))
+        blobs = self._write([(key, data) for _, key, data in encoded])
+        return [
+            learner_q.SubmissionIn(
+                uid=uid, fragment=out.fragment, base_version=out.base_version, c_steps=out.c_steps,
+                c_tokens=out.c_tokens, tokens_new=out.tokens_new, tokens_total=out.tokens_total,
+                blob_key=blob.key, sha256=blob.sha256, nbytes=blob.nbytes, codec=codec,
+                data_batches=out.data_batches,
             )
-        return subs
+            for out, (uid, _, _), blob in zip(outs, encoded, blobs)
+        ]
+
+    def _write(self, blobs: list[tuple[str, bytes]]) -> list[BlobInfo]:
+        """Write blobs, all at once (the first on this thread); return once every write has ended, raising the first
+        failure. The helpers are daemon threads of one write each, so a write that never ends keeps no process alive."""
+        results: list[BlobInfo | BaseException | None] = [None] * len(blobs)
+
+        def write(i: int) -> None:
+            try:
+                results[i] = self.io.put_blob(self.region, *blobs[i])
+                fault_point("learner.after_blob")
+            except BaseException as err:  # noqa: BLE001 - raised on the upload thread below
+                results[i] = err
+
+        helpers = [threading.Thread(target=write, args=(i,), name=f"{self.learner_id}-write", daemon=True)
+                   for i in range(1, len(blobs))]
+        for t in helpers:
+            t.start()
+        if blobs:
+            write(0)
+        for t in helpers:
+            t.join()
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results  # type: ignore[return-value]
 
     def begin_upload(self) -> Upload | None:
         """Take the oldest queued submission and write its blob: an upload
