@@ -299,6 +299,8 @@ class Platform:
         self.running = threading.Event()
         self.running.set()
         self.io_off = False
+        self.dropped = 0
+        """Submissions the link took and dropped with its I/O off."""
         self.in_flight = 0
         self._lock = threading.Lock()
         poll, beat = link.poll, link.heartbeat
@@ -384,7 +386,11 @@ class Platform:
         """From now on the link does no I/O: uploads are dropped before they are encoded, polls stay gated."""
         self.pause()
         self.io_off = True
-        self.link.uploader.upload = lambda outs, registered=None: None
+
+        def dropped(outs, *_args, **_kwargs) -> None:  # whatever the uploader passes besides the submissions
+            self.dropped += len(outs)
+
+        self.link.uploader.upload = dropped
 
     def window(self, seconds: float) -> dict:
         self.resume()
@@ -392,9 +398,11 @@ class Platform:
         self.counts.update(sent=0, received=0)
         self.copied.update(dict.fromkeys(self.copied, 0))
         upload_s0, bytes0 = self.link.uploader.upload_s, self.link.uploader.bytes_sent
-        down0 = self.link.downloader.bytes_received
+        down0, dropped0 = self.link.downloader.bytes_received, self.dropped
         win = run_window(self.step, seconds, self.threads)
         drain_s = self.pause()
+        self._check_link(sent=self.counts["sent"], uploaded=self.link.uploader.bytes_sent - bytes0,
+                         dropped=self.dropped - dropped0)
         return {
             **win,
             "host_copies": dict(self.copied),
@@ -406,6 +414,17 @@ class Platform:
             "bytes_received": self.link.downloader.bytes_received - down0,
             "drain_after_s": drain_s,
         }
+
+    def _check_link(self, sent: int, uploaded: int, dropped: int) -> None:
+        """Refuse to time a learner whose link stopped trading: a dead thread, or sends that never left, would make
+        the platform look as cheap as the bare loop."""
+        dead = [t.name for t in self.link._threads if not t.is_alive()]
+        if dead:
+            raise RuntimeError(f"the link's thread {', '.join(dead)} died during a window (its error is above); "
+                               "the figures would time a learner that trades nothing")
+        if sent and not (dropped if self.io_off else uploaded):
+            raise RuntimeError(f"the learner sent {sent} fragments in a window and the link "
+                               f"{'dropped' if self.io_off else 'uploaded'} none of them (its error is above)")
 
     def stop(self) -> None:
         self.resume()

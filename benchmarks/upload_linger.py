@@ -79,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         exchanges: list[int] = []
         handle = platform.link.uploader.handle
 
-        def counted(items):
+        def counted(items, *args, **kwargs):
             exchanges.append(sum(item is not None for item in items))
-            return handle(items)
+            return handle(items, *args, **kwargs)
 
         platform.link.uploader.handle = counted
         platform.window(args.warmup_s)

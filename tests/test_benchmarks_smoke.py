@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
 
-NAMES = ("learner_overhead", "merge_throughput", "failover", "sync_sustain", "largest_model")
+NAMES = ("learner_overhead", "merge_throughput", "failover", "sync_sustain", "largest_model", "upload_linger")
 
 
 @pytest.fixture(scope="module")
@@ -73,16 +73,17 @@ def quick_runs(tmp_path_factory):
     return results
 
 
-def load(quick_runs, name: str) -> dict:
+def load(quick_runs, name: str, goal: bool = True) -> dict:
     rc, out, text = quick_runs[name]
     assert rc == 0, f"{name} --quick failed ({rc}):\n{text[-4000:]}"
-    assert "PASS" in text or "FAIL" in text, text
     data = json.loads(out.read_text())
-    for key in ("benchmark", "date", "commit", "machine", "goal"):
+    for key in ("benchmark", "date", "commit", "machine"):
         assert key in data, f"{name}: missing {key!r}"
     assert data["benchmark"] == name
     assert data["machine"]["cores"] >= 1
-    assert isinstance(data["goal"]["pass"], bool)
+    if goal:
+        assert "PASS" in text or "FAIL" in text, text
+        assert isinstance(data["goal"]["pass"], bool)
     return data
 
 
@@ -110,6 +111,17 @@ def test_learner_overhead_quick(quick_runs):
     assert d["mfu"] == {"bare": None, "platform": None}
     io_off = d["link_io_off"]
     assert io_off["pairs"] == 1 and 0.2 < io_off["ratio_median_of_pairs"] < 5 and positive(io_off["train_step_slowdown_vs_bare"])
+
+
+def test_upload_linger_quick(quick_runs):
+    """Both variants really upload: the benchmark wraps the upload thread's handler, and a wrapper that no longer fits
+    its call (as once, when the handler gained an argument) killed the thread and timed a learner that sent nothing."""
+    d = load(quick_runs, "upload_linger", goal=False)
+    assert d["linger_s"]["none"] == 0 and d["linger_s"]["linger"] > 0
+    for kind in ("none", "linger"):
+        w = d["rounds"][0][kind]
+        assert w["sent"] > 0 and w["sends_per_exchange"] >= 1 and positive(w["link_cpu_ms_per_send"]), (kind, w)
+        assert 0.05 < w["ratio"] < 5, (kind, w)
 
 
 def test_merge_throughput_quick(quick_runs):
