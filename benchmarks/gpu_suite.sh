@@ -32,7 +32,8 @@
 #   3b. overhead_llama_linkproc  ... with learners.link_process -> learner_overhead_cuda_llama100m_ddp_linkproc.json
 #   4. overhead_llama_fsdp  ... and fsdp (at world 1) -> learner_overhead_cuda_llama100m_fsdp.json
 #   5. largest_model        the largest Llama one learner trains on the GPU, ddp then fsdp -> largest_model_cuda.json
-#   5a. largest_model_ac    (extra: only with --only) fsdp with and without activation checkpointing, up to 1.2 B
+#   5a. largest_model_ac    (extra: only with --only) fsdp with and without activation checkpointing (full and
+#                           selective), up to 1.2 B
 #                           -> largest_model_cuda_ac.json
 #   6. merge_cuda           merge_throughput.py --device cuda -> merge_throughput_cuda.json
 #   7. sync_sustain         1 and 2 synchronizer shards in one invocation (the ratio from the same run) on the machine's
@@ -124,7 +125,7 @@ STEPS=(
   "overhead_llama_linkproc|70|learner_overhead_cuda_llama100m_ddp_linkproc.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism ddp --link-process --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_ddp_linkproc.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism ddp --link-process --json {OUT}/learner_overhead_cuda_llama100m_ddp_linkproc.json"
   "overhead_llama_fsdp|75|learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --device cuda --model llama100m --parallelism fsdp --windows 3 --window-s 3.5 --warmup-s 6 --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json|{PY} benchmarks/learner_overhead.py --quick --model llama100m --parallelism fsdp --json {OUT}/learner_overhead_cuda_llama100m_fsdp.json"
   "largest_model|55|largest_model_cuda.json|{PY} benchmarks/largest_model.py --device cuda --parallelism ddp,fsdp --budget-s 45 --json {OUT}/largest_model_cuda.json|{PY} benchmarks/largest_model.py --quick --device cpu --json {OUT}/largest_model_cuda.json"
-  "largest_model_ac|60|largest_model_cuda_ac.json|{PY} benchmarks/largest_model.py --device cuda --parallelism fsdp,fsdp+ac --max-params 1.3e9 --budget-s 25 --json {OUT}/largest_model_cuda_ac.json|{PY} benchmarks/largest_model.py --quick --device cpu --parallelism fsdp,fsdp+ac --json {OUT}/largest_model_cuda_ac.json"
+  "largest_model_ac|85|largest_model_cuda_ac.json|{PY} benchmarks/largest_model.py --device cuda --parallelism fsdp,fsdp+ac,fsdp+sac --max-params 1.3e9 --budget-s 25 --json {OUT}/largest_model_cuda_ac.json|{PY} benchmarks/largest_model.py --quick --device cpu --parallelism fsdp,fsdp+ac,fsdp+sac --json {OUT}/largest_model_cuda_ac.json"
   "merge_cuda|25|merge_throughput_cuda.json|{PY} benchmarks/merge_throughput.py --device cuda --rounds 3 --json {OUT}/merge_throughput_cuda.json|{PY} benchmarks/merge_throughput.py --quick --device cpu --json {OUT}/merge_throughput_cuda.json"
   "sync_sustain|105|sync_sustain_${NPROC}cores.json|{PY} benchmarks/sync_sustain.py --learners 32 --shards 1,2 --minutes 0.25 --warmup-s 6 --quiet --json {OUT}/sync_sustain_${NPROC}cores.json|{PY} benchmarks/sync_sustain.py --quick --shards 1,2 --json {OUT}/sync_sustain_${NPROC}cores.json"
 )
@@ -134,7 +135,7 @@ STEPS=(
 # GPU with it cost. overhead_llama_devdecode is overhead_llama_ddp with learners.decode_on_device (received versions
 # decoded on the GPU), to decide that option's default. upload_linger compares the demo learner with its upload thread
 # lingering for more sends (learners.upload_linger_s, the default) and not, round by round in one run. largest_model_ac is largest_model's fsdp with and without
-# learners.activation_checkpoint up to 1.2 B parameters: what recomputing the activations costs in tokens/s (at one
+# learners.activation_checkpoint (full, selective) up to 1.2 B parameters: what recomputing the activations costs in tokens/s (at one
 # rank the parameters and AdamW state, 16 bytes a parameter, decide the largest size, not the activations).
 EXTRA=" overhead_demo_syncgpu upload_linger overhead_llama_syncgpu overhead_llama_devdecode largest_model_ac "
 # A dry run on a small shared CPU machine is slower than the GPU run: its caps are stretched, never its commands.

@@ -17,7 +17,9 @@ tokens/s and peak memory are recorded.
     compute with fp32 shards and reduction on GPUs) over a process group of one rank;
   * ddp+ac, fsdp+ac: the same with ``learners.activation_checkpoint: full`` (the learner's ``checkpoint_blocks``:
     each block keeps only its inputs and recomputes the rest in the backward pass), compared with the same run's
-    plain form: how much larger a model fits, and what the recomputation costs in tokens/s.
+    plain form: how much larger a model fits, and what the recomputation costs in tokens/s;
+  * ddp+sac, fsdp+sac: ``selective`` (each block also keeps its matrix products' and attention's outputs and
+    recomputes only the rest), compared with the plain form the same way.
 
 At world 1 FSDP shards nothing: what it can change is the transient memory (one block's bf16 weights
 gathered at a time, where autocast keeps a bf16 copy of every weight through a step). The baseline is
@@ -27,9 +29,9 @@ large as ddp.
 
 Time-bounded: each parallelism stops before a size whose predicted time (the previous size's, scaled by
 parameters) would pass ``--budget-s``; results are written after every size, so a ``timeout`` that cuts
-the run short still leaves what was measured. ``--quick`` runs three tiny Llamas on the CPU (seconds), fsdp+ac too.
+the run short still leaves what was measured. ``--quick`` runs three tiny Llamas on the CPU (seconds), fsdp+ac and fsdp+sac too.
 
-    python benchmarks/largest_model.py [--quick] [--device auto|cpu|cuda] [--parallelism ddp,fsdp[,fsdp+ac]] [--budget-s 60]
+    python benchmarks/largest_model.py [--quick] [--device auto|cpu|cuda] [--parallelism ddp,fsdp[,fsdp+ac][,fsdp+sac]] [--budget-s 60]
 """
 
 from __future__ import annotations
@@ -123,10 +125,10 @@ def try_size(cfg, parallelism: str, device: torch.device, steps: int, batch: int
         parallelism, _, extra = parallelism.partition("+")
         parts = partition_module(model, cfg.fragments.count)  # as the learner: planned on the whole replica
         layout = Layout("ddp")
-        if extra == "ac":
+        if extra in ("ac", "sac"):
             from ddiloco.learner_worker.parallel import checkpoint_blocks
 
-            checkpoint_blocks(model)
+            checkpoint_blocks(model, "full" if extra == "ac" else "selective")
         if parallelism != "ddp":
             from ddiloco.learner_worker.dist import Dist, ensure_process_group
             from ddiloco.learner_worker.parallel import shard_replica
@@ -246,12 +248,12 @@ def compare(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def compare_recompute(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Each ``X+ac`` run against its plain ``X`` of the same run: the largest parameter counts, and tokens/s at the
-    largest size both trained (the recomputation's cost)."""
+    """Each ``X+ac`` and ``X+sac`` run against its plain ``X`` of the same run: the largest parameter counts, and
+    tokens/s at the largest size both trained (the recomputation's cost)."""
     out: dict[str, Any] = {}
     for name, run in runs.items():
         plain = runs.get(name.partition("+")[0])
-        if not name.endswith("+ac") or not plain or not plain.get("largest_trained") or not run.get("largest_trained"):
+        if not name.endswith(("+ac", "+sac")) or not plain or not plain.get("largest_trained") or not run.get("largest_trained"):
             continue
         both = {r["params"]: r for r in plain["tried"] if r["status"] == "trained"}
         common = [r for r in run["tried"] if r["status"] == "trained" and r["params"] in both]
@@ -268,8 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = base_parser(__doc__)
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: the GPU when torch sees one")
     ap.add_argument("--parallelism", default=None,
-                    help="comma separated, in order (ddp first: it is the baseline); ddp+ac / fsdp+ac recompute activations "
-                    "(default ddp,fsdp; --quick: ddp,fsdp,fsdp+ac)")
+                    help="comma separated, in order (ddp first: it is the baseline); ddp+ac / fsdp+ac recompute activations, "
+                    "ddp+sac / fsdp+sac all but the matrix products' and attention's "
+                    "(default ddp,fsdp; --quick: ddp,fsdp,fsdp+ac,fsdp+sac)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="seconds per parallelism (default 60; --quick: 600, so a busy machine does not cut its three sizes)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per size (after one untimed)")
@@ -288,11 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_params:
         sizes = [s for s in sizes if count_params(build_config({"model": model_config(s, vocab, seq)})) <= args.max_params]
     if args.parallelism is None:
-        args.parallelism = "ddp,fsdp,fsdp+ac" if args.quick else "ddp,fsdp"
+        args.parallelism = "ddp,fsdp,fsdp+ac,fsdp+sac" if args.quick else "ddp,fsdp"
     parallelisms = [p for p in args.parallelism.split(",") if p]
     for p in parallelisms:
-        if p.partition("+")[0] not in ("ddp", "fsdp") or p.partition("+")[2] not in ("", "ac"):
-            ap.error(f"--parallelism: {p!r} is not ddp, fsdp, ddp+ac or fsdp+ac")
+        if p.partition("+")[0] not in ("ddp", "fsdp") or p.partition("+")[2] not in ("", "ac", "sac"):
+            ap.error(f"--parallelism: {p!r} is not ddp or fsdp, alone or with +ac or +sac")
     name = NAME if device.type == "cpu" else f"{NAME}_{device.type}"
     results = header(name, args)
     memory = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else None

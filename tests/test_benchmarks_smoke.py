@@ -173,7 +173,7 @@ def test_sync_sustain_quick(quick_runs):
 
 def test_largest_model_quick(quick_runs):
     d = load(quick_runs, "largest_model")
-    assert set(d["runs"]) == {"ddp", "fsdp", "fsdp+ac"}
+    assert set(d["runs"]) == {"ddp", "fsdp", "fsdp+ac", "fsdp+sac"}
     for par, run in d["runs"].items():
         sizes = [r["params"] for r in run["tried"]]
         assert len(sizes) == 3 and sizes == sorted(sizes), par
@@ -185,17 +185,19 @@ def test_largest_model_quick(quick_runs):
         # The learner's outer snapshot is held too (4 bytes a parameter at world 1), and a fragment sent every step.
         assert all(r["snapshot_bytes"] == 4 * r["params"] and r["fragments"] >= 2 and r["sends"] == d["args"]["steps"] + 1
                    for r in run["tried"]), par
-    assert [r["model_flops_per_token"] for r in d["runs"]["fsdp"]["tried"]] == [
-        r["model_flops_per_token"] for r in d["runs"]["fsdp+ac"]["tried"]]
+    for mode in ("fsdp+ac", "fsdp+sac"):
+        assert [r["model_flops_per_token"] for r in d["runs"]["fsdp"]["tried"]] == [
+            r["model_flops_per_token"] for r in d["runs"][mode]["tried"]]
     # No OOM on a CPU: both train the largest tiny size, and tokens/s is compared there.
     c = d["comparison"]
     assert c["largest_params_fsdp_vs_ddp"] == 1.0 and positive(c["tokens_per_s_fsdp_vs_ddp"])
     assert c["tokens_per_s_compared_at_params"] == d["runs"]["ddp"]["largest_trained"]["params"]
     # Recomputing the activations is compared with the same run's plain fsdp, at the largest size both trained.
     r = d["activation_checkpoint"]
-    assert set(r) == {"fsdp+ac"} and r["fsdp+ac"]["largest_params_vs_plain"] == 1.0
-    assert positive(r["fsdp+ac"]["tokens_per_s_vs_plain"])
-    assert r["fsdp+ac"]["tokens_per_s_compared_at_params"] == d["runs"]["fsdp"]["largest_trained"]["params"]
+    assert set(r) == {"fsdp+ac", "fsdp+sac"}
+    for mode in r.values():
+        assert mode["largest_params_vs_plain"] == 1.0 and positive(mode["tokens_per_s_vs_plain"])
+        assert mode["tokens_per_s_compared_at_params"] == d["runs"]["fsdp"]["largest_trained"]["params"]
 
 
 def test_learner_overhead_names_its_results_by_device_model_and_parallelism():

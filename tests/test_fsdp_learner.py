@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 from support import TINY_LLAMA, tiny_config
 from test_ddp_learner import STEPS, B, _concat, _drive, _full, _ledger_view, _open_run, _submission_blobs, run_two_ranks
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddiloco.inprocess import sim_learner
 from ddiloco.learner_worker.parallel import (
@@ -129,6 +130,54 @@ def test_activation_checkpointing_recomputes_every_block_and_changes_no_number(k
     assert [type(b).__mro__[1] for b in blocks(ckpt)] == [type(b) for b in blocks(plain)]
 
 
+def _ops_in_backward(model: torch.nn.Module, vocab: int, seq: int) -> tuple[int, int]:
+    """(matrix products, all ops) run by one backward pass: its own, and any of the forward it runs again."""
+    g = torch.Generator().manual_seed(7)
+    x, y = (torch.randint(0, vocab, (4, seq), generator=g) for _ in range(2))
+    loss = training_loss(model, Batch(inputs=x, targets=y, tokens=x.numel()))
+    products = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+    ran: list = []
+
+    class Ran(TorchDispatchMode):
+        # Entered before the backward, so below the recomputation's own mode: it sees only the ops really run, not
+        # those whose kept outputs the recomputation hands back.
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+            ran.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Ran():
+        loss.backward()
+    return sum(1 for f in ran if f in products), len(ran)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "moe_gpt", "hf", "torchtitan"])
+def test_selective_checkpointing_keeps_the_products_recomputes_the_rest_and_changes_no_number(kind):
+    if kind == "torchtitan" and importlib.util.find_spec("torchtitan") is None:
+        pytest.skip("torchtitan is not installed")
+    cfg = tiny_config(model=KINDS[kind]).model
+    plain, full, selective = (build_model(cfg, seed=0) for _ in range(3))
+    assert checkpoint_blocks(full, "full") == checkpoint_blocks(selective, "selective") == 2
+    assert all(type(b).__name__.startswith("SelectivelyCheckpointed") for b in blocks(selective))
+    assert [n for n, _ in selective.named_parameters()] == [n for n, _ in plain.named_parameters()], "the fragment plan's names"
+    _, loss_plain, grads_plain = _backward(plain, cfg.vocab_size, cfg.seq_len)
+    _, loss, grads = _backward(selective, cfg.vocab_size, cfg.seq_len)
+    assert torch.equal(loss, loss_plain)
+    assert grads.keys() == grads_plain.keys()
+    for name, g in grads_plain.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=1e-8, msg=lambda m, n=name: f"{n}: {m}")
+    # Its backward runs no matrix product again (the full recomputation runs each block's forward ones) but does run
+    # the rest of the blocks' forward again (the plain backward runs none of it).
+    (mm_plain, ops_plain), (mm, ops), (mm_full, ops_full) = (_ops_in_backward(m, cfg.vocab_size, cfg.seq_len)
+                                                              for m in (plain, selective, full))
+    assert mm == mm_plain < mm_full, (mm_plain, mm, mm_full)
+    assert ops_plain < ops < ops_full, (ops_plain, ops, ops_full)
+    # Asked again, or for the other mode, a block keeps the recomputation it has: none is nested.
+    checkpoint_blocks(selective, "full")
+    assert [type(b).__mro__[1] for b in blocks(selective)] == [type(b) for b in blocks(plain)]
+    with pytest.raises(ConfigError, match="'partial' is not none, full or selective"):
+        checkpoint_blocks(plain, "partial")
+
+
 def test_a_compiled_model_recomputes_its_checkpointed_blocks_and_trains_as_the_eager_one():
     torch._dynamo.reset()
     cfg = tiny_config(model={"n_layer": 2}).model
@@ -147,18 +196,21 @@ def test_a_compiled_model_recomputes_its_checkpointed_blocks_and_trains_as_the_e
 def test_activation_checkpointing_is_refused_for_a_model_without_repeated_blocks():
     with pytest.raises(ConfigError, match="learners.activation_checkpoint: SmallCNN has no repeated blocks"):
         checkpoint_blocks(build_model(tiny_config(model={"kind": "vision"}).model))
-    with pytest.raises(ValueError, match="model.kind vision has no repeated blocks"):
-        tiny_config(model={"kind": "vision"}, learners={"activation_checkpoint": "full"})
+    for mode in ("full", "selective"):
+        with pytest.raises(ValueError, match="model.kind vision has no repeated blocks"):
+            tiny_config(model={"kind": "vision"}, learners={"activation_checkpoint": mode})
 
 
 @pytest.mark.slow
 def test_two_rank_fsdp_sends_what_two_rank_ddp_recomputing_its_activations_sends(tmp_path):
     """The DDP learner recomputes its blocks' activations in the backward pass (``activation_checkpoint: full``),
-    which must change nothing it computes, under DDP's gradient hooks too; the FSDP learner keeps them."""
+    under DDP's gradient hooks, and the FSDP learner all but their matrix products and attention (``selective``),
+    inside its units' hooks: neither may change anything either computes. (FSDP with ``full`` is the HSDP test's.)"""
     ddp = run_two_ranks(tmp_path / "ddp", _config("ddp", activation="full"))
-    fsdp = run_two_ranks(tmp_path / "fsdp", _config("fsdp"))
-    assert [r["checkpointed_blocks"] for r in ddp + fsdp] == [1, 1, 0, 0]
+    fsdp = run_two_ranks(tmp_path / "fsdp", _config("fsdp", activation="selective"))
+    assert [r["checkpointed_blocks"] for r in ddp + fsdp] == [1, 1, 1, 1]
     assert all(name.startswith("Checkpointed") for r in ddp for name in r["block_classes"]), ddp[0]["block_classes"]
+    assert all(r["block_classes"] == ["FSDPSelectivelyCheckpointedBlock"] for r in fsdp), fsdp[0]["block_classes"]
     # FSDP really shards: each rank holds about half of the rows, DDP every row.
     assert ddp[0]["shards"] == 1 and fsdp[0]["shards"] == fsdp[1]["shards"] == 2
     assert ddp[0]["local_numel"] == ddp[0]["numel"]

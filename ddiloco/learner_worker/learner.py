@@ -261,7 +261,8 @@ class Learner:
         # .to() keeps the Parameter objects, so the optimizer and the fragments' views stay valid.
         self.model = build_model(cfg.model, seed=cfg.seed).to(self.device)
         self.model.train()
-        self.checkpointed_blocks = checkpoint_blocks(self.model) if cfg.learners.activation_checkpoint == "full" else 0
+        ac = cfg.learners.activation_checkpoint
+        self.checkpointed_blocks = checkpoint_blocks(self.model, ac) if ac != "none" else 0
         """Blocks that recompute their activations in the backward pass (``learners.activation_checkpoint``)."""
         parts = partition_module(self.model, cfg.fragments.count)
         self.loss_module = _LossModule(self.model, self.device)

@@ -10,8 +10,10 @@ each rank works on the rows of each fragment piece it holds (:class:`LocalPiece`
 gathers the rows of its shard group into whole tensors before encoding (one padded ``gather`` per
 fragment). World size 1 is the same code: one rank holding every row, nothing gathered.
 
-``learners.activation_checkpoint: full`` makes each block recompute its activations in the backward pass
-(:func:`checkpoint_blocks`), before any wrapping, as torchtitan orders it (checkpointing, compile, FSDP)."""
+``learners.activation_checkpoint`` makes each block recompute its activations in the backward pass
+(:func:`checkpoint_blocks`), before any wrapping, as torchtitan orders it (checkpointing, compile, FSDP): ``full``
+recomputes the whole block, ``selective`` keeps the outputs of its matrix products and attention and recomputes the
+cheap rest (torchtitan's per-op policy)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ddiloco.platform.config import ConfigError
 from ddiloco.platform.fragments import Fragment
@@ -159,28 +161,73 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 
 
 @functools.cache
-def _checkpointed(cls: type) -> type:
-    """``cls``'s subclass whose forward recomputes in the backward pass (one per class, as FSDP2 makes its own)."""
+def _kept_ops() -> frozenset:
+    """What ``selective`` keeps for the backward pass: the outputs of matrix products, attention and FSDP's gradient
+    reduce-scatter, the ops that cost the most to run again for their memory (torchtitan's per-op list)."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_fused_attention_overrideable")
+    ops = {getattr(aten, n).default for n in names if hasattr(aten, n)}
+    if hasattr(torch.ops, "_c10d_functional"):
+        ops.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    return frozenset(ops)
+
+
+KEPT_OPS = _kept_ops()
+
+
+def _keep_products(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context() -> Any:
+    return create_selective_checkpoint_contexts(_keep_products)
+
+
+_SUBCLASSES: dict[tuple[type, str], type] = {}
+
+
+def _checkpointed(cls: type, mode: str) -> type:
+    """``cls``'s subclass whose forward recomputes in the backward pass, all of it (``full``) or all but its matrix
+    products and attention (``selective``); one per class and mode, so every block of a class shares it."""
+    key = (cls, mode)
+    if key in _SUBCLASSES:
+        return _SUBCLASSES[key]
+    extra = {} if mode == "full" else {"context_fn": _selective_context}
+
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # Non-reentrant: keyword arguments (a Hugging Face layer's position embeddings) pass through, and
         # torch.compile traces it. The RNG state is kept so that a model with dropout recomputes the same masks.
-        return checkpoint(super(sub, self).forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(super(sub, self).forward, *args, use_reentrant=False, **extra, **kwargs)
 
-    sub = type(f"Checkpointed{cls.__name__}", (cls,), {"forward": forward, "_recomputes": True, "__module__": cls.__module__})
+    prefix = "Checkpointed" if mode == "full" else "SelectivelyCheckpointed"
+    sub = type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward, "_recomputes": mode, "__module__": cls.__module__})
+    _SUBCLASSES[key] = sub
     return sub
 
 
-def checkpoint_blocks(model: nn.Module) -> int:
-    """Activation checkpointing of every block of ``model`` in place (how many): a block keeps only its inputs for
-    the backward pass and runs its forward again there. The class of each block is swapped for a subclass, so
-    parameter names (the fragment plan's), state dicts and deep copies are unchanged, unlike a wrapper module."""
+def checkpoint_blocks(model: nn.Module, mode: str = "full") -> int:
+    """Activation checkpointing of every block of ``model`` in place (how many). ``full``: a block keeps only its
+    inputs for the backward pass and runs its forward again there; ``selective``: it also keeps the outputs of its
+    matrix products and attention, and runs again only the rest (norms, activations, rotations, sums). The class of
+    each block is swapped for a subclass, so parameter names (the fragment plan's), state dicts and deep copies are
+    unchanged, unlike a wrapper module."""
+    if mode not in ("full", "selective"):
+        raise ConfigError(f"learners.activation_checkpoint: {mode!r} is not none, full or selective")
     found = blocks(model)
     if not found:
         raise ConfigError(f"learners.activation_checkpoint: {type(model).__name__} has no repeated blocks (the children "
                          "of a ModuleList or ModuleDict) to recompute; set it to none for this model")
     for block in found:
         if not getattr(type(block), "_recomputes", False):  # already (a subclass FSDP2 made of) a recomputing class
-            block.__class__ = _checkpointed(type(block))
+            block.__class__ = _checkpointed(type(block), mode)
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        # As transformers does under its own gradient checkpointing: a layer run again in the backward pass would
+        # find the forward's keys in the key/value cache and attend to both (and selective's kept outputs would no
+        # longer line up with the ops run again). Training never reads the cache.
+        config.use_cache = False
     return len(found)
 
 

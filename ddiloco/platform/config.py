@@ -340,10 +340,12 @@ class LearnersConfig(_Section):
     compile: bool = False
     """torch.compile the model's forward and loss (off by default: on a CPU the compile time is
     rarely won back on small models)."""
-    activation_checkpoint: Literal["none", "full"] = "none"
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
     """``full``: each block of the model (its repeated layers) keeps only its inputs for the backward pass and runs its
     forward again there: about one more forward's compute a step, for activation memory of one block's input per
     block instead of all its intermediates, which is what lets a large replica or a long sequence fit on a GPU.
+    ``selective``: a block also keeps the outputs of its matrix products and attention, and runs again only the
+    cheap rest (norms, activations, rotations, sums): most of the compute saved, part of the memory.
     Parameter names and everything a learner sends are unchanged; a model with no repeated blocks is refused."""
     log_every: int = Field(100, ge=0, le=1 << 30)
     """Inner steps between two progress lines in a learner's log (step, tokens, loss, tokens/s); 0: none."""
