@@ -160,7 +160,6 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return out
 
 
-@functools.cache
 def _kept_ops() -> frozenset:
     """What ``selective`` keeps for the backward pass: the outputs of matrix products, attention and FSDP's gradient
     reduce-scatter, the ops that cost the most to run again for their memory (torchtitan's per-op list)."""
@@ -185,15 +184,10 @@ def _selective_context() -> Any:
     return create_selective_checkpoint_contexts(_keep_products)
 
 
-_SUBCLASSES: dict[tuple[type, str], type] = {}
-
-
+@functools.cache
 def _checkpointed(cls: type, mode: str) -> type:
     """``cls``'s subclass whose forward recomputes in the backward pass, all of it (``full``) or all but its matrix
-    products and attention (``selective``); one per class and mode, so every block of a class shares it."""
-    key = (cls, mode)
-    if key in _SUBCLASSES:
-        return _SUBCLASSES[key]
+    products and attention (``selective``); one per class and mode (as FSDP2 makes its own)."""
     extra = {} if mode == "full" else {"context_fn": _selective_context}
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -203,7 +197,6 @@ def _checkpointed(cls: type, mode: str) -> type:
 
     prefix = "Checkpointed" if mode == "full" else "SelectivelyCheckpointed"
     sub = type(f"{prefix}{cls.__name__}", (cls,), {"forward": forward, "_recomputes": mode, "__module__": cls.__module__})
-    _SUBCLASSES[key] = sub
     return sub
 
 
