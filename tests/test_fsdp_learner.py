@@ -28,6 +28,7 @@ from ddiloco.learner_worker.parallel import (
     gather_pieces,
     gather_sizes,
     local_pieces,
+    recompute_advice,
     shard_rows,
 )
 from ddiloco.platform.config import ConfigError
@@ -176,6 +177,19 @@ def test_selective_checkpointing_keeps_the_products_recomputes_the_rest_and_chan
     assert [type(b).__mro__[1] for b in blocks(selective)] == [type(b) for b in blocks(plain)]
     with pytest.raises(ConfigError, match="'partial' is not none, full or selective"):
         checkpoint_blocks(plain, "partial")
+
+
+def test_an_eager_hugging_face_learner_that_recomputes_on_a_gpu_is_told_to_compile():
+    """Its cache off, transformers reads a value back from the device in every forward; only that case is warned."""
+    hf, gpt = build_model(tiny_config(model=KINDS["hf"]).model), build_model(tiny_config().model)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    advice = recompute_advice(hf, "selective", cuda, compiled=False)
+    assert advice and "learners.compile: true" in advice and ".all()" in advice
+    assert recompute_advice(hf, "full", cuda, compiled=False) == advice
+    assert recompute_advice(hf, "selective", cuda, compiled=True) is None
+    assert recompute_advice(hf, "selective", cpu, compiled=False) is None
+    assert recompute_advice(hf, "none", cuda, compiled=False) is None
+    assert recompute_advice(gpt, "selective", cuda, compiled=False) is None
 
 
 def test_a_compiled_model_recomputes_its_checkpointed_blocks_and_trains_as_the_eager_one():

@@ -55,6 +55,7 @@ from ddiloco.learner_worker.parallel import (
     gather_sizes,
     local_pieces,
     local_tensor,
+    recompute_advice,
     shard_replica,
 )
 from ddiloco.learner_worker.schedule import lr_factor, param_groups, schedule_steps
@@ -264,6 +265,9 @@ class Learner:
         ac = cfg.learners.activation_checkpoint
         self.checkpointed_blocks = checkpoint_blocks(self.model, ac) if ac != "none" else 0
         """Blocks that recompute their activations in the backward pass (``learners.activation_checkpoint``)."""
+        advice = recompute_advice(self.model, ac, self.device, cfg.learners.compile)
+        if advice and self.dist.rank == 0:
+            log.warning("learner %s: %s", learner_id, advice)
         parts = partition_module(self.model, cfg.fragments.count)
         self.loss_module = _LossModule(self.model, self.device)
         self.ddp = None

@@ -31,6 +31,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ddiloco.platform.config import ConfigError
 from ddiloco.platform.fragments import Fragment
+from ddiloco.platform.models.hf import is_hf
 
 Tensors = dict[str, torch.Tensor]
 
@@ -222,6 +223,16 @@ def checkpoint_blocks(model: nn.Module, mode: str = "full") -> int:
         # longer line up with the ops run again). Training never reads the cache.
         config.use_cache = False
     return len(found)
+
+
+def recompute_advice(model: nn.Module, mode: str, device: torch.device, compiled: bool) -> str | None:
+    """Why this learner's recomputation would make its GPU wait every step (and what to do), or None."""
+    if mode == "none" or device.type != "cuda" or compiled or not is_hf(model):
+        return None
+    return ("learners.activation_checkpoint turns a Hugging Face model's key/value cache off, and without one "
+            "transformers checks the position ids with a data-dependent .all() in every forward: on a GPU the host waits "
+            "for the device each step, so the platform's work between steps no longer overlaps the GPU's. Set "
+            "learners.compile: true (compiled, the check is skipped).")
 
 
 def shard_model(model: nn.Module, mesh: Any, device: torch.device) -> None:
