@@ -24,11 +24,11 @@ from ddiloco.inprocess import sim_learner
 from ddiloco.learner_worker.parallel import (
     Layout,
     blocks,
+    cache_off_advice,
     checkpoint_blocks,
     gather_pieces,
     gather_sizes,
     local_pieces,
-    recompute_advice,
     shard_rows,
 )
 from ddiloco.platform.config import ConfigError
@@ -179,17 +179,19 @@ def test_selective_checkpointing_keeps_the_products_recomputes_the_rest_and_chan
         checkpoint_blocks(plain, "partial")
 
 
-def test_an_eager_hugging_face_learner_that_recomputes_on_a_gpu_is_told_to_compile():
+def test_an_eager_hugging_face_learner_with_its_cache_off_on_a_gpu_is_told_to_compile():
     """Its cache off, transformers reads a value back from the device in every forward; only that case is warned."""
-    hf, gpt = build_model(tiny_config(model=KINDS["hf"]).model), build_model(tiny_config().model)
+    hf, recomputing, gpt = (build_model(tiny_config(model=KINDS[k]).model) for k in ("hf", "hf", "gpt"))
+    checkpoint_blocks(recomputing, "selective")
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    advice = recompute_advice(hf, "selective", cuda, compiled=False)
+    assert cache_off_advice(hf, cuda, compiled=False) is None  # its cache on: nothing read back
+    advice = cache_off_advice(recomputing, cuda, compiled=False)
     assert advice and "learners.compile: true" in advice and ".all()" in advice
-    assert recompute_advice(hf, "full", cuda, compiled=False) == advice
-    assert recompute_advice(hf, "selective", cuda, compiled=True) is None
-    assert recompute_advice(hf, "selective", cpu, compiled=False) is None
-    assert recompute_advice(hf, "none", cuda, compiled=False) is None
-    assert recompute_advice(gpt, "selective", cuda, compiled=False) is None
+    assert cache_off_advice(recomputing, cuda, compiled=True) is None
+    assert cache_off_advice(recomputing, cpu, compiled=False) is None
+    hf.config.use_cache = False  # a config that turns it off itself gets the same advice
+    assert cache_off_advice(hf, cuda, compiled=False) == advice
+    assert cache_off_advice(gpt, cuda, compiled=False) is None
 
 
 def test_a_compiled_model_recomputes_its_checkpointed_blocks_and_trains_as_the_eager_one():

@@ -50,12 +50,12 @@ from ddiloco.learner_worker.outbox import Outgoing
 from ddiloco.learner_worker.parallel import (
     Layout,
     LocalPiece,
+    cache_off_advice,
     checkpoint_blocks,
     gather_pieces,
     gather_sizes,
     local_pieces,
     local_tensor,
-    recompute_advice,
     shard_replica,
 )
 from ddiloco.learner_worker.schedule import lr_factor, param_groups, schedule_steps
@@ -265,7 +265,7 @@ class Learner:
         ac = cfg.learners.activation_checkpoint
         self.checkpointed_blocks = checkpoint_blocks(self.model, ac) if ac != "none" else 0
         """Blocks that recompute their activations in the backward pass (``learners.activation_checkpoint``)."""
-        advice = recompute_advice(self.model, ac, self.device, cfg.learners.compile)
+        advice = cache_off_advice(self.model, self.device, cfg.learners.compile)
         if advice and self.dist.rank == 0:
             log.warning("learner %s: %s", learner_id, advice)
         parts = partition_module(self.model, cfg.fragments.count)

@@ -225,14 +225,15 @@ def checkpoint_blocks(model: nn.Module, mode: str = "full") -> int:
     return len(found)
 
 
-def recompute_advice(model: nn.Module, mode: str, device: torch.device, compiled: bool) -> str | None:
-    """Why this learner's recomputation would make its GPU wait every step (and what to do), or None."""
-    if mode == "none" or device.type != "cuda" or compiled or not is_hf(model):
+def cache_off_advice(model: nn.Module, device: torch.device, compiled: bool) -> str | None:
+    """Why this learner's GPU would wait every step (and what to do), or None: a Hugging Face model with its key/value
+    cache off (``learners.activation_checkpoint`` turns it off; a config may too) runs eagerly on a GPU."""
+    if device.type != "cuda" or compiled or not is_hf(model) or getattr(model.config, "use_cache", True):
         return None
-    return ("learners.activation_checkpoint turns a Hugging Face model's key/value cache off, and without one "
-            "transformers checks the position ids with a data-dependent .all() in every forward: on a GPU the host waits "
-            "for the device each step, so the platform's work between steps no longer overlaps the GPU's. Set "
-            "learners.compile: true (compiled, the check is skipped).")
+    return ("this Hugging Face model trains with its key/value cache off (learners.activation_checkpoint turns it off), "
+            "and without one transformers checks the position ids with a data-dependent .all() in every forward: on a "
+            "GPU the host waits for the device each step, so the platform's work between steps no longer overlaps the "
+            "GPU's. Set learners.compile: true (compiled, the check is skipped).")
 
 
 def shard_model(model: nn.Module, mesh: Any, device: torch.device) -> None:
