@@ -126,8 +126,9 @@ def suite_config(run_id: str, ledger_url: str, bucket: str, shards: int = 1) -> 
             "data": {"max_bytes": 1_000_000, "val_batches": 2},
             "learners": {
                 "batch_size": 8, "heartbeat_s": 0.5, "poll_s": 0.3, "dead_after_s": 4.0,
-                # Slowed to steps of a realistic length relative to an S3 round trip here.
-                "regions": [{"name": "us", "learners": 2, "speeds": [0.25, 0.25]}, {"name": "eu", "learners": 1, "speeds": [0.25]}],
+                # Paced to a tenth, as the soak paces its learners: steps of a realistic length relative to an S3
+                # round trip here, and a suite that spends its CPU on the faults rather than on training flat out.
+                "regions": [{"name": "us", "learners": 2, "speeds": [0.1, 0.1]}, {"name": "eu", "learners": 1, "speeds": [0.1]}],
             },
             "fragments": {"count": 4},
             "quorum": {"min_count": 1},
