@@ -156,6 +156,7 @@ class Suite:
         self.run_id = f"chaos-{uuid.uuid4().hex[:6]}"
         self.outages: list[tuple[float, float]] = []
         self.spare_synchronizers = 0
+        self.stores: dict[str | None, FragmentStore] = {}
         self._stack = ExitStack()
 
     # --- set-up ----------------------------------------------------------------------------------
@@ -241,14 +242,21 @@ class Suite:
                 FragmentVersion.run_id == self.run_id, FragmentVersion.synchronizer != holder, *mine))
         return newest is not None and newest.timestamp() >= since
 
+    def store_for(self, region: str | None) -> FragmentStore:
+        """The invariant checks' store client for ``region``, kept from check to check (a new one costs the driver a
+        botocore session: about half a CPU-second); the store outage drops them, as their pooled connections die."""
+        store = self.stores.get(region)
+        if store is None:
+            store = self.stores[region] = FragmentStore(self.cfg.storage_url_for(region), {"skip_instance_cache": True})
+        return store
+
     def crashed(self) -> list[str]:
         """Processes that exited by themselves (the suite only ever SIGKILLs)."""
         return [n for n, p in self.cluster.procs.items() if p.poll() not in (None, -signal.SIGKILL)]
 
     def check_invariants(self, when: str) -> int:
         """Record every broken invariant; returns the number of rows (or tokens) whose data is lost."""
-        # A store client of its own for each check: after a store outage, pooled connections are dead.
-        problems = check_run(self.ctx, lambda region: FragmentStore(self.cfg.storage_url_for(region), {"skip_instance_cache": True}))
+        problems = check_run(self.ctx, self.store_for)
         self.report.problems.extend(f"{when}: {p}" for p in problems)
         if problems:
             self.report.invariants_ok = False
@@ -370,6 +378,7 @@ class Suite:
         self.s3.stop()
         time.sleep(seconds)  # the outage itself: the store is down this long
         self.s3.start()
+        self.stores.clear()
         up = time.monotonic()
         ok = _wait(lambda: self.progressed_since(versions, by=4), 120)
         self.outages.append((down, time.monotonic() + BACKEND_RECOVERY_S))
